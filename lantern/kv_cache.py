@@ -1,0 +1,52 @@
+"""A preallocated, slot-indexed KV cache: the one static shape every backend compiles against.
+
+Layout per layer: (B * S, H_kv, hd), i.e. rows of a (B, S, H_kv, hd) tensor flattened over batch and slot,
+so one `index_copy_` along dim 0 writes a different slot per batch row (rows of a batch may have accepted
+different lengths). Nothing is ever reallocated: stale slots stay in place and are masked out.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class StaticKVCache(nn.Module):
+    def __init__(self, n_layer: int, batch: int, max_len: int, n_kv_head: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.n_layer, self.batch, self.max_len = n_layer, batch, max_len
+        self.n_kv_head, self.head_dim = n_kv_head, head_dim
+        shape = (batch * max_len, n_kv_head, head_dim)
+        for i in range(n_layer):
+            self.register_buffer(f"k{i}", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+            self.register_buffer(f"v{i}", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("row_offset", torch.arange(batch, device=device) * max_len, persistent=False)
+
+    def flat(self, slots: torch.Tensor) -> torch.Tensor:
+        """(B, T) per-row slot indices -> (B*T,) row indices into the flattened cache."""
+        return (slots + self.row_offset[:, None]).reshape(-1)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, flat_slots: torch.Tensor):
+        """Write k, v (B, T, H_kv, hd) at flat_slots; return the whole cache as (B, H_kv, S, hd) views."""
+        kc, vc = getattr(self, f"k{layer}"), getattr(self, f"v{layer}")
+        kc.index_copy_(0, flat_slots, k.reshape(-1, self.n_kv_head, self.head_dim))
+        vc.index_copy_(0, flat_slots, v.reshape(-1, self.n_kv_head, self.head_dim))
+        shape = (self.batch, self.max_len, self.n_kv_head, self.head_dim)
+        return kc.view(shape).transpose(1, 2), vc.view(shape).transpose(1, 2)
+
+    def compact(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Copy slots src -> dst, both (B, A), in every layer (gather first, so overlaps are safe)."""
+        src, dst = self.flat(src_slots), self.flat(dst_slots)
+        for i in range(self.n_layer):
+            for name in (f"k{i}", f"v{i}"):
+                buf = getattr(self, name)
+                buf.index_copy_(0, dst, buf.index_select(0, src))
+
+    def zero_(self) -> None:
+        for buf in self.buffers():
+            if buf.is_floating_point():
+                buf.zero_()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers() if b.is_floating_point())

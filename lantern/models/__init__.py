@@ -1,0 +1,1 @@
+"""Model definitions: the LlamaGen-compatible GPT, its EAGLE-style drafter and the VQ tokenizer."""

@@ -1,0 +1,262 @@
+"""The backend contract: a few static-shape steps over preallocated KV caches, plus a profile.
+
+A backend turns (target, drafter, StaticSpec) into a `Runner`. The decoding core only ever calls:
+
+    prefill(cond, mask)                                   -> StepOutput, T = 1 (last prefix position)
+    verify(tokens, positions, slots, mask)                -> StepOutput, T in spec.verify_widths
+    draft(tokens, features, positions, slots, mask)       -> StepOutput, T in spec.draft_widths
+    commit(src, dst, cache)                               compaction inside the preallocated cache
+    phase(name)                                           timing context (syncs the device)
+    sync(), profile(), warmup() (optional: default runs every static step once)
+
+Every argument is a tensor of a fixed shape (positions, slots and lengths included: never Python ints that
+would key a new graph); `mask` is (B, T, S) bool over all S cache slots, built by the core.
+Capability queries (`Capabilities`) replace device checks in the core.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from typing import ClassVar, Iterator, NamedTuple, Optional
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; allowed: {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+class BackendUnavailable(RuntimeError):
+    """A known backend that cannot run on this machine; the message is '<name>: <reason>'."""
+
+
+@dataclass(frozen=True)
+class Availability:
+    ok: bool
+    reason: str = ""  # why not, when not ok
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    device: str  # "cpu", "cuda:0", "hpu", ...
+    dtypes: tuple[str, ...]
+    supports_graphs: bool  # steps are captured once and replayed
+    supports_bf16: bool
+    timer: str  # what phase timing rests on
+    memory_source: str  # what peak memory rests on
+
+
+@dataclass(frozen=True)
+class StaticSpec:
+    """Every shape a runner will ever see. The core pads its calls to exactly these."""
+
+    batch: int  # rows per step: 2 per image with CFG ([cond; uncond]), 1 without
+    max_len: int  # KV slots per row
+    prefix_len: int  # condition tokens (1 for c2i)
+    verify_widths: tuple[int, ...]  # T of target steps: 1 for AR, N (root + drafted nodes) for a tree
+    draft_widths: tuple[int, ...] = ()  # T of drafter steps; empty = no drafter
+    dtype: str = "fp32"
+
+    def __post_init__(self):
+        parse_dtype(self.dtype)
+        for name in ("batch", "max_len", "prefix_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"StaticSpec.{name} must be >= 1, got {getattr(self, name)}")
+        widths = self.verify_widths + self.draft_widths
+        if not self.verify_widths or min(widths) < 1 or max(widths) > self.max_len - self.prefix_len:
+            raise ValueError(f"step widths {widths} must be in [1, max_len - prefix_len = "
+                             f"{self.max_len - self.prefix_len}]")
+
+    @property
+    def static_steps(self) -> list[str]:
+        """Names of the distinct static steps (one compiled graph each in graph mode)."""
+        steps = ["prefill"] + [f"verify[{t}]" for t in self.verify_widths]
+        steps += [f"draft[{t}]" for t in self.draft_widths]
+        return steps
+
+
+class StepOutput(NamedTuple):
+    logits: torch.Tensor  # (B, T, V) float32
+    hidden: torch.Tensor  # (B, T, D) final-normed features, in the runner's dtype
+
+
+@dataclass
+class PhaseTimes:
+    seconds: list[float] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        s = sorted(self.seconds)
+        n = len(s)
+        if n == 0:
+            return {"count": 0, "total_s": 0.0}
+        return {"count": n, "total_s": sum(s), "median_s": s[n // 2], "min_s": s[0], "max_s": s[-1]}
+
+
+@dataclass
+class MemoryReport:
+    peak_bytes: int  # peak device memory (accelerators) or peak process RSS (CPU)
+    weights_bytes: int
+    kv_cache_bytes: int
+    tree_buffer_bytes: int  # the static inputs of the widest step (tokens, positions, slots, mask)
+    workspace_bytes: int  # what the peak holds beyond the parts above (activations, allocator slack)
+    source: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Runner(ABC):
+    """A model prepared for one StaticSpec on one backend."""
+
+    backend_name: ClassVar[str] = ""
+
+    def __init__(self, spec: StaticSpec, device: torch.device, model_config):
+        self.spec = spec
+        self.device = device
+        self.model_config = model_config  # the target's GPTConfig
+        self.times: dict[str, PhaseTimes] = {}
+        self.warmup_seconds = 0.0
+
+    @abstractmethod
+    def prefill(self, cond: torch.Tensor, mask: torch.Tensor) -> StepOutput:
+        """cond: class ids (B,) or caption embeddings (B, P, C); mask (B, P, S). Writes slots 0..P-1."""
+
+    @abstractmethod
+    def verify(self, tokens, positions, slots, mask) -> StepOutput:
+        """Target forward over T tokens (B, T) at `positions`, written to `slots`, attending by mask."""
+
+    @abstractmethod
+    def draft(self, tokens, features, positions, slots, mask) -> StepOutput:
+        """Drafter forward over T (feature, token) pairs into the drafter's own cache."""
+
+    @abstractmethod
+    def commit(self, src: torch.Tensor, dst: torch.Tensor, cache: str) -> None:
+        """Copy slots src -> dst (B, A) in the 'target' or 'draft' cache."""
+
+    @abstractmethod
+    def sync(self) -> None:
+        """Wait for the device."""
+
+    @abstractmethod
+    def memory(self) -> MemoryReport:
+        """Peak memory since prepare(), and what it is made of."""
+
+    def reset_peak_memory(self) -> None:
+        """(optional) Start a new peak-memory window; default: nothing to reset."""
+
+    def dummy_condition(self) -> torch.Tensor:
+        """A valid condition of the prepared batch: class 0, or an all-zero caption."""
+        cfg, b = self.model_config, self.spec.batch
+        if cfg.model_type == "c2i":
+            return torch.zeros(b, dtype=torch.long, device=self.device)
+        return torch.zeros(b, cfg.cls_token_num, cfg.caption_dim, device=self.device)
+
+    @property
+    def has_drafter(self) -> bool:
+        return bool(self.spec.draft_widths)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Wall time of a phase, the device synced on both ends so the time is the work's own."""
+        self.sync()
+        t0 = time.perf_counter()
+        yield
+        self.sync()
+        self.times.setdefault(name, PhaseTimes()).seconds.append(time.perf_counter() - t0)
+
+    def reset_times(self) -> None:
+        self.times = {}
+
+    def warmup(self) -> float:
+        """(optional) Run every static step once on dummy data (graph backends capture here).
+        Returns the seconds it took; default: one call of each step."""
+        t0 = time.perf_counter()
+        run_every_static_step(self)
+        self.sync()
+        self.warmup_seconds = time.perf_counter() - t0
+        return self.warmup_seconds
+
+    def profile(self) -> dict:
+        """The profile record: phase times, memory and what it is made of, warm-up, the static spec."""
+        return {
+            "backend": self.backend_name,
+            "device": str(self.device),
+            "spec": asdict(self.spec),
+            "warmup_s": self.warmup_seconds,
+            "phases": {k: v.summary() for k, v in self.times.items()},
+            "memory": self.memory().to_dict(),
+        }
+
+    def tree_buffer_bytes(self) -> int:
+        """Bytes of the widest step's static inputs: tokens, positions, slots (int64) and the bool mask."""
+        t = max(self.spec.verify_widths + self.spec.draft_widths)
+        b, s = self.spec.batch, self.spec.max_len
+        return b * t * 8 * 3 + b * t * s
+
+
+def dummy_step_inputs(spec: StaticSpec, width: int, device) -> tuple[torch.Tensor, ...]:
+    """Valid inputs of one step of `width` tokens right after the prefix (used by warm-ups and tests)."""
+    b, p, s = spec.batch, spec.prefix_len, spec.max_len
+    tokens = torch.zeros(b, width, dtype=torch.long, device=device)
+    positions = (p + torch.arange(width, device=device)).expand(b, width).contiguous()
+    slots = positions.clone()
+    mask = torch.arange(s, device=device)[None, None, :] <= positions[:, :, None]
+    return tokens, positions, slots, mask
+
+
+def run_every_static_step(runner: Runner) -> None:
+    spec, dev = runner.spec, runner.device
+    b, p, s = spec.batch, spec.prefix_len, spec.max_len
+    pmask = (torch.arange(s, device=dev)[None, None, :] <= torch.arange(p, device=dev)[None, :, None])
+    out = runner.prefill(runner.dummy_condition(), pmask.expand(b, p, s).contiguous())
+    for t in spec.verify_widths:
+        runner.verify(*dummy_step_inputs(spec, t, dev))
+    for t in spec.draft_widths:
+        tokens, positions, slots, mask = dummy_step_inputs(spec, t, dev)
+        feats = out.hidden[:, -1:].expand(b, t, -1).contiguous()
+        runner.draft(tokens, feats, positions, slots, mask)
+    a = torch.zeros(b, 1, dtype=torch.long, device=dev)
+    runner.commit(a, a, "target")
+    if spec.draft_widths:
+        runner.commit(a, a, "draft")
+
+
+class Backend(ABC):
+    """A way of running the static steps. Subclasses: name, availability(), capabilities(), prepare()."""
+
+    name: ClassVar[str] = ""
+
+    @classmethod
+    @abstractmethod
+    def availability(cls) -> Availability:
+        """Whether it can run here, and why not. Must not import a heavy SDK at module scope."""
+
+    @abstractmethod
+    def capabilities(self) -> Capabilities:
+        ...
+
+    @abstractmethod
+    def prepare(self, target, drafter, spec: StaticSpec) -> Runner:
+        """Place the models (and a drafter, or None) for this spec; allocate caches once."""
+
+    def check_dtype(self, dtype: str) -> None:
+        allowed = self.capabilities().dtypes
+        if dtype not in allowed:
+            raise ValueError(f"dtype {dtype!r} is not supported by backend {self.name!r}; allowed: "
+                             f"{', '.join(allowed)}")
+
+
+def describe(backend_cls: type[Backend], options: Optional[dict] = None) -> dict:
+    """One line of `lantern backends`: available or why not, device, dtypes."""
+    avail = backend_cls.availability()
+    row = {"name": backend_cls.name, "available": avail.ok, "reason": avail.reason}
+    if avail.ok:
+        caps = backend_cls(**(options or {})).capabilities()
+        row.update(device=caps.device, dtypes=list(caps.dtypes), supports_graphs=caps.supports_graphs)
+    return row

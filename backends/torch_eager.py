@@ -1,0 +1,149 @@
+"""PyTorch eager backend: the reference. Device `cuda` (CUDA allocator stats) or the same code on `cpu`."""
+from __future__ import annotations
+
+import copy
+
+import psutil
+import torch
+
+from lantern.backends.base import (Availability, Backend, Capabilities, MemoryReport, Runner, StaticSpec,
+                                   StepOutput, parse_dtype)
+from lantern.backends.torch_steps import CacheCommit, DraftStep, TargetPrefill, TargetStep, make_caches
+
+
+def module_bytes(*modules) -> int:
+    seen, total = set(), 0
+    for m in modules:
+        if m is None:
+            continue
+        for t in list(m.parameters()) + [b for n, b in m.named_buffers() if "rope" in n]:
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    return total
+
+
+class TorchRunner(Runner):
+    """Calls the step modules; subclasses swap `wrap_step` to capture them (graph modes)."""
+
+    backend_name = "cpu"
+
+    def __init__(self, target, drafter, spec: StaticSpec, device: torch.device):
+        super().__init__(spec, device, target.config)
+        dtype = parse_dtype(spec.dtype)
+        # own copies, so preparing never changes the caller's fp32 models
+        self.target = copy.deepcopy(target).to(device=device, dtype=dtype).eval().requires_grad_(False)
+        self.drafter = (copy.deepcopy(drafter).to(device=device, dtype=dtype).eval().requires_grad_(False)
+                        if drafter is not None and spec.draft_widths else None)
+        if spec.draft_widths and self.drafter is None:
+            raise ValueError("StaticSpec has draft widths but no drafter was given")
+        self.target.rope = self.target.rope.float()  # rotations stay in fp32 whatever the weights' dtype
+        self.target_cache, self.draft_cache = make_caches(self.target, spec, dtype, device)
+        self.steps = {"prefill": self.wrap_step("prefill", TargetPrefill(self.target, self.target_cache)),
+                      "verify": self.wrap_step("verify", TargetStep(self.target, self.target_cache)),
+                      "commit_target": self.wrap_step("commit", CacheCommit(self.target_cache))}
+        if self.drafter is not None:
+            self.steps["draft"] = self.wrap_step("draft", DraftStep(self.target, self.drafter, self.draft_cache))
+            self.steps["commit_draft"] = self.wrap_step("commit", CacheCommit(self.draft_cache))
+        self.weights_bytes = module_bytes(self.target, self.drafter)
+        self.reset_peak_memory()
+
+    def wrap_step(self, name: str, module: torch.nn.Module):
+        """Eager: the module itself."""
+        return module
+
+    @torch.inference_mode()
+    def prefill(self, cond, mask):
+        return StepOutput(*self.steps["prefill"](cond, mask))
+
+    @torch.inference_mode()
+    def verify(self, tokens, positions, slots, mask):
+        return StepOutput(*self.steps["verify"](tokens, positions, slots, mask))
+
+    @torch.inference_mode()
+    def draft(self, tokens, features, positions, slots, mask):
+        if self.drafter is None:
+            raise RuntimeError("this runner was prepared without a drafter")
+        return StepOutput(*self.steps["draft"](tokens, features, positions, slots, mask))
+
+    @torch.inference_mode()
+    def commit(self, src, dst, cache):
+        if cache not in ("target", "draft") or (cache == "draft" and self.drafter is None):
+            raise ValueError(f"cache {cache!r} is not one of this runner's caches")
+        self.steps[f"commit_{cache}"](src, dst)
+
+    def sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def kv_bytes(self) -> int:
+        return self.target_cache.nbytes + (self.draft_cache.nbytes if self.draft_cache is not None else 0)
+
+    def reset_peak_memory(self):
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._rss_base = psutil.Process().memory_info().rss
+
+    def memory(self) -> MemoryReport:
+        fixed = self.weights_bytes + self.kv_bytes() + self.tree_buffer_bytes()
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+            source = "torch.cuda.max_memory_allocated"
+        else:
+            # CPU: the process's peak RSS is all a CPU allocator tells; weights and caches are inside it
+            peak = max(psutil.Process().memory_info().rss, self._rss_base)
+            source = "process RSS (psutil)"
+        return MemoryReport(peak_bytes=peak, weights_bytes=self.weights_bytes, kv_cache_bytes=self.kv_bytes(),
+                            tree_buffer_bytes=self.tree_buffer_bytes(), workspace_bytes=max(peak - fixed, 0),
+                            source=source)
+
+
+class CPUBackend(Backend):
+    name = "cpu"
+    runner_cls = TorchRunner
+
+    def __init__(self, threads: int | None = None):
+        self.threads = threads
+
+    @classmethod
+    def availability(cls) -> Availability:
+        return Availability(True)
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(device="cpu", dtypes=("fp32", "bf16"), supports_graphs=False, supports_bf16=True,
+                            timer="time.perf_counter", memory_source="process RSS (psutil)")
+
+    def prepare(self, target, drafter, spec: StaticSpec) -> Runner:
+        self.check_dtype(spec.dtype)
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        runner = self.runner_cls(target, drafter, spec, torch.device("cpu"))
+        runner.backend_name = self.name
+        return runner
+
+
+class CUDABackend(CPUBackend):
+    name = "cuda"
+
+    def __init__(self, device_index: int = 0):
+        super().__init__()
+        self.device_index = device_index
+
+    @classmethod
+    def availability(cls) -> Availability:
+        if not torch.cuda.is_available():
+            return Availability(False, "torch.cuda.is_available() is False (no CUDA device or a CPU-only torch "
+                                       f"build: torch {torch.__version__})")
+        return Availability(True)
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(device=f"cuda:{self.device_index}", dtypes=("fp32", "bf16", "fp16"),
+                            supports_graphs=False, supports_bf16=True,
+                            timer="torch.cuda.synchronize + time.perf_counter",
+                            memory_source="torch.cuda.max_memory_allocated")
+
+    def prepare(self, target, drafter, spec: StaticSpec) -> Runner:
+        self.check_dtype(spec.dtype)
+        runner = self.runner_cls(target, drafter, spec, torch.device("cuda", self.device_index))
+        runner.backend_name = self.name
+        return runner

@@ -1,0 +1,158 @@
+"""Graph mode (cpu-graph) against the eager reference: same logits, one compile per static step, no recompiles.
+
+The tests compile with dynamo's cheap "eager" backend through a CompileCounter (real inductor compiles take
+seconds each on 2 cores); graph capture, guards and recompiles are dynamo's either way. One test runs inductor.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from lantern.backends import StaticSpec, get_backend
+from lantern.backends.torch_graph import CompiledRunner, pad_pairs
+from lantern.config import gpt_preset
+from lantern.models.drafter import Drafter
+from lantern.models.gpt import GPT
+
+TREE_PARENTS = (-1, 0, 0, 1, 1, 2)  # a 6-node tree: root, 2 children, 3 grandchildren
+TREE_DEPTH = (0, 1, 1, 2, 2, 2)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.manual_seed(0)
+    cfg = gpt_preset("GPT-test")
+    return GPT(cfg).eval(), Drafter(cfg).eval()
+
+
+def spec_for(cfg, speculative: bool, dtype: str = "fp32") -> StaticSpec:
+    n = len(TREE_PARENTS)
+    return StaticSpec(batch=2, max_len=cfg.seq_len + n, prefix_len=cfg.cls_token_num,
+                      verify_widths=(1, n) if speculative else (1,),
+                      draft_widths=(1, 4) if speculative else (), dtype=dtype)
+
+
+def tree_mask(n: int) -> torch.Tensor:
+    """(n, n) bool: node i attends to j iff j is i or an ancestor of i."""
+    m = torch.eye(n, dtype=torch.bool)
+    for i in range(n):
+        j = TREE_PARENTS[i]
+        while j >= 0:
+            m[i, j] = True
+            j = TREE_PARENTS[j]
+    return m
+
+
+def step_inputs(spec: StaticSpec, pos: int, width: int, tokens: torch.Tensor, tree: bool):
+    """Inputs of a step of `width` tokens whose first token sits at sequence position / slot `pos`."""
+    b, s = spec.batch, spec.max_len
+    depth = torch.tensor(TREE_DEPTH[:width]) if tree else torch.arange(width)
+    positions = (pos + depth).expand(b, width).contiguous()
+    slots = (pos + torch.arange(width)).expand(b, width).contiguous()
+    mask = torch.zeros(b, width, s, dtype=torch.bool)
+    mask[:, :, :pos] = True  # the committed prefix
+    local = tree_mask(width) if tree else torch.ones(width, width, dtype=torch.bool).tril()
+    mask[:, :, pos:pos + width] = local
+    return tokens, positions, slots, mask
+
+
+def step_loop(runner, rounds: int = 3, seed: int = 0) -> list[torch.Tensor]:
+    """What a generation does to a runner: prefill, AR steps, tree verify + commit of an accepted path, drafter
+    steps; every output collected for parity checks."""
+    spec, cfg = runner.spec, runner.model_config
+    g = torch.Generator().manual_seed(seed)
+    b, p, s = spec.batch, spec.prefix_len, spec.max_len
+    pmask = (torch.arange(s)[None, None, :] <= torch.arange(p)[None, :, None]).expand(b, p, s).contiguous()
+    cond = torch.tensor([1, cfg.null_class])
+    out = runner.prefill(cond, pmask)
+    outs, pos = [out.logits, out.hidden], p
+    for _ in range(rounds):
+        tokens = torch.randint(cfg.vocab_size, (b, 1), generator=g)
+        out = runner.verify(*step_inputs(spec, pos, 1, tokens, tree=False))
+        outs += [out.logits, out.hidden]
+        pos += 1
+        for t in spec.verify_widths[1:]:
+            tokens = torch.randint(cfg.vocab_size, (b, t), generator=g)
+            out = runner.verify(*step_inputs(spec, pos, t, tokens, tree=True))
+            outs += [out.logits, out.hidden]
+            path = torch.tensor([0, 1, 3])  # root -> node 1 -> node 3 accepted
+            runner.commit((pos + path).expand(b, 3), (pos + torch.arange(3)).expand(b, 3), "target")
+            pos += 3
+        for t in spec.draft_widths:
+            tokens = torch.randint(cfg.vocab_size, (b, t), generator=g)
+            _, positions, slots, mask = step_inputs(spec, pos - t, t, tokens, tree=False)
+            d = runner.draft(tokens, out.hidden[:, :1].expand(b, t, -1).contiguous(), positions, slots, mask)
+            outs += [d.logits, d.hidden]
+        if runner.has_drafter:
+            runner.commit(torch.tensor([[pos - 2, pos - 1]] * b), torch.tensor([[pos - 3, pos - 2]] * b), "draft")
+    assert pos + max(spec.verify_widths) <= s
+    return outs + [runner.target_cache.k0.clone()]
+
+
+def prepare(backend: str, models, spec: StaticSpec, **options):
+    target, drafter = models
+    return get_backend(backend, **options).prepare(target, drafter if spec.draft_widths else None, spec)
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["ar", "speculative"])
+def test_one_compile_per_static_step_and_no_recompiles(models, speculative):
+    spec = spec_for(models[0].config, speculative)
+    counter = CompileCounterWithBackend("eager")
+    runner = prepare("cpu-graph", models, spec, compiler=counter)
+    assert isinstance(runner, CompiledRunner)
+    runner.warmup()
+    keys = runner.graph_keys()
+    assert counter.frame_count == len(keys) == len(spec.static_steps) + 1 + int(speculative)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        step_loop(runner)
+    assert counter.frame_count == len(keys)
+    assert runner.warmup_seconds > 0 and runner.profile()["graphs"] == keys
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_graph_mode_matches_eager(models, dtype):
+    spec = spec_for(models[0].config, speculative=True, dtype=dtype)
+    eager = prepare("cpu", models, spec)
+    graph = prepare("cpu-graph", models, spec, compiler="aot_eager")
+    graph.warmup()
+    eager.warmup()
+    for a, b in zip(step_loop(eager), step_loop(graph)):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def test_inductor_matches_eager(models):
+    """The compiler the benchmark uses, on the AR steps only (each inductor compile takes seconds here)."""
+    spec = spec_for(models[0].config, speculative=False)
+    eager, graph = prepare("cpu", models, spec), prepare("cpu-graph", models, spec)
+    graph.warmup()
+    eager.warmup()
+    for a, b in zip(step_loop(eager), step_loop(graph)):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+def test_widths_outside_the_spec_are_refused(models):
+    spec = spec_for(models[0].config, speculative=True)
+    runner = prepare("cpu-graph", models, spec, compiler="eager")
+    tokens = torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"verify width 3 is not one of this runner's static widths \(1, 6\)"):
+        runner.verify(*step_inputs(spec, 1, 3, tokens, tree=False))
+    with pytest.raises(ValueError, match=r"draft width 3"):
+        runner.draft(tokens, torch.zeros(2, 3, 64), *step_inputs(spec, 1, 3, tokens, tree=False)[1:])
+    with pytest.raises(ValueError, match=r"1 <= A <= 6"):
+        runner.commit(torch.zeros(2, 7, dtype=torch.long), torch.zeros(2, 7, dtype=torch.long), "target")
+
+
+def test_commit_padding_repeats_the_last_pair():
+    src, dst = torch.tensor([[4, 6], [5, 7]]), torch.tensor([[2, 3], [2, 3]])
+    ps, pd = pad_pairs(src, dst, 4)
+    assert ps.tolist() == [[4, 6, 6, 6], [5, 7, 7, 7]] and pd.tolist() == [[2, 3, 3, 3], [2, 3, 3, 3]]
+    assert pad_pairs(ps, pd, 4)[0] is ps

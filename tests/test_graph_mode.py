@@ -1,7 +1,8 @@
-"""Graph mode (cpu-graph) against the eager reference: same logits, one compile per static step, no recompiles.
+"""Graph mode (cpu-graph) against the eager reference: same logits and token ids, one compile per static
+step, and no recompile over whole generations (AR and speculative, every acceptance rule, two classes).
 
-The tests compile with dynamo's cheap "eager" backend through a CompileCounter (real inductor compiles take
-seconds each on 2 cores); graph capture, guards and recompiles are dynamo's either way. One test runs inductor.
+Most tests compile with dynamo's cheap "eager"/"aot_eager" backends through a CompileCounter (a real inductor
+compile takes seconds here); capture, guards and recompiles are dynamo's either way. One test runs inductor.
 """
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from lantern.backends import StaticSpec, get_backend
 from lantern.backends.torch_graph import CompiledRunner, pad_pairs
 from lantern.config import gpt_preset
+from lantern.decoding import SamplingConfig, method_preset
+from lantern.decoding.loop import condition_rows, decode_ar, decode_speculative, static_spec
 from lantern.models.drafter import Drafter
 from lantern.models.gpt import GPT
+from lantern.proximity import build_proximity_table
 
 TREE_PARENTS = (-1, 0, 0, 1, 1, 2)  # a 6-node tree: root, 2 children, 3 grandchildren
 TREE_DEPTH = (0, 1, 1, 2, 2, 2)
@@ -103,40 +107,78 @@ def prepare(backend: str, models, spec: StaticSpec, **options):
     return get_backend(backend, **options).prepare(target, drafter if spec.draft_widths else None, spec)
 
 
-@pytest.mark.parametrize("speculative", [False, True], ids=["ar", "speculative"])
-def test_one_compile_per_static_step_and_no_recompiles(models, speculative):
-    spec = spec_for(models[0].config, speculative)
+RULES = {"exact": {}, "lantern": dict(k=4, delta=0.1), "lantern++": dict(k=4, lam=3.0)}
+DRAFTING = {"ar": ("ar", {}), "static-tree": ("lantern++", dict(drafting="eagle1-25")),
+            "dynamic-tree": ("eagle2", dict(dynamic_total=16))}
+
+
+def decode_configs(drafting: str) -> list[tuple[int, object]]:
+    """(class, DecodeConfig) pairs: every acceptance rule (AR has none), each greedy for class 0 and sampling
+    with CFG for class 1, on one drafting mode."""
+    method, tree = DRAFTING[drafting]
+    rules = {"exact": {}} if method == "ar" else RULES
+    return [(cls, method_preset(method, SamplingConfig(greedy=cls == 0, cfg_scale=2.0, top_k=16), acceptance=rule,
+                                **tree, **params))
+            for rule, params in rules.items() for cls in (0, 1)]
+
+
+def generate(runner, dcfg, cls: int, proximity, seed: int = 0) -> torch.Tensor:
+    """One image's token ids (block,) for class `cls` through the real decode loops."""
+    cfg = runner.model_config
+    rows = condition_rows(torch.tensor([cls]), dcfg, cfg, torch.tensor([cfg.null_class]))
+    g = torch.Generator().manual_seed(seed)
+    if dcfg.speculative:
+        return decode_speculative(runner, rows, dcfg, cfg.block_size, g, proximity)[0]
+    return decode_ar(runner, rows, dcfg, 1, cfg.block_size, g)[0][0]
+
+
+@pytest.mark.parametrize("drafting", list(DRAFTING))
+def test_whole_generations_compile_each_static_step_once(models, drafting):
+    """After warm-up: zero recompiles over every rule, greedy and sampling, two classes; greedy ids == eager."""
+    cfg = models[0].config
+    configs = decode_configs(drafting)
+    spec = static_spec(configs[0][1], cfg, images=1, dtype="fp32")
+    assert all(static_spec(d, cfg, images=1, dtype="fp32") == spec for _, d in configs)
     counter = CompileCounterWithBackend("eager")
-    runner = prepare("cpu-graph", models, spec, compiler=counter)
-    assert isinstance(runner, CompiledRunner)
-    runner.warmup()
-    keys = runner.graph_keys()
-    assert counter.frame_count == len(keys) == len(spec.static_steps) + 1 + int(speculative)
+    graph = prepare("cpu-graph", models, spec, compiler=counter)
+    eager = prepare("cpu", models, spec)
+    graph.warmup()
+    keys = graph.graph_keys()
+    assert counter.frame_count == len(keys) == len(spec.static_steps) + 1 + int(graph.has_drafter)
+    proximity = build_proximity_table(torch.randn(cfg.vocab_size, 8), 8)
     with torch.compiler.set_stance("fail_on_recompile"):
-        step_loop(runner)
+        for cls, dcfg in configs:
+            ids = generate(graph, dcfg, cls, proximity)
+            assert ids.shape == (cfg.block_size,)
+            if dcfg.sampling.greedy:
+                assert torch.equal(ids, generate(eager, dcfg, cls, proximity))
     assert counter.frame_count == len(keys)
-    assert runner.warmup_seconds > 0 and runner.profile()["graphs"] == keys
+    assert graph.warmup_seconds > 0 and graph.profile()["graphs"] == keys
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_graph_mode_matches_eager(models, dtype):
+@pytest.mark.parametrize("dtype,compiler", [("fp32", "aot_eager"), ("bf16", "eager")])
+def test_every_step_matches_eager(models, dtype, compiler):
+    """Logits, features and the KV cache after every kind of step (aot_eager functionalizes the in-place
+    cache writes, as inductor does)."""
     spec = spec_for(models[0].config, speculative=True, dtype=dtype)
     eager = prepare("cpu", models, spec)
-    graph = prepare("cpu-graph", models, spec, compiler="aot_eager")
+    graph = prepare("cpu-graph", models, spec, compiler=compiler)
     graph.warmup()
     eager.warmup()
-    for a, b in zip(step_loop(eager), step_loop(graph)):
+    for a, b in zip(step_loop(eager, rounds=2), step_loop(graph, rounds=2)):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
 
 
-def test_inductor_matches_eager(models):
-    """The compiler the benchmark uses, on the AR steps only (each inductor compile takes seconds here)."""
-    spec = spec_for(models[0].config, speculative=False)
+def test_inductor_greedy_ids_match_eager(models):
+    """The compiler the benchmark uses, on AR generation only (each inductor compile takes seconds here)."""
+    cfg = models[0].config
+    dcfg = method_preset("ar", SamplingConfig(greedy=True, cfg_scale=2.0))
+    spec = static_spec(dcfg, cfg, images=1, dtype="fp32")
     eager, graph = prepare("cpu", models, spec), prepare("cpu-graph", models, spec)
     graph.warmup()
-    eager.warmup()
-    for a, b in zip(step_loop(eager), step_loop(graph)):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for cls in (0, 1):
+            assert torch.equal(generate(graph, dcfg, cls, None), generate(eager, dcfg, cls, None))
 
 
 def test_widths_outside_the_spec_are_refused(models):

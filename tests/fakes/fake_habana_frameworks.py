@@ -10,6 +10,7 @@ It runs everything on the CPU and records what the real bridge would do:
 """
 from __future__ import annotations
 
+import importlib.abc
 import sys
 import types
 from dataclasses import dataclass, field
@@ -108,3 +109,17 @@ def install(monkeypatch) -> FakeHabana:
     for module in (root, pkg, core, hpu):
         monkeypatch.setitem(sys.modules, module.__name__, module)
     return fake
+
+
+class _HideHabana(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "habana_frameworks":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+def hide(monkeypatch) -> None:
+    """Make `import habana_frameworks` fail as on a machine without the bridge, even where it is installed."""
+    for name in [n for n in sys.modules if n.split(".")[0] == "habana_frameworks"]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [_HideHabana(), *sys.meta_path])

@@ -8,6 +8,7 @@ reasons when the bridge is missing, broken, in the wrong mode, or sees no device
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -17,11 +18,7 @@ from fakes.fake_habana_frameworks import hide, install
 from lantern.backends import BackendUnavailable, StaticSpec, get_backend, resolve_name
 from lantern.backends import hpu as hpu_backend
 from lantern.backends.base import describe
-from lantern.config import gpt_preset
 from lantern.decoding.loop import static_spec
-from lantern.models.drafter import Drafter
-from lantern.models.gpt import GPT
-from lantern.proximity import build_proximity_table
 from test_graph_mode import DRAFTING, decode_configs, generate, spec_for, step_loop
 
 NOT_INSTALLED = ("hpu: habana_frameworks is not installed (install Habana's PyTorch bridge, then "
@@ -38,10 +35,9 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def models():
-    torch.manual_seed(0)
-    cfg = gpt_preset("GPT-test")
-    return GPT(cfg).eval(), Drafter(cfg).eval()
+def models(tiny):
+    """conftest's tiny target (peaked, so trees get accepted) and drafter."""
+    return tiny[0], tiny[1]
 
 
 @pytest.fixture
@@ -64,7 +60,7 @@ def test_without_the_bridge_the_reason_is_exact(monkeypatch):
 
 def test_broken_bridge_wrong_mode_and_no_device_are_reported(fake, monkeypatch):
     assert get_backend("hpu").availability().ok and resolve_name("auto") == "hpu"
-    assert hpu_backend.os.environ["PT_HPU_LAZY_MODE"] == "1"  # set explicitly before the bridge is imported
+    assert os.environ["PT_HPU_LAZY_MODE"] == "1"  # set explicitly before the bridge is imported
     fake.available = False
     assert "no Gaudi device is visible" in describe(hpu_backend.HPUBackend)["reason"]
     fake.available = True
@@ -97,7 +93,7 @@ def test_outputs_survive_the_next_replay(fake, models):
 
 
 @pytest.mark.parametrize("drafting", list(DRAFTING))
-def test_whole_generations_use_one_graph_per_static_step(fake, models, drafting):
+def test_whole_generations_use_one_graph_per_static_step(fake, models, tiny, drafting):
     cfg = models[0].config
     configs = decode_configs(drafting)
     spec = static_spec(configs[0][1], cfg, images=1, dtype="bf16")
@@ -112,7 +108,7 @@ def test_whole_generations_use_one_graph_per_static_step(fake, models, drafting)
     assert sum(per_module.values()) == len(runner.graph_keys())
     n_warmup_events = len(fake.events)
 
-    proximity = build_proximity_table(torch.randn(cfg.vocab_size, 8), 8)
+    proximity = tiny[2]
     for cls, dcfg in configs:
         ids = generate(runner, dcfg, cls, proximity)
         if dcfg.sampling.greedy:

@@ -13,12 +13,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from lantern.backends import StaticSpec, get_backend
 from lantern.backends.torch_graph import CompiledRunner, pad_pairs
-from lantern.config import gpt_preset
 from lantern.decoding import SamplingConfig, method_preset
 from lantern.decoding.loop import condition_rows, decode_ar, decode_speculative, static_spec
-from lantern.models.drafter import Drafter
-from lantern.models.gpt import GPT
-from lantern.proximity import build_proximity_table
 
 TREE_PARENTS = (-1, 0, 0, 1, 1, 2)  # a 6-node tree: root, 2 children, 3 grandchildren
 TREE_DEPTH = (0, 1, 1, 2, 2, 2)
@@ -41,10 +37,9 @@ def fresh_dynamo():
 
 
 @pytest.fixture(scope="module")
-def models():
-    torch.manual_seed(0)
-    cfg = gpt_preset("GPT-test")
-    return GPT(cfg).eval(), Drafter(cfg).eval()
+def models(tiny):
+    """conftest's tiny target (peaked, so trees get accepted) and drafter."""
+    return tiny[0], tiny[1]
 
 
 def spec_for(cfg, speculative: bool, dtype: str = "fp32") -> StaticSpec:
@@ -142,7 +137,7 @@ def generate(runner, dcfg, cls: int, proximity, seed: int = 0) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("drafting", list(DRAFTING))
-def test_whole_generations_compile_each_static_step_once(models, drafting):
+def test_whole_generations_compile_each_static_step_once(models, tiny, drafting):
     """After warm-up: zero recompiles over every rule, greedy and sampling, two classes; greedy ids == eager."""
     cfg = models[0].config
     configs = decode_configs(drafting)
@@ -154,7 +149,7 @@ def test_whole_generations_compile_each_static_step_once(models, drafting):
     graph.warmup()
     keys = graph.graph_keys()
     assert counter.frame_count == len(keys) == len(spec.static_steps) + 1 + int(graph.has_drafter)
-    proximity = build_proximity_table(torch.randn(cfg.vocab_size, 8), 8)
+    proximity = tiny[2]
     with torch.compiler.set_stance("fail_on_recompile"):
         for cls, dcfg in configs:
             ids = generate(graph, dcfg, cls, proximity)

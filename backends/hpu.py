@@ -45,7 +45,7 @@ class HPURunner(CapturedRunner):
         self.core, self.hpu = core, hpu
         super().__init__(target, drafter, spec, device)
 
-    def capture(self, name, module):
+    def wrap_step(self, name, module):
         return self.hpu.wrap_in_hpu_graph(module)
 
     def step_done(self):

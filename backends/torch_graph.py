@@ -5,7 +5,7 @@
 - it pads every commit to one fixed width, so compaction is one graph whatever the accepted length;
 - its warm-up runs every step twice (the first call captures, the second replays) before timing starts;
 - `graph_keys()` names the graphs a whole generation uses: one per static step, plus one per cache commit.
-Subclasses say only how a step module is captured (`capture`) and what ends a step (`step_done`).
+Subclasses say only how a step module is captured (`wrap_step`) and what ends a step (`step_done`).
 """
 from __future__ import annotations
 
@@ -57,14 +57,11 @@ class CapturedRunner(TorchRunner):
     capture_kind = ""  # how steps are captured, for the profile record
 
     @abstractmethod
-    def capture(self, name: str, module: torch.nn.Module) -> Callable:
+    def wrap_step(self, name: str, module: torch.nn.Module) -> Callable:
         """The step module as a captured, replayable callable."""
 
     def step_done(self) -> None:
         """(optional) What must follow every step (lazy HPU: mark_step); default nothing."""
-
-    def wrap_step(self, name, module):
-        return self.capture(name, module)
 
     @property
     def commit_width(self) -> int:
@@ -121,7 +118,7 @@ class CompiledRunner(CapturedRunner):
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MIN_RECOMPILE_LIMIT)
         super().__init__(target, drafter, spec, device)
 
-    def capture(self, name, module):
+    def wrap_step(self, name, module):
         options = {"mode": self.mode} if self.mode else {}
         return torch.compile(module, backend=self.compiler, fullgraph=True, dynamic=False, **options)
 

@@ -68,8 +68,11 @@ def test_broken_bridge_wrong_mode_and_no_device_are_reported(fake, monkeypatch):
     with pytest.raises(BackendUnavailable, match=r"PT_HPU_LAZY_MODE=0, but HPU graphs run only in lazy mode"):
         get_backend("hpu")
     monkeypatch.setenv("PT_HPU_LAZY_MODE", "1")
+    backend = get_backend("hpu")
     monkeypatch.setitem(sys.modules, "habana_frameworks.torch.core", None)
     assert "habana_frameworks failed to import" in describe(hpu_backend.HPUBackend)["reason"]
+    with pytest.raises(BackendUnavailable, match=r"^hpu: habana_frameworks failed to import"):
+        backend.prepare(None, None, None)
 
 
 def test_bf16_default_and_unsupported_dtype(fake, models):
@@ -79,6 +82,9 @@ def test_bf16_default_and_unsupported_dtype(fake, models):
     spec = StaticSpec(batch=2, max_len=32, prefix_len=1, verify_widths=(1,), dtype="fp16")
     with pytest.raises(ValueError, match=r"dtype 'fp16' is not supported by backend 'hpu'; allowed: bf16, fp32"):
         backend.prepare(models[0], None, spec)
+    runner = backend.prepare(models[0], None, StaticSpec(batch=2, max_len=32, prefix_len=1, verify_widths=(1,)))
+    with pytest.raises(RuntimeError, match="prepared without a drafter"):
+        runner.draft(*[torch.zeros(2, 1)] * 5)
 
 
 def test_outputs_survive_the_next_replay(fake, models):

@@ -93,6 +93,13 @@ def bench_method(method: str, models, args) -> list[dict]:
     return list(rows.values())
 
 
+PHASES = ("prefill", "decode", "draft", "verify", "accept", "commit")
+
+
+def phase_mean(row: dict, name: str) -> float:
+    return statistics.mean(p.get(name, {}).get("total_s", 0.0) for p in row["phases"])
+
+
 def markdown(record: dict) -> str:
     m = record["machine"]
     lines = [
@@ -116,10 +123,20 @@ def markdown(record: dict) -> str:
                      f"{r['recompiles_after_warmup']} | {r['median_s_per_image']:.2f} | {r['tokens_per_s']:.0f} | "
                      f"{r['speedup_vs_eager']:.2f}x | {r['mean_tau']:.2f} | {r['target_forwards_per_image']:.0f} | "
                      f"{'yes' if r['ids_equal_eager'] else 'NO'} |")
+    lines += ["", "Seconds per image by phase (mean over images; the device synced at each phase's ends):", "",
+              "| method | backend | " + " | ".join(PHASES) + " |", "|---|---|" + "---|" * len(PHASES)]
+    for r in record["results"]:
+        cells = [f"{phase_mean(r, name):.2f}" if any(name in p for p in r["phases"]) else "-" for name in PHASES]
+        lines.append(f"| {r['method']} | {r['backend']} | " + " | ".join(cells) + " |")
     sp = record["method_speedups"]
     lines += ["", "LANTERN++ over AR (median latency, same backend): "
-              + ", ".join(f"{b} {v:.2f}x" for b, v in sp.items()) + ".",
-              "", f"Rerun: `{record['command']}`", ""]
+              + ", ".join(f"{b} {v:.2f}x" for b, v in sp.items()) + "."]
+    if any(r["method"] != "ar" and r["mean_tau"] < 1.05 for r in record["results"]):
+        lines += ["", "tau near 1: the random drafter almost never agrees with the random target, so speculative "
+                      "decoding here pays a whole tree verification per token. That is its worst case, not its speed; "
+                      "compare eager and graph mode within a method, not the methods."]
+    lines += ["",
+              f"Rerun: `{record['command']}`", ""]
     return "\n".join(lines)
 
 

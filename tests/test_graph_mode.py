@@ -6,13 +6,15 @@ compile takes seconds here); capture, guards and recompiles are dynamo's either 
 """
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 import torch._dynamo
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from lantern.backends import StaticSpec, get_backend
-from lantern.backends.torch_graph import CompiledRunner, pad_pairs
+from lantern.backends.torch_graph import pad_pairs
 from lantern.decoding import SamplingConfig, method_preset
 from lantern.decoding.loop import condition_rows, decode_ar, decode_speculative, static_spec
 
@@ -103,7 +105,8 @@ def step_loop(runner, rounds: int = 3, seed: int = 0) -> list[torch.Tensor]:
         if runner.has_drafter:
             runner.commit(torch.tensor([[pos - 2, pos - 1]] * b), torch.tensor([[pos - 3, pos - 2]] * b), "draft")
     assert pos + max(spec.verify_widths) <= s
-    return outs + [runner.target_cache.k0.clone()]
+    caches = [runner.target_cache] + ([runner.draft_cache] if runner.has_drafter else [])
+    return outs + [c.k0.clone() for c in caches] + [c.v0.clone() for c in caches]
 
 
 def prepare(backend: str, models, spec: StaticSpec, **options):
@@ -117,8 +120,8 @@ DRAFTING = {"ar": ("ar", {}), "static-tree": ("lantern++", dict(drafting="eagle1
 
 
 def decode_configs(drafting: str) -> list[tuple[int, object]]:
-    """(class, DecodeConfig) pairs: every acceptance rule (AR has none), each greedy for class 0 and sampling
-    with CFG for class 1, on one drafting mode."""
+    """(class, DecodeConfig) pairs on one drafting mode: every acceptance rule (AR has none), each greedy for
+    class 0 and sampling for class 1, both with CFG."""
     method, tree = DRAFTING[drafting]
     rules = {"exact": {}} if method == "ar" else RULES
     return [(cls, method_preset(method, SamplingConfig(greedy=cls == 0, cfg_scale=2.0, top_k=16), acceptance=rule,
@@ -173,6 +176,8 @@ def test_every_step_matches_eager(models, dtype, compiler):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
 
 
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")),
+                    reason="inductor on CPU needs a C++ compiler")
 def test_inductor_greedy_ids_match_eager(models):
     """The compiler the benchmark uses, on AR generation only (each inductor compile takes seconds here)."""
     cfg = models[0].config

@@ -13,6 +13,7 @@ import torch
 import torch._dynamo
 from torch._dynamo.testing import CompileCounterWithBackend
 
+from lantern.api import Pipeline
 from lantern.backends import StaticSpec, get_backend
 from lantern.backends.torch_graph import pad_pairs
 from lantern.decoding import SamplingConfig, method_preset
@@ -174,6 +175,17 @@ def test_every_step_matches_eager(models, dtype, compiler):
     eager.warmup()
     for a, b in zip(step_loop(eager, rounds=2), step_loop(graph, rounds=2)):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def test_pipeline_selects_graph_mode_by_name(tiny):
+    """The public API: backend="cpu-graph" with backend options, warmed up before generating."""
+    dcfg = method_preset("lantern++", SamplingConfig(greedy=True, cfg_scale=2.0), drafting="eagle1-25", k=4)
+    graph = Pipeline(*tiny, backend="cpu-graph", compiler="eager").generate([0, 1], dcfg)
+    eager = Pipeline(*tiny, backend="cpu").generate([0, 1], dcfg)
+    assert torch.equal(graph.tokens, eager.tokens)
+    assert graph.backend == "cpu-graph" and graph.profile["warmup_s"] > 0
+    assert graph.profile["graphs"] == ["prefill", "verify[26]", "draft[5]", "draft[6]", "commit[target]",
+                                       "commit[draft]"]
 
 
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")),

@@ -3,8 +3,9 @@
 It runs everything on the CPU and records what the real bridge would do:
 - `wrap_in_hpu_graph(module)` replaces `module.forward`, as the real one does, and keys graphs the way it
   does: one per distinct hash of the call's arguments, tensors by (shape, dtype, device), anything else by
-  value. The first call of a key is a "capture", later ones "replay"; a replay returns the very output
-  tensors of the capture, overwritten in place, like a real HPU graph (so callers must clone to keep them).
+  value. The first call of a key is a "capture", later ones "replay". Like a real HPU graph, a replay copies
+  its inputs into the capture call's input tensors and returns the capture's output tensors, overwritten in
+  place (so callers must clone outputs to keep them, and must not reuse tensors they passed to a capture).
 - `core.mark_step()` and `hpu.synchronize()` are recorded in one event list, in call order.
 `install(monkeypatch)` puts the fake modules into sys.modules and returns the `FakeHabana` record.
 """
@@ -52,20 +53,22 @@ class FakeHabana:
         label = f"{type(module).__name__}#{len(self.wrapped)}"
         self.wrapped.append(label)
         self.keys[label] = []
-        outputs = {}
+        captured = {}
         forward = module.forward
 
         def graph_forward(*args, **kwargs):
             key = graph_key((args, kwargs))
-            out = forward(*args, **kwargs)
-            if key not in outputs:
+            if key not in captured:
+                out = forward(*args, **kwargs)
+                captured[key] = (args, out)  # the capture call's own tensors become the graph's buffers
                 self.keys[label].append(key)
-                outputs[key] = out
                 self.events.append(("capture", label))
                 return out
-            _copy_into(outputs[key], out)
+            inputs, outputs = captured[key]
+            _copy_into(inputs, args)  # a replay copies new inputs into the capture's input tensors ...
+            _copy_into(outputs, forward(*inputs, **kwargs))  # ... and overwrites its output tensors
             self.events.append(("replay", label))
-            return outputs[key]
+            return outputs
 
         module.forward = graph_forward
         return module

@@ -25,15 +25,6 @@ NOT_INSTALLED = ("hpu: habana_frameworks is not installed (install Habana's PyTo
                  "pip install lantern[hpu])")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core machine: one intra-op thread is many times faster than oversubscribed ones."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def models(tiny):
     """conftest's tiny target (peaked, so trees get accepted) and drafter."""

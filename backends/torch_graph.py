@@ -3,7 +3,8 @@
 `CapturedRunner` is what all graph modes share (cpu-graph and cuda-graph here, hpu in hpu.py):
 - it refuses a step width outside the StaticSpec, since that would capture a new graph mid-generation;
 - it pads every commit to one fixed width, so compaction is one graph whatever the accepted length;
-- its warm-up runs every step twice (the first call captures, the second replays) before timing starts;
+- its warm-up runs every step twice, so what a mode does on first and second calls (compile, capture, CUDA
+  graph recording) is done before timing starts;
 - `graph_keys()` names the graphs a whole generation uses: one per static step, plus one per cache commit.
 Subclasses say only how a step module is captured (`wrap_step`) and what ends a step (`step_done`).
 """
@@ -94,7 +95,8 @@ class CapturedRunner(TorchRunner):
         self.step_done()
 
     def warmup(self) -> float:
-        """Capture every graph (first pass) and replay each once (second pass); the time is reported apart."""
+        """Every static step twice: compiled or captured on the first pass, recorded or replayed on the second.
+        The time is reported apart from generation."""
         t0 = time.perf_counter()
         run_every_static_step(self)
         run_every_static_step(self)
@@ -115,7 +117,8 @@ class CompiledRunner(CapturedRunner):
         self.capture_kind = f"torch.compile(backend={getattr(compiler, '__name__', compiler)!s}, mode={mode})"
         # reduce-overhead (CUDA graphs) replays into the same output buffers, so the next replay overwrites them
         self.clone_outputs = mode == "reduce-overhead"
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MIN_RECOMPILE_LIMIT)
+        # cache_size_limit: the name torch 2.4 knows; newer torch keeps it as an alias of recompile_limit
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, MIN_RECOMPILE_LIMIT)
         super().__init__(target, drafter, spec, device)
 
     def wrap_step(self, name, module):

@@ -85,8 +85,9 @@ class ORTRunner(Runner):
         super().__init__(spec, torch.device("cpu"), model_config)  # step tensors live on the host
         self.ort, self.paths, self.providers, self.threads, self.opt_level = ort, paths, providers, threads, opt_level
         self.options = session_options(ort, threads, opt_level, profile_prefix)
-        self.sessions = {name: ort.InferenceSession(str(p), self.options, providers=providers)
-                         for name, p in paths.items()}
+        self.sessions, self.fallback_reason = {}, ""
+        for name, path in paths.items():
+            self.sessions[name] = self._session(path)
         self.provider = next(iter(self.sessions.values())).get_providers()[0]
         on_cuda = self.provider == "CUDAExecutionProvider"
         self.ort_device = ("cuda", next((o.get("device_id", 0) for n, o in map(_provider_pair, providers)
@@ -102,6 +103,24 @@ class ORTRunner(Runner):
         self.weights_bytes = sum(p.stat().st_size for n, p in paths.items() if not n.startswith("commit"))
         self.ort_memory: dict[str, dict] = {}
         self.reset_peak_memory()
+
+    def _session(self, path: Path):
+        """A session on the first provider that starts; after a fallback the rest go straight to CPU."""
+        wanted = _provider_pair(self.providers[0])[0]
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # ORT's own provider warning: we report it once
+                session = self.ort.InferenceSession(str(path), self.options, providers=self.providers)
+        except Exception as e:  # onnxruntime-gpu raises when its CUDA libraries cannot load
+            if wanted == "CPUExecutionProvider":
+                raise
+            self.fallback_reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            session = None
+        if session is None or session.get_providers()[0] != wanted:
+            self.fallback_reason = self.fallback_reason or f"{wanted} is not available in this onnxruntime"
+            self.providers = ["CPUExecutionProvider"]
+            session = session or self.ort.InferenceSession(str(path), self.options, providers=self.providers)
+        return session
 
     def _zeros(self, shape, dtype):
         value = self.ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, *self.ort_device)
@@ -282,5 +301,5 @@ class ONNXCUDABackend(ONNXBackend):
 
     def check_provider(self, runner: ORTRunner) -> None:
         if runner.provider != self.provider:
-            warnings.warn(f"{self.name}: {self.provider} could not start (no usable GPU or CUDA libraries?); "
-                          f"running on {runner.provider} instead", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"{self.name}: {self.provider} could not start ({runner.fallback_reason}); running on "
+                          f"{runner.provider} instead", RuntimeWarning, stacklevel=3)

@@ -1,0 +1,253 @@
+"""ONNX Runtime backend: parity with the torch-eager reference, in-place caches, graph cache, availability.
+
+Tolerance (fp32): max |logits_onnx - logits_torch| <= 1e-4 * max(1, max |logits_torch|), the same bound
+relative to the feature scale for hidden states; every step of a multi-step run is checked, with commits
+in between, so a cache written to the wrong buffer (an aliasing bug) shows up in the next step's logits.
+"""
+from __future__ import annotations
+
+import builtins
+import json
+import warnings
+
+import pytest
+import torch
+
+from lantern.backends import BackendUnavailable, StaticSpec, get_backend
+from lantern.backends.onnx_export import GraphKey, check_cached, ensure_graphs, keys_for_spec, model_hash
+from lantern.backends.onnx_runtime import ONNXBackend, ONNXCUDABackend
+from lantern.config import gpt_preset
+from lantern.models.drafter import Drafter
+from lantern.models.gpt import GPT
+
+try:
+    import onnxruntime  # noqa: F401
+    HAVE_ORT = True
+except ImportError:
+    HAVE_ORT = False
+needs_ort = pytest.mark.skipif(not HAVE_ORT, reason="onnxruntime is not installed (pip install lantern[onnx])")
+
+REL_TOL = 1e-4
+TREE_SIZES = (1, 4, 25, 57, 63)
+DRAFT_WIDTHS = (1, 4)
+MAX_DEPTH = 5  # as LANTERN++'s static tree
+MAX_LEN = 1 + 3 * (MAX_DEPTH + 1) + max(TREE_SIZES)  # prefix + three committed paths + the widest tree
+
+
+def scaled(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Weights large enough that attention and logits are far from uniform (std 0.02 makes them flat)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.manual_seed(0)
+    cfg = gpt_preset("GPT-test")
+    return scaled(GPT(cfg), 1), scaled(Drafter(cfg), 2)
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return StaticSpec(batch=2, max_len=MAX_LEN, prefix_len=1, verify_widths=TREE_SIZES, draft_widths=DRAFT_WIDTHS)
+
+
+@pytest.fixture(scope="module")
+def runners(models, spec, tmp_path_factory):
+    if not HAVE_ORT:
+        pytest.skip("onnxruntime is not installed (pip install lantern[onnx])")
+    target, drafter = models
+    onnx = ONNXBackend(threads=1, cache_dir=str(tmp_path_factory.mktemp("onnx-cache"))).prepare(target, drafter, spec)
+    return onnx, get_backend("cpu").prepare(target, drafter, spec)
+
+
+def random_tree(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """(mask (N, N) ancestor-or-self, depth (N,), deepest root-to-leaf path) of a random N-node tree of
+    depth <= MAX_DEPTH, nodes numbered parents first."""
+    g = torch.Generator().manual_seed(seed)
+    parent, mask, depth = [-1], torch.eye(n, dtype=torch.bool), torch.zeros(n, dtype=torch.long)
+    for i in range(1, n):
+        open_nodes = (depth[:i] < MAX_DEPTH).nonzero().flatten()
+        parent.append(int(open_nodes[torch.randint(0, len(open_nodes), (1,), generator=g)]))
+        mask[i] |= mask[parent[i]]
+        depth[i] = depth[parent[i]] + 1
+    leaf, path = int(depth.argmax()), []
+    while leaf >= 0:
+        path.append(leaf)
+        leaf = parent[leaf]
+    return mask, depth, path[::-1]
+
+
+def tree_inputs(mask, depth, base: int, batch: int, vocab: int, seed: int):
+    """Verify inputs for a tree whose root sits at sequence position and slot `base`."""
+    n = mask.shape[0]
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (batch, n), generator=g)
+    positions = (base + depth)[None].expand(batch, n).contiguous()
+    slots = (base + torch.arange(n))[None].expand(batch, n).contiguous()
+    full = torch.zeros(batch, n, MAX_LEN, dtype=torch.bool)
+    full[:, :, :base] = True  # everything committed before the tree
+    full[:, :, base:base + n] = mask
+    return tokens, positions, slots, full
+
+
+def assert_close(got, ref, what: str):
+    for name, a, b in (("logits", got.logits, ref.logits), ("hidden", got.hidden, ref.hidden)):
+        assert a.shape == b.shape and a.dtype == b.dtype, (what, name, a.shape, b.shape, a.dtype, b.dtype)
+        err, scale = (a - b).abs().max().item(), max(1.0, b.abs().max().item())
+        assert err <= REL_TOL * scale, f"{what} {name}: max abs diff {err:.3g} > {REL_TOL} x {scale:.3g}"
+
+
+def prefill_both(onnx, ref, cfg):
+    cond = torch.tensor([1, cfg.null_class])
+    pmask = (torch.arange(MAX_LEN)[None, None, :] < 1).expand(2, 1, MAX_LEN)
+    out = onnx.prefill(cond, pmask)
+    assert_close(out, ref.prefill(cond, pmask), "prefill")
+    return out
+
+
+@needs_ort
+@pytest.mark.parametrize("n", TREE_SIZES)
+def test_verify_parity_over_steps_with_commits(runners, models, n):
+    """prefill, then three (tree verify -> commit the deepest path) rounds; then the caches themselves."""
+    onnx, ref = runners
+    cfg = models[0].config
+    prefill_both(onnx, ref, cfg)
+    base = 1
+    for step in range(3):
+        mask, depth, path = random_tree(n, seed=10 * n + step)
+        args = tree_inputs(mask, depth, base, 2, cfg.vocab_size, seed=step)
+        assert_close(onnx.verify(*args), ref.verify(*args), f"verify[{n}] step {step}")
+        src = (base + torch.tensor(path))[None].expand(2, -1).contiguous()
+        dst = (base + torch.arange(len(path)))[None].expand(2, -1).contiguous()
+        onnx.commit(src, dst, "target")
+        ref.commit(src, dst, "target")
+        base += len(path)
+    for name, value in onnx.target_kv.items():
+        want = getattr(ref.target_cache, name)
+        assert torch.allclose(torch.from_numpy(value.numpy()), want, atol=1e-5), f"cache {name} differs"
+
+
+@needs_ort
+@pytest.mark.parametrize("width", DRAFT_WIDTHS)
+def test_draft_parity_over_steps_with_commits(runners, models, width):
+    onnx, ref = runners
+    cfg = models[0].config
+    feats = prefill_both(onnx, ref, cfg).hidden
+    g = torch.Generator().manual_seed(width)
+    base = 1
+    for step in range(3):
+        tokens = torch.randint(0, cfg.vocab_size, (2, width), generator=g)
+        positions = (base + torch.arange(width))[None].expand(2, width).contiguous()
+        mask = torch.arange(MAX_LEN)[None, None, :] <= positions[:, :, None]
+        f = feats[:, -1:].expand(2, width, -1).contiguous()
+        got, want = onnx.draft(tokens, f, positions, positions.clone(), mask), ref.draft(
+            tokens, f, positions, positions.clone(), mask)
+        assert_close(got, want, f"draft[{width}] step {step}")
+        feats = want.hidden
+        src, dst = positions[:, -1:], positions[:, :1]  # overlapping-free compaction of the last row
+        onnx.commit(src, dst, "draft")
+        ref.commit(src, dst, "draft")
+        base += width
+    for name, value in onnx.draft_kv.items():
+        assert torch.allclose(torch.from_numpy(value.numpy()), getattr(ref.draft_cache, name), atol=1e-5)
+
+
+@needs_ort
+def test_caches_are_bound_in_place(runners):
+    """Each cache is one OrtValue bound as input and output of every graph: a step must change it."""
+    onnx, _ = runners
+    value = onnx.target_kv["k0"]
+    before = value.numpy().copy()
+    tokens, positions, slots, mask = tree_inputs(*random_tree(4, 0)[:2], base=5, batch=2, vocab=8, seed=0)
+    onnx.verify(tokens, positions, slots, mask)
+    after = value.numpy()
+    changed = (after != before).any(axis=(1, 2)).nonzero()[0].tolist()
+    assert changed == [5, 6, 7, 8, MAX_LEN + 5, MAX_LEN + 6, MAX_LEN + 7, MAX_LEN + 8]
+
+
+@needs_ort
+def test_bad_width_and_shape_are_named(runners):
+    onnx, _ = runners
+    t = torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"verify width 3 is not a prepared static width; allowed: 1, 4, 25"):
+        onnx.verify(t, t, t, torch.ones(2, 3, MAX_LEN, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"input 'mask' has shape \(2, 1, 5\)"):
+        onnx.verify(t[:, :1], t[:, :1], t[:, :1], torch.ones(2, 1, 5, dtype=torch.bool))
+
+
+@needs_ort
+def test_profile_records_session_options_and_ort_memory(runners):
+    onnx, _ = runners
+    onnx.warmup()
+    record = onnx.profile()
+    assert record["backend"] == "onnx"
+    assert record["ort"]["session_options"]["intra_op_num_threads"] == 1
+    assert record["ort"]["session_options"]["graph_optimization_level"] == "ORT_ENABLE_ALL"
+    assert record["ort"]["memory_per_step"]["verify[63]"]["mem_in_use_peak"] > 0
+    assert record["memory"]["source"].endswith("ORT profiler mem_in_use_peak")
+
+
+@needs_ort
+def test_graph_cache_reuse_staleness_and_corruption(models, tmp_path):
+    target, _ = models
+    spec = StaticSpec(batch=1, max_len=20, prefix_len=1, verify_widths=(2,))
+    paths = ensure_graphs(target, None, spec, tmp_path)
+    verify = paths["verify[2]"]
+    stamp = verify.stat().st_mtime_ns
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an intact cache is reused silently
+        assert ensure_graphs(target, None, spec, tmp_path)["verify[2]"].stat().st_mtime_ns == stamp
+
+    data = bytearray(verify.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    verify.write_bytes(bytes(data))
+    assert "corrupt" in check_cached(GraphKey(**json.loads(verify.with_suffix(".json").read_text())["key"]),
+                                     tmp_path)
+    with pytest.warns(RuntimeWarning, match="is corrupt"):
+        ensure_graphs(target, None, spec, tmp_path)
+    key = keys_for_spec(spec, model_hash(target), model_hash(target))["verify[2]"]
+    assert check_cached(key, tmp_path) == ""
+
+    manifest = verify.with_suffix(".json")
+    record = json.loads(manifest.read_text())
+    record["key"]["format_version"] = 0  # written by an older exporter
+    manifest.write_text(json.dumps(record))
+    with pytest.warns(RuntimeWarning, match="is stale"):
+        ensure_graphs(target, None, spec, tmp_path)
+    assert check_cached(key, tmp_path) == ""
+
+    other = GPT(target.config)  # different weights: a different file, the old one untouched
+    assert ensure_graphs(other, None, spec, tmp_path)["verify[2]"] != verify
+
+
+def test_unavailable_without_onnxruntime(monkeypatch):
+    real_import = builtins.__import__
+
+    def no_ort(name, *args, **kwargs):
+        if name == "onnxruntime":
+            raise ImportError("No module named 'onnxruntime'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_ort)
+    assert ONNXBackend.availability().reason == "onnxruntime is not installed (pip install lantern[onnx])"
+    with pytest.raises(BackendUnavailable, match=r"^onnx: onnxruntime is not installed \(pip install lantern\[onnx\]\)$"):
+        get_backend("onnx")
+    assert "pip install lantern[onnx-gpu]" in ONNXCUDABackend.availability().reason
+
+
+@needs_ort
+def test_cuda_provider_falls_back_with_a_warning(models, tmp_path):
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this onnxruntime has a CUDA provider; the fallback is for builds or machines without one")
+    assert "has no CUDAExecutionProvider" in ONNXCUDABackend.availability().reason
+    spec = StaticSpec(batch=1, max_len=20, prefix_len=1, verify_widths=(1,))
+    with pytest.warns(RuntimeWarning, match="onnx-cuda: CUDAExecutionProvider could not start"):
+        runner = ONNXCUDABackend(cache_dir=str(tmp_path)).prepare(models[0], None, spec)
+    assert runner.provider == "CPUExecutionProvider"

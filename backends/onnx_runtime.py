@@ -35,7 +35,8 @@ def _import_ort(name: str):
     return onnxruntime, ""
 
 
-def session_options(ort, threads: Optional[int], opt_level: str, profile_prefix: Optional[str] = None):
+def session_options(ort, threads: Optional[int], opt_level: str, spin: bool = False,
+                    profile_prefix: Optional[str] = None):
     if opt_level not in OPT_LEVELS:
         raise ValueError(f"unknown graph optimisation level {opt_level!r}; allowed: {', '.join(OPT_LEVELS)}")
     so = ort.SessionOptions()
@@ -45,6 +46,8 @@ def session_options(ort, threads: Optional[int], opt_level: str, profile_prefix:
     if threads:
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
+    # idle ORT threads spin-wait by default, stealing the cores the host-side sampling and acceptance need
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     if profile_prefix:
         so.enable_profiling = True
         so.profile_file_prefix = profile_prefix
@@ -56,7 +59,8 @@ def describe_options(so) -> dict:
     return {"intra_op_num_threads": so.intra_op_num_threads, "inter_op_num_threads": so.inter_op_num_threads,
             "graph_optimization_level": str(so.graph_optimization_level).split(".")[-1],
             "execution_mode": str(so.execution_mode).split(".")[-1], "enable_cpu_mem_arena": so.enable_cpu_mem_arena,
-            "enable_mem_pattern": so.enable_mem_pattern}
+            "enable_mem_pattern": so.enable_mem_pattern,
+            "intra_op_allow_spinning": so.get_session_config_entry("session.intra_op.allow_spinning") == "1"}
 
 
 class _Graph:
@@ -81,10 +85,11 @@ class ORTRunner(Runner):
     backend_name = "onnx"
 
     def __init__(self, ort, paths: dict[str, Path], model_config, spec: StaticSpec, providers: list,
-                 threads: Optional[int], opt_level: str, profile_prefix: Optional[str] = None):
+                 settings: dict, profile_prefix: Optional[str] = None):
+        """settings: session_options keywords (threads, opt_level, spin)."""
         super().__init__(spec, torch.device("cpu"), model_config)  # step tensors live on the host
-        self.ort, self.paths, self.providers, self.threads, self.opt_level = ort, paths, providers, threads, opt_level
-        self.options = session_options(ort, threads, opt_level, profile_prefix)
+        self.ort, self.paths, self.providers, self.settings = ort, paths, providers, settings
+        self.options = session_options(ort, profile_prefix=profile_prefix, **settings)
         self.sessions, self.fallback_reason = {}, ""
         for name, path in paths.items():
             self.sessions[name] = self._session(path)
@@ -197,8 +202,8 @@ class ORTRunner(Runner):
         from lantern.backends.base import run_every_static_step
 
         with tempfile.TemporaryDirectory() as tmp:
-            twin = ORTRunner(self.ort, self.paths, self.model_config, self.spec, self.providers, self.threads,
-                             self.opt_level, profile_prefix=os.path.join(tmp, "ort"))
+            twin = ORTRunner(self.ort, self.paths, self.model_config, self.spec, self.providers, self.settings,
+                             profile_prefix=os.path.join(tmp, "ort"))
             run_every_static_step(twin)
             return {name: _arena_stats(s.end_profiling()) for name, s in twin.sessions.items()}
 
@@ -239,10 +244,11 @@ class ONNXBackend(Backend):
     name = "onnx"
     provider = "CPUExecutionProvider"
 
-    def __init__(self, threads: Optional[int] = None, opt_level: str = "all", cache_dir: Optional[str] = None):
+    def __init__(self, threads: Optional[int] = None, opt_level: str = "all", spin: bool = False,
+                 cache_dir: Optional[str] = None):
         if opt_level not in OPT_LEVELS:
             raise ValueError(f"unknown graph optimisation level {opt_level!r}; allowed: {', '.join(OPT_LEVELS)}")
-        self.threads, self.opt_level = threads, opt_level
+        self.settings = {"threads": threads, "opt_level": opt_level, "spin": spin}
         self.cache_dir = Path(cache_dir) if cache_dir else None
 
     @classmethod
@@ -271,7 +277,7 @@ class ONNXBackend(Backend):
         from lantern.backends.onnx_export import ensure_graphs
 
         paths = ensure_graphs(target, drafter if spec.draft_widths else None, spec, self.cache_dir)
-        runner = ORTRunner(ort, paths, target.config, spec, self.providers(), self.threads, self.opt_level)
+        runner = ORTRunner(ort, paths, target.config, spec, self.providers(), self.settings)
         runner.backend_name = self.name
         self.check_provider(runner)
         return runner

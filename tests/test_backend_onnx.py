@@ -17,8 +17,11 @@ from lantern.backends import BackendUnavailable, StaticSpec, get_backend
 from lantern.backends.onnx_export import GraphKey, check_cached, ensure_graphs, keys_for_spec, model_hash
 from lantern.backends.onnx_runtime import ONNXBackend, ONNXCUDABackend
 from lantern.config import gpt_preset
+from lantern.decoding import TREE_PRESETS, SamplingConfig, compile_tree, method_preset
+from lantern.decoding.loop import condition_rows, decode_ar, decode_speculative, static_spec
 from lantern.models.drafter import Drafter
 from lantern.models.gpt import GPT
+from lantern.proximity import build_proximity_table
 
 try:
     import onnxruntime  # noqa: F401
@@ -28,9 +31,10 @@ except ImportError:
 needs_ort = pytest.mark.skipif(not HAVE_ORT, reason="onnxruntime is not installed (pip install lantern[onnx])")
 
 REL_TOL = 1e-4
-TREE_SIZES = (1, 4, 25, 57, 63)
+PRESETS = {name: compile_tree(paths) for name, paths in TREE_PRESETS.items()}
+TREE_SIZES = tuple(sorted({1, 4, 25, 57, 63} | {t.size for t in PRESETS.values()}))
 DRAFT_WIDTHS = (1, 4)
-MAX_DEPTH = 5  # as LANTERN++'s static tree
+MAX_DEPTH = max(5, *(t.depth for t in PRESETS.values()))  # random trees as deep as LANTERN++'s
 MAX_LEN = 1 + 3 * (MAX_DEPTH + 1) + max(TREE_SIZES)  # prefix + three committed paths + the widest tree
 
 
@@ -42,6 +46,15 @@ def scaled(model: torch.nn.Module, seed: int) -> torch.nn.Module:
             if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.15)
     return model.eval()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny models: one thread each for torch and ORT, so neither waits on the other's idle pool."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -110,18 +123,27 @@ def prefill_both(onnx, ref, cfg):
     return out
 
 
+def preset_tree(name: str) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    tree = PRESETS[name]
+    leaf = int(tree.node_depth.argmax())
+    return tree.mask, tree.node_depth, [int(i) for i in tree.retrieve[(tree.retrieve == leaf).any(1)][0] if i >= 0]
+
+
+TREES = [("random", n) for n in (1, 4, 25, 57, 63)] + [(name, PRESETS[name].size) for name in PRESETS]
+
+
 @needs_ort
-@pytest.mark.parametrize("n", TREE_SIZES)
-def test_verify_parity_over_steps_with_commits(runners, models, n):
+@pytest.mark.parametrize("kind,n", TREES, ids=[f"{k}-{n}" for k, n in TREES])
+def test_verify_parity_over_steps_with_commits(runners, models, kind, n):
     """prefill, then three (tree verify -> commit the deepest path) rounds; then the caches themselves."""
     onnx, ref = runners
     cfg = models[0].config
     prefill_both(onnx, ref, cfg)
     base = 1
     for step in range(3):
-        mask, depth, path = random_tree(n, seed=10 * n + step)
+        mask, depth, path = random_tree(n, seed=10 * n + step) if kind == "random" else preset_tree(kind)
         args = tree_inputs(mask, depth, base, 2, cfg.vocab_size, seed=step)
-        assert_close(onnx.verify(*args), ref.verify(*args), f"verify[{n}] step {step}")
+        assert_close(onnx.verify(*args), ref.verify(*args), f"{kind} verify[{n}] step {step}")
         src = (base + torch.tensor(path))[None].expand(2, -1).contiguous()
         dst = (base + torch.arange(len(path)))[None].expand(2, -1).contiguous()
         onnx.commit(src, dst, "target")
@@ -174,7 +196,7 @@ def test_caches_are_bound_in_place(runners):
 def test_bad_width_and_shape_are_named(runners):
     onnx, _ = runners
     t = torch.zeros(2, 3, dtype=torch.long)
-    with pytest.raises(ValueError, match=r"verify width 3 is not a prepared static width; allowed: 1, 4, 25"):
+    with pytest.raises(ValueError, match=r"verify width 3 is not a prepared static width; allowed: 1, 4, 6, 25"):
         onnx.verify(t, t, t, torch.ones(2, 3, MAX_LEN, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"input 'mask' has shape \(2, 1, 5\)"):
         onnx.verify(t[:, :1], t[:, :1], t[:, :1], torch.ones(2, 1, 5, dtype=torch.bool))
@@ -251,3 +273,39 @@ def test_cuda_provider_falls_back_with_a_warning(models, tmp_path):
     with pytest.warns(RuntimeWarning, match="onnx-cuda: CUDAExecutionProvider could not start"):
         runner = ONNXCUDABackend(cache_dir=str(tmp_path)).prepare(models[0], None, spec)
     assert runner.provider == "CPUExecutionProvider"
+
+
+METHODS = {  # small trees keep the exports few; each static or dynamic drafting path is exercised
+    "ar": dict(),
+    "eagle2": dict(dynamic_depth=3, dynamic_top_k=3, dynamic_total=8),
+    "lantern": dict(dynamic_depth=3, dynamic_top_k=3, dynamic_total=8, k=4, delta=0.2),
+    "lantern++": dict(drafting="eagle1-25", k=4, lam=3.0),
+}
+
+
+@needs_ort
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_generation_matches_torch(models, method, monkeypatch, tmp_path_factory):
+    """LANTERN_BACKEND=onnx gives the torch backend's greedy token ids, AR and speculative, every rule."""
+    target, drafter = models
+    cfg = target.config
+    monkeypatch.setenv("LANTERN_ONNX_CACHE", str(tmp_path_factory.getbasetemp() / "e2e-cache"))
+    dcfg = method_preset(method, SamplingConfig(greedy=True, cfg_scale=2.0), **METHODS[method])
+    codebook = torch.randn(cfg.vocab_size, 8, generator=torch.Generator().manual_seed(3))
+    proximity = build_proximity_table(torch.nn.functional.normalize(codebook, dim=1), 8)
+    spec = static_spec(dcfg, cfg, images=2 if method == "ar" else 1, dtype="fp32")
+    results = {}
+    for backend in ("onnx", "cpu"):
+        monkeypatch.setenv("LANTERN_BACKEND", backend)
+        options = {"threads": 1} if backend == "onnx" else {}
+        runner = get_backend(**options).prepare(target, drafter if dcfg.speculative else None, spec)
+        assert runner.backend_name == backend
+        labels = torch.tensor([0, 3] if method == "ar" else [2])
+        rows = condition_rows(labels, dcfg, cfg, target.null_condition(len(labels)))
+        g = torch.Generator().manual_seed(0)
+        if method == "ar":
+            results[backend], _ = decode_ar(runner, rows, dcfg, len(labels), cfg.block_size, g)
+        else:
+            results[backend], stats = decode_speculative(runner, rows, dcfg, cfg.block_size, g, proximity)
+            assert stats.target_forwards < cfg.block_size + 1  # drafts were accepted: the tree path ran
+    assert torch.equal(results["onnx"], results["cpu"]), (results["onnx"], results["cpu"])

@@ -9,11 +9,12 @@ from __future__ import annotations
 import builtins
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
-from lantern.backends import BackendUnavailable, StaticSpec, get_backend
+from lantern.backends import Availability, BackendUnavailable, StaticSpec, get_backend
 from lantern.backends.onnx_export import GraphKey, check_cached, ensure_graphs, keys_for_spec, model_hash
 from lantern.backends.onnx_runtime import ONNXBackend, ONNXCUDABackend
 from lantern.config import gpt_preset
@@ -309,3 +310,28 @@ def test_greedy_generation_matches_torch(models, method, monkeypatch, tmp_path_f
             results[backend], stats = decode_speculative(runner, rows, dcfg, cfg.block_size, g, proximity)
             assert stats.target_forwards < cfg.block_size + 1  # drafts were accepted: the tree path ran
     assert torch.equal(results["onnx"], results["cpu"]), (results["onnx"], results["cpu"])
+
+
+@needs_ort
+def test_export_onnx_command(models, tmp_path, capsys, monkeypatch):
+    from lantern.onnx_cli import main
+
+    target, _ = models
+    ckpt = tmp_path / "target.pt"
+    torch.save({"model": target.state_dict()}, ckpt)
+    out = tmp_path / "graphs"
+    argv = ["export-onnx", "--preset", "GPT-test", "--checkpoint", str(ckpt), "--cfg-scale", "2", "--out", str(out)]
+    assert main(argv) == 0
+    graphs = json.loads(capsys.readouterr().out)["graphs"]
+    assert sorted(graphs) == ["commit_target", "prefill", "verify[1]"]
+    assert model_hash(target)[:16] in graphs["verify[1]"]  # keyed by the loaded weights
+    stamp = Path(graphs["verify[1]"]).stat().st_mtime_ns
+    assert main(argv) == 0 and Path(graphs["verify[1]"]).stat().st_mtime_ns == stamp  # reused, not rewritten
+
+    assert main(argv[:-2] + ["--out", str(out), "--tree", "no-such-tree"]) == 2
+    assert "neither a preset" in capsys.readouterr().err
+    assert main(["export-onnx", "--preset", "GPT-test", "--checkpoint", str(tmp_path / "none.pt"), "--out",
+                 str(out)]) == 2
+    monkeypatch.setattr(ONNXBackend, "availability", classmethod(lambda cls: Availability(False, "no runtime")))
+    assert main(argv) == 3
+    assert "onnx: no runtime" in capsys.readouterr().err

@@ -210,11 +210,15 @@ class ORTRunner(Runner):
     def memory(self) -> MemoryReport:
         self._sample_rss()
         fixed = self.weights_bytes + self.kv_bytes() + self.tree_buffer_bytes()
-        arena = max((m.get("mem_in_use_peak", 0) for m in self.ort_memory.values()), default=0)
-        source = "process RSS (psutil)" + ("; workspace: ORT profiler mem_in_use_peak" if arena else "")
+        # a session's arena peak holds its own weights too: the workspace is what the peak holds beyond them
+        arena = max((m["mem_in_use_peak"] - self.paths[n].stat().st_size for n, m in self.ort_memory.items()),
+                    default=None)
+        source = "process RSS (psutil)" + ("; workspace: ORT profiler mem_in_use_peak minus the graph's weights"
+                                           if arena is not None else "")
+        workspace = max(arena, 0) if arena is not None else max(self._rss_peak - fixed, 0)
         return MemoryReport(peak_bytes=self._rss_peak, weights_bytes=self.weights_bytes,
                             kv_cache_bytes=self.kv_bytes(), tree_buffer_bytes=self.tree_buffer_bytes(),
-                            workspace_bytes=arena or max(self._rss_peak - fixed, 0), source=source)
+                            workspace_bytes=workspace, source=source)
 
     def profile(self) -> dict:
         record = super().profile()

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-FORMAT_VERSION = 1  # bump when the graphs' inputs, outputs or maths change: older cache files become stale
+FORMAT_VERSION = 2  # bump when the graphs' inputs, outputs or maths change: older cache files become stale
 OPSET = 17
 CACHE_ENV = "LANTERN_ONNX_CACHE"
 KINDS = ("prefill", "verify", "draft", "commit_target", "commit_draft")
@@ -60,6 +60,12 @@ class FunctionalKV:
         return (*self.keys, *self.values)
 
 
+def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool (B, T, S) -> 0 / -inf once per graph: the exporter would otherwise emit a Where and a NaN guard
+    for the boolean mask in every layer. Softmax gives the same probabilities either way (adding 0 is exact)."""
+    return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, float("-inf"))
+
+
 class PrefillGraph(nn.Module):
     def __init__(self, target, batch: int, max_len: int):
         super().__init__()
@@ -72,7 +78,7 @@ class PrefillGraph(nn.Module):
         n = len(kv) // 2
         cache = FunctionalKV(kv[:n], kv[n:], self.batch, self.max_len)
         h = self.target.embed_condition(cond).to(self.target.tok_embeddings.weight.dtype)
-        hidden = self.target.forward_cached(h, self.positions, mask, cache, self.positions)[:, -1:]
+        hidden = self.target.forward_cached(h, self.positions, additive(mask, h.dtype), cache, self.positions)[:, -1:]
         return (self.target.head(hidden), hidden, *cache.outputs())
 
 
@@ -85,7 +91,8 @@ class VerifyGraph(nn.Module):
         """tokens, positions, slots (B, T); mask (B, T, S) -> logits (B, T, V), hidden (B, T, D), kv."""
         n = len(kv) // 2
         cache = FunctionalKV(kv[:n], kv[n:], self.batch, self.max_len)
-        hidden = self.target.forward_cached(self.target.tok_embeddings(tokens), positions, mask, cache, slots)
+        h = self.target.tok_embeddings(tokens)
+        hidden = self.target.forward_cached(h, positions, additive(mask, h.dtype), cache, slots)
         return (self.target.head(hidden), hidden, *cache.outputs())
 
 
@@ -97,7 +104,7 @@ class DraftGraph(nn.Module):
     def forward(self, tokens, features, positions, slots, mask, k0, v0):
         """(feature, token) pairs (B, T) -> logits (B, T, V), predicted features (B, T, D), drafter kv."""
         cache = FunctionalKV([k0], [v0], self.batch, self.max_len)
-        feats = self.drafter(self.target, tokens, features, positions, mask, cache, slots)
+        feats = self.drafter(self.target, tokens, features, positions, additive(mask, features.dtype), cache, slots)
         return (self.target.head(feats), feats, *cache.outputs())
 
 

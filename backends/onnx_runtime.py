@@ -21,7 +21,8 @@ import torch
 from lantern.backends.base import (Availability, Backend, BackendUnavailable, Capabilities, MemoryReport, Runner, StaticSpec,
                                    StepOutput, parse_dtype)
 
-OPT_LEVELS = ("disable", "basic", "extended", "all")
+OPT_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED",
+              "all": "ORT_ENABLE_ALL"}
 NUMPY = {torch.int64: np.int64, torch.bool: np.bool_, torch.float32: np.float32, torch.float16: np.float16}
 INSTALL_HINT = {"onnx": "pip install lantern[onnx]", "onnx-cuda": "pip install lantern[onnx-gpu]"}
 
@@ -40,8 +41,7 @@ def session_options(ort, threads: Optional[int], opt_level: str, spin: bool = Fa
     if opt_level not in OPT_LEVELS:
         raise ValueError(f"unknown graph optimisation level {opt_level!r}; allowed: {', '.join(OPT_LEVELS)}")
     so = ort.SessionOptions()
-    so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, f"ORT_{'ENABLE_' if opt_level != 'disable' else ''}"
-                                          f"{opt_level.upper()}")
+    so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, OPT_LEVELS[opt_level])
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     if threads:
         so.intra_op_num_threads = threads

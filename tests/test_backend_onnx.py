@@ -181,6 +181,25 @@ def test_draft_parity_over_steps_with_commits(runners, models, width):
 
 
 @needs_ort
+@pytest.mark.parametrize("opt_level", ["disable", "basic"])
+def test_in_place_caches_hold_at_every_optimisation_level(models, opt_level, tmp_path):
+    """The shared input/output cache buffer must not depend on which graph rewrites ORT applies."""
+    target, _ = models
+    spec = StaticSpec(batch=2, max_len=MAX_LEN, prefix_len=1, verify_widths=(4,))
+    onnx = ONNXBackend(threads=1, opt_level=opt_level, cache_dir=str(tmp_path)).prepare(target, None, spec)
+    ref = get_backend("cpu").prepare(target, None, spec)
+    prefill_both(onnx, ref, target.config)
+    for step in range(6):
+        mask, depth, path = random_tree(4, seed=step)
+        args = tree_inputs(mask, depth, 1 + 2 * step, 2, target.config.vocab_size, seed=step)
+        assert_close(onnx.verify(*args), ref.verify(*args), f"{opt_level} verify step {step}")
+        src = (1 + 2 * step + torch.tensor(path[:2]))[None].expand(2, -1).contiguous()
+        dst = (1 + 2 * step + torch.arange(2))[None].expand(2, -1).contiguous()
+        onnx.commit(src, dst, "target")
+        ref.commit(src, dst, "target")
+
+
+@needs_ort
 def test_caches_are_bound_in_place(runners):
     """Each cache is one OrtValue bound as input and output of every graph: a step must change it."""
     onnx, _ = runners

@@ -18,8 +18,8 @@ import numpy as np
 import psutil
 import torch
 
-from lantern.backends.base import (Availability, Backend, BackendUnavailable, Capabilities, MemoryReport, Runner, StaticSpec,
-                                   StepOutput, parse_dtype)
+from lantern.backends.base import (Availability, Backend, BackendUnavailable, Capabilities, MemoryReport, Runner,
+                                   StaticSpec, StepOutput, dummy_step_inputs, parse_dtype)
 
 OPT_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED",
               "all": "ORT_ENABLE_ALL"}
@@ -101,13 +101,15 @@ class ORTRunner(Runner):
         shape, dtype = (spec.batch * spec.max_len, cfg.kv_heads, cfg.head_dim), NUMPY[self.out_dtype]
         self.target_kv = {f"{kv}{i}": self._zeros(shape, dtype) for kv in "kv" for i in range(cfg.n_layer)}
         self.draft_kv = {f"{kv}0": self._zeros(shape, dtype) for kv in "kv"} if spec.draft_widths else {}
-        self.graphs = {name: _Graph(s, self.draft_kv if name.startswith(("draft", "commit_draft")) else self.target_kv)
-                       for name, s in self.sessions.items()}
+        self.graphs = {name: _Graph(s, self._caches_of(name)) for name, s in self.sessions.items()}
         self.dim, self.vocab = cfg.dim, cfg.vocab_size
         # each session holds its own copy of the weights: the graph files are what is held
         self.weights_bytes = sum(p.stat().st_size for n, p in paths.items() if not n.startswith("commit"))
         self.ort_memory: dict[str, dict] = {}
         self.reset_peak_memory()
+
+    def _caches_of(self, step: str) -> dict:
+        return self.draft_kv if step.startswith(("draft", "commit_draft")) else self.target_kv
 
     def _session(self, path: Path):
         """A session on the first provider that starts; after a fallback the rest go straight to CPU."""
@@ -197,15 +199,37 @@ class ORTRunner(Runner):
         return seconds
 
     def measure_ort_memory(self) -> dict[str, dict]:
-        """ORT's own arena numbers per static step, from one profiled run of each graph on dummy inputs in
-        a twin runner (shapes are static, so one run shows every call's peak)."""
-        from lantern.backends.base import run_every_static_step
-
+        """ORT's own arena numbers per static step: each graph in turn gets a profiled session of its own for
+        one dummy call, then it is dropped (shapes are static, so one call shows every call's peak; one extra
+        session at a time bounds what measuring costs)."""
+        stats = {}
         with tempfile.TemporaryDirectory() as tmp:
-            twin = ORTRunner(self.ort, self.paths, self.model_config, self.spec, self.providers, self.settings,
-                             profile_prefix=os.path.join(tmp, "ort"))
-            run_every_static_step(twin)
-            return {name: _arena_stats(s.end_profiling()) for name, s in twin.sessions.items()}
+            options = session_options(self.ort, profile_prefix=os.path.join(tmp, "ort"), **self.settings)
+            for name, path in self.paths.items():
+                session = self.ort.InferenceSession(str(path), options, providers=self.providers)
+                real, self.graphs[name] = self.graphs[name], _Graph(session, self._caches_of(name))
+                try:
+                    self._run_dummy(name)
+                finally:
+                    self.graphs[name] = real
+                stats[name] = _arena_stats(session.end_profiling())
+        return stats
+
+    def _run_dummy(self, name: str) -> None:
+        """One call of step `name` on valid dummy inputs (stale cache slots are masked, never read)."""
+        spec, kind = self.spec, name.split("[")[0]
+        if kind == "prefill":
+            p, s = spec.prefix_len, spec.max_len
+            mask = torch.arange(s)[None, None, :] <= torch.arange(p)[None, :, None]
+            self.prefill(self.dummy_condition(), mask.expand(spec.batch, p, s))
+        elif kind == "verify":
+            self.verify(*dummy_step_inputs(spec, int(name[len(kind) + 1:-1]), self.device))
+        elif kind == "draft":
+            tokens, positions, slots, mask = dummy_step_inputs(spec, int(name[len(kind) + 1:-1]), self.device)
+            self.draft(tokens, torch.zeros(*tokens.shape, self.dim, dtype=self.out_dtype), positions, slots, mask)
+        else:
+            a = torch.zeros(spec.batch, 1, dtype=torch.long)
+            self.commit(a, a, kind.removeprefix("commit_"))
 
     def memory(self) -> MemoryReport:
         self._sample_rss()

@@ -19,6 +19,7 @@ import copy
 import hashlib
 import json
 import os
+import shutil
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ FORMAT_VERSION = 2  # bump when the graphs' inputs, outputs or maths change: old
 OPSET = 17
 CACHE_ENV = "LANTERN_ONNX_CACHE"
 KINDS = ("prefill", "verify", "draft", "commit_target", "commit_draft")
+GRAPH, MANIFEST = "model.onnx", "manifest.json"  # the files of one graph's folder
 
 
 def default_cache_dir() -> Path:
@@ -122,7 +124,7 @@ class CommitGraph(nn.Module):
 
 @dataclass(frozen=True)
 class GraphKey:
-    """Everything an exported graph depends on; its file name and manifest are made of this."""
+    """Everything an exported graph depends on; its folder name and manifest are made of this."""
 
     kind: str
     width: int  # T of the step (0 for commits, whose A is dynamic)
@@ -223,18 +225,22 @@ def export_graph(key: GraphKey, target, drafter, path: Path) -> None:
                           output_names=out_names, dynamic_axes=dynamic, do_constant_folding=True)
 
 
-def file_sha256(path: Path) -> str:
+def folder_sha256(folder: Path) -> str:
+    """sha256 over every file of a graph's folder but the manifest (names and bytes, in name order)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
+    for path in sorted(p for p in folder.iterdir() if p.is_file() and p.name != MANIFEST):
+        h.update(path.name.encode() + b"\0")
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
     return h.hexdigest()
 
 
 def check_cached(key: GraphKey, cache_dir: Path) -> str:
     """'' if the cached graph for `key` is present and intact, else why it cannot be used."""
-    onnx_path, manifest_path = cache_dir / f"{key.stem}.onnx", cache_dir / f"{key.stem}.json"
-    if not onnx_path.exists() or not manifest_path.exists():
+    folder = cache_dir / key.stem
+    manifest_path = folder / MANIFEST
+    if not (folder / GRAPH).exists() or not manifest_path.exists():
         return "not cached"
     try:
         manifest = json.loads(manifest_path.read_text())
@@ -242,25 +248,30 @@ def check_cached(key: GraphKey, cache_dir: Path) -> str:
         return f"manifest {manifest_path} is unreadable ({e})"
     if manifest.get("key") != asdict(key):
         return f"manifest {manifest_path} is stale (written for {manifest.get('key')})"
-    if manifest.get("sha256") != file_sha256(onnx_path):
-        return f"{onnx_path} is corrupt (sha256 differs from its manifest)"
+    if manifest.get("sha256") != folder_sha256(folder):
+        return f"{folder} is corrupt (its files' sha256 differs from the manifest)"
     return ""
 
 
 def ensure_graph(key: GraphKey, target, drafter, cache_dir: Path, force: bool = False) -> Path:
-    """The cached graph for `key`, exported (again) when missing, stale or corrupt, or when forced."""
-    onnx_path = cache_dir / f"{key.stem}.onnx"
+    """The cached graph for `key`, exported (again) when missing, stale or corrupt, or when forced.
+
+    One folder per graph, so that weights the exporter writes as external data (models over 2 GB) stay
+    with their graph; it is built aside and swapped in whole."""
+    folder = cache_dir / key.stem
     problem = "export forced" if force else check_cached(key, cache_dir)
     if not problem:
-        return onnx_path
+        return folder / GRAPH
     if problem != "not cached" and not force:
         warnings.warn(f"onnx: rebuilding {key.stem}: {problem}", RuntimeWarning, stacklevel=2)
-    tmp = onnx_path.with_suffix(f".tmp{os.getpid()}")
-    export_graph(key, target, drafter, tmp)
-    manifest = {"key": asdict(key), "sha256": file_sha256(tmp), "torch": torch.__version__, "opset": OPSET}
-    os.replace(tmp, onnx_path)  # the manifest is written last: a crash in between leaves a detectable mismatch
-    (cache_dir / f"{key.stem}.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    return onnx_path
+    tmp = cache_dir / f".{key.stem}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    export_graph(key, target, drafter, tmp / GRAPH)
+    manifest = {"key": asdict(key), "sha256": folder_sha256(tmp), "torch": torch.__version__, "opset": OPSET}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)
+    return folder / GRAPH
 
 
 def ensure_graphs(target, drafter, spec, cache_dir: Optional[Path] = None, force: bool = False) -> dict[str, Path]:

@@ -104,7 +104,9 @@ class ORTRunner(Runner):
         self.graphs = {name: _Graph(s, self._caches_of(name)) for name, s in self.sessions.items()}
         self.dim, self.vocab = cfg.dim, cfg.vocab_size
         # each session holds its own copy of the weights: the graph files are what is held
-        self.weights_bytes = sum(p.stat().st_size for n, p in paths.items() if not n.startswith("commit"))
+        self.graph_bytes = {n: sum(f.stat().st_size for f in p.parent.iterdir() if f.is_file())
+                            for n, p in paths.items()}
+        self.weights_bytes = sum(b for n, b in self.graph_bytes.items() if not n.startswith("commit"))
         self.ort_memory: dict[str, dict] = {}
         self.reset_peak_memory()
 
@@ -235,7 +237,7 @@ class ORTRunner(Runner):
         self._sample_rss()
         fixed = self.weights_bytes + self.kv_bytes() + self.tree_buffer_bytes()
         # a session's arena peak holds its own weights too: the workspace is what the peak holds beyond them
-        arena = max((m["mem_in_use_peak"] - self.paths[n].stat().st_size for n, m in self.ort_memory.items()),
+        arena = max((m["mem_in_use_peak"] - self.graph_bytes[n] for n, m in self.ort_memory.items()),
                     default=None)
         source = "process RSS (psutil)" + ("; workspace: ORT profiler mem_in_use_peak minus the graph's weights"
                                            if arena is not None else "")

@@ -249,18 +249,29 @@ def test_graph_cache_reuse_staleness_and_corruption(models, tmp_path):
     data = bytearray(verify.read_bytes())
     data[len(data) // 2] ^= 0xFF
     verify.write_bytes(bytes(data))
-    assert "corrupt" in check_cached(GraphKey(**json.loads(verify.with_suffix(".json").read_text())["key"]),
-                                     tmp_path)
+    manifest = verify.parent / "manifest.json"
+    key = keys_for_spec(spec, model_hash(target), model_hash(target))["verify[2]"]
+    assert GraphKey(**json.loads(manifest.read_text())["key"]) == key
+    assert "corrupt" in check_cached(key, tmp_path)
     with pytest.warns(RuntimeWarning, match="is corrupt"):
         ensure_graphs(target, None, spec, tmp_path)
-    key = keys_for_spec(spec, model_hash(target), model_hash(target))["verify[2]"]
     assert check_cached(key, tmp_path) == ""
 
-    manifest = verify.with_suffix(".json")
+    (verify.parent / "stray.bin").write_bytes(b"x")  # a file the manifest does not know of is corruption too
+    assert "corrupt" in check_cached(key, tmp_path)
+    with pytest.warns(RuntimeWarning, match="is corrupt"):
+        ensure_graphs(target, None, spec, tmp_path)
+    assert not (verify.parent / "stray.bin").exists()
+
     record = json.loads(manifest.read_text())
     record["key"]["format_version"] = 0  # written by an older exporter
     manifest.write_text(json.dumps(record))
     with pytest.warns(RuntimeWarning, match="is stale"):
+        ensure_graphs(target, None, spec, tmp_path)
+    assert check_cached(key, tmp_path) == ""
+
+    manifest.write_text("{not json")
+    with pytest.warns(RuntimeWarning, match="is unreadable"):
         ensure_graphs(target, None, spec, tmp_path)
     assert check_cached(key, tmp_path) == ""
 

@@ -1,0 +1,163 @@
+"""`lantern` command line. Exit codes: 0 ok, 1 internal error, 2 bad usage or input, 3 backend unavailable.
+
+With --json, a command prints exactly one JSON object on stdout (errors too: {"error": ..., "exit_code": ...}).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from pathlib import Path
+
+EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT, EXIT_UNAVAILABLE = 0, 1, 2, 3
+
+
+class UsageError(ValueError):
+    """Bad input found by a command itself (reported like a ValueError, exit code 2)."""
+
+
+def add_decode_options(p: argparse.ArgumentParser) -> None:
+    """Decoding flags shared by generate, eval and profile."""
+    from lantern.decoding.acceptance import KINDS
+    from lantern.decoding.config import METHODS
+    g = p.add_argument_group("decoding")
+    g.add_argument("--method", choices=METHODS, default="lantern++",
+                   help="preset: ar | eagle2 (dynamic tree, exact) | lantern (dynamic, k=1000, delta=0.1) | "
+                        "lantern++ (57-node static tree, k=10, lambda=3)")
+    g.add_argument("--drafting", help="override: none | dynamic | a tree preset | a .json file of paths")
+    g.add_argument("--acceptance", choices=KINDS, help="override the method's acceptance rule")
+    g.add_argument("--k", type=int, help="proximity neighbours for relaxed acceptance")
+    g.add_argument("--delta", type=float, help="LANTERN bound, in [0, 1]")
+    g.add_argument("--lam", type=float, help="LANTERN++ bound, >= 1")
+    g.add_argument("--greedy", action="store_true", help="argmax decoding (default: sampling)")
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    g.add_argument("--cfg-scale", type=float, help="classifier-free guidance scale (default: the model's)")
+
+
+def add_backend_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("backend")
+    g.add_argument("--backend", help="auto | cpu | cuda | ... (default: $LANTERN_BACKEND, else auto)")
+    g.add_argument("--dtype", default="fp32", help="fp32 | bf16 | fp16 (what the backend supports)")
+
+
+def decode_config_from_args(args, default_cfg_scale: float):
+    from lantern.decoding.config import method_preset
+    from lantern.decoding.sampling import SamplingConfig
+    sampling = SamplingConfig(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              cfg_scale=default_cfg_scale if args.cfg_scale is None else args.cfg_scale)
+    overrides = {name: getattr(args, name) for name in ("drafting", "acceptance", "k", "delta", "lam")
+                 if getattr(args, name) is not None}
+    return method_preset(args.method, sampling, **overrides)
+
+
+def cmd_generate(args) -> dict:
+    from lantern.api import Pipeline
+    from lantern.bundle import load_bundle
+    from lantern.images import save_images
+
+    bundle = load_bundle(args.model)
+    dcfg = decode_config_from_args(args, bundle.default_cfg_scale)
+    pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend=args.backend, dtype=args.dtype)
+    result = pipe.generate(args.classes, dcfg, seed=args.seed)
+    paths, grid = [], None
+    if not args.no_images:
+        images = bundle.decode_images(result.tokens)
+        names = [f"{i:03d}_class{c}_seed{args.seed}" for i, c in enumerate(result.conditions)]
+        paths, grid = save_images(images, Path(args.out), names, scale=args.scale)
+    s = result.stats.summary()
+    return {
+        "backend": result.backend, "device": result.device, "dtype": result.dtype, "mode": args.method,
+        "decode": dcfg.to_dict(), "seed": args.seed, "classes": result.conditions,
+        "image_paths": paths, "grid_path": grid, "tokens": result.tokens.tolist(),
+        "num_tokens": s["tokens"], "target_forwards": s["target_forwards"],
+        "mean_accepted_length": s["mean_accepted_length"], "phase_seconds": s["phase_seconds"],
+        "wall_seconds": s["wall_seconds"], "peak_memory_bytes": result.profile["memory"]["peak_bytes"],
+        "memory": result.profile["memory"], "warmup_seconds": result.profile["warmup_s"], "stats": s,
+    }
+
+
+def cmd_backends(args) -> dict:
+    from lantern.backends import backend_class, registered, resolve_name
+    from lantern.backends.base import describe
+    rows = []
+    for name in sorted(registered()):
+        try:
+            rows.append(describe(backend_class(name)))
+        except Exception as e:  # a broken third-party backend must not hide the others
+            rows.append({"name": name, "available": False, "reason": f"failed to load: {e}"})
+    # resolving the selection ($LANTERN_BACKEND or auto) fails loudly on a bad name, as every command does
+    return {"backends": rows, "selected": resolve_name(None)}
+
+
+def print_generate(out: dict) -> None:
+    st = out["stats"]
+    print(f"{out['mode']} on {out['backend']} ({out['device']}, {out['dtype']}): {st['tokens']} tokens in "
+          f"{st['wall_seconds']:.2f} s, {st['target_forwards']} target forwards, mean accepted length "
+          f"{st['mean_accepted_length']:.2f}")
+    if out["grid_path"]:
+        print(f"images: {len(out['image_paths'])} in {Path(out['grid_path']).parent}  grid: {out['grid_path']}")
+
+
+def print_backends(out: dict) -> None:
+    for row in out["backends"]:
+        if row["available"]:
+            print(f"{row['name']:<12} available    device={row['device']} dtypes={','.join(row['dtypes'])}")
+        else:
+            print(f"{row['name']:<12} unavailable: {row['reason']}")
+    print(f"selected ($LANTERN_BACKEND or auto): {out['selected']}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lantern", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate images (default model: the embedded bundle)")
+    g.add_argument("--model", help="bundle folder (default: the embedded model)")
+    g.add_argument("--classes", type=int, nargs="+", default=[0, 1, 2, 3], help="class ids, one image each")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--out", default="out", help="folder for the PNGs and grid.png")
+    g.add_argument("--scale", type=int, default=4, help="upscale factor of the written PNGs")
+    g.add_argument("--no-images", action="store_true", help="tokens and stats only")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    add_decode_options(g)
+    add_backend_options(g)
+    g.set_defaults(func=cmd_generate, show=print_generate)
+
+    b = sub.add_parser("backends", help="list backends: available or why not, device, dtypes")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_backends, show=print_backends)
+    return parser
+
+
+def main(argv=None) -> int:
+    from lantern.backends import BackendUnavailable
+    args = build_parser().parse_args(argv)
+    as_json = getattr(args, "json", False)
+    try:
+        out = args.func(args)
+    except BackendUnavailable as e:
+        return _fail(str(e), EXIT_UNAVAILABLE, as_json)
+    except (ValueError, FileNotFoundError) as e:
+        return _fail(str(e), EXIT_BAD_INPUT, as_json)
+    except Exception as e:  # noqa: BLE001  anything else is our bug: say so, with the trace on stderr
+        traceback.print_exc()
+        return _fail(f"internal error: {e}", EXIT_INTERNAL, as_json)
+    if as_json:
+        print(json.dumps(out))
+    else:
+        args.show(out)
+    return EXIT_OK
+
+
+def _fail(message: str, code: int, as_json: bool) -> int:
+    if as_json:
+        print(json.dumps({"error": message, "exit_code": code}))
+    print(f"lantern: error: {message}", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

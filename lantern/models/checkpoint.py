@@ -1,0 +1,90 @@
+"""Loading and saving LlamaGen-format checkpoints (state_dict keys as LlamaGen names them).
+
+Accepted files: LlamaGen's .pt/.pth (a dict with the weights under "model", "module" or "state_dict", or
+the bare state_dict) and .safetensors. Prefixes left by DDP (`module.`) and torch.compile (`_orig_mod.`)
+are stripped; LlamaGen's non-weight `freqs_cis` buffer is ignored.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+from torch import nn
+
+WRAPPER_KEYS = ("model", "module", "state_dict")
+STRIP_PREFIXES = ("module.", "_orig_mod.")
+IGNORED_KEYS = ("freqs_cis",)
+
+
+def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+        sd = load_file(str(path))
+    else:
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+        for key in WRAPPER_KEYS:
+            if isinstance(sd, dict) and key in sd and isinstance(sd[key], dict):
+                sd = sd[key]
+                break
+    if not isinstance(sd, dict):
+        raise ValueError(f"checkpoint {path} holds a {type(sd).__name__}, not a state_dict")
+    out = {}
+    for k, v in sd.items():
+        for prefix in STRIP_PREFIXES:
+            if k.startswith(prefix):
+                k = k[len(prefix):]
+        if k not in IGNORED_KEYS:
+            out[k] = v
+    return out
+
+
+def load_into(model: nn.Module, state: dict[str, torch.Tensor], what: str) -> None:
+    """Strict load that names every missing, unexpected and mis-shaped key."""
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    shapes = [f"{k}: checkpoint {tuple(state[k].shape)} vs config {tuple(expected[k].shape)}"
+              for k in sorted(set(state) & set(expected)) if state[k].shape != expected[k].shape]
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append(f"missing keys {_short(missing)}")
+        if unexpected:
+            parts.append(f"unexpected keys {_short(unexpected)}")
+        if shapes:
+            parts.append(f"shape mismatches {_short(shapes)}")
+        raise ValueError(f"{what} does not match the config: " + "; ".join(parts))
+    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()})
+
+
+def _short(items: list[str], n: int = 6) -> str:
+    return str(items[:n]) + (f" (+{len(items) - n} more)" if len(items) > n else "")
+
+
+def load_checkpoint(model: nn.Module, path: str | Path) -> nn.Module:
+    load_into(model, read_state_dict(path), f"checkpoint {path}")
+    return model
+
+
+def save_checkpoint(model: nn.Module, path: str | Path) -> None:
+    """LlamaGen's layout for .pt ({"model": state_dict}); plain tensors for .safetensors."""
+    path = Path(path)
+    sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    if path.suffix == ".safetensors":
+        from safetensors.torch import save_file
+        save_file(sd, str(path))
+    else:
+        torch.save({"model": sd}, path)
+
+
+def weights_hash(model: nn.Module) -> str:
+    """sha256 over the state_dict (sorted keys, raw bytes): ties a drafter to the target it was trained on."""
+    h = hashlib.sha256()
+    for k, v in sorted(model.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

@@ -1,0 +1,33 @@
+"""Shared fixtures: tiny random models made by the project's own code (no downloads)."""
+import pytest
+import torch
+
+from lantern.config import GPTConfig, gpt_preset
+from lantern.models.drafter import Drafter
+from lantern.models.gpt import GPT
+from lantern.proximity import build_proximity_table
+
+
+def make_models(cfg: GPTConfig, seed: int = 0, sharpen: float = 8.0):
+    """A random target whose output head is scaled up (so its distributions are peaked, like a trained
+    model's) and a random drafter; plus a proximity table from a random codebook."""
+    torch.manual_seed(seed)
+    target = GPT(cfg).eval()
+    with torch.no_grad():
+        target.output.weight.mul_(sharpen)
+    drafter = Drafter(cfg).eval()
+    proximity = build_proximity_table(torch.nn.functional.normalize(torch.randn(cfg.vocab_size, 8), dim=1),
+                                      cfg.vocab_size - 1)
+    return target, drafter, proximity
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    return make_models(gpt_preset("GPT-test"))
+
+
+@pytest.fixture(scope="session")
+def micro():
+    """A 6-token vocabulary and 2x2 images: small enough to compute sequence probabilities exactly."""
+    cfg = GPTConfig(dim=16, n_layer=1, n_head=2, vocab_size=6, num_classes=2, block_size=4, multiple_of=16)
+    return make_models(cfg, seed=1, sharpen=20.0)

@@ -20,86 +20,91 @@ EXIT_OK, EXIT_BAD_INPUT, EXIT_UNAVAILABLE = 0, 2, 3
 
 
 def add_export_onnx_command(subparsers) -> argparse.ArgumentParser:
+    """Register `export-onnx`: `func` returns a result dict (the lantern CLI's protocol, errors raised),
+    `handler` returns an exit code (standalone use)."""
     from lantern.config import GPT_PRESETS
     from lantern.decoding import METHODS
 
     p = subparsers.add_parser("export-onnx", help="export the ONNX graphs of a generation setup into a folder",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", required=True, choices=sorted(GPT_PRESETS), help="target model shape")
-    p.add_argument("--checkpoint", help="target weights (.pt/.pth or .safetensors, LlamaGen keys); "
-                                        "without it: random weights from --seed (for tests and timing only)")
+    p.add_argument("--checkpoint", help="target weights (LlamaGen .pt/.pth or .safetensors); without it: "
+                                        "random weights from --seed (for tests and timing only)")
     p.add_argument("--drafter-checkpoint", help="drafter weights (speculative methods)")
     p.add_argument("--method", default="ar", choices=METHODS)
-    p.add_argument("--tree", help="override the method's drafting: a tree preset, a .json of paths or 'dynamic'")
+    p.add_argument("--drafting", help="override the method's drafting: dynamic, a tree preset or a .json of paths")
     p.add_argument("--cfg-scale", type=float, default=1.0, help="> 1 exports the two-row CFG batch")
     p.add_argument("--images", type=int, default=1, help="images per AR batch")
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True, help="folder to write the graphs and their manifests into")
-    p.add_argument("--force", action="store_true", help="export again even when an intact file exists")
-    p.set_defaults(handler=run_export_onnx)
+    p.add_argument("--out", required=True, help="folder to write the graphs (one folder each) into")
+    p.add_argument("--force", action="store_true", help="export again even when an intact graph exists")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_export_onnx, show=print_export_onnx, handler=run_export_onnx)
     return p
 
 
-def load_weights(module: torch.nn.Module, path: str) -> None:
-    """Load a state dict (optionally under 'model', 'module' or 'state_dict') strictly into `module`."""
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"checkpoint {path!r} is not a file")
-    if file.suffix == ".safetensors":
-        from safetensors.torch import load_file
-        state = load_file(str(file))
-    else:
-        state = torch.load(str(file), map_location="cpu", weights_only=True)
-        for key in ("model", "module", "state_dict"):
-            if isinstance(state, dict) and key in state and isinstance(state[key], dict):
-                state = state[key]
-                break
-    missing, unexpected = module.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"checkpoint {path!r} does not fit: missing {sorted(missing)[:5]}, "
-                         f"unexpected {sorted(unexpected)[:5]}")
-
-
-def run_export_onnx(args: argparse.Namespace) -> int:
+def cmd_export_onnx(args: argparse.Namespace) -> dict:
+    """Export (or reuse) every graph; raises BackendUnavailable, ValueError or FileNotFoundError."""
+    from lantern.backends import BackendUnavailable
     from lantern.backends.onnx_export import ensure_graphs
     from lantern.backends.onnx_runtime import ONNXBackend
     from lantern.config import gpt_preset
     from lantern.decoding import SamplingConfig, method_preset
     from lantern.decoding.loop import static_spec
+    from lantern.models.checkpoint import load_checkpoint
     from lantern.models.drafter import Drafter
     from lantern.models.gpt import GPT
 
     avail = ONNXBackend.availability()
     if not avail.ok:
-        print(f"export-onnx: onnx: {avail.reason}", file=sys.stderr)
-        return EXIT_UNAVAILABLE
-    try:
-        if args.images < 1:
-            raise ValueError(f"--images {args.images} must be >= 1")
-        overrides = {"drafting": args.tree} if args.tree else {}
-        dcfg = method_preset(args.method, SamplingConfig(cfg_scale=args.cfg_scale), **overrides)
-        ONNXBackend().check_dtype(args.dtype)
-        torch.manual_seed(args.seed)
-        target = GPT(gpt_preset(args.preset)).eval()
-        drafter = Drafter(target.config).eval() if dcfg.speculative else None
-        if args.checkpoint:
-            load_weights(target, args.checkpoint)
-        if drafter is not None and args.drafter_checkpoint:
-            load_weights(drafter, args.drafter_checkpoint)
-        if not args.checkpoint or (drafter is not None and not args.drafter_checkpoint):
-            print("export-onnx: no checkpoint for every model: exporting random weights (fine for tests and "
-                  "timing, useless for images)", file=sys.stderr)
-        spec = static_spec(dcfg, target.config, args.images if not dcfg.speculative else 1, args.dtype)
-        paths = ensure_graphs(target, drafter, spec, Path(args.out), force=args.force)
-    except (ValueError, OSError) as e:
-        print(f"export-onnx: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        raise BackendUnavailable(f"onnx: {avail.reason}")
+    if args.images < 1:
+        raise ValueError(f"--images {args.images} must be >= 1")
+    overrides = {"drafting": args.drafting} if args.drafting else {}
+    dcfg = method_preset(args.method, SamplingConfig(cfg_scale=args.cfg_scale), **overrides)
+    ONNXBackend().check_dtype(args.dtype)
+    torch.manual_seed(args.seed)
+    target = GPT(gpt_preset(args.preset)).eval()
+    drafter = Drafter(target.config).eval() if dcfg.speculative else None
+    if args.checkpoint:
+        load_checkpoint(target, args.checkpoint)
+    if drafter is not None and args.drafter_checkpoint:
+        load_checkpoint(drafter, args.drafter_checkpoint)
+    random_weights = not args.checkpoint or (drafter is not None and not args.drafter_checkpoint)
+    spec = static_spec(dcfg, target.config, args.images if not dcfg.speculative else 1, args.dtype)
+    paths = ensure_graphs(target, drafter, spec, Path(args.out), force=args.force)
     import onnxruntime as ort
 
     for path in paths.values():  # every written graph must open in the runtime it is for
         ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    print(json.dumps({"spec": asdict(spec), "graphs": {k: str(v) for k, v in paths.items()}}, indent=1))
+    return {"spec": asdict(spec), "graphs": {k: str(v) for k, v in paths.items()}, "random_weights": random_weights,
+            "cache_env": f"LANTERN_ONNX_CACHE={Path(args.out).resolve()}"}
+
+
+def print_export_onnx(out: dict) -> None:
+    for name, path in out["graphs"].items():
+        print(f"{name:<16} {path}")
+    if out["random_weights"]:
+        print("note: no checkpoint for every model: these graphs hold random weights (tests and timing only)")
+    print(f"use them with: {out['cache_env']} LANTERN_BACKEND=onnx lantern generate ...")
+
+
+def run_export_onnx(args: argparse.Namespace) -> int:
+    from lantern.backends import BackendUnavailable
+
+    try:
+        out = cmd_export_onnx(args)
+    except BackendUnavailable as e:
+        print(f"export-onnx: {e}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    except (ValueError, FileNotFoundError) as e:
+        print(f"export-onnx: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print_export_onnx(out)
     return EXIT_OK
 
 

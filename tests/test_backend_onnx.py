@@ -19,10 +19,9 @@ from lantern.backends.onnx_export import GraphKey, check_cached, ensure_graphs, 
 from lantern.backends.onnx_runtime import ONNXBackend, ONNXCUDABackend
 from lantern.config import gpt_preset
 from lantern.decoding import TREE_PRESETS, SamplingConfig, compile_tree, method_preset
-from lantern.decoding.loop import condition_rows, decode_ar, decode_speculative, static_spec
+from lantern.api import Pipeline
 from lantern.models.drafter import Drafter
 from lantern.models.gpt import GPT
-from lantern.proximity import build_proximity_table
 
 try:
     import onnxruntime  # noqa: F401
@@ -317,30 +316,23 @@ METHODS = {  # small trees keep the exports few; each static or dynamic drafting
 
 @needs_ort
 @pytest.mark.parametrize("method", METHODS)
-def test_greedy_generation_matches_torch(models, method, monkeypatch, tmp_path_factory):
-    """LANTERN_BACKEND=onnx gives the torch backend's greedy token ids, AR and speculative, every rule."""
-    target, drafter = models
-    cfg = target.config
+def test_greedy_generation_matches_torch(tiny, method, monkeypatch, tmp_path_factory):
+    """LANTERN_BACKEND=onnx through the Pipeline (what `lantern generate` runs) gives the torch backend's
+    greedy token ids, AR and speculative, with every acceptance rule."""
+    target, drafter, proximity = tiny
     monkeypatch.setenv("LANTERN_ONNX_CACHE", str(tmp_path_factory.getbasetemp() / "e2e-cache"))
     dcfg = method_preset(method, SamplingConfig(greedy=True, cfg_scale=2.0), **METHODS[method])
-    codebook = torch.randn(cfg.vocab_size, 8, generator=torch.Generator().manual_seed(3))
-    proximity = build_proximity_table(torch.nn.functional.normalize(codebook, dim=1), 8)
-    spec = static_spec(dcfg, cfg, images=2 if method == "ar" else 1, dtype="fp32")
+    classes = [0, 3] if method == "ar" else [2]
     results = {}
     for backend in ("onnx", "cpu"):
         monkeypatch.setenv("LANTERN_BACKEND", backend)
         options = {"threads": 1} if backend == "onnx" else {}
-        runner = get_backend(**options).prepare(target, drafter if dcfg.speculative else None, spec)
-        assert runner.backend_name == backend
-        labels = torch.tensor([0, 3] if method == "ar" else [2])
-        rows = condition_rows(labels, dcfg, cfg, target.null_condition(len(labels)))
-        g = torch.Generator().manual_seed(0)
-        if method == "ar":
-            results[backend], _ = decode_ar(runner, rows, dcfg, len(labels), cfg.block_size, g)
-        else:
-            results[backend], stats = decode_speculative(runner, rows, dcfg, cfg.block_size, g, proximity)
-            assert stats.target_forwards < cfg.block_size + 1  # drafts were accepted: the tree path ran
-    assert torch.equal(results["onnx"], results["cpu"]), (results["onnx"], results["cpu"])
+        results[backend] = Pipeline(target, drafter, proximity, **options).generate(classes, dcfg, seed=0)
+        assert results[backend].backend == backend
+    assert torch.equal(results["onnx"].tokens, results["cpu"].tokens), (results["onnx"].tokens, results["cpu"].tokens)
+    if method != "ar":
+        assert results["onnx"].stats.target_forwards < target.config.block_size  # drafts were accepted
+    assert results["onnx"].profile["ort"]["memory_per_step"]["prefill"]["mem_in_use_peak"] > 0
 
 
 @needs_ort
@@ -352,17 +344,22 @@ def test_export_onnx_command(models, tmp_path, capsys, monkeypatch):
     torch.save({"model": target.state_dict()}, ckpt)
     out = tmp_path / "graphs"
     argv = ["export-onnx", "--preset", "GPT-test", "--checkpoint", str(ckpt), "--cfg-scale", "2", "--out", str(out)]
-    assert main(argv) == 0
+    assert main(argv + ["--json"]) == 0
     graphs = json.loads(capsys.readouterr().out)["graphs"]
     assert sorted(graphs) == ["commit_target", "prefill", "verify[1]"]
     assert model_hash(target)[:16] in graphs["verify[1]"]  # keyed by the loaded weights
     stamp = Path(graphs["verify[1]"]).stat().st_mtime_ns
     assert main(argv) == 0 and Path(graphs["verify[1]"]).stat().st_mtime_ns == stamp  # reused, not rewritten
 
-    assert main(argv[:-2] + ["--out", str(out), "--tree", "no-such-tree"]) == 2
+    assert main(argv + ["--drafting", "no-such-tree"]) == 2
     assert "neither a preset" in capsys.readouterr().err
     assert main(["export-onnx", "--preset", "GPT-test", "--checkpoint", str(tmp_path / "none.pt"), "--out",
                  str(out)]) == 2
+    from lantern.cli import main as lantern_main
+
+    assert lantern_main(argv + ["--json"]) == 0  # wired into `lantern`, same graphs reused
+    assert json.loads(capsys.readouterr().out)["graphs"] == graphs
     monkeypatch.setattr(ONNXBackend, "availability", classmethod(lambda cls: Availability(False, "no runtime")))
     assert main(argv) == 3
     assert "onnx: no runtime" in capsys.readouterr().err
+    assert lantern_main(argv) == 3

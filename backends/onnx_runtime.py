@@ -189,10 +189,11 @@ class ORTRunner(Runner):
                    for v in list(self.target_kv.values()) + list(self.draft_kv.values()))
 
     def _sample_rss(self) -> None:
-        self._rss_peak = max(self._rss_peak, psutil.Process().memory_info().rss)
+        """After every step: a CPU allocator reports no peak, so the peak RSS is the largest sample."""
+        self._rss_peak = max(self._rss_peak, self._process.memory_info().rss)
 
     def reset_peak_memory(self):
-        self._rss_peak = 0
+        self._process, self._rss_peak = psutil.Process(), 0
         self._sample_rss()
 
     def warmup(self) -> float:

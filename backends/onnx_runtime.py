@@ -94,9 +94,8 @@ class ORTRunner(Runner):
         for name, path in paths.items():
             self.sessions[name] = self._session(path)
         self.provider = next(iter(self.sessions.values())).get_providers()[0]
-        on_cuda = self.provider == "CUDAExecutionProvider"
-        self.ort_device = ("cuda", next((o.get("device_id", 0) for n, o in map(_provider_pair, providers)
-                                         if n == self.provider), 0)) if on_cuda else ("cpu", 0)
+        name, options = _provider_pair(self.providers[0])  # after any fallback, the provider that started
+        self.ort_device = ("cuda", options.get("device_id", 0)) if name == "CUDAExecutionProvider" else ("cpu", 0)
         cfg, self.out_dtype = model_config, parse_dtype(spec.dtype)
         shape, dtype = (spec.batch * spec.max_len, cfg.kv_heads, cfg.head_dim), NUMPY[self.out_dtype]
         self.target_kv = {f"{kv}{i}": self._zeros(shape, dtype) for kv in "kv" for i in range(cfg.n_layer)}

@@ -37,13 +37,16 @@ BACKENDS = ("cpu", "onnx")
 RESULTS = Path(__file__).resolve().parents[1] / "profiles" / "results"
 
 
-def median_ms(fn, reps: int) -> float:
-    times = []
+def interleaved_ms(calls: dict, reps: int) -> dict:
+    """{backend: {median_ms, min_ms}} of `reps` calls each, the backends alternating call by call so that
+    load from other jobs on the machine falls on both alike."""
+    times = {name: [] for name in calls}
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+        for name, fn in calls.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: {"median_ms": 1e3 * statistics.median(t), "min_ms": 1e3 * min(t)} for name, t in times.items()}
 
 
 def verify_latency(target, widths, threads: int, reps: int, cache_dir: str) -> dict:
@@ -60,7 +63,7 @@ def verify_latency(target, widths, threads: int, reps: int, cache_dir: str) -> d
     s, p = spec.max_len, spec.prefix_len
     cond = torch.tensor([1, cfg.null_class])
     pmask = (torch.arange(s)[None, None, :] < p).expand(2, p, s)
-    rows = [{"step": "prefill", **{b: median_ms(lambda r=runners[b]: r.prefill(cond, pmask), reps) for b in BACKENDS},
+    rows = [{"step": "prefill", **interleaved_ms({b: lambda r=runners[b]: r.prefill(cond, pmask) for b in BACKENDS}, reps),
              "max_abs_logit_diff": max_diff(runners, "prefill", cond, pmask)}]
     base = p + cfg.block_size // 2  # mid-image: half the image is in the cache
     for n in widths:
@@ -75,7 +78,7 @@ def verify_latency(target, widths, threads: int, reps: int, cache_dir: str) -> d
         mask[:, :, base:base + n] = mask_tree
         args = (tokens, positions, slots, mask)
         rows.append({"step": f"verify[{n}]", "tree": tree_name(n),
-                     **{b: median_ms(lambda r=runners[b]: r.verify(*args), reps) for b in BACKENDS},
+                     **interleaved_ms({b: lambda r=runners[b]: r.verify(*args) for b in BACKENDS}, reps),
                      "max_abs_logit_diff": max_diff(runners, "verify", *args)})
     return {"spec": asdict(spec), "prepare_s": prepare_s, "rows": rows,
             "profiles": {b: runners[b].profile() for b in BACKENDS}}
@@ -126,13 +129,16 @@ def markdown(result: dict) -> str:
              f"{m['cpus']} CPUs shared with other jobs (load average {m['loadavg_start']} at start, "
              f"{m['loadavg_end']} at end), {result['threads']} thread(s) per backend, torch {m['torch']}, "
              f"onnxruntime {m['onnxruntime']}. Random weights and a random drafter: timing only, tau is not "
-             "a trained drafter's. Medians of the repeated calls.", "",
+             "a trained drafter's. Step latencies: the two backends alternate call by call.", "",
              "## Target step latency (batch 2 = CFG rows)", "",
-             "| step | tree | torch eager ms | onnx ms | onnx speed-up | max abs logit diff |",
+             "| step | tree | torch eager ms (median / min) | onnx ms (median / min) | onnx speed-up (median) "
+             "| max abs logit diff |",
              "| --- | --- | ---: | ---: | ---: | ---: |"]
     for r in result["verify"]["rows"]:
-        lines.append(f"| {r['step']} | {r.get('tree', '')} | {r['cpu']:.2f} | {r['onnx']:.2f} | "
-                     f"{r['cpu'] / r['onnx']:.2f}x | {r['max_abs_logit_diff']:.2e} |")
+        c, o = r["cpu"], r["onnx"]
+        lines.append(f"| {r['step']} | {r.get('tree', '')} | {c['median_ms']:.1f} / {c['min_ms']:.1f} | "
+                     f"{o['median_ms']:.1f} / {o['min_ms']:.1f} | {c['median_ms'] / o['median_ms']:.2f}x | "
+                     f"{r['max_abs_logit_diff']:.2e} |")
     lines += ["", "## Whole generation (1 image, 256 tokens, greedy, CFG 4)", "",
               "| method | torch eager s | onnx s | onnx speed-up | tau | target forwards | same tokens |",
               "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
@@ -164,7 +170,7 @@ def main() -> None:
     # 1 by default: on a 2-core machine shared with other jobs, torch's OpenMP pool of 2 waits at barriers
     # for a descheduled thread (over a second per GPT-small step here), which would say nothing about ONNX
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--reps", type=int, default=21)
     ap.add_argument("--cache-dir", default=None, help="ONNX graph cache (default: a temporary folder)")
     ap.add_argument("--out", default=str(RESULTS / "onnx-bench"), help="results path without suffix")
     args = ap.parse_args()

@@ -48,15 +48,6 @@ def scaled(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model.eval()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny models: one thread each for torch and ORT, so neither waits on the other's idle pool."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def models():
     torch.manual_seed(0)

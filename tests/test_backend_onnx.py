@@ -190,6 +190,22 @@ def test_in_place_caches_hold_at_every_optimisation_level(models, opt_level, tmp
 
 
 @needs_ort
+def test_caption_prefix_parity(tmp_path):
+    """t2i: the prefill takes caption embeddings (B, P, C) and writes P prefix slots."""
+    cfg = gpt_preset("GPT-test", model_type="t2i", caption_dim=24, cls_token_num=3)
+    target = scaled(GPT(cfg), 4)
+    spec = StaticSpec(batch=2, max_len=32, prefix_len=3, verify_widths=(2,))
+    onnx = ONNXBackend(threads=1, cache_dir=str(tmp_path)).prepare(target, None, spec)
+    ref = get_backend("cpu").prepare(target, None, spec)
+    cond = torch.randn(2, 3, 24, generator=torch.Generator().manual_seed(0))
+    pmask = (torch.arange(32)[None, None, :] <= torch.arange(3)[None, :, None]).expand(2, 3, 32)
+    assert_close(onnx.prefill(cond, pmask), ref.prefill(cond, pmask), "t2i prefill")
+    args = tree_inputs(*random_tree(2, 0)[:2], base=3, batch=2, vocab=cfg.vocab_size, seed=0)
+    args = tuple(a[..., :32] if a.dim() == 3 else a for a in args)
+    assert_close(onnx.verify(*args), ref.verify(*args), "t2i verify after the caption prefix")
+
+
+@needs_ort
 def test_caches_are_bound_in_place(runners):
     """Each cache is one OrtValue bound as input and output of every graph: a step must change it."""
     onnx, _ = runners

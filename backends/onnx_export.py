@@ -1,7 +1,8 @@
 """Static-shape ONNX graphs of the runner steps, and an on-disk cache of them keyed by what they depend on.
 
 Each step is exported from a functional twin of the torch step: every layer's KV cache is a graph input
-`k{i}`/`v{i}` (B*S, H_kv, hd) and its updated copy an output `k{i}_out`/`v{i}_out`, produced by ONE
+`k{i}`/`v{i}` of (B*H_kv*S, hd) rows, a flattened (B, H_kv, S, hd) tensor (the layout attention reads, so no
+step transposes a cache), and its updated copy an output `k{i}_out`/`v{i}_out`, produced by ONE
 ScatterND of the new rows into the input. That scatter is the input's only reader, so the runtime can bind
 the same buffer as input and output and the cache is written in place, never copied per step: ONNX
 Runtime's ScatterND (CPU, and CUDA on its one stream) skips its input->output copy when both are the same
@@ -30,7 +31,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-FORMAT_VERSION = 2  # bump when the graphs' inputs, outputs or maths change: older cache files become stale
+FORMAT_VERSION = 3  # bump when the graphs' inputs, outputs or maths change: older cache files become stale
 OPSET = 17
 CACHE_ENV = "LANTERN_ONNX_CACHE"
 KINDS = ("prefill", "verify", "draft", "commit_target", "commit_draft")
@@ -42,26 +43,34 @@ def default_cache_dir() -> Path:
 
 
 class FunctionalKV:
-    """Duck-types StaticKVCache.flat/update for export, returning new tensors instead of writing in place."""
+    """Duck-types StaticKVCache.flat/update for export, returning new tensors instead of writing in place.
+    Each cache is (B*H_kv*S, hd): row (b*H_kv + h)*S + slot holds head h of slot `slot` of batch row b."""
 
-    def __init__(self, keys, values, batch: int, max_len: int):
+    def __init__(self, keys, values, batch: int, max_len: int, n_kv_head: int):
         self.keys, self.values = list(keys), list(values)
-        self.batch, self.max_len = batch, max_len
+        self.batch, self.max_len, self.n_kv_head = batch, max_len, n_kv_head
 
     def flat(self, slots: torch.Tensor) -> torch.Tensor:
-        """(B, T) per-row slots -> (B*T,) rows of the flattened (B*S, ...) cache."""
-        offset = torch.arange(self.batch, device=slots.device)[:, None] * self.max_len
-        return (slots + offset).reshape(-1)
+        """(B, T) per-row slots -> (B*H_kv*T,) cache rows, ordered (b, h, t)."""
+        b = torch.arange(self.batch, device=slots.device)[:, None, None]
+        h = torch.arange(self.n_kv_head, device=slots.device)[None, :, None]
+        return ((b * self.n_kv_head + h) * self.max_len + slots[:, None, :]).reshape(-1)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, flat_slots: torch.Tensor):
-        kc, vc = self.keys[layer], self.values[layer]  # (B*S, H_kv, hd)
-        self.keys[layer] = kc.index_put((flat_slots,), k.reshape(-1, *kc.shape[1:]))  # ScatterND
-        self.values[layer] = vc.index_put((flat_slots,), v.reshape(-1, *vc.shape[1:]))
-        shape = (self.batch, self.max_len, *kc.shape[1:])
-        return self.keys[layer].view(shape).transpose(1, 2), self.values[layer].view(shape).transpose(1, 2)
+        """k, v (B, T, H_kv, hd) -> both whole caches as (B, H_kv, S, hd) views, the new rows scattered in."""
+        hd = k.shape[-1]
+        self.keys[layer] = self.keys[layer].index_put((flat_slots,), k.transpose(1, 2).reshape(-1, hd))  # ScatterND
+        self.values[layer] = self.values[layer].index_put((flat_slots,), v.transpose(1, 2).reshape(-1, hd))
+        shape = (self.batch, self.n_kv_head, self.max_len, hd)
+        return self.keys[layer].view(shape), self.values[layer].view(shape)
 
     def outputs(self) -> tuple[torch.Tensor, ...]:
         return (*self.keys, *self.values)
+
+
+def cache_rows(batch: int, max_len: int, cfg) -> int:
+    """Rows of one layer's K (or V) cache: (B*H_kv*S, hd)."""
+    return batch * cfg.kv_heads * max_len
 
 
 def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -80,7 +89,7 @@ class PrefillGraph(nn.Module):
     def forward(self, cond, mask, *kv):
         """cond (B,) or (B, P, C); mask (B, P, S); kv 2L caches -> logits (B, 1, V), hidden (B, 1, D), kv."""
         n = len(kv) // 2
-        cache = FunctionalKV(kv[:n], kv[n:], self.batch, self.max_len)
+        cache = FunctionalKV(kv[:n], kv[n:], self.batch, self.max_len, self.target.config.kv_heads)
         h = self.target.embed_condition(cond).to(self.target.tok_embeddings.weight.dtype)
         hidden = self.target.forward_cached(h, self.positions, additive(mask, h.dtype), cache, self.positions)[:, -1:]
         return (self.target.head(hidden), hidden, *cache.outputs())
@@ -94,7 +103,7 @@ class VerifyGraph(nn.Module):
     def forward(self, tokens, positions, slots, mask, *kv):
         """tokens, positions, slots (B, T); mask (B, T, S) -> logits (B, T, V), hidden (B, T, D), kv."""
         n = len(kv) // 2
-        cache = FunctionalKV(kv[:n], kv[n:], self.batch, self.max_len)
+        cache = FunctionalKV(kv[:n], kv[n:], self.batch, self.max_len, self.target.config.kv_heads)
         h = self.target.tok_embeddings(tokens)
         hidden = self.target.forward_cached(h, positions, additive(mask, h.dtype), cache, slots)
         return (self.target.head(hidden), hidden, *cache.outputs())
@@ -107,7 +116,7 @@ class DraftGraph(nn.Module):
 
     def forward(self, tokens, features, positions, slots, mask, k0, v0):
         """(feature, token) pairs (B, T) -> logits (B, T, V), predicted features (B, T, D), drafter kv."""
-        cache = FunctionalKV([k0], [v0], self.batch, self.max_len)
+        cache = FunctionalKV([k0], [v0], self.batch, self.max_len, self.target.config.kv_heads)
         feats = self.drafter(self.target, tokens, features, positions, additive(mask, features.dtype), cache, slots)
         return (self.target.head(feats), feats, *cache.outputs())
 
@@ -119,7 +128,8 @@ class CommitGraph(nn.Module):
 
     def forward(self, src, dst, *kv):
         """src, dst (B, A) slots -> every cache with cache[dst] = cache[src] (gathered first)."""
-        cache = FunctionalKV([], [], self.batch, self.max_len)
+        heads = kv[0].shape[0] // (self.batch * self.max_len)
+        cache = FunctionalKV([], [], self.batch, self.max_len, heads)
         s, d = cache.flat(src), cache.flat(dst)
         return tuple(c.index_put((d,), c.index_select(0, s)) for c in kv)
 
@@ -180,7 +190,7 @@ def _example(key: GraphKey, target, drafter, dtype: torch.dtype):
     cfg = target.config
     b, s, t = key.batch, key.max_len, key.width
     n_cache_layers = 1 if key.kind in ("draft", "commit_draft") else cfg.n_layer
-    kv = [torch.zeros(b * s, cfg.kv_heads, cfg.head_dim, dtype=dtype) for _ in range(2 * n_cache_layers)]
+    kv = [torch.zeros(cache_rows(b, s, cfg), cfg.head_dim, dtype=dtype) for _ in range(2 * n_cache_layers)]
     kv_names = [f"k{i}" for i in range(n_cache_layers)] + [f"v{i}" for i in range(n_cache_layers)]
     kv_out = [f"{n}_out" for n in kv_names]
     positions = (key.prefix_len + torch.arange(t))[None].expand(b, t).contiguous()

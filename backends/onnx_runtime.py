@@ -20,6 +20,7 @@ import torch
 
 from lantern.backends.base import (Availability, Backend, BackendUnavailable, Capabilities, MemoryReport, Runner,
                                    StaticSpec, StepOutput, dummy_step_inputs, parse_dtype)
+from lantern.backends.onnx_export import cache_rows, ensure_graphs
 
 OPT_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED",
               "all": "ORT_ENABLE_ALL"}
@@ -97,7 +98,7 @@ class ORTRunner(Runner):
         name, options = _provider_pair(self.providers[0])  # after any fallback, the provider that started
         self.ort_device = ("cuda", options.get("device_id", 0)) if name == "CUDAExecutionProvider" else ("cpu", 0)
         cfg, self.out_dtype = model_config, parse_dtype(spec.dtype)
-        shape, dtype = (spec.batch * spec.max_len, cfg.kv_heads, cfg.head_dim), NUMPY[self.out_dtype]
+        shape, dtype = (cache_rows(spec.batch, spec.max_len, cfg), cfg.head_dim), NUMPY[self.out_dtype]
         self.target_kv = {f"{kv}{i}": self._zeros(shape, dtype) for kv in "kv" for i in range(cfg.n_layer)}
         self.draft_kv = {f"{kv}0": self._zeros(shape, dtype) for kv in "kv"} if spec.draft_widths else {}
         self.graphs = {name: _Graph(s, self._caches_of(name)) for name, s in self.sessions.items()}
@@ -304,8 +305,6 @@ class ONNXBackend(Backend):
         ort, reason = _import_ort(self.name)
         if ort is None:
             raise BackendUnavailable(f"{self.name}: {reason}")
-        from lantern.backends.onnx_export import ensure_graphs
-
         paths = ensure_graphs(target, drafter if spec.draft_widths else None, spec, self.cache_dir)
         runner = ORTRunner(ort, paths, target.config, spec, self.providers(), self.settings)
         runner.backend_name = self.name

@@ -99,6 +99,12 @@ def tree_inputs(mask, depth, base: int, batch: int, vocab: int, seed: int):
     return tokens, positions, slots, full
 
 
+def torch_layout(value, batch: int, cfg) -> torch.Tensor:
+    """An ONNX cache OrtValue (B*H_kv*S, hd) as the torch StaticKVCache lays it out: (B*S, H_kv, hd)."""
+    rows = torch.from_numpy(value.numpy())
+    return rows.view(batch, cfg.kv_heads, -1, cfg.head_dim).transpose(1, 2).reshape(-1, cfg.kv_heads, cfg.head_dim)
+
+
 def assert_close(got, ref, what: str):
     for name, a, b in (("logits", got.logits, ref.logits), ("hidden", got.hidden, ref.hidden)):
         assert a.shape == b.shape and a.dtype == b.dtype, (what, name, a.shape, b.shape, a.dtype, b.dtype)
@@ -142,7 +148,7 @@ def test_verify_parity_over_steps_with_commits(runners, models, kind, n):
         base += len(path)
     for name, value in onnx.target_kv.items():
         want = getattr(ref.target_cache, name)
-        assert torch.allclose(torch.from_numpy(value.numpy()), want, atol=1e-5), f"cache {name} differs"
+        assert torch.allclose(torch_layout(value, 2, cfg), want, atol=1e-5), f"cache {name} differs"
 
 
 @needs_ort
@@ -167,7 +173,7 @@ def test_draft_parity_over_steps_with_commits(runners, models, width):
         ref.commit(src, dst, "draft")
         base += width
     for name, value in onnx.draft_kv.items():
-        assert torch.allclose(torch.from_numpy(value.numpy()), getattr(ref.draft_cache, name), atol=1e-5)
+        assert torch.allclose(torch_layout(value, 2, cfg), getattr(ref.draft_cache, name), atol=1e-5)
 
 
 @needs_ort
@@ -210,11 +216,11 @@ def test_caches_are_bound_in_place(runners):
     """Each cache is one OrtValue bound as input and output of every graph: a step must change it."""
     onnx, _ = runners
     value = onnx.target_kv["k0"]
-    before = value.numpy().copy()
+    cfg = onnx.model_config
+    before = torch_layout(value, 2, cfg)
     tokens, positions, slots, mask = tree_inputs(*random_tree(4, 0)[:2], base=5, batch=2, vocab=8, seed=0)
     onnx.verify(tokens, positions, slots, mask)
-    after = value.numpy()
-    changed = (after != before).any(axis=(1, 2)).nonzero()[0].tolist()
+    changed = (torch_layout(value, 2, cfg) != before).flatten(1).any(1).nonzero().flatten().tolist()
     assert changed == [5, 6, 7, 8, MAX_LEN + 5, MAX_LEN + 6, MAX_LEN + 7, MAX_LEN + 8]
 
 

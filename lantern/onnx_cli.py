@@ -31,9 +31,10 @@ def add_export_onnx_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", help="target weights (LlamaGen .pt/.pth or .safetensors); without it: "
                                         "random weights from --seed (for tests and timing only)")
     p.add_argument("--drafter-checkpoint", help="drafter weights (speculative methods)")
-    p.add_argument("--method", default="ar", choices=METHODS)
+    p.add_argument("--method", default="lantern++", choices=METHODS, help="as for generate (same default)")
     p.add_argument("--drafting", help="override the method's drafting: dynamic, a tree preset or a .json of paths")
-    p.add_argument("--cfg-scale", type=float, default=1.0, help="> 1 exports the two-row CFG batch")
+    p.add_argument("--cfg-scale", type=float, default=1.0,
+                   help="the scale generate will use: > 1 exports the two-row CFG batch")
     p.add_argument("--images", type=int, default=1, help="images per AR batch")
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--seed", type=int, default=0)

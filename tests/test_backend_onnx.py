@@ -356,7 +356,8 @@ def test_export_onnx_command(models, tmp_path, capsys, monkeypatch):
     ckpt = tmp_path / "target.pt"
     torch.save({"model": target.state_dict()}, ckpt)
     out = tmp_path / "graphs"
-    argv = ["export-onnx", "--preset", "GPT-test", "--checkpoint", str(ckpt), "--cfg-scale", "2", "--out", str(out)]
+    argv = ["export-onnx", "--preset", "GPT-test", "--checkpoint", str(ckpt), "--method", "ar", "--cfg-scale", "2",
+            "--out", str(out)]
     assert main(argv + ["--json"]) == 0
     graphs = json.loads(capsys.readouterr().out)["graphs"]
     assert sorted(graphs) == ["commit_target", "prefill", "verify[1]"]

@@ -19,6 +19,8 @@ BUILTIN: dict[str, str] = {
     "cpu-graph": "lantern.backends.torch_graph:CPUGraphBackend",
     "cuda-graph": "lantern.backends.torch_graph:CUDAGraphBackend",
     "hpu": "lantern.backends.hpu:HPUBackend",
+    "onnx": "lantern.backends.onnx_runtime:ONNXBackend",
+    "onnx-cuda": "lantern.backends.onnx_runtime:ONNXCUDABackend",
 }
 
 # `auto` tries these in order and takes the first available.

@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("backends", help="list backends: available or why not, device, dtypes")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_backends, show=print_backends)
+
+    from lantern.onnx_cli import add_export_onnx_command
+    add_export_onnx_command(sub)
     return parser
 
 

@@ -62,6 +62,7 @@ class StaticSpec:
     verify_widths: tuple[int, ...]  # T of target steps: 1 for AR, N (root + drafted nodes) for a tree
     draft_widths: tuple[int, ...] = ()  # T of drafter steps; empty = no drafter
     dtype: str = "fp32"
+    commit_width: Optional[int] = None  # slot pairs per commit (longest accepted path + root); None = widest step
 
     def __post_init__(self):
         parse_dtype(self.dtype)
@@ -72,12 +73,20 @@ class StaticSpec:
         if not self.verify_widths or min(widths) < 1 or max(widths) > self.max_len - self.prefix_len:
             raise ValueError(f"step widths {widths} must be in [1, max_len - prefix_len = "
                              f"{self.max_len - self.prefix_len}]")
+        if self.commit_width is not None and not 1 <= self.commit_width <= self.max_len - self.prefix_len:
+            raise ValueError(f"commit_width {self.commit_width} must be in [1, {self.max_len - self.prefix_len}]")
+
+    @property
+    def commit_pairs(self) -> int:
+        """A: slot pairs of one commit; callers pad shorter ones so a graph backend captures one shape."""
+        return self.commit_width or max(self.verify_widths + self.draft_widths)
 
     @property
     def static_steps(self) -> list[str]:
         """Names of the distinct static steps (one compiled graph each in graph mode)."""
         steps = ["prefill"] + [f"verify[{t}]" for t in self.verify_widths]
         steps += [f"draft[{t}]" for t in self.draft_widths]
+        steps += ["commit[target]"] + (["commit[draft]"] if self.draft_widths else [])
         return steps
 
 

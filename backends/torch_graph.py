@@ -5,7 +5,7 @@
 - it pads every commit to one fixed width, so compaction is one graph whatever the accepted length;
 - its warm-up runs every step twice, so what a mode does on first and second calls (compile, capture, CUDA
   graph recording) is done before timing starts;
-- `graph_keys()` names the graphs a whole generation uses: one per static step, plus one per cache commit.
+- `graph_keys()` names the graphs a whole generation uses: one per static step (commits included).
 Subclasses say only how a step module is captured (`wrap_step`) and what ends a step (`step_done`).
 """
 from __future__ import annotations
@@ -64,13 +64,8 @@ class CapturedRunner(TorchRunner):
     def step_done(self) -> None:
         """(optional) What must follow every step (lazy HPU: mark_step); default nothing."""
 
-    @property
-    def commit_width(self) -> int:
-        return max(self.spec.verify_widths + self.spec.draft_widths)
-
     def graph_keys(self) -> list[str]:
-        keys = self.spec.static_steps + ["commit[target]"]
-        return keys + ["commit[draft]"] if self.drafter is not None else keys
+        return self.spec.static_steps
 
     def _finish(self, out: StepOutput) -> StepOutput:
         if self.clone_outputs:
@@ -91,7 +86,7 @@ class CapturedRunner(TorchRunner):
         return self._finish(super().draft(*as_inference(tokens, features, positions, slots, mask)))
 
     def commit(self, src, dst, cache):
-        super().commit(*as_inference(*pad_pairs(src, dst, self.commit_width)), cache)
+        super().commit(*as_inference(*pad_pairs(src, dst, self.spec.commit_pairs)), cache)
         self.step_done()
 
     def warmup(self) -> float:

@@ -39,11 +39,12 @@ def check_classes(classes: Sequence[int], num_classes: int) -> list[int]:
 
 class Pipeline:
     def __init__(self, target, drafter=None, proximity: Optional[torch.Tensor] = None, backend: str | None = None,
-                 dtype: str = "fp32", **backend_options):
+                 dtype: str | None = None, **backend_options):
+        """dtype None = the backend's preferred one (fp32 on CPU and CUDA, bf16 on HPU)."""
         self.target, self.drafter, self.proximity = target.eval(), drafter, proximity
         self.backend = get_backend(backend, **backend_options)
-        self.backend.check_dtype(dtype)
-        self.dtype = dtype
+        self.dtype = dtype or self.backend.capabilities().dtypes[0]
+        self.backend.check_dtype(self.dtype)
         self._runners: dict = {}
 
     @property

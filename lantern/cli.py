@@ -40,7 +40,7 @@ def add_decode_options(p: argparse.ArgumentParser) -> None:
 def add_backend_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("backend")
     g.add_argument("--backend", help="auto | cpu | cuda | ... (default: $LANTERN_BACKEND, else auto)")
-    g.add_argument("--dtype", default="fp32", help="fp32 | bf16 | fp16 (what the backend supports)")
+    g.add_argument("--dtype", help="fp32 | bf16 | fp16, what the backend supports (default: its preferred one)")
 
 
 def decode_config_from_args(args, default_cfg_scale: float):

@@ -58,8 +58,13 @@ def run_padded(runner: Runner, width: int, tokens, features, positions, slots, m
         own = torch.zeros(pad, s, dtype=torch.bool)
         own[torch.arange(pad), pad_slots] = True  # a padding pair sees only itself
         mask = torch.cat([mask, own])
-    expand = lambda x: x[None].expand(rows, *x.shape).to(dev)  # noqa: E731  same tree on every CFG row
-    return runner.draft(expand(tokens), features.to(dev), expand(positions), expand(slots), expand(mask))
+    return runner.draft(on_rows(tokens, rows, dev), features.contiguous().to(dev), on_rows(positions, rows, dev),
+                        on_rows(slots, rows, dev), on_rows(mask, rows, dev))
+
+
+def on_rows(x: torch.Tensor, rows: int, device) -> torch.Tensor:
+    """The same tree input for every CFG row: (...) -> (rows, ...), dense (graph backends key on strides)."""
+    return x[None].expand(rows, *x.shape).contiguous().to(device)
 
 
 def catch_up(ctx: DraftContext, features: torch.Tensor, tokens: torch.Tensor, start: int):

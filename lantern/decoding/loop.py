@@ -15,7 +15,7 @@ import torch
 from lantern.backends.base import Runner, StaticSpec
 from lantern.decoding.acceptance import Acceptance, walk_tree
 from lantern.decoding.config import DecodeConfig
-from lantern.decoding.drafting import DraftContext, catch_up, draft_dynamic, draft_static
+from lantern.decoding.drafting import DraftContext, catch_up, draft_dynamic, draft_static, on_rows
 from lantern.decoding.sampling import combine_cfg, sample_from, warp
 from lantern.decoding.stats import GenerationStats
 
@@ -26,11 +26,12 @@ def static_spec(dcfg: DecodeConfig, model_config, images: int, dtype: str) -> St
     p, n = model_config.cls_token_num, dcfg.verify_width
     if not dcfg.speculative:
         return StaticSpec(batch=rows, max_len=_round8(p + model_config.block_size), prefix_len=p,
-                          verify_widths=(1,), dtype=dtype)
+                          verify_widths=(1,), dtype=dtype, commit_width=1)
     catchup, width = dcfg.tree_depth + 1, dcfg.draft_width
     scratch = n + width + catchup if dcfg.drafting != "dynamic" else dcfg.dynamic_top_k * dcfg.dynamic_depth + width
     return StaticSpec(batch=rows, max_len=_round8(p + model_config.block_size + max(n, scratch) + catchup),
-                      prefix_len=p, verify_widths=(n,), draft_widths=tuple(sorted({catchup, width})), dtype=dtype)
+                      prefix_len=p, verify_widths=(n,), draft_widths=tuple(sorted({catchup, width})), dtype=dtype,
+                      commit_width=catchup)
 
 
 def _round8(n: int) -> int:
@@ -45,8 +46,8 @@ def condition_rows(cond: torch.Tensor, dcfg: DecodeConfig, target_config, null: 
 def _prefill(runner: Runner, rows: torch.Tensor):
     spec = runner.spec
     p, s = spec.prefix_len, spec.max_len
-    mask = torch.arange(s)[None, None, :] <= torch.arange(p)[None, :, None]  # (1, P, S) causal over the prefix
-    out = runner.prefill(rows.to(runner.device), mask.expand(spec.batch, p, s).to(runner.device))
+    mask = torch.arange(s)[None, :] <= torch.arange(p)[:, None]  # (P, S) causal over the prefix
+    out = runner.prefill(rows.to(runner.device), on_rows(mask, spec.batch, runner.device))
     return out.logits[:, -1].float().cpu(), out.hidden[:, -1]  # (R, V), (R, D)
 
 
@@ -54,6 +55,7 @@ def _choose(probs: torch.Tensor, greedy: bool, generator: torch.Generator) -> to
     return probs.argmax(-1) if greedy else sample_from(probs, generator)
 
 
+@torch.inference_mode()
 def decode_ar(runner: Runner, cond_rows: torch.Tensor, dcfg: DecodeConfig, n_images: int, block: int,
               generator: torch.Generator) -> tuple[torch.Tensor, GenerationStats]:
     """Plain AR over a batch of images: one target forward per token. Returns tokens (n, block)."""
@@ -69,11 +71,12 @@ def decode_ar(runner: Runner, cond_rows: torch.Tensor, dcfg: DecodeConfig, n_ima
     slot_ids = torch.arange(s)
     for t in range(1, block):
         pos = spec.prefix_len + t - 1  # sequence position of the token being fed
-        positions = torch.full((spec.batch, 1), pos)
-        mask = (slot_ids <= pos)[None, None].expand(spec.batch, 1, s)
+        positions = torch.full((spec.batch, 1), pos, device=dev)
+        slots = positions.clone()  # its own tensor: graph backends key on inputs that alias each other
+        mask = on_rows((slot_ids <= pos)[None], spec.batch, dev)
         with runner.phase("decode"):
             rows_tok = tok.repeat(sc.rows_per_image)[:, None]
-            o = runner.verify(rows_tok.to(dev), positions.to(dev), positions.to(dev), mask.to(dev))
+            o = runner.verify(rows_tok.to(dev), positions, slots, mask)
             probs = warp(combine_cfg(o.logits[:, 0].float().cpu(), sc.cfg_scale, sc.use_cfg), sc)
             tok = _choose(probs, sc.greedy, generator)
         stats.target_forwards += 1
@@ -83,6 +86,7 @@ def decode_ar(runner: Runner, cond_rows: torch.Tensor, dcfg: DecodeConfig, n_ima
     return torch.stack(out, dim=1), stats
 
 
+@torch.inference_mode()
 def decode_speculative(runner: Runner, cond_rows: torch.Tensor, dcfg: DecodeConfig, block: int,
                        generator: torch.Generator, proximity: Optional[torch.Tensor]) -> tuple[torch.Tensor, GenerationStats]:
     """One image (its CFG rows) with a drafter: returns tokens (block,) and the stats."""
@@ -116,9 +120,9 @@ def decode_speculative(runner: Runner, cond_rows: torch.Tensor, dcfg: DecodeConf
         with runner.phase("verify"):
             mask = (slot_ids < r)[None].repeat(n, 1)
             mask[:, r:r + n] = t.mask  # (N, S): the committed cache plus each node's ancestors
-            expand = lambda x: x[None].expand(spec.batch, *x.shape).to(dev)  # noqa: E731  same tree, every row
-            out = runner.verify(expand(drafted.tokens), expand(r + t.node_depth), expand(r + torch.arange(n)),
-                                expand(mask))
+            b = spec.batch
+            out = runner.verify(on_rows(drafted.tokens, b, dev), on_rows(r + t.node_depth, b, dev),
+                                on_rows(r + torch.arange(n), b, dev), on_rows(mask, b, dev))
             p_nodes = warp(combine_cfg(out.logits.float().cpu(), sc.cfg_scale, sc.use_cfg), sc)[0]  # (N, V)
         stats.target_forwards += 1
         with runner.phase("accept"):
@@ -126,13 +130,13 @@ def decode_speculative(runner: Runner, cond_rows: torch.Tensor, dcfg: DecodeConf
                              generator, max_accept=block - len(tokens) - 1)
         m = len(walk.path) - 1
         with runner.phase("commit"):
-            width = dcfg.tree_depth + 1
+            width = spec.commit_pairs
             path = torch.tensor(walk.path)
             # pad with self-copies past the new length, so every dst is distinct and nothing valid is touched
             pad = r + m + 1 + torch.arange(width - m - 1)
             src = torch.cat([r + path, pad])
             dst = torch.cat([r + torch.arange(m + 1), pad])
-            runner.commit(src[None].expand(spec.batch, -1).to(dev), dst[None].expand(spec.batch, -1).to(dev), "target")
+            runner.commit(on_rows(src, spec.batch, dev), on_rows(dst, spec.batch, dev), "target")
         new_tokens = drafted.tokens[path[1:]].tolist() + [walk.bonus]
         tokens += new_tokens
         pending_feats = out.hidden[:, path]  # features of the root and the accepted nodes: (R, m+1, D)

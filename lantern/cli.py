@@ -10,6 +10,8 @@ import sys
 import traceback
 from pathlib import Path
 
+from lantern.profile.cli import add_profile_commands
+
 EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT, EXIT_UNAVAILABLE = 0, 1, 2, 3
 
 
@@ -57,7 +59,9 @@ def cmd_generate(args) -> dict:
     from lantern.api import Pipeline
     from lantern.bundle import load_bundle
     from lantern.images import save_images
+    from lantern.profile.cli import apply_profile
 
+    apply_profile(args)
     bundle = load_bundle(args.model)
     dcfg = decode_config_from_args(args, bundle.default_cfg_scale)
     pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend=args.backend, dtype=args.dtype)
@@ -122,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--scale", type=int, default=4, help="upscale factor of the written PNGs")
     g.add_argument("--no-images", action="store_true", help="tokens and stats only")
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--profile", help="hardware profile NAME or .toml FILE: its backend, dtype, threads and tuned tree")
     add_decode_options(g)
     add_backend_options(g)
     g.set_defaults(func=cmd_generate, show=print_generate)
@@ -129,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("backends", help="list backends: available or why not, device, dtypes")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_backends, show=print_backends)
+
+    add_profile_commands(sub)
     return parser
 
 
@@ -149,7 +156,7 @@ def main(argv=None) -> int:
         print(json.dumps(out))
     else:
         args.show(out)
-    return EXIT_OK
+    return out.get("exit_code", EXIT_OK)
 
 
 def _fail(message: str, code: int, as_json: bool) -> int:

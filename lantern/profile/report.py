@@ -130,7 +130,9 @@ def markdown(files: list[tuple[str, dict]], plots: dict) -> str:
                            f"{r['spread_s'][1]:.2f}) | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "
                            f"{_fmt(r['speedup'], '.2f')}x | {r['peak_bytes'] / MIB:.0f} |")
         out.append("")
-        out += ["## Memory (widest generation of each run, MiB)", "", "| run | case | N | peak | weights | KV cache | "
+        out += ["## Memory (widest generation of each run, MiB)", "",
+                "Where the peak is the process RSS (CPU backends), workspace includes the interpreter and libraries.",
+                "", "| run | case | N | peak | weights | KV cache | "
                 "tree buffers | workspace | source |", "|---|---|---|---|---|---|---|---|---|"]
         for n, d in measured:
             m = memory_parts(d)
@@ -212,17 +214,23 @@ def plot(files: list[tuple[str, dict]], out_dir: Path) -> dict:
     mem = {n: memory_parts(d) for n, d in measured}
     mem = {n: m for n, m in mem.items() if m}
     if mem:
-        fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(mem) + 2), 4.2))
         names = list(mem)
+        fig, axes = plt.subplots(1, 2, figsize=(max(9.0, 2.4 * len(mem) + 4), 4.2))
         bottom = [0.0] * len(names)
-        for part in MEMORY_PARTS:
+        for part in MEMORY_PARTS[:-1]:  # what the model and its static shapes hold
             vals = [mem[n][part] / MIB for n in names]
-            ax.bar(names, vals, bottom=bottom, label=part.removesuffix("_bytes").replace("_", " "))
+            axes[0].bar(names, vals, bottom=bottom, label=part.removesuffix("_bytes").replace("_", " "))
             bottom = [b + v for b, v in zip(bottom, vals)]
-        ax.scatter(names, [mem[n]["peak_bytes"] / MIB for n in names], color="k", marker="_", s=400, label="peak")
-        ax.set(ylabel="MiB", title="Peak memory and its parts (widest generation)")
-        ax.tick_params(axis="x", labelsize=7)
-        ax.legend(fontsize=7)
+        axes[0].set(ylabel="MiB", title="Weights, KV cache and tree buffers")
+        fixed = [sum(mem[n][p] for p in MEMORY_PARTS[:-1]) / MIB for n in names]
+        work = [mem[n]["workspace_bytes"] / MIB for n in names]
+        axes[1].bar(names, fixed, label="weights + KV + tree buffers")
+        axes[1].bar(names, work, bottom=fixed, label="workspace (rest of the peak)")
+        axes[1].set(ylabel="MiB", title="Peak memory (" + ", ".join(sorted({mem[n]["source"] for n in names})) + ")")
+        for ax in axes:
+            ax.tick_params(axis="x", labelsize=7)
+            ax.legend(fontsize=7)
+        fig.suptitle("Memory of the widest generation of each run", fontsize=10)
         fig.tight_layout()
         plots["memory"] = out_dir / "memory.png"
         fig.savefig(plots["memory"], dpi=110)

@@ -66,7 +66,7 @@ class CostModel:
 
 
 @dataclass(frozen=True)
-class Acceptance:
+class AcceptanceRates:
     rates: tuple[tuple[float, ...], ...]  # rates[d - 1][j]: a[d][j]
 
     @property
@@ -98,7 +98,7 @@ def tree_shape(paths: Paths) -> tuple[int, int, int]:
     return len(paths) + 1, max(len(p) for p in paths), max(levels.values(), default=0)
 
 
-def evaluate(paths: Paths, acc: Acceptance, cost: CostModel) -> dict:
+def evaluate(paths: Paths, acc: AcceptanceRates, cost: CostModel) -> dict:
     n, depth, width = tree_shape(paths)
     tau = 1.0 + sum(acc.path_probability(p) for p in paths)
     step = cost.step_seconds(n, depth, width)
@@ -133,7 +133,7 @@ class _Growing:
         self.depth = max(self.depth, len(c))
 
 
-def choose_tree(acc: Acceptance, cost: CostModel, max_nodes: Optional[int] = None) -> dict:
+def choose_tree(acc: AcceptanceRates, cost: CostModel, max_nodes: Optional[int] = None) -> dict:
     """Greedy growth (see the module doc). Returns the best tree, its predicted numbers and the trajectory."""
     max_nodes = min(max_nodes or cost.max_nodes, cost.max_nodes)
     if max_nodes < 2:
@@ -210,12 +210,12 @@ def cost_model(data: dict) -> tuple[CostModel, list[dict]]:
     return CostModel(bare.verify, bare.draft, a, b), used
 
 
-def acceptance_model(data: dict) -> Acceptance:
+def acceptance_model(data: dict) -> AcceptanceRates:
     probe = data["cases"].get("acceptance/probe")
     if not probe or probe["status"] != "ok":
         raise ValueError("tuning needs the acceptance/probe case of `lantern profile run` (missing or failed in "
                          "this results file)")
-    return Acceptance(tuple(tuple(row) for row in probe["result"]["rates"]))
+    return AcceptanceRates(tuple(tuple(row) for row in probe["result"]["rates"]))
 
 
 def ar_seconds_per_token(data: dict) -> Optional[float]:

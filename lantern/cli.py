@@ -57,11 +57,13 @@ def decode_config_from_args(args, default_cfg_scale: float):
 
 def cmd_generate(args) -> dict:
     from lantern.api import Pipeline
+    from lantern.backends import get_backend
     from lantern.bundle import load_bundle
     from lantern.images import save_images
     from lantern.profile.cli import apply_profile
 
-    apply_profile(args)
+    apply_profile(args)  # a --profile supplies backend, dtype, threads and tuned tree
+    get_backend(args.backend)  # an unknown or unavailable backend fails before any loading or writing
     bundle = load_bundle(args.model)
     dcfg = decode_config_from_args(args, bundle.default_cfg_scale)
     pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend=args.backend, dtype=args.dtype)

@@ -7,6 +7,9 @@ from lantern.models.drafter import Drafter
 from lantern.models.gpt import GPT
 from lantern.proximity import build_proximity_table
 
+# Tiny models: one thread avoids OpenMP hand-offs that cost more than the maths (and fights over 2 cores).
+torch.set_num_threads(1)
+
 
 def make_models(cfg: GPTConfig, seed: int = 0, sharpen: float = 8.0):
     """A random target whose output head is scaled up (so its distributions are peaked, like a trained

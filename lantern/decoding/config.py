@@ -1,7 +1,7 @@
 """Decoding options in one dataclass, and the method presets with the papers' defaults."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from lantern.decoding.acceptance import KINDS
 from lantern.decoding.sampling import SamplingConfig
@@ -19,6 +19,7 @@ class DecodeConfig:
     dynamic_depth: int = 5  # EAGLE-2: drafting depth
     dynamic_top_k: int = 10  # EAGLE-2: beams expanded per depth, children per beam
     dynamic_total: int = 60  # EAGLE-2: verified nodes, root included (the static verify width)
+    _tree: CompiledTree | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.acceptance not in KINDS:
@@ -36,16 +37,15 @@ class DecodeConfig:
             if self.dynamic_total < 2:
                 raise ValueError(f"dynamic_total {self.dynamic_total} must be >= 2 (the root and one node)")
         elif self.drafting != "none":
-            load_tree(self.drafting)  # fails early, naming the presets
+            # compiled once (fails early, naming the presets); frozen, hence object.__setattr__
+            object.__setattr__(self, "_tree", compile_tree(load_tree(self.drafting)))
 
     @property
     def speculative(self) -> bool:
         return self.drafting != "none"
 
     def static_tree(self) -> CompiledTree | None:
-        if self.drafting in ("none", "dynamic"):
-            return None
-        return compile_tree(load_tree(self.drafting))
+        return self._tree
 
     @property
     def verify_width(self) -> int:
@@ -70,8 +70,8 @@ class DecodeConfig:
         return max(tree.draft_width, 1) if tree else 0
 
     def to_dict(self) -> dict:
-        from dataclasses import asdict
-        return asdict(self)
+        return {f.name: getattr(self, f.name) if f.name != "sampling" else asdict(self.sampling)
+                for f in fields(self) if f.init}
 
 
 METHODS = ("ar", "eagle2", "lantern", "lantern++")

@@ -144,14 +144,16 @@ def measure_tuned(profile_path: Path, data: dict, repeats) -> dict:
     dcfgs = {"lantern++-57": method_preset("lantern++", suite.sampling),
              "tuned": method_preset("lantern++", suite.sampling, drafting=str(profile.tuned_tree_file()))}
     reps = repeats or profile.generation_repeats
-    runs = measure.side_by_side(suite.pipe, dcfgs, list(profile.classes), profile.seed, profile.generation_warmup, reps)
+    runs = measure.side_by_side(suite.make_pipe(), dcfgs, list(profile.classes), profile.seed,
+                                profile.generation_warmup, reps)
     return {"runs": runs, "classes": list(profile.classes), "repeats": reps,
             "tuned_over_default": runs["tuned"]["wall"]["median_s"] / runs["lantern++-57"]["wall"]["median_s"]}
 
 
 def print_tune(out: dict) -> None:
     sp = out["predicted_speedup_vs_ar"]
-    print(f"profile {out['profile']}: tree N={out['N']} depth {out['depth']}, predicted tau {out['predicted_tau']:.2f}, "
+    print(f"profile {out['profile']}: tree N={out['N']} depth {out['depth']}, "
+          f"predicted tau {out['predicted_tau']:.2f}, "
           f"step {out['predicted_step_ms']:.1f} ms" + (f", speed-up vs AR {sp:.2f}x" if sp else ""))
     for name, p in out["presets"].items():
         sp = p["speedup_vs_ar"]

@@ -37,7 +37,9 @@ def process_peak_rss() -> int:
 
 def step_spec(model_config, rows: int, dtype: str, verify: int, draft: int = 0) -> StaticSpec:
     p = model_config.cls_token_num
-    max_len = (p + model_config.block_size + max(verify, draft) + 7) // 8 * 8  # room for any width, as generation has
+    # about what a generation with a tree this wide allocates (static_spec: tree, scratch slots, catch-up),
+    # since every step attends over all S slots
+    max_len = (p + model_config.block_size + 2 * max(verify, draft) + 16 + 7) // 8 * 8
     return StaticSpec(batch=rows, max_len=max_len, prefix_len=p,
                       verify_widths=(verify,), draft_widths=(draft,) if draft else (), dtype=dtype)
 

@@ -2,6 +2,7 @@
 plots (verify latency vs N, speed-up per method and tree, memory and its parts)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Optional
 
@@ -50,6 +51,7 @@ def generation_rows(data: dict) -> list[dict]:
             w = r["wall"]
             row.update(wall_s=w["median_s"], spread_s=(w["min_s"], w["max_s"]), tau=r["tau"],
                        tokens_per_s=r["tokens_per_s"], N=r["verify_width"],
+                       step_ms=sum(w["samples_s"]) / max(r["verify_steps"], 1) * 1e3,
                        speedup=ar_s / w["median_s"] if ar_s and w["median_s"] else None,
                        peak_bytes=r["memory"]["peak_bytes"])
         else:
@@ -119,15 +121,18 @@ def markdown(files: list[tuple[str, dict]], plots: dict) -> str:
             out.append(f"| {w} | " + " | ".join(f"{c[w] * 1e3:.2f}" if w in c else "-" for c in drafts.values()) + " |")
         out.append("")
     if measured:
-        out += ["## Whole generation", "", "| run | method / tree | N | wall s (min..max) | tau | tokens/s | "
-                "speed-up vs AR | peak MiB |", "|---|---|---|---|---|---|---|---|"]
+        out += ["## Whole generation", "", "Wall time per pass over the classes (one image per class, decoded one at a "
+                "time); step ms = wall / target steps.", "",
+                "| run | method / tree | N | wall s (min..max) | step ms | tau | tokens/s | speed-up vs AR | "
+                "peak MiB |",
+                "|---|---|---|---|---|---|---|---|---|"]
         for n, d in measured:
             for r in generation_rows(d):
                 if r["status"] != "ok":
-                    out.append(f"| {n} | {r['case']} | | failed: {r['error'][:120]} | | | | |")
+                    out.append(f"| {n} | {r['case']} | | failed: {r['error'][:120]} | | | | | |")
                     continue
                 out.append(f"| {n} | {r['case']} | {r['N']} | {r['wall_s']:.2f} ({r['spread_s'][0]:.2f}.."
-                           f"{r['spread_s'][1]:.2f}) | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "
+                           f"{r['spread_s'][1]:.2f}) | {r['step_ms']:.1f} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "
                            f"{_fmt(r['speedup'], '.2f')}x | {r['peak_bytes'] / MIB:.0f} |")
         out.append("")
         out += ["## Memory (widest generation of each run, MiB)", "",
@@ -142,18 +147,26 @@ def markdown(files: list[tuple[str, dict]], plots: dict) -> str:
         out.append("")
     tuned = [(n, d["tune"]) for n, d in measured if d.get("tune")]
     if tuned:
-        out += ["## Tuned trees", ""]
+        out += ["## Tuned trees", "", "Predicted from the verify and drafter curves, the fitted host overhead and the "
+                "probe's acceptance per (depth, rank); tau is per verify step, speed-up per image.", ""]
         for n, t in tuned:
             ch = t["choice"]
-            out.append(f"- **{n}**: N {ch['N']}, depth {ch['depth']}, predicted tau {ch['tau']:.2f}, predicted step "
-                       f"{ch['step_s'] * 1e3:.1f} ms, predicted speed-up vs AR "
-                       f"{_fmt(ch.get('predicted_speedup_vs_ar'), '.2f')}x")
+            out += [f"**{n}**: chose N {ch['N']}, depth {ch['depth']}: `{json.dumps(ch['paths'])}`", "",
+                    "| tree | N | predicted tau | predicted step ms | predicted speed-up vs AR |",
+                    "|---|---|---|---|---|"]
+            for name, row in [("tuned", ch), *t["presets"].items()]:
+                out.append(f"| {name} | {row['N']} | {row['tau']:.2f} | {row['step_s'] * 1e3:.1f} | "
+                           f"{_fmt(row.get('predicted_speedup_vs_ar'), '.2f')}x |")
             side = t.get("measured")
             if side:
-                out.append(f"  - measured side by side: " + "; ".join(
-                    f"{k} {v['wall']['median_s']:.2f} s (tau {v['tau']:.2f})" for k, v in side["runs"].items())
-                    + f"; tuned / default wall = {side['tuned_over_default']:.2f}")
-        out.append("")
+                out += ["", f"Measured side by side in one run ({side['repeats']} pass(es) over classes "
+                            f"{side['classes']}, interleaved):", ""]
+                out += ["| tree | wall s per pass (min..max) | tau |", "|---|---|---|"]
+                for k, v in side["runs"].items():
+                    w = v["wall"]
+                    out.append(f"| {k} | {w['median_s']:.2f} ({w['min_s']:.2f}..{w['max_s']:.2f}) | {v['tau']:.2f} |")
+                out += ["", f"Tuned / default wall time: **{side['tuned_over_default']:.2f}**"]
+            out.append("")
     fails = [(n, cid, err) for n, d in files for cid, err in failures(d)]
     if fails:
         out += ["## Failed cases", "", "| run | case | error |", "|---|---|---|"]
@@ -176,8 +189,10 @@ def plot(files: list[tuple[str, dict]], out_dir: Path) -> dict:
         for n, c in curves.items():
             if c:
                 xs = list(c)
-                axes[0].errorbar(xs, [c[x][0] * 1e3 for x in xs], marker="o", ms=3, capsize=2, label=n,
-                                 yerr=[[(c[x][0] - c[x][1]) * 1e3 for x in xs], [(c[x][2] - c[x][0]) * 1e3 for x in xs]])
+                below = [(c[x][0] - c[x][1]) * 1e3 for x in xs]  # median - p25
+                above = [(c[x][2] - c[x][0]) * 1e3 for x in xs]  # p75 - median
+                axes[0].errorbar(xs, [c[x][0] * 1e3 for x in xs], yerr=[below, above], marker="o", ms=3, capsize=2,
+                                 label=n)
         axes[0].set(xlabel="tree size N (nodes verified, root included)", ylabel="verify latency (ms)",
                     title="Target verify latency vs N (batch 1 image)")
         for n, d in measured:
@@ -199,8 +214,8 @@ def plot(files: list[tuple[str, dict]], out_dir: Path) -> dict:
         width = 0.8 / max(len(gen), 1)
         for i, (n, rows) in enumerate(gen.items()):
             by = {r["case"]: r for r in rows}
-            ax.bar([k + i * width for k in range(len(cases))], [(by[c]["speedup"] or 0) if c in by else 0 for c in cases],
-                   width, label=n)
+            heights = [(by[c]["speedup"] or 0) if c in by else 0 for c in cases]
+            ax.bar([k + i * width for k in range(len(cases))], heights, width, label=n)
         ax.axhline(1.0, color="k", lw=0.8, ls="--")
         ax.set_xticks([k + width * (len(gen) - 1) / 2 for k in range(len(cases))], cases, rotation=25, ha="right",
                       fontsize=8)

@@ -4,6 +4,7 @@ recorded as failed with its error; an unavailable backend is one failed case and
 from __future__ import annotations
 
 import datetime
+import gc
 import hashlib
 import inspect
 import json
@@ -82,7 +83,6 @@ class Suite:
         self.out = Path(out) if out else default_results_path(profile)
         self.fresh = fresh
         self.progress = progress
-        self._pipe = None
 
     # -- the cases ---------------------------------------------------------------------------------------
     def plan(self) -> list[Case]:
@@ -114,7 +114,7 @@ class Suite:
                 params = {"method": method, "tree": label, "decode": dcfg.to_dict(), "classes": list(p.classes),
                           "seed": p.seed, "repeats": p.generation_repeats}
                 cases.append(Case(case_id, "generate", params, lambda dcfg=dcfg: measure.generation(
-                    self.pipe, dcfg, list(p.classes), p.seed, p.generation_warmup, p.generation_repeats)))
+                    self.make_pipe(), dcfg, list(p.classes), p.seed, p.generation_warmup, p.generation_repeats)))
         if src.drafter is not None and src.proximity is not None:
             pr = p.probe
             params = {"method": "lantern++", "depth": pr.depth, "fanout": pr.fanout, "expand": list(pr.expand),
@@ -129,16 +129,17 @@ class Suite:
             tree_file = Path(tmp) / "probe.json"
             tree_file.write_text(json.dumps([list(x) for x in paths]))
             dcfg = method_preset("lantern++", self.sampling, drafting=str(tree_file))
-            return measure.acceptance_probe(self.pipe, dcfg, paths, list(self.profile.classes), self.profile.seed)
+            return measure.acceptance_probe(self.make_pipe(), dcfg, paths, list(self.profile.classes),
+                                            self.profile.seed)
 
-    @property
-    def pipe(self):
-        if self._pipe is None:
-            from lantern.api import Pipeline
-            src = self.source
-            self._pipe = Pipeline(src.target, src.drafter, src.proximity, backend=self.backend_name,
-                                  dtype=self.profile.dtype, **backend_options(self.backend_name, self.profile))
-        return self._pipe
+    def make_pipe(self):
+        """A new Pipeline per case: the runners an earlier case prepared are freed first, so each case's
+        memory is its own (a Pipeline keeps every runner it prepared)."""
+        from lantern.api import Pipeline
+        gc.collect()
+        src = self.source
+        return Pipeline(src.target, src.drafter, src.proximity, backend=self.backend_name, dtype=self.profile.dtype,
+                        **backend_options(self.backend_name, self.profile))
 
     # -- the file ----------------------------------------------------------------------------------------
     def header(self, backend_record: dict, model_record: dict) -> dict:
@@ -206,7 +207,8 @@ class Suite:
         data["complete"] = all(c.id in data["cases"] for c in cases)
         save_results(data, self.out)
         failed = [c.id for c in cases if data["cases"][c.id]["status"] == "failed"]
-        return {"results": str(self.out), "profile": p.name, "backend": self.backend_name, "model": self.source.info["name"],
+        return {"results": str(self.out), "profile": p.name, "backend": self.backend_name,
+                "model": self.source.info["name"],
                 "planned": len(cases), "ran": len(todo), "resumed": len(cases) - len(todo), "failed": failed,
                 "errors": {c: data["cases"][c]["error"] for c in failed}, "complete": data["complete"],
                 "available": True}

@@ -187,3 +187,17 @@ def test_tune_writes_the_profile_keeping_comments_and_runs_pick_it_up(tiny_run, 
     args = Namespace(profile=str(profile), backend=None, dtype="fp32", drafting=None, method="lantern++")
     apply_profile(args)
     assert args.backend == "cpu" and args.drafting == str(tuned.tuned_tree_file())
+
+
+def test_acceptance_counts_per_depth_and_rank():
+    paths = measure.probe_paths(depth=2, fanout=2, expand=(1, 1))
+    assert paths == ((0,), (1,), (0, 0), (0, 1))
+    # an 8-token image: the prefill gives token 1; the steps accept ranks (0, 1) (tokens 2-4), (1,) (5-6), and
+    # nothing (7: every child of the root rejected, with max_accept = 8 - 6 - 1 = 1 not binding)
+    counts = measure.count_acceptance(paths, [[(0, 1), (1,), ()]], block=8)
+    assert counts["offered"] == [[3, 3], [1, 1]]
+    assert counts["accepted"] == [[1, 1], [0, 1]]
+    assert counts["rates"] == [[1 / 3, 1 / 3], [0.0, 1.0]]
+    # a path cut by the image's token budget says nothing about the children after it
+    capped = measure.count_acceptance(paths, [[(0,)]], block=3)  # max_accept = 3 - 1 - 1 = 1 = accepted length
+    assert capped["offered"] == [[1, 1], [0, 0]]

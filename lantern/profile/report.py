@@ -84,15 +84,17 @@ def markdown(files: list[tuple[str, dict]], plots: dict) -> str:
     out = ["# lantern profile report", "",
            f"{len(files)} results file(s). Speed-up = AR wall time / method wall time, same backend, model, classes "
            "and seeds, from the same file; latencies are medians over repeats (spread: min..max or p25..p75).", ""]
-    out += ["## Machines and models", "", "| run | backend | device | CPU | accelerator | torch | onnxruntime | "
-            "lantern | model |", "|---|---|---|---|---|---|---|---|---|"]
+    out += ["## Machines and models", "", "| run | backend | device | CPU | load (1 min, at start) | accelerator | "
+            "torch | onnxruntime | lantern | model |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, d in files:
         e, b = d["environment"], d["backend"]
         acc = (e.get("accelerator") or {}).get("name") or "none"
         dev = (b.get("capabilities") or {}).get("device", "-")
         rev = (e.get("lantern_git") or "?")[:12]
+        load = (e.get("load_average") or [None])[0]
         out.append(f"| {name} | {b.get('name')}{'' if b.get('available') else ' (unavailable)'} | {dev} | "
-                   f"{e.get('cpu_model')} ({e.get('logical_cores')} cores) | {acc} | {e.get('torch')} | "
+                   f"{e.get('cpu_model')} ({e.get('logical_cores')} cores) | {_fmt(load, '.1f')} | {acc} | "
+                   f"{e.get('torch')} | "
                    f"{e.get('onnxruntime') or '-'} | {e.get('lantern')} @ {rev} | {d['model'].get('name') or '-'} |")
     notes = {d["model"].get("note") for _, d in files if d["model"].get("note")}
     out += [""] + [f"> {n}" for n in sorted(notes)] + [""]

@@ -15,8 +15,9 @@ Schema version 1 (`"schema": "lantern-profile-results"`, `"schema_version": 1`):
 
 A case is {"kind": verify | draft | generate | acceptance | backend, "status": ok | failed,
 "params": {...}, "result": {...} (ok) or "error": "..." (failed), "seconds": wall time of the case,
-"measured_at": ISO time}. Latencies are {"median_s", "min_s", "max_s", "p25_s", "p75_s", "repeats",
-"samples_s"}; memory is the backend's MemoryReport plus the process's peak RSS.
+"measured_at": ISO time, "load_average": the 1/5/15-minute load when the case ended}.
+Latencies are {"median_s", "min_s", "max_s", "p25_s", "p75_s", "repeats", "samples_s"}; memory is the
+backend's MemoryReport plus the process's peak RSS.
 """
 from __future__ import annotations
 

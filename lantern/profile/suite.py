@@ -8,6 +8,7 @@ import gc
 import hashlib
 import inspect
 import json
+import os
 import sys
 import tempfile
 import time
@@ -222,6 +223,7 @@ class Suite:
             record.update(status="failed", error=f"{type(e).__name__}: {e}",
                           traceback=traceback.format_exc(limit=4))
         record["seconds"] = time.perf_counter() - t0
+        record["load_average"] = list(os.getloadavg())  # others' jobs on a shared machine skew timings: say so
         return record
 
     def _unavailable(self, reason: str) -> dict:
@@ -232,7 +234,8 @@ class Suite:
             return {**summary, "results_kept": "the file holds measurements from when the backend was available"}
         backend_record = {"requested": self.requested, "name": self.requested or resolve_name_or_none(),
                           "available": False, "reason": reason, "capabilities": {}, "options": {}}
-        data = self.header(backend_record, {"kind": "none", "name": None, "note": "backend unavailable: not loaded"})
+        no_model = {"kind": "none", "name": None, "note": "no model loaded: the backend is unavailable"}
+        data = self.header(backend_record, no_model)
         data["cases"]["backend"] = {"kind": "backend", "status": "failed", "params": {"requested": self.requested},
                                     "error": f"unavailable: {reason}", "measured_at": now(), "seconds": 0.0}
         data["complete"] = True

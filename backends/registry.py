@@ -16,6 +16,8 @@ ENV_VAR = "LANTERN_BACKEND"
 BUILTIN: dict[str, str] = {
     "cpu": "lantern.backends.torch_eager:CPUBackend",
     "cuda": "lantern.backends.torch_eager:CUDABackend",
+    "onnx": "lantern.backends.onnx_runtime:ONNXBackend",
+    "onnx-cuda": "lantern.backends.onnx_runtime:ONNXCUDABackend",
 }
 
 # `auto` tries these in order and takes the first available.

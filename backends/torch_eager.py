@@ -1,13 +1,14 @@
 """PyTorch eager backend: the reference. Device `cuda` (CUDA allocator stats) or the same code on `cpu`."""
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import psutil
 import torch
 
-from lantern.backends.base import (Availability, Backend, Capabilities, MemoryReport, Runner, StaticSpec,
-                                   StepOutput, parse_dtype)
+from lantern.backends.base import (Availability, Backend, Capabilities, MemoryReport, PhaseTimes, Runner,
+                                   StaticSpec, StepOutput, parse_dtype)
 from lantern.backends.torch_steps import CacheCommit, DraftStep, TargetPrefill, TargetStep, make_caches
 
 
@@ -76,6 +77,20 @@ class TorchRunner(Runner):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """On CUDA, time the phase with CUDA events (device time between two stream marks)."""
+        if self.device.type != "cuda":
+            with super().phase(name):
+                yield
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end.record()
+        end.synchronize()
+        self.times.setdefault(name, PhaseTimes()).seconds.append(start.elapsed_time(end) / 1e3)
+
     def kv_bytes(self) -> int:
         return self.target_cache.nbytes + (self.draft_cache.nbytes if self.draft_cache is not None else 0)
 
@@ -139,7 +154,7 @@ class CUDABackend(CPUBackend):
     def capabilities(self) -> Capabilities:
         return Capabilities(device=f"cuda:{self.device_index}", dtypes=("fp32", "bf16", "fp16"),
                             supports_graphs=False, supports_bf16=True,
-                            timer="torch.cuda.synchronize + time.perf_counter",
+                            timer="torch.cuda.Event elapsed_time",
                             memory_source="torch.cuda.max_memory_allocated")
 
     def prepare(self, target, drafter, spec: StaticSpec) -> Runner:

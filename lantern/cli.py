@@ -138,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_backends, show=print_backends)
 
     add_profile_commands(sub)
+    from lantern.onnx_cli import add_export_onnx_command
+    add_export_onnx_command(sub)
     return parser
 
 

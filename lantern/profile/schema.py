@@ -95,4 +95,7 @@ def save_results(data: dict, path: str | Path) -> None:
     with os.fdopen(fd, "w") as f:
         json.dump(data, f, indent=1, sort_keys=False)
         f.write("\n")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would hide the results from the other users of a shared box
     os.replace(tmp, path)

@@ -10,8 +10,8 @@ verify() and draft() are the measured step-latency curves (interpolated), the ca
 of width D + 1 and each deeper level one step of width W (the static drafting shapes), and host_a + host_b*N
 is the host-side work per step (sampling, tree walk, commit) fitted from the whole-generation cases.
 The search grows a tree greedily from the single node (0,): each round it adds the candidate node (the next
-child of any node) that gives the highest tokens per second E/cost, up to the largest measured N, and
-returns the best tree seen on the way. With a flat verify curve extra nodes are nearly free and the tree
+child of any node) that gives the highest tokens per second E/cost, up to the largest measured N, takes
+the best tree seen on the way, and prunes the leaves that do not pay for themselves. With a flat verify curve extra nodes are nearly free and the tree
 grows wide; with a steep one every node must pay for itself and the tree stays small.
 """
 from __future__ import annotations
@@ -155,8 +155,23 @@ def choose_tree(acc: AcceptanceRates, cost: CostModel, max_nodes: Optional[int] 
         trajectory.append((len(g.paths) + 1, thr))
         if thr > best[0]:
             best = (thr, list(g.paths))
-    paths = validate_paths(best[1])
+    paths = prune(validate_paths(best[1]), acc, cost)
     return {"paths": paths, **evaluate(paths, acc, cost), "trajectory": trajectory}
+
+
+def prune(paths: Paths, acc: AcceptanceRates, cost: CostModel) -> Paths:
+    """Drop removable leaves (no children, last rank among their siblings) while that raises E / cost: the
+    greedy growth can leave a node that only paid off as a stepping stone it never used."""
+    while len(paths) > 1:
+        current = evaluate(paths, acc, cost)["tokens_per_s"]
+        have = set(paths)
+        removable = [p for p in paths if p + (0,) not in have and p[:-1] + (p[-1] + 1,) not in have]
+        gains = [(evaluate(tuple(q for q in paths if q != p), acc, cost)["tokens_per_s"], p) for p in removable]
+        best, leaf = max(gains)
+        if best <= current:
+            return paths
+        paths = tuple(q for q in paths if q != leaf)
+    return paths
 
 
 def fit_host_overhead(points: list[tuple[int, float]]) -> tuple[float, float]:

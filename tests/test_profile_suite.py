@@ -201,3 +201,23 @@ def test_acceptance_counts_per_depth_and_rank():
     # a path cut by the image's token budget says nothing about the children after it
     capped = measure.count_acceptance(paths, [[(0,)]], block=3)  # max_accept = 3 - 1 - 1 = 1 = accepted length
     assert capped["offered"] == [[1, 1], [0, 0]]
+
+
+def test_auto_source_prefers_the_embedded_bundle(tmp_path, monkeypatch, tiny):
+    """With a `lantern.bundle` whose default bundle exists, `auto` loads it and records it as a bundle."""
+    import sys
+    import types
+
+    from lantern.profile.source import load_source
+    target, drafter, proximity = tiny
+    (tmp_path / "config.json").write_text("{}")
+    fake = types.ModuleType("lantern.bundle")
+    fake.DEFAULT_BUNDLE = tmp_path
+    fake.load_bundle = lambda path=None: types.SimpleNamespace(
+        path=tmp_path, target=target, drafter=drafter, proximity=proximity, default_cfg_scale=3.0,
+        manifest={"files": {"target.safetensors": "ab12"}})
+    monkeypatch.setitem(sys.modules, "lantern.bundle", fake)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: object() if name == "lantern.bundle" else None)
+    src = load_source("auto")
+    assert src.info["kind"] == "bundle" and src.info["name"] == str(tmp_path) and src.default_cfg_scale == 3.0
+    assert src.target is target and src.info["manifest_files"] == {"target.safetensors": "ab12"}

@@ -16,6 +16,9 @@ ENV_VAR = "LANTERN_BACKEND"
 BUILTIN: dict[str, str] = {
     "cpu": "lantern.backends.torch_eager:CPUBackend",
     "cuda": "lantern.backends.torch_eager:CUDABackend",
+    "cpu-graph": "lantern.backends.torch_graph:CPUGraphBackend",
+    "cuda-graph": "lantern.backends.torch_graph:CUDAGraphBackend",
+    "hpu": "lantern.backends.hpu:HPUBackend",
     "onnx": "lantern.backends.onnx_runtime:ONNXBackend",
     "onnx-cuda": "lantern.backends.onnx_runtime:ONNXCUDABackend",
 }

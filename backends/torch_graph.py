@@ -1,0 +1,163 @@
+"""Graph modes for the torch backends: every static step captured once, then only replayed.
+
+`CapturedRunner` is what all graph modes share (cpu-graph and cuda-graph here, hpu in hpu.py):
+- it refuses a step width outside the StaticSpec, since that would capture a new graph mid-generation;
+- it pads every commit to one fixed width, so compaction is one graph whatever the accepted length;
+- its warm-up runs every step twice, so what a mode does on first and second calls (compile, capture, CUDA
+  graph recording) is done before timing starts;
+- `graph_keys()` names the graphs a whole generation uses: one per static step, plus one per cache commit.
+Subclasses say only how a step module is captured (`wrap_step`) and what ends a step (`step_done`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from abc import abstractmethod
+from typing import Callable, Optional, Union
+
+import torch
+import torch._dynamo
+
+from lantern.backends.base import Runner, StaticSpec, StepOutput, run_every_static_step
+from lantern.backends.torch_eager import CPUBackend, CUDABackend, TorchRunner
+
+# Graphs of several runners (other shapes) share the step modules' code objects, whose dynamo cache
+# holds 8 entries by default; a few runners in one process would exceed it and fail under fullgraph.
+MIN_RECOMPILE_LIMIT = 64
+
+
+def check_width(step: str, width: int, widths: tuple[int, ...]) -> None:
+    if width not in widths:
+        raise ValueError(f"{step} width {width} is not one of this runner's static widths {widths}: graph mode "
+                         f"would capture a new graph mid-generation; add it to StaticSpec.{step}_widths")
+
+
+def pad_pairs(src: torch.Tensor, dst: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, A) slot pairs -> (B, width) by repeating the last pair: copying one slot twice writes one value."""
+    a = src.shape[1]
+    if src.shape != dst.shape or not 1 <= a <= width:
+        raise ValueError(f"commit takes src, dst of one shape (B, A) with 1 <= A <= {width} (the widest step); "
+                         f"got {tuple(src.shape)} and {tuple(dst.shape)}")
+    if a == width:
+        return src, dst
+    return (torch.cat([src, src[:, -1:].expand(-1, width - a)], dim=1),
+            torch.cat([dst, dst[:, -1:].expand(-1, width - a)], dim=1))
+
+
+def as_inference(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The step inputs as inference tensors. Dynamo guards on dispatch keys, and a tensor made outside
+    inference mode carries keys an inference tensor lacks: mixing both would key two graphs of one shape."""
+    with torch.inference_mode():
+        return tuple(t if t.is_inference() else t.clone() for t in tensors)
+
+
+class CapturedRunner(TorchRunner):
+    """TorchRunner whose step modules are captured graphs; the eager reference stays untouched."""
+
+    clone_outputs = False  # True where a replay returns the same output buffers every time
+    capture_kind = ""  # how steps are captured, for the profile record
+
+    @abstractmethod
+    def wrap_step(self, name: str, module: torch.nn.Module) -> Callable:
+        """The step module as a captured, replayable callable."""
+
+    def step_done(self) -> None:
+        """(optional) What must follow every step (lazy HPU: mark_step); default nothing."""
+
+    @property
+    def commit_width(self) -> int:
+        return max(self.spec.verify_widths + self.spec.draft_widths)
+
+    def graph_keys(self) -> list[str]:
+        keys = self.spec.static_steps + ["commit[target]"]
+        return keys + ["commit[draft]"] if self.drafter is not None else keys
+
+    def _finish(self, out: StepOutput) -> StepOutput:
+        if self.clone_outputs:
+            out = StepOutput(out.logits.clone(), out.hidden.clone())
+        self.step_done()
+        return out
+
+    def prefill(self, cond, mask):
+        return self._finish(super().prefill(*as_inference(cond, mask)))
+
+    def verify(self, tokens, positions, slots, mask):
+        check_width("verify", tokens.shape[1], self.spec.verify_widths)
+        return self._finish(super().verify(*as_inference(tokens, positions, slots, mask)))
+
+    def draft(self, tokens, features, positions, slots, mask):
+        if self.drafter is not None:
+            check_width("draft", tokens.shape[1], self.spec.draft_widths)
+        return self._finish(super().draft(*as_inference(tokens, features, positions, slots, mask)))
+
+    def commit(self, src, dst, cache):
+        super().commit(*as_inference(*pad_pairs(src, dst, self.commit_width)), cache)
+        self.step_done()
+
+    def warmup(self) -> float:
+        """Every static step twice: compiled or captured on the first pass, recorded or replayed on the second.
+        The time is reported apart from generation."""
+        t0 = time.perf_counter()
+        run_every_static_step(self)
+        run_every_static_step(self)
+        self.sync()
+        self.warmup_seconds = time.perf_counter() - t0
+        return self.warmup_seconds
+
+    def profile(self) -> dict:
+        return {**super().profile(), "capture": self.capture_kind, "graphs": self.graph_keys()}
+
+
+class CompiledRunner(CapturedRunner):
+    """Each step module through torch.compile(fullgraph=True, dynamic=False): one graph per static shape."""
+
+    def __init__(self, target, drafter, spec: StaticSpec, device: torch.device,
+                 compiler: Union[str, Callable] = "inductor", mode: Optional[str] = None):
+        self.compiler, self.mode = compiler, mode
+        self.capture_kind = f"torch.compile(backend={getattr(compiler, '__name__', compiler)!s}, mode={mode})"
+        # reduce-overhead (CUDA graphs) replays into the same output buffers, so the next replay overwrites them
+        self.clone_outputs = mode == "reduce-overhead"
+        # cache_size_limit: the name torch 2.4 knows; newer torch keeps it as an alias of recompile_limit
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, MIN_RECOMPILE_LIMIT)
+        super().__init__(target, drafter, spec, device)
+
+    def wrap_step(self, name, module):
+        options = {"mode": self.mode} if self.mode else {}
+        return torch.compile(module, backend=self.compiler, fullgraph=True, dynamic=False, **options)
+
+
+class CPUGraphBackend(CPUBackend):
+    """cpu-graph: the CPU steps compiled once per static shape (inductor by default)."""
+
+    name = "cpu-graph"
+
+    def __init__(self, threads: int | None = None, compiler: Union[str, Callable] = "inductor"):
+        super().__init__(threads)
+        self.compiler = compiler
+
+    def capabilities(self):
+        return dataclasses.replace(super().capabilities(), supports_graphs=True)
+
+    def prepare(self, target, drafter, spec: StaticSpec) -> Runner:
+        self.check_dtype(spec.dtype)
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        runner = CompiledRunner(target, drafter, spec, torch.device("cpu"), compiler=self.compiler)
+        runner.backend_name = self.name
+        return runner
+
+
+class CUDAGraphBackend(CUDABackend):
+    """cuda-graph: inductor with mode="reduce-overhead", i.e. each static step replayed as a CUDA graph."""
+
+    name = "cuda-graph"
+
+    def capabilities(self):
+        return dataclasses.replace(super().capabilities(), supports_graphs=True)
+
+    def prepare(self, target, drafter, spec: StaticSpec) -> Runner:
+        self.check_dtype(spec.dtype)
+        runner = CompiledRunner(target, drafter, spec, torch.device("cuda", self.device_index),
+                                compiler="inductor", mode="reduce-overhead")
+        runner.backend_name = self.name
+        return runner

@@ -1,0 +1,212 @@
+"""Graph mode (cpu-graph) against the eager reference: same logits and token ids, one compile per static
+step, and no recompile over whole generations (AR and speculative, every acceptance rule, two classes).
+
+Most tests compile with dynamo's cheap "eager"/"aot_eager" backends through a CompileCounter (a real inductor
+compile takes seconds here); capture, guards and recompiles are dynamo's either way. One test runs inductor.
+"""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from lantern.api import Pipeline
+from lantern.backends import StaticSpec, get_backend
+from lantern.backends.torch_graph import pad_pairs
+from lantern.decoding import SamplingConfig, method_preset
+from lantern.decoding.loop import condition_rows, decode_ar, decode_speculative, static_spec
+
+TREE_PARENTS = (-1, 0, 0, 1, 1, 2)  # a 6-node tree: root, 2 children, 3 grandchildren
+TREE_DEPTH = (0, 1, 1, 2, 2, 2)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def models(tiny):
+    """conftest's tiny target (peaked, so trees get accepted) and drafter."""
+    return tiny[0], tiny[1]
+
+
+def spec_for(cfg, speculative: bool, dtype: str = "fp32") -> StaticSpec:
+    n = len(TREE_PARENTS)
+    return StaticSpec(batch=2, max_len=cfg.seq_len + n, prefix_len=cfg.cls_token_num,
+                      verify_widths=(1, n) if speculative else (1,),
+                      draft_widths=(1, 4) if speculative else (), dtype=dtype)
+
+
+def tree_mask(n: int) -> torch.Tensor:
+    """(n, n) bool: node i attends to j iff j is i or an ancestor of i."""
+    m = torch.eye(n, dtype=torch.bool)
+    for i in range(n):
+        j = TREE_PARENTS[i]
+        while j >= 0:
+            m[i, j] = True
+            j = TREE_PARENTS[j]
+    return m
+
+
+def step_inputs(spec: StaticSpec, pos: int, width: int, tokens: torch.Tensor, tree: bool):
+    """Inputs of a step of `width` tokens whose first token sits at sequence position / slot `pos`."""
+    b, s = spec.batch, spec.max_len
+    depth = torch.tensor(TREE_DEPTH[:width]) if tree else torch.arange(width)
+    positions = (pos + depth).expand(b, width).contiguous()
+    slots = (pos + torch.arange(width)).expand(b, width).contiguous()
+    mask = torch.zeros(b, width, s, dtype=torch.bool)
+    mask[:, :, :pos] = True  # the committed prefix
+    local = tree_mask(width) if tree else torch.ones(width, width, dtype=torch.bool).tril()
+    mask[:, :, pos:pos + width] = local
+    return tokens, positions, slots, mask
+
+
+def step_loop(runner, rounds: int = 3, seed: int = 0) -> list[torch.Tensor]:
+    """What a generation does to a runner: prefill, AR steps, tree verify + commit of an accepted path, drafter
+    steps; every output collected for parity checks."""
+    spec, cfg = runner.spec, runner.model_config
+    g = torch.Generator().manual_seed(seed)
+    b, p, s = spec.batch, spec.prefix_len, spec.max_len
+    pmask = (torch.arange(s)[None, None, :] <= torch.arange(p)[None, :, None]).expand(b, p, s).contiguous()
+    cond = torch.tensor([1, cfg.null_class])
+    out = runner.prefill(cond, pmask)
+    outs, pos = [out.logits, out.hidden], p
+    for _ in range(rounds):
+        tokens = torch.randint(cfg.vocab_size, (b, 1), generator=g)
+        out = runner.verify(*step_inputs(spec, pos, 1, tokens, tree=False))
+        outs += [out.logits, out.hidden]
+        pos += 1
+        for t in spec.verify_widths[1:]:
+            tokens = torch.randint(cfg.vocab_size, (b, t), generator=g)
+            out = runner.verify(*step_inputs(spec, pos, t, tokens, tree=True))
+            outs += [out.logits, out.hidden]
+            path = torch.tensor([0, 1, 3])  # root -> node 1 -> node 3 accepted
+            runner.commit((pos + path).expand(b, 3), (pos + torch.arange(3)).expand(b, 3), "target")
+            pos += 3
+        for t in spec.draft_widths:
+            tokens = torch.randint(cfg.vocab_size, (b, t), generator=g)
+            _, positions, slots, mask = step_inputs(spec, pos - t, t, tokens, tree=False)
+            d = runner.draft(tokens, out.hidden[:, :1].expand(b, t, -1).contiguous(), positions, slots, mask)
+            outs += [d.logits, d.hidden]
+        if runner.has_drafter:
+            runner.commit(torch.tensor([[pos - 2, pos - 1]] * b), torch.tensor([[pos - 3, pos - 2]] * b), "draft")
+    assert pos + max(spec.verify_widths) <= s
+    caches = [runner.target_cache] + ([runner.draft_cache] if runner.has_drafter else [])
+    return outs + [c.k0.clone() for c in caches] + [c.v0.clone() for c in caches]
+
+
+def prepare(backend: str, models, spec: StaticSpec, **options):
+    target, drafter = models
+    return get_backend(backend, **options).prepare(target, drafter if spec.draft_widths else None, spec)
+
+
+RULES = {"exact": {}, "lantern": dict(k=4, delta=0.1), "lantern++": dict(k=4, lam=3.0)}
+DRAFTING = {"ar": ("ar", {}), "static-tree": ("lantern++", dict(drafting="eagle1-25")),
+            "dynamic-tree": ("eagle2", dict(dynamic_total=16))}
+
+
+def decode_configs(drafting: str) -> list[tuple[int, object]]:
+    """(class, DecodeConfig) pairs on one drafting mode: every acceptance rule (AR has none), each greedy for
+    class 0 and sampling for class 1, both with CFG."""
+    method, tree = DRAFTING[drafting]
+    rules = {"exact": {}} if method == "ar" else RULES
+    return [(cls, method_preset(method, SamplingConfig(greedy=cls == 0, cfg_scale=2.0, top_k=16), acceptance=rule,
+                                **tree, **params))
+            for rule, params in rules.items() for cls in (0, 1)]
+
+
+def generate(runner, dcfg, cls: int, proximity, seed: int = 0) -> torch.Tensor:
+    """One image's token ids (block,) for class `cls` through the real decode loops."""
+    cfg = runner.model_config
+    rows = condition_rows(torch.tensor([cls]), dcfg, cfg, torch.tensor([cfg.null_class]))
+    g = torch.Generator().manual_seed(seed)
+    if dcfg.speculative:
+        return decode_speculative(runner, rows, dcfg, cfg.block_size, g, proximity)[0]
+    return decode_ar(runner, rows, dcfg, 1, cfg.block_size, g)[0][0]
+
+
+@pytest.mark.parametrize("drafting", list(DRAFTING))
+def test_whole_generations_compile_each_static_step_once(models, tiny, drafting):
+    """After warm-up: zero recompiles over every rule, greedy and sampling, two classes; greedy ids == eager."""
+    cfg = models[0].config
+    configs = decode_configs(drafting)
+    spec = static_spec(configs[0][1], cfg, images=1, dtype="fp32")
+    assert all(static_spec(d, cfg, images=1, dtype="fp32") == spec for _, d in configs)
+    counter = CompileCounterWithBackend("eager")
+    graph = prepare("cpu-graph", models, spec, compiler=counter)
+    eager = prepare("cpu", models, spec)
+    graph.warmup()
+    keys = graph.graph_keys()
+    assert counter.frame_count == len(keys) == len(spec.static_steps) + 1 + int(graph.has_drafter)
+    proximity = tiny[2]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for cls, dcfg in configs:
+            ids = generate(graph, dcfg, cls, proximity)
+            assert ids.shape == (cfg.block_size,)
+            if dcfg.sampling.greedy:
+                assert torch.equal(ids, generate(eager, dcfg, cls, proximity))
+    assert counter.frame_count == len(keys)
+    assert graph.warmup_seconds > 0 and graph.profile()["graphs"] == keys
+
+
+@pytest.mark.parametrize("dtype,compiler", [("fp32", "aot_eager"), ("bf16", "eager")])
+def test_every_step_matches_eager(models, dtype, compiler):
+    """Logits, features and the KV cache after every kind of step (aot_eager functionalizes the in-place
+    cache writes, as inductor does)."""
+    spec = spec_for(models[0].config, speculative=True, dtype=dtype)
+    eager = prepare("cpu", models, spec)
+    graph = prepare("cpu-graph", models, spec, compiler=compiler)
+    graph.warmup()
+    eager.warmup()
+    for a, b in zip(step_loop(eager, rounds=2), step_loop(graph, rounds=2)):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def test_pipeline_selects_graph_mode_by_name(tiny):
+    """The public API: backend="cpu-graph" with backend options, warmed up before generating."""
+    dcfg = method_preset("lantern++", SamplingConfig(greedy=True, cfg_scale=2.0), drafting="eagle1-25", k=4)
+    graph = Pipeline(*tiny, backend="cpu-graph", compiler="eager").generate([0, 1], dcfg)
+    eager = Pipeline(*tiny, backend="cpu").generate([0, 1], dcfg)
+    assert torch.equal(graph.tokens, eager.tokens)
+    assert graph.backend == "cpu-graph" and graph.profile["warmup_s"] > 0
+    assert graph.profile["graphs"] == ["prefill", "verify[26]", "draft[5]", "draft[6]", "commit[target]",
+                                       "commit[draft]"]
+
+
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")),
+                    reason="inductor on CPU needs a C++ compiler")
+def test_inductor_greedy_ids_match_eager(models):
+    """The compiler the benchmark uses, on AR generation only (each inductor compile takes seconds here)."""
+    cfg = models[0].config
+    dcfg = method_preset("ar", SamplingConfig(greedy=True, cfg_scale=2.0))
+    spec = static_spec(dcfg, cfg, images=1, dtype="fp32")
+    eager, graph = prepare("cpu", models, spec), prepare("cpu-graph", models, spec)
+    graph.warmup()
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for cls in (0, 1):
+            assert torch.equal(generate(graph, dcfg, cls, None), generate(eager, dcfg, cls, None))
+
+
+def test_widths_outside_the_spec_are_refused(models):
+    spec = spec_for(models[0].config, speculative=True)
+    runner = prepare("cpu-graph", models, spec, compiler="eager")
+    tokens = torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"verify width 3 is not one of this runner's static widths \(1, 6\)"):
+        runner.verify(*step_inputs(spec, 1, 3, tokens, tree=False))
+    with pytest.raises(ValueError, match=r"draft width 3"):
+        runner.draft(tokens, torch.zeros(2, 3, 64), *step_inputs(spec, 1, 3, tokens, tree=False)[1:])
+    with pytest.raises(ValueError, match=r"1 <= A <= 6"):
+        runner.commit(torch.zeros(2, 7, dtype=torch.long), torch.zeros(2, 7, dtype=torch.long), "target")
+
+
+def test_commit_padding_repeats_the_last_pair():
+    src, dst = torch.tensor([[4, 6], [5, 7]]), torch.tensor([[2, 3], [2, 3]])
+    ps, pd = pad_pairs(src, dst, 4)
+    assert ps.tolist() == [[4, 6, 6, 6], [5, 7, 7, 7]] and pd.tolist() == [[2, 3, 3, 3], [2, 3, 3, 3]]
+    assert pad_pairs(ps, pd, 4)[0] is ps

@@ -10,6 +10,8 @@ import sys
 import traceback
 from pathlib import Path
 
+from lantern.profile.cli import add_profile_commands
+
 EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT, EXIT_UNAVAILABLE = 0, 1, 2, 3
 
 
@@ -58,7 +60,9 @@ def cmd_generate(args) -> dict:
     from lantern.backends import get_backend
     from lantern.bundle import load_bundle
     from lantern.images import save_images
+    from lantern.profile.cli import apply_profile
 
+    apply_profile(args)  # a --profile supplies backend, dtype, threads and tuned tree
     get_backend(args.backend)  # an unknown or unavailable backend fails before any loading or writing
     bundle = load_bundle(args.model)
     dcfg = decode_config_from_args(args, bundle.default_cfg_scale)
@@ -124,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--scale", type=int, default=4, help="upscale factor of the written PNGs")
     g.add_argument("--no-images", action="store_true", help="tokens and stats only")
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--profile", help="hardware profile NAME or .toml FILE: its backend, dtype, threads and tuned tree")
     add_decode_options(g)
     add_backend_options(g)
     g.set_defaults(func=cmd_generate, show=print_generate)
@@ -132,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_backends, show=print_backends)
 
+    add_profile_commands(sub)
     from lantern.onnx_cli import add_export_onnx_command
     add_export_onnx_command(sub)
     return parser
@@ -154,7 +160,7 @@ def main(argv=None) -> int:
         print(json.dumps(out))
     else:
         args.show(out)
-    return EXIT_OK
+    return out.get("exit_code", EXIT_OK)
 
 
 def _fail(message: str, code: int, as_json: bool) -> int:

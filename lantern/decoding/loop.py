@@ -147,6 +147,7 @@ def decode_speculative(runner: Runner, cond_rows: torch.Tensor, dcfg: DecodeConf
         stats.depth_tried.update(walk.reached)
         stats.depth_accepted.update(range(1, m + 1))
         stats.moved_mass += walk.moved
+        stats.accepted_ranks.append(tuple(t.rank[path[1:]].tolist()))
     stats.draft_forwards = ctx.draft_calls
     stats.tokens = block
     stats.wall_seconds = time.perf_counter() - t0

@@ -14,6 +14,7 @@ class GenerationStats:
     depth_tried: Counter = field(default_factory=Counter)  # depth -> steps whose walk tried children there
     depth_accepted: Counter = field(default_factory=Counter)  # depth -> steps that accepted a child there
     moved_mass: list[float] = field(default_factory=list)  # per accepted draft token
+    accepted_ranks: list[tuple[int, ...]] = field(default_factory=list)  # per verify step: child ranks of the path
     phase_seconds: dict[str, float] = field(default_factory=dict)
     wall_seconds: float = 0.0  # decode wall time (VQ decode excluded)
 
@@ -25,6 +26,7 @@ class GenerationStats:
         self.depth_tried.update(other.depth_tried)
         self.depth_accepted.update(other.depth_accepted)
         self.moved_mass += other.moved_mass
+        self.accepted_ranks += other.accepted_ranks
         for k, v in other.phase_seconds.items():
             self.phase_seconds[k] = self.phase_seconds.get(k, 0.0) + v
         self.wall_seconds += other.wall_seconds

@@ -1,0 +1,193 @@
+"""`lantern profile run | compare | tune`, and `apply_profile` for `lantern generate --profile NAME`.
+
+Exit codes (also the "exit_code" field of the --json object): 0 every case ok; 1 some case failed (each
+is recorded in the results file with its error) or an internal error; 2 bad input (unknown profile, bad
+value, incompatible results file); 3 the profile's backend is unavailable here (recorded as a failed case).
+No command ever prompts.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+EXIT_OK, EXIT_FAILED_CASES, EXIT_UNAVAILABLE = 0, 1, 3
+
+
+def add_profile_commands(subparsers) -> None:
+    prof = subparsers.add_parser("profile", help="cross-hardware profile suite: run, compare, tune")
+    sub = prof.add_subparsers(dest="profile_command", required=True)
+
+    r = sub.add_parser("run", help="measure one hardware profile into a results file (resumable)")
+    r.add_argument("--profile", help="profile NAME (profiles/NAME.toml) or a .toml FILE (default: built-in "
+                                     "defaults on the selected backend)")
+    r.add_argument("--backend", help="override the profile's backend (default: the profile's, else "
+                                     "$LANTERN_BACKEND, else auto)")
+    r.add_argument("--model", help="auto | bundle | bundle:PATH | random:PRESET (default: the profile's)")
+    r.add_argument("--out", help="results file (default: profiles/results/<profile>.json)")
+    r.add_argument("--fresh", action="store_true", help="start over instead of resuming the results file")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    r.add_argument("--json", action="store_true", help="print one JSON object")
+    r.set_defaults(func=cmd_run, show=print_run)
+
+    c = sub.add_parser("compare", help="merge results files into report.md and PNG plots")
+    c.add_argument("files", nargs="+", help="results files (any machines and backends)")
+    c.add_argument("--out", default="profiles/results/report", help="folder for report.md and the plots")
+    c.add_argument("--no-plots", action="store_true", help="Markdown only")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_compare, show=print_compare)
+
+    t = sub.add_parser("tune", help="choose the static tree for a profile from its measurements and write it "
+                                    "into the profile")
+    t.add_argument("--profile", required=True, help="profile NAME or .toml FILE (its [tuned] table is rewritten)")
+    t.add_argument("--results", help="results file (default: profiles/results/<profile>.json)")
+    t.add_argument("--max-nodes", type=int, help="largest tree size N, root included (default: largest measured)")
+    t.add_argument("--dry-run", action="store_true", help="choose and print, write nothing")
+    t.add_argument("--measure", action="store_true", help="then time the tuned tree against the default "
+                                                          "lantern++-57 tree side by side, in one run")
+    t.add_argument("--repeats", type=int, help="passes of --measure (default: the profile's generation_repeats)")
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(func=cmd_tune, show=print_tune)
+
+
+def _profile(spec):
+    from lantern.profile.hardware import load_profile, profile_from_dict
+    return load_profile(spec) if spec else profile_from_dict({"name": "default"})
+
+
+def cmd_run(args) -> dict:
+    from lantern.profile.suite import Suite
+    suite = Suite(_profile(args.profile), backend=args.backend, model=args.model,
+                  out=Path(args.out) if args.out else None, fresh=args.fresh, progress=not args.no_progress)
+    out = suite.run()
+    out["exit_code"] = (EXIT_UNAVAILABLE if not out["available"] else EXIT_FAILED_CASES if out["failed"] else EXIT_OK)
+    return out
+
+
+def print_run(out: dict) -> None:
+    if not out["available"]:
+        print(f"profile {out['profile']}: backend unavailable: {out['reason']}")
+    else:
+        print(f"profile {out['profile']} on {out['backend']} ({out['model']}): {out['planned']} cases, "
+              f"{out['ran']} run, {out['resumed']} resumed, {len(out['failed'])} failed")
+        for case, err in out["errors"].items():
+            print(f"  failed {case}: {err}")
+    print(f"results: {out['results']}")
+
+
+def cmd_compare(args) -> dict:
+    from lantern.profile.report import compare
+    return compare(args.files, args.out, with_plots=not args.no_plots)
+
+
+def print_compare(out: dict) -> None:
+    print(f"report: {out['report']}  ({len(out['runs'])} runs)")
+    for name, path in out["plots"].items():
+        print(f"plot {name}: {path}")
+
+
+def cmd_tune(args) -> dict:
+    import datetime
+
+    from lantern.decoding.trees import TREE_PRESETS
+    from lantern.profile.hardware import write_tuned
+    from lantern.profile.schema import load_results, save_results
+    from lantern.profile.suite import default_results_path
+    from lantern.profile.tune import tune_results
+
+    profile = _profile(args.profile)
+    results = Path(args.results) if args.results else default_results_path(profile)
+    data = load_results(results)
+    if not data["backend"].get("available"):
+        raise ValueError(f"{results} holds no measurements: its backend was unavailable "
+                         f"({data['backend'].get('reason')})")
+    tuned = tune_results(data, TREE_PRESETS, args.max_nodes)
+    choice = tuned["choice"]
+    out = {"profile": profile.name, "results": str(results), "tree": [list(p) for p in choice["paths"]],
+           "N": choice["N"], "depth": choice["depth"], "predicted_tau": choice["tau"],
+           "predicted_step_ms": choice["step_s"] * 1e3,
+           "predicted_speedup_vs_ar": choice["predicted_speedup_vs_ar"],
+           "presets": {k: {"N": v["N"], "tau": v["tau"], "step_ms": v["step_s"] * 1e3,
+                           "speedup_vs_ar": v["predicted_speedup_vs_ar"]} for k, v in tuned["presets"].items()},
+           "host_overhead_ms": [tuned["cost_model"]["host_a_s"] * 1e3, tuned["cost_model"]["host_b_s_per_node"] * 1e3],
+           "written": None, "measured": None, "exit_code": EXIT_OK}
+    if args.dry_run:
+        return out
+    if profile.path is None:
+        raise ValueError("tune writes into a profile file: pass --profile NAME or FILE")
+    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    fields = {"N": choice["N"], "depth": choice["depth"], "predicted_tau": round(choice["tau"], 4),
+              "predicted_step_ms": round(choice["step_s"] * 1e3, 3), "results": results.name,
+              "model": data["model"].get("name"), "backend": data["backend"]["name"], "tuned_at": stamp}
+    tree_file = write_tuned(profile.path, fields, choice["paths"])
+    data["tune"] = {**tuned, "choice": {**choice, "paths": [list(p) for p in choice["paths"]]},
+                    "tree_file": str(tree_file), "tuned_at": stamp}
+    out["written"] = {"profile": str(profile.path), "tree_file": str(tree_file)}
+    if args.measure:
+        data["tune"]["measured"] = measure_tuned(profile.path, data, args.repeats)
+        out["measured"] = data["tune"]["measured"]
+    save_results(data, results)
+    return out
+
+
+def measure_tuned(profile_path: Path, data: dict, repeats) -> dict:
+    """The tuned tree against the default 57-node tree, interleaved in one run on the profile's backend and
+    the results file's model."""
+    from lantern.decoding.config import method_preset
+    from lantern.profile import measure
+    from lantern.profile.hardware import load_profile
+    from lantern.profile.suite import Suite
+
+    profile = load_profile(str(profile_path))  # re-read: it now names the tuned tree
+    suite = Suite(profile, backend=data["backend"]["name"], model=data["model"]["name"])
+    suite.setup_backend()
+    suite.setup_models()
+    dcfgs = {"lantern++-57": method_preset("lantern++", suite.sampling),
+             "tuned": method_preset("lantern++", suite.sampling, drafting=str(profile.tuned_tree_file()))}
+    reps = repeats or profile.generation_repeats
+    runs = measure.side_by_side(suite.make_pipe(), dcfgs, list(profile.classes), profile.seed,
+                                profile.generation_warmup, reps)
+    return {"runs": runs, "classes": list(profile.classes), "repeats": reps,
+            "tuned_over_default": runs["tuned"]["wall"]["median_s"] / runs["lantern++-57"]["wall"]["median_s"]}
+
+
+def print_tune(out: dict) -> None:
+    sp = out["predicted_speedup_vs_ar"]
+    print(f"profile {out['profile']}: tree N={out['N']} depth {out['depth']}, "
+          f"predicted tau {out['predicted_tau']:.2f}, "
+          f"step {out['predicted_step_ms']:.1f} ms" + (f", speed-up vs AR {sp:.2f}x" if sp else ""))
+    for name, p in out["presets"].items():
+        sp = p["speedup_vs_ar"]
+        print(f"  preset {name:<14} N={p['N']:<4} tau {p['tau']:.2f}  step {p['step_ms']:.1f} ms"
+              + (f"  speed-up vs AR {sp:.2f}x" if sp else ""))
+    if out["written"]:
+        print(f"wrote {out['written']['tree_file']} and [tuned] in {out['written']['profile']}")
+    m = out["measured"]
+    if m:
+        for name, r in m["runs"].items():
+            print(f"  measured {name:<14} {r['wall']['median_s']:.2f} s (tau {r['tau']:.2f})")
+        print(f"  tuned / default wall time: {m['tuned_over_default']:.2f}")
+
+
+def apply_profile(args: argparse.Namespace) -> None:
+    """For `lantern generate --profile NAME`: the profile supplies the backend (unless --backend), the dtype
+    (unless --dtype was given; fp32 is the flag's default), torch threads, and for static-tree methods its
+    tuned tree (unless --drafting)."""
+    if not getattr(args, "profile", None):
+        return
+    import torch
+
+    from lantern.profile.hardware import load_profile
+    from lantern.profile.suite import STATIC_TREE_METHODS
+    profile = load_profile(args.profile)
+    if args.backend is None:
+        args.backend = profile.backend
+    if args.dtype == "fp32":
+        args.dtype = profile.dtype
+    if profile.threads:
+        torch.set_num_threads(profile.threads)
+    tree_file = profile.tuned_tree_file()
+    if args.drafting is None and args.method in STATIC_TREE_METHODS and tree_file is not None:
+        if not tree_file.is_file():
+            raise ValueError(f"profile {profile.name}: its tuned tree {tree_file} is missing; rerun "
+                             f"`lantern profile tune --profile {profile.name}`")
+        args.drafting = str(tree_file)

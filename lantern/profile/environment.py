@@ -1,0 +1,80 @@
+"""What machine and software a results file was measured on."""
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Optional
+
+import psutil
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _version(dist: str) -> Optional[str]:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _run(cmd: list[str], cwd: Optional[Path] = None) -> Optional[str]:
+    try:
+        out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def git_revision() -> Optional[str]:
+    """HEAD of the lantern checkout, with '+dirty' when tracked files differ (None when not a checkout)."""
+    rev = _run(["git", "rev-parse", "HEAD"], REPO_ROOT)
+    if rev is None:
+        return None
+    dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], REPO_ROOT)
+    return rev + ("+dirty" if dirty else "")
+
+
+def accelerator() -> dict:
+    """The CUDA device torch sees (name, capability, driver) or none; HPU backends add theirs in capabilities."""
+    if not torch.cuda.is_available():
+        return {"name": None, "driver": None, "cuda": torch.version.cuda}
+    props = torch.cuda.get_device_properties(0)
+    driver = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    return {"name": props.name, "count": torch.cuda.device_count(), "memory_bytes": props.total_memory,
+            "capability": f"{props.major}.{props.minor}", "driver": driver.splitlines()[0] if driver else None,
+            "cuda": torch.version.cuda}
+
+
+def collect() -> dict:
+    return {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "cpu_model": cpu_model(),
+        "logical_cores": os.cpu_count(),
+        "physical_cores": psutil.cpu_count(logical=False),
+        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "memory_bytes": psutil.virtual_memory().total,
+        "accelerator": accelerator(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "onnxruntime": _version("onnxruntime") or _version("onnxruntime-gpu"),
+        "lantern": _version("lantern"),
+        "lantern_git": git_revision(),
+    }

@@ -1,0 +1,211 @@
+"""Hardware profiles: one TOML file per target (backend, device, dtype, threads, what to measure, and the
+tree `lantern profile tune` chose for it).
+
+Lookup of `--profile NAME|FILE`: an existing .toml path, else NAME.toml in $LANTERN_PROFILES, ./profiles,
+or the profiles/ folder of the lantern checkout. Every field and its default is in `HardwareProfile`.
+The tuned tree lives beside the profile as `<name>.tuned.json` (a list of paths, loadable by
+`load_tree`), and the profile's trailing `[tuned]` table names it; rewriting that table keeps every comment
+above it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from lantern.decoding.config import METHODS
+from lantern.decoding.trees import TREE_PRESETS
+
+PROFILES_ENV = "LANTERN_PROFILES"
+TUNED_TREE = "tuned"  # the name a profile's `trees` list uses for its own tuned tree
+REPO_PROFILES = Path(__file__).resolve().parents[2] / "profiles"
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    cfg_scale: Optional[float] = None  # None: the model's default
+    greedy: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    """The big tree whose walks measure acceptance per (depth, rank): `fanout` children for each of the
+    `expand[d]` most likely nodes at depth d (ranked by the sum of their path's ranks)."""
+
+    depth: int = 6
+    fanout: int = 10
+    expand: tuple[int, ...] = (1, 3, 3, 2, 2, 2)
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    description: str = ""
+    backend: Optional[str] = None  # None: --backend, else $LANTERN_BACKEND, else auto
+    device: str = ""  # the device this profile is meant for (recorded next to the one found)
+    dtype: str = "fp32"
+    threads: Optional[int] = None  # torch intra-op threads; also passed to backends that take `threads`
+    backend_options: dict = field(default_factory=dict)  # extra keyword arguments of the backend
+    model: str = "auto"  # auto | bundle | bundle:PATH | random:PRESET (see source.py)
+    batch_sizes: tuple[int, ...] = (1,)  # images per step in the step benchmarks (x2 rows with CFG)
+    verify_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 26, 32, 48, 58, 64, 96, 128)  # tree sizes N, root included
+    draft_sizes: tuple[int, ...] = (1, 2, 4, 6, 8, 10)  # drafter step widths
+    methods: tuple[str, ...] = ("ar", "eagle2", "lantern", "lantern++")
+    trees: tuple[str, ...] = ("lantern++-57", "eagle1-25", "chain-5", TUNED_TREE)  # for static-tree methods
+    classes: tuple[int, ...] = (0,)  # one image each, decoded one at a time (batch-1 latency)
+    seed: int = 0
+    warmup: int = 2  # untimed calls before each step benchmark
+    repeats: int = 5  # timed calls per step benchmark
+    generation_warmup: int = 0  # untimed whole generations per method (the runner's own warm-up always runs)
+    generation_repeats: int = 1  # timed passes over `classes` per method
+    sampling: SamplingSettings = field(default_factory=SamplingSettings)
+    probe: ProbeSettings = field(default_factory=ProbeSettings)
+    tuned: dict = field(default_factory=dict)  # written by `lantern profile tune`
+    path: Optional[Path] = field(default=None, compare=False)  # the file it came from
+
+    def __post_init__(self):
+        for name in ("batch_sizes", "verify_sizes", "draft_sizes", "classes"):
+            values = getattr(self, name)
+            if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
+                raise ValueError(f"profile {self.name!r}: {name} must be a non-empty list of integers >= 0, "
+                                 f"got {list(values)}")
+        if min(self.batch_sizes + self.verify_sizes + self.draft_sizes) < 1:
+            raise ValueError(f"profile {self.name!r}: batch, verify and draft sizes must be >= 1")
+        for m in self.methods:
+            if m not in METHODS:
+                raise ValueError(f"profile {self.name!r}: unknown method {m!r}; allowed: {', '.join(METHODS)}")
+        for t in self.trees:
+            if t not in TREE_PRESETS and t != TUNED_TREE:
+                raise ValueError(f"profile {self.name!r}: unknown tree {t!r}; allowed: "
+                                 f"{', '.join(list(TREE_PRESETS) + [TUNED_TREE])}")
+        for name in ("warmup", "generation_warmup"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"profile {self.name!r}: {name} must be >= 0, got {getattr(self, name)}")
+        for name in ("repeats", "generation_repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"profile {self.name!r}: {name} must be >= 1, got {getattr(self, name)}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"profile {self.name!r}: threads must be >= 1, got {self.threads}")
+        p = self.probe
+        if p.depth < 1 or p.fanout < 1 or len(p.expand) != p.depth or min(p.expand) < 1:
+            raise ValueError(f"profile {self.name!r}: probe needs depth >= 1, fanout >= 1 and one expand count "
+                             f">= 1 per depth, got depth {p.depth}, fanout {p.fanout}, expand {list(p.expand)}")
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["path"] = str(self.path) if self.path else None
+        return d
+
+    def settings_hash(self) -> str:
+        """What decides the measurements (not the name, description or tuned tree): a results file measured
+        under other settings is not resumed."""
+        d = self.to_dict()
+        for key in ("name", "description", "device", "tuned", "path", "trees", "methods"):
+            d.pop(key)
+        return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def tuned_tree_file(self) -> Optional[Path]:
+        if not self.tuned.get("tree_file") or self.path is None:
+            return None
+        return self.path.parent / self.tuned["tree_file"]
+
+
+def search_dirs() -> list[Path]:
+    dirs = [Path(os.environ[PROFILES_ENV])] if os.environ.get(PROFILES_ENV) else []
+    return dirs + [Path("profiles"), REPO_PROFILES]
+
+
+def profile_names() -> list[str]:
+    names = set()
+    for d in search_dirs():
+        if d.is_dir():
+            names.update(p.stem for p in d.glob("*.toml"))
+    return sorted(names)
+
+
+def find_profile(spec: str) -> Path:
+    path = Path(spec)
+    if path.suffix == ".toml" and path.is_file():
+        return path
+    for d in search_dirs():
+        candidate = d / f"{spec}.toml"
+        if candidate.is_file():
+            return candidate
+    raise ValueError(f"profile {spec!r} is neither a .toml file nor a known profile name; known: "
+                     f"{', '.join(profile_names()) or '(none found in ' + ', '.join(map(str, search_dirs())) + ')'}")
+
+
+def load_profile(spec: str) -> HardwareProfile:
+    path = find_profile(spec)
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"profile {path}: not valid TOML ({e})") from None
+    return profile_from_dict(data, path)
+
+
+def profile_from_dict(data: dict, path: Optional[Path] = None) -> HardwareProfile:
+    where = str(path) if path else "profile"
+    data = dict(data)
+    data.setdefault("name", path.stem if path else "default")
+    known = {f.name for f in dataclasses.fields(HardwareProfile)} - {"path"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown}; allowed: {sorted(known)}")
+    try:
+        data["sampling"] = SamplingSettings(**data.get("sampling", {}))
+        probe = dict(data.get("probe", {}))
+        if "expand" in probe:
+            probe["expand"] = tuple(probe["expand"])
+        data["probe"] = ProbeSettings(**probe)
+    except TypeError as e:
+        raise ValueError(f"{where}: {e}") from None
+    for key in ("batch_sizes", "verify_sizes", "draft_sizes", "methods", "trees", "classes"):
+        if key in data:
+            data[key] = tuple(data[key])
+    return HardwareProfile(**data, path=path)
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)  # a JSON string is a valid TOML basic string
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise ValueError(f"cannot write {type(v).__name__} {v!r} into a profile (allowed: bool, int, float, str, list)")
+
+
+def write_tuned(profile_path: Path, tuned: dict, tree_paths) -> Path:
+    """Write the tree to `<name>.tuned.json` and replace (or append) the profile's trailing [tuned] table,
+    keeping everything above it byte for byte. Returns the tree file's path."""
+    tree_file = profile_path.with_suffix(".tuned.json")
+    tree_file.write_text(json.dumps([list(p) for p in tree_paths]) + "\n")
+    lines = profile_path.read_text().splitlines()
+    if "[tuned]" in (line.strip() for line in lines):
+        start = next(i for i, line in enumerate(lines) if line.strip() == "[tuned]")
+        rest = [i for i in range(start + 1, len(lines)) if lines[i].lstrip().startswith("[")]
+        if rest:
+            raise ValueError(f"{profile_path}: [tuned] must be the last table (found {lines[rest[0]].strip()} "
+                             "after it)")
+        lines = lines[:start]
+        while lines and lines[-1].strip().startswith("# written by `lantern profile tune`"):
+            lines.pop()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    body = {"tree_file": tree_file.name, **tuned}
+    table = ["", "# written by `lantern profile tune`; `lantern generate --profile NAME` uses tree_file", "[tuned]"]
+    table += [f"{k} = {_toml_value(v)}" for k, v in body.items()]
+    profile_path.write_text("\n".join(lines + table) + "\n")
+    tomllib.loads(profile_path.read_text())  # what we wrote must read back
+    return tree_file

@@ -1,0 +1,188 @@
+"""The measurements behind one results file: step latencies on prepared runners, whole generations, and
+acceptance per (depth, rank) from walks over a big probe tree.
+
+Step latencies use the runner's own `phase()` timer (the device synced on both ends), after the runner's
+warm-up plus `warmup` untimed calls; spread is reported as min/max and the inter-quartile range.
+"""
+from __future__ import annotations
+
+import resource
+import time
+from typing import Callable
+
+import torch
+
+from lantern.backends.base import Backend, StaticSpec, dummy_step_inputs, parse_dtype
+from lantern.decoding.config import DecodeConfig
+from lantern.decoding.trees import Paths, compile_tree
+
+
+def summarize(samples: list[float]) -> dict:
+    s = sorted(samples)
+    n = len(s)
+
+    def q(f: float) -> float:  # linear-interpolated quantile
+        x = f * (n - 1)
+        lo = int(x)
+        return s[lo] + (s[min(lo + 1, n - 1)] - s[lo]) * (x - lo)
+
+    return {"median_s": q(0.5), "min_s": s[0], "max_s": s[-1], "p25_s": q(0.25), "p75_s": q(0.75),
+            "repeats": n, "samples_s": samples}
+
+
+def process_peak_rss() -> int:
+    """Peak resident set of this process so far (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def step_spec(model_config, rows: int, dtype: str, verify: int, draft: int = 0) -> StaticSpec:
+    p = model_config.cls_token_num
+    # about what a generation with a tree this wide allocates (static_spec: tree, scratch slots, catch-up),
+    # since every step attends over all S slots
+    max_len = (p + model_config.block_size + 2 * max(verify, draft) + 16 + 7) // 8 * 8
+    return StaticSpec(batch=rows, max_len=max_len, prefix_len=p,
+                      verify_widths=(verify,), draft_widths=(draft,) if draft else (), dtype=dtype)
+
+
+def _time_calls(runner, name: str, call: Callable[[], object], warmup: int, repeats: int) -> dict:
+    for _ in range(warmup):
+        call()
+    runner.reset_times()
+    for _ in range(repeats):
+        with runner.phase(name):
+            call()
+    return summarize(runner.times[name].seconds)
+
+
+def verify_latency(backend: Backend, target, spec: StaticSpec, warmup: int, repeats: int) -> dict:
+    """Median and spread of one target forward over N = spec.verify_widths[0] tree nodes."""
+    runner = backend.prepare(target, None, spec)
+    runner.warmup()
+    n = spec.verify_widths[0]
+    inputs = dummy_step_inputs(spec, n, runner.device)
+    latency = _time_calls(runner, "verify", lambda: runner.verify(*inputs), warmup, repeats)
+    return {"latency": latency, "warmup_s": runner.warmup_seconds, "memory": _memory(runner)}
+
+
+def draft_latency(backend: Backend, target, drafter, spec: StaticSpec, warmup: int, repeats: int) -> dict:
+    """Median and spread of one drafter step over W = spec.draft_widths[0] (feature, token) pairs."""
+    runner = backend.prepare(target, drafter, spec)
+    runner.warmup()
+    w = spec.draft_widths[0]
+    tokens, positions, slots, mask = dummy_step_inputs(spec, w, runner.device)
+    features = torch.zeros(spec.batch, w, target.config.dim, device=runner.device, dtype=parse_dtype(spec.dtype))
+    latency = _time_calls(runner, "draft", lambda: runner.draft(tokens, features, positions, slots, mask),
+                          warmup, repeats)
+    return {"latency": latency, "warmup_s": runner.warmup_seconds, "memory": _memory(runner)}
+
+
+def _memory(runner) -> dict:
+    return {**runner.memory().to_dict(), "process_peak_rss_bytes": process_peak_rss()}
+
+
+def generation(pipe, dcfg: DecodeConfig, classes, seed: int, warmup: int, repeats: int) -> dict:
+    """Whole generations, one image per call (batch-1 latency): `repeats` timed passes over `classes`, the
+    same seeds for every method. Wall time is the decode loop's (VQ decode and warm-up excluded)."""
+    return side_by_side(pipe, {"only": dcfg}, classes, seed, warmup, repeats)["only"]
+
+
+def side_by_side(pipe, dcfgs: dict, classes, seed: int, warmup: int, repeats: int) -> dict:
+    """Several decode configs timed in one run, interleaved image by image (the order alternating between
+    passes), so that drift in the machine's load falls on all of them alike. Returns {name: summary}."""
+    for dcfg in dcfgs.values():
+        for _ in range(warmup):
+            pipe.generate([classes[0]], dcfg, seed=seed)
+    names = list(dcfgs)
+    walls = {name: [0.0] * repeats for name in names}
+    results = {name: [] for name in names}
+    for r in range(repeats):
+        for c in classes:
+            for name in (names if r % 2 == 0 else names[::-1]):
+                res = pipe.generate([c], dcfgs[name], seed=seed + r)
+                walls[name][r] += res.stats.wall_seconds
+                results[name].append(res)
+    return {name: _summary(dcfgs[name], results[name], walls[name], len(classes)) for name in names}
+
+
+def _summary(dcfg: DecodeConfig, results: list, walls: list[float], images: int) -> dict:
+    stats = results[0].stats
+    for res in results[1:]:
+        stats.merge(res.stats)
+    s = stats.summary()
+    last = results[-1].profile
+    steps = s["verify_steps"] if dcfg.speculative else s["target_forwards"] - len(results)
+    return {
+        "wall": summarize(walls),
+        "images": images,
+        "tokens_per_pass": s["tokens"] // len(walls),
+        "tau": s["mean_accepted_length"],
+        "tokens_per_s": s["tokens"] / sum(walls) if sum(walls) else 0.0,
+        "step_compression": s["step_compression"],
+        "target_forwards": s["target_forwards"],
+        "verify_steps": steps,
+        "acceptance_by_depth": {str(d): v for d, v in s["acceptance_by_depth"].items()},
+        "moved_mass_max": s["moved_mass_max"],
+        "phase_seconds": s["phase_seconds"],
+        "verify_width": dcfg.verify_width,
+        "tree_depth": dcfg.tree_depth,
+        "draft_width": dcfg.draft_width,
+        "warmup_s": last["warmup_s"],
+        "spec": last["spec"],
+        "memory": {**last["memory"], "process_peak_rss_bytes": process_peak_rss()},
+    }
+
+
+def probe_paths(depth: int, fanout: int, expand: tuple[int, ...]) -> Paths:
+    """`fanout` children under each of the `expand[d]` most likely nodes of depth d (root = depth 0), the
+    most likely being those whose path has the smallest rank sum (ties: the lexicographically first)."""
+    paths, level = [], [()]
+    for d in range(depth):
+        parents = sorted(level, key=lambda p: (sum(p), p))[: expand[d]]
+        level = [p + (j,) for p in parents for j in range(fanout)]
+        paths += level
+    return tuple(paths)
+
+
+def count_acceptance(paths: Paths, ranks_per_image: list[list[tuple[int, ...]]], block: int) -> dict:
+    """From each verify step's accepted ranks on the probe tree: offered[d][j] = steps whose walk reached a
+    depth-d parent that has a rank-j child; accepted[d][j] = steps that accepted that child (d from 0 =
+    depth 1). The walk tried a node's children unless it was a leaf or the image's token budget capped the
+    path (max_accept = tokens left - 1, replayed here), so such steps add no rejection count."""
+    tree = compile_tree(paths)
+    depth = tree.depth
+    fanout = tree.max_children
+    offered = [[0] * fanout for _ in range(depth)]
+    accepted = [[0] * fanout for _ in range(depth)]
+    for steps in ranks_per_image:
+        produced = 1  # the prefill's token
+        for ranks in steps:
+            node = 0
+            for d, j in enumerate(ranks):
+                kids = tree.children[node]
+                for jj in range(len(kids)):
+                    offered[d][jj] += 1
+                accepted[d][j] += 1
+                node = kids[j]
+            m = len(ranks)
+            kids = tree.children[node]
+            if kids and m < block - produced - 1:
+                for jj in range(len(kids)):
+                    offered[m][jj] += 1
+            produced += m + 1
+    rates = [[a / o if o else 0.0 for a, o in zip(acc_row, off_row)] for acc_row, off_row in zip(accepted, offered)]
+    return {"offered": offered, "accepted": accepted, "rates": rates}
+
+
+def acceptance_probe(pipe, dcfg: DecodeConfig, paths: Paths, classes, seed: int) -> dict:
+    """LANTERN++ generations over the probe tree, recording each verify step's accepted ranks."""
+    t0 = time.perf_counter()
+    ranks, taus, walls, steps = [], [], [], 0
+    for c in classes:
+        res = pipe.generate([c], dcfg, seed=seed)
+        ranks.append(res.stats.accepted_ranks)
+        taus.append(res.stats.mean_accepted_length)
+        walls.append(res.stats.wall_seconds)
+        steps += len(res.stats.accepted_ranks)
+    counts = count_acceptance(paths, ranks, pipe.config.block_size)
+    return {**counts, "tree_size": len(paths) + 1, "verify_steps": steps, "tau": sum(taus) / len(taus),
+            "wall_s": sum(walls), "seconds": time.perf_counter() - t0}

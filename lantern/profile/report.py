@@ -1,0 +1,280 @@
+"""`lantern profile compare`: results files from any machines and backends -> one Markdown report and PNG
+plots (verify latency vs N, speed-up per method and tree, memory and its parts)."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Optional
+
+from lantern.profile.schema import load_results
+
+MIB = 2 ** 20
+MEMORY_PARTS = ("weights_bytes", "kv_cache_bytes", "tree_buffer_bytes", "workspace_bytes")
+
+
+def label(data: dict) -> str:
+    p, b = data["profile"], data["backend"]
+    return f"{p['name']} ({b.get('name')}, {p['dtype']}, {data['environment'].get('hostname', '?')})"
+
+
+def _ok_cases(data: dict, kind: str) -> dict:
+    return {cid: c for cid, c in data["cases"].items() if c["kind"] == kind and c["status"] == "ok"}
+
+
+def verify_curve(data: dict, batch: int = 1) -> dict:
+    """{N: (median, p25, p75) seconds} at `batch` images."""
+    out = {}
+    for c in _ok_cases(data, "verify").values():
+        if c["params"]["batch"] == batch:
+            lat = c["result"]["latency"]
+            out[c["params"]["N"]] = (lat["median_s"], lat["p25_s"], lat["p75_s"])
+    return dict(sorted(out.items()))
+
+
+def draft_curve(data: dict, batch: int = 1) -> dict:
+    return dict(sorted((c["params"]["W"], c["result"]["latency"]["median_s"])
+                       for c in _ok_cases(data, "draft").values() if c["params"]["batch"] == batch))
+
+
+def generation_rows(data: dict) -> list[dict]:
+    """One row per generate case: wall median and spread, tau, tokens/s, speed-up over AR (same file)."""
+    ar = data["cases"].get("generate/ar")
+    ar_s = ar["result"]["wall"]["median_s"] if ar and ar["status"] == "ok" else None
+    rows = []
+    for cid, c in data["cases"].items():
+        if c["kind"] != "generate":
+            continue
+        row = {"case": cid.removeprefix("generate/"), "method": c["params"]["method"], "tree": c["params"].get("tree"),
+               "status": c["status"]}
+        if c["status"] == "ok":
+            r = c["result"]
+            w = r["wall"]
+            row.update(wall_s=w["median_s"], spread_s=(w["min_s"], w["max_s"]), tau=r["tau"],
+                       tokens_per_s=r["tokens_per_s"], N=r["verify_width"],
+                       step_ms=sum(w["samples_s"]) / max(r["verify_steps"], 1) * 1e3,
+                       speedup=ar_s / w["median_s"] if ar_s and w["median_s"] else None,
+                       peak_bytes=r["memory"]["peak_bytes"])
+        else:
+            row["error"] = c["error"]
+        rows.append(row)
+    return rows
+
+
+def memory_parts(data: dict) -> Optional[dict]:
+    """Memory of the widest ok generation (the tree that needs most): peak and its parts."""
+    best = None
+    for c in _ok_cases(data, "generate").values():
+        r = c["result"]
+        if best is None or r["verify_width"] > best[0]:
+            best = (r["verify_width"], c["params"].get("tree") or c["params"]["method"], r["memory"])
+    if best is None:
+        return None
+    return {"case": best[1], "N": best[0], **best[2]}
+
+
+def failures(data: dict) -> list[tuple[str, str]]:
+    return [(cid, c["error"]) for cid, c in data["cases"].items() if c["status"] == "failed"]
+
+
+def _fmt(x, spec: str, none: str = "-") -> str:
+    return none if x is None else format(x, spec)
+
+
+def markdown(files: list[tuple[str, dict]], plots: dict) -> str:
+    out = ["# lantern profile report", "",
+           f"{len(files)} results file(s). Speed-up = AR wall time / method wall time, same backend, model, classes "
+           "and seeds, from the same file; latencies are medians over repeats (spread: min..max or p25..p75).", ""]
+    out += ["## Machines and models", "", "| run | backend | device | CPU | load (1 min, at start) | accelerator | "
+            "torch | onnxruntime | lantern | model |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, d in files:
+        e, b = d["environment"], d["backend"]
+        acc = (e.get("accelerator") or {}).get("name") or "none"
+        dev = (b.get("capabilities") or {}).get("device", "-")
+        rev = (e.get("lantern_git") or "?")[:12]
+        load = (e.get("load_average") or [None])[0]
+        out.append(f"| {name} | {b.get('name')}{'' if b.get('available') else ' (unavailable)'} | {dev} | "
+                   f"{e.get('cpu_model')} ({e.get('logical_cores')} cores) | {_fmt(load, '.1f')} | {acc} | "
+                   f"{e.get('torch')} | "
+                   f"{e.get('onnxruntime') or '-'} | {e.get('lantern')} @ {rev} | {d['model'].get('name') or '-'} |")
+    notes = {d["model"].get("note") for _, d in files if d["model"].get("note")}
+    out += [""] + [f"> {n}" for n in sorted(notes)] + [""]
+
+    unavailable = [(n, d["backend"].get("reason")) for n, d in files if not d["backend"].get("available")]
+    if unavailable:
+        out += ["## Unavailable backends", ""] + [f"- **{n}**: {r}" for n, r in unavailable] + [""]
+
+    measured = [(n, d) for n, d in files if d["backend"].get("available")]
+    curves = {n: verify_curve(d) for n, d in measured}
+    sizes = sorted({k for c in curves.values() for k in c})
+    if sizes:
+        out += ["## Verify latency vs tree size N (ms, batch 1 image)", "", "AR decode step = N 1.", ""]
+        out += ["| N | " + " | ".join(curves) + " |", "|---|" + "---|" * len(curves)]
+        for n in sizes:
+            cells = [f"{c[n][0] * 1e3:.2f} ({c[n][1] * 1e3:.1f}..{c[n][2] * 1e3:.1f})" if n in c else "-"
+                     for c in curves.values()]
+            out.append(f"| {n} | " + " | ".join(cells) + " |")
+        out.append("")
+    drafts = {n: draft_curve(d) for n, d in measured}
+    widths = sorted({k for c in drafts.values() for k in c})
+    if widths:
+        out += ["## Drafter step latency vs width W (ms, batch 1 image)", ""]
+        out += ["| W | " + " | ".join(drafts) + " |", "|---|" + "---|" * len(drafts)]
+        for w in widths:
+            out.append(f"| {w} | " + " | ".join(f"{c[w] * 1e3:.2f}" if w in c else "-" for c in drafts.values()) + " |")
+        out.append("")
+    if measured:
+        out += ["## Whole generation", "", "Wall time per pass over the classes (one image per class, decoded one at a "
+                "time); step ms = wall / target steps.", "",
+                "| run | method / tree | N | wall s (min..max) | step ms | tau | tokens/s | speed-up vs AR | "
+                "peak MiB |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for n, d in measured:
+            for r in generation_rows(d):
+                if r["status"] != "ok":
+                    out.append(f"| {n} | {r['case']} | | failed: {r['error'][:120]} | | | | | |")
+                    continue
+                out.append(f"| {n} | {r['case']} | {r['N']} | {r['wall_s']:.2f} ({r['spread_s'][0]:.2f}.."
+                           f"{r['spread_s'][1]:.2f}) | {r['step_ms']:.1f} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "
+                           f"{_fmt(r['speedup'], '.2f')}x | {r['peak_bytes'] / MIB:.0f} |")
+        out.append("")
+        out += ["## Memory (widest generation of each run, MiB)", "",
+                "Where the peak is the process RSS (CPU backends), workspace includes the interpreter and libraries.",
+                "", "| run | case | N | peak | weights | KV cache | "
+                "tree buffers | workspace | source |", "|---|---|---|---|---|---|---|---|---|"]
+        for n, d in measured:
+            m = memory_parts(d)
+            if m:
+                out.append(f"| {n} | {m['case']} | {m['N']} | {m['peak_bytes'] / MIB:.1f} | "
+                           + " | ".join(f"{m[k] / MIB:.2f}" for k in MEMORY_PARTS) + f" | {m['source']} |")
+        out.append("")
+    tuned = [(n, d["tune"]) for n, d in measured if d.get("tune")]
+    if tuned:
+        out += ["## Tuned trees", "", "Predicted from the verify and drafter curves, the fitted host overhead and the "
+                "probe's acceptance per (depth, rank); tau is per verify step, speed-up per image.", ""]
+        for n, t in tuned:
+            ch = t["choice"]
+            out += [f"**{n}**: chose N {ch['N']}, depth {ch['depth']}: `{json.dumps(ch['paths'])}`", "",
+                    "| tree | N | predicted tau | predicted step ms | predicted speed-up vs AR |",
+                    "|---|---|---|---|---|"]
+            for name, row in [("tuned", ch), *t["presets"].items()]:
+                out.append(f"| {name} | {row['N']} | {row['tau']:.2f} | {row['step_s'] * 1e3:.1f} | "
+                           f"{_fmt(row.get('predicted_speedup_vs_ar'), '.2f')}x |")
+            side = t.get("measured")
+            if side:
+                out += ["", f"Measured side by side in one run ({side['repeats']} pass(es) over classes "
+                            f"{side['classes']}, interleaved):", ""]
+                out += ["| tree | wall s per pass (min..max) | tau |", "|---|---|---|"]
+                for k, v in side["runs"].items():
+                    w = v["wall"]
+                    out.append(f"| {k} | {w['median_s']:.2f} ({w['min_s']:.2f}..{w['max_s']:.2f}) | {v['tau']:.2f} |")
+                out += ["", f"Tuned / default wall time: **{side['tuned_over_default']:.2f}**"]
+            out.append("")
+    fails = [(n, cid, err) for n, d in files for cid, err in failures(d)]
+    if fails:
+        out += ["## Failed cases", "", "| run | case | error |", "|---|---|---|"]
+        out += [f"| {n} | {cid} | {err.replace('|', '/')[:200]} |" for n, cid, err in fails] + [""]
+    if plots:
+        out += ["## Plots", ""] + [f"![{k}]({Path(v).name})" for k, v in plots.items()] + [""]
+    return "\n".join(out)
+
+
+def plot(files: list[tuple[str, dict]], out_dir: Path) -> dict:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    measured = [(n, d) for n, d in files if d["backend"].get("available")]
+    plots = {}
+    curves = {n: verify_curve(d) for n, d in measured}
+    if any(curves.values()):
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+        for n, c in curves.items():
+            if c:
+                xs = list(c)
+                below = [(c[x][0] - c[x][1]) * 1e3 for x in xs]  # median - p25
+                above = [(c[x][2] - c[x][0]) * 1e3 for x in xs]  # p75 - median
+                axes[0].errorbar(xs, [c[x][0] * 1e3 for x in xs], yerr=[below, above], marker="o", ms=3, capsize=2,
+                                 label=n)
+        axes[0].set(xlabel="tree size N (nodes verified, root included)", ylabel="verify latency (ms)",
+                    title="Target verify latency vs N (batch 1 image)")
+        for n, d in measured:
+            dc = draft_curve(d)
+            if dc:
+                axes[1].plot(list(dc), [v * 1e3 for v in dc.values()], marker="o", ms=3, label=n)
+        axes[1].set(xlabel="drafter width W", ylabel="drafter step latency (ms)", title="Drafter step latency vs W")
+        for ax in axes:
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        plots["latency vs N"] = out_dir / "latency_vs_n.png"
+        fig.savefig(plots["latency vs N"], dpi=110)
+        plt.close(fig)
+    gen = {n: [r for r in generation_rows(d) if r["status"] == "ok" and r["method"] != "ar"] for n, d in measured}
+    for rows in gen.values():
+        for r in rows:  # each profile's own tuned tree in one group (the last tuning when there are several)
+            r["case"] = re.sub(r"/tuned-N\d+-[0-9a-f]+$", "/tuned", r["case"])
+    cases = sorted({r["case"] for rows in gen.values() for r in rows})
+    if cases:
+        fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(cases) + 2), 4.2))
+        width = 0.8 / max(len(gen), 1)
+        for i, (n, rows) in enumerate(gen.items()):
+            by = {r["case"]: r for r in rows}
+            heights = [(by[c]["speedup"] or 0) if c in by else 0 for c in cases]
+            ax.bar([k + i * width for k in range(len(cases))], heights, width, label=n)
+        ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        ax.set_xticks([k + width * (len(gen) - 1) / 2 for k in range(len(cases))], cases, rotation=25, ha="right",
+                      fontsize=8)
+        ax.set(ylabel="speed-up over AR (wall time)", title="Whole-generation speed-up per method and tree")
+        ax.legend(fontsize=7)
+        ax.grid(axis="y", alpha=0.3)
+        fig.tight_layout()
+        plots["speed-up"] = out_dir / "speedup.png"
+        fig.savefig(plots["speed-up"], dpi=110)
+        plt.close(fig)
+    mem = {n: memory_parts(d) for n, d in measured}
+    mem = {n: m for n, m in mem.items() if m}
+    if mem:
+        names = list(mem)
+        fig, axes = plt.subplots(1, 2, figsize=(max(9.0, 2.4 * len(mem) + 4), 4.2))
+        bottom = [0.0] * len(names)
+        for part in MEMORY_PARTS[:-1]:  # what the model and its static shapes hold
+            vals = [mem[n][part] / MIB for n in names]
+            axes[0].bar(names, vals, bottom=bottom, label=part.removesuffix("_bytes").replace("_", " "))
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        axes[0].set(ylabel="MiB", title="Weights, KV cache and tree buffers")
+        fixed = [sum(mem[n][p] for p in MEMORY_PARTS[:-1]) / MIB for n in names]
+        work = [mem[n]["workspace_bytes"] / MIB for n in names]
+        # what the backend's peak holds beyond its parts (on CPU: the interpreter and libraries in the RSS)
+        other = [max(mem[n]["peak_bytes"] / MIB - f - w, 0.0) for n, f, w in zip(names, fixed, work)]
+        axes[1].bar(names, fixed, label="weights + KV + tree buffers")
+        axes[1].bar(names, work, bottom=fixed, label="workspace (as the backend reports it)")
+        axes[1].bar(names, other, bottom=[f + w for f, w in zip(fixed, work)], label="rest of the peak")
+        axes[1].set(ylabel="MiB", title="Peak memory (sources: see the report's table)")
+        for ax in axes:
+            ax.tick_params(axis="x", labelsize=7)
+            ax.legend(fontsize=7)
+        fig.suptitle("Memory of the widest generation of each run", fontsize=10)
+        fig.tight_layout()
+        plots["memory"] = out_dir / "memory.png"
+        fig.savefig(plots["memory"], dpi=110)
+        plt.close(fig)
+    return plots
+
+
+def compare(paths: list[str | Path], out_dir: str | Path, with_plots: bool = True) -> dict:
+    """Load (validating each: an incompatible schema version is refused), then write report.md and PNGs."""
+    if not paths:
+        raise ValueError("compare needs at least one results file")
+    files, seen = [], {}
+    for p in paths:
+        data = load_results(p)
+        name = label(data)
+        seen[name] = seen.get(name, 0) + 1
+        files.append((name if seen[name] == 1 else f"{name} #{seen[name]}", data))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots = plot(files, out_dir) if with_plots else {}
+    report = out_dir / "report.md"
+    report.write_text(markdown(files, plots))
+    return {"report": str(report), "plots": {k: str(v) for k, v in plots.items()}, "runs": [n for n, _ in files]}

@@ -1,0 +1,250 @@
+"""`lantern profile run`: plan the cases a hardware profile asks for, run the ones a results file does not
+hold yet, and save after every case (so a stopped run resumes where it stopped). A case that raises is
+recorded as failed with its error; an unavailable backend is one failed case and nothing else runs."""
+from __future__ import annotations
+
+import datetime
+import gc
+import hashlib
+import inspect
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from lantern.backends import BackendUnavailable, backend_class, get_backend, resolve_name
+from lantern.decoding.config import method_preset
+from lantern.decoding.sampling import SamplingConfig
+from lantern.decoding.trees import load_tree
+from lantern.profile import environment, measure
+from lantern.profile.hardware import TUNED_TREE, HardwareProfile
+from lantern.profile.schema import SCHEMA, SCHEMA_VERSION, load_results, save_results
+from lantern.profile.source import ModelSource, load_source
+
+STATIC_TREE_METHODS = ("lantern++",)  # methods whose drafting is a static tree (the others draft dynamically)
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+@dataclass
+class Case:
+    id: str
+    kind: str
+    params: dict
+    run: Callable[[], dict]
+
+
+def default_results_path(profile: HardwareProfile) -> Path:
+    base = profile.path.parent if profile.path else Path("profiles")
+    return base / "results" / f"{profile.name}.json"
+
+
+def backend_options(name: str, profile: HardwareProfile) -> dict:
+    """The profile's backend_options, plus `threads` for backends whose constructor takes it."""
+    options = dict(profile.backend_options)
+    if profile.threads and "threads" in inspect.signature(backend_class(name).__init__).parameters:
+        options.setdefault("threads", profile.threads)
+    return options
+
+
+def sampling_config(profile: HardwareProfile, source: ModelSource) -> SamplingConfig:
+    s = profile.sampling
+    return SamplingConfig(greedy=s.greedy, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                          cfg_scale=source.default_cfg_scale if s.cfg_scale is None else s.cfg_scale)
+
+
+def tree_label(tree: str, profile: HardwareProfile) -> Optional[tuple[str, str]]:
+    """(label, drafting spec) of a profile tree; None for `tuned` when the profile has no tuned tree yet.
+    A tuned tree's label carries a hash of its paths, so a new tuning is a new case."""
+    if tree != TUNED_TREE:
+        return tree, tree
+    tree_file = profile.tuned_tree_file()
+    if tree_file is None:
+        return None
+    paths = load_tree(str(tree_file))
+    digest = hashlib.sha256(repr(paths).encode()).hexdigest()[:8]
+    return f"tuned-N{len(paths) + 1}-{digest}", str(tree_file)
+
+
+class Suite:
+    def __init__(self, profile: HardwareProfile, backend: Optional[str] = None, model: Optional[str] = None,
+                 out: Optional[Path] = None, fresh: bool = False, progress: bool = True):
+        self.profile = profile
+        self.requested = backend or profile.backend
+        self.model_spec = model or profile.model
+        self.out = Path(out) if out else default_results_path(profile)
+        self.fresh = fresh
+        self.progress = progress
+
+    # -- the cases ---------------------------------------------------------------------------------------
+    def plan(self) -> list[Case]:
+        p, src = self.profile, self.source
+        cfg = src.target.config
+        rows = self.sampling.rows_per_image
+        cases = []
+        for b in p.batch_sizes:
+            for n in p.verify_sizes:
+                spec = measure.step_spec(cfg, b * rows, p.dtype, verify=n)
+                cases.append(Case(f"verify/b{b}/N{n}", "verify", {"batch": b, "rows": b * rows, "N": n},
+                                  lambda spec=spec: measure.verify_latency(self.backend, src.target, spec,
+                                                                           p.warmup, p.repeats)))
+            if src.drafter is not None:
+                for w in p.draft_sizes:
+                    spec = measure.step_spec(cfg, b * rows, p.dtype, verify=1, draft=w)
+                    cases.append(Case(f"draft/b{b}/W{w}", "draft", {"batch": b, "rows": b * rows, "W": w},
+                                      lambda spec=spec: measure.draft_latency(self.backend, src.target, src.drafter,
+                                                                              spec, p.warmup, p.repeats)))
+        for method in p.methods:
+            trees = [tree_label(t, p) for t in p.trees] if method in STATIC_TREE_METHODS else [None]
+            for tree in trees:
+                if method in STATIC_TREE_METHODS and tree is None:
+                    continue  # `tuned` before any tuning: nothing to measure yet
+                label, drafting = tree if tree else (None, None)
+                overrides = {"drafting": drafting} if drafting else {}
+                dcfg = method_preset(method, self.sampling, **overrides)
+                case_id = f"generate/{method}" + (f"/{label}" if label else "")
+                params = {"method": method, "tree": label, "decode": dcfg.to_dict(), "classes": list(p.classes),
+                          "seed": p.seed, "repeats": p.generation_repeats}
+                cases.append(Case(case_id, "generate", params, lambda dcfg=dcfg: measure.generation(
+                    self.make_pipe(), dcfg, list(p.classes), p.seed, p.generation_warmup, p.generation_repeats)))
+        if src.drafter is not None and src.proximity is not None:
+            pr = p.probe
+            params = {"method": "lantern++", "depth": pr.depth, "fanout": pr.fanout, "expand": list(pr.expand),
+                      "classes": list(p.classes), "seed": p.seed}
+            cases.append(Case("acceptance/probe", "acceptance", params, self._probe))
+        return cases
+
+    def _probe(self) -> dict:
+        pr = self.profile.probe
+        paths = measure.probe_paths(pr.depth, pr.fanout, pr.expand)
+        with tempfile.TemporaryDirectory() as tmp:
+            tree_file = Path(tmp) / "probe.json"
+            tree_file.write_text(json.dumps([list(x) for x in paths]))
+            dcfg = method_preset("lantern++", self.sampling, drafting=str(tree_file))
+            return measure.acceptance_probe(self.make_pipe(), dcfg, paths, list(self.profile.classes),
+                                            self.profile.seed)
+
+    def make_pipe(self):
+        """A new Pipeline per case: the runners an earlier case prepared are freed first, so each case's
+        memory is its own (a Pipeline keeps every runner it prepared)."""
+        from lantern.api import Pipeline
+        gc.collect()
+        src = self.source
+        return Pipeline(src.target, src.drafter, src.proximity, backend=self.backend_name, dtype=self.profile.dtype,
+                        **backend_options(self.backend_name, self.profile))
+
+    # -- the file ----------------------------------------------------------------------------------------
+    def header(self, backend_record: dict, model_record: dict) -> dict:
+        profile = self.profile.to_dict()
+        profile["settings_hash"] = self.profile.settings_hash()
+        stamp = now()
+        return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "profile": profile, "backend": backend_record,
+                "model": model_record, "environment": environment.collect(), "started_at": stamp,
+                "updated_at": stamp, "complete": False, "cases": {}}
+
+    def resume_or_start(self, backend_record: dict, model_record: dict) -> dict:
+        fresh = self.header(backend_record, model_record)
+        if self.fresh or not self.out.exists():
+            return fresh
+        old = load_results(self.out)
+        if not old["backend"].get("available"):
+            return fresh  # it recorded only that the backend was unavailable
+        checks = [("settings", old["profile"].get("settings_hash"), fresh["profile"]["settings_hash"]),
+                  ("backend", old["backend"].get("name"), backend_record.get("name")),
+                  ("model", old["model"].get("name"), model_record.get("name"))]
+        for what, was, now_ in checks:
+            if was != now_:
+                raise ValueError(f"{self.out} was measured with another {what} ({was!r}, now {now_!r}); pass "
+                                 f"--fresh to start over or --out to write elsewhere")
+        old["environment"] = fresh["environment"]
+        old["profile"] = fresh["profile"]  # same settings; names and tuned tree may have changed
+        return old
+
+    def setup_backend(self) -> dict:
+        """Raises BackendUnavailable (or ValueError naming the valid backends for an unknown name).
+        Returns the backend record of the results file."""
+        p = self.profile
+        if p.threads:
+            torch.set_num_threads(p.threads)
+        self.backend_name = resolve_name(self.requested)
+        self.backend = get_backend(self.backend_name, **backend_options(self.backend_name, p))
+        self.backend.check_dtype(p.dtype)
+        return {"requested": self.requested, "name": self.backend_name, "available": True, "reason": "",
+                "capabilities": dict(vars(self.backend.capabilities())),
+                "options": backend_options(self.backend_name, p)}
+
+    def setup_models(self) -> None:
+        self.source = load_source(self.model_spec)
+        self.sampling = sampling_config(self.profile, self.source)
+
+    def run(self) -> dict:
+        p = self.profile
+        try:
+            backend_record = self.setup_backend()
+        except (BackendUnavailable, ValueError) as e:
+            return self._unavailable(str(e))
+        self.setup_models()
+        data = self.resume_or_start(backend_record, self.source.info)
+        data["cases"].pop("backend", None)  # an earlier unavailability no longer holds
+        cases = self.plan()
+        todo = [c for c in cases if data["cases"].get(c.id, {}).get("status") != "ok"]
+        save_results(data, self.out)
+        from tqdm import tqdm
+        bar = tqdm(todo, desc=f"profile {p.name}", unit="case", file=sys.stderr, disable=not self.progress)
+        for case in bar:
+            bar.set_postfix_str(case.id)
+            data["cases"][case.id] = self._run_case(case)
+            data["updated_at"] = now()
+            save_results(data, self.out)
+        data["complete"] = all(c.id in data["cases"] for c in cases)
+        save_results(data, self.out)
+        failed = [c.id for c in cases if data["cases"][c.id]["status"] == "failed"]
+        return {"results": str(self.out), "profile": p.name, "backend": self.backend_name,
+                "model": self.source.info["name"],
+                "planned": len(cases), "ran": len(todo), "resumed": len(cases) - len(todo), "failed": failed,
+                "errors": {c: data["cases"][c]["error"] for c in failed}, "complete": data["complete"],
+                "available": True}
+
+    def _run_case(self, case: Case) -> dict:
+        t0 = time.perf_counter()
+        record = {"kind": case.kind, "params": case.params, "measured_at": now()}
+        try:
+            record.update(status="ok", result=case.run())
+        except Exception as e:  # noqa: BLE001  recorded, not dropped: the suite goes on with the next case
+            record.update(status="failed", error=f"{type(e).__name__}: {e}",
+                          traceback=traceback.format_exc(limit=4))
+        record["seconds"] = time.perf_counter() - t0
+        record["load_average"] = list(os.getloadavg())  # others' jobs on a shared machine skew timings: say so
+        return record
+
+    def _unavailable(self, reason: str) -> dict:
+        summary = {"results": str(self.out), "profile": self.profile.name, "backend": self.requested,
+                   "available": False, "reason": reason, "planned": 0, "ran": 0, "resumed": 0, "failed": ["backend"],
+                   "errors": {"backend": f"unavailable: {reason}"}, "complete": True}
+        if self.out.exists() and not self.fresh and load_results(self.out)["backend"].get("available"):
+            return {**summary, "results_kept": "the file holds measurements from when the backend was available"}
+        backend_record = {"requested": self.requested, "name": self.requested or resolve_name_or_none(),
+                          "available": False, "reason": reason, "capabilities": {}, "options": {}}
+        no_model = {"kind": "none", "name": None, "note": "no model loaded: the backend is unavailable"}
+        data = self.header(backend_record, no_model)
+        data["cases"]["backend"] = {"kind": "backend", "status": "failed", "params": {"requested": self.requested},
+                                    "error": f"unavailable: {reason}", "measured_at": now(), "seconds": 0.0}
+        data["complete"] = True
+        save_results(data, self.out)
+        return summary
+
+
+def resolve_name_or_none() -> Optional[str]:
+    try:
+        return resolve_name(None)
+    except ValueError:
+        return None

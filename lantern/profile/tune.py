@@ -1,0 +1,257 @@
+"""Choose the static tree for one device from its measurements.
+
+Model of one speculative step with a tree T of N nodes (root included), depth D and widest drafting level W:
+
+    E(T)    = 1 + sum over nodes v of P(v's path accepted),  P = product over the path's edges (depth d,
+              rank j) of a[d][j] = P(the rank-j child is the accepted one | its parent was reached)
+    cost(T) = verify(N) + draft(D + 1) + (D - 1) * draft(W) + host_a + host_b * N
+
+verify() and draft() are the measured step-latency curves (interpolated), the catch-up is one drafter step
+of width D + 1 and each deeper level one step of width W (the static drafting shapes), and host_a + host_b*N
+is the host-side work per step (sampling, tree walk, commit) fitted from the whole-generation cases.
+The search grows a tree greedily from the single node (0,): each round it adds the candidate node (the next
+child of any node) that gives the highest tokens per second E/cost, up to the largest measured N, takes
+the best tree seen on the way, and prunes the leaves that do not pay for themselves. With a flat verify curve extra nodes are nearly free and the tree
+grows wide; with a steep one every node must pay for itself and the tree stays small.
+"""
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from lantern.decoding.trees import Paths, validate_paths
+
+
+def interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear through sorted (x, y) points, extended linearly past both ends."""
+    xs = [p[0] for p in points]
+    if len(points) == 1:
+        return points[0][1]
+    i = min(max(bisect_left(xs, x), 1), len(points) - 1)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0)
+
+
+def monotone(points: dict) -> list[tuple[float, float]]:
+    """Sorted points with y made non-decreasing (a running max): a wider step is never cheaper, and noise
+    that says otherwise would make the search chase it."""
+    out, top = [], 0.0
+    for x in sorted(points):
+        top = max(top, points[x])
+        out.append((float(x), top))
+    return out
+
+
+@dataclass(frozen=True)
+class CostModel:
+    verify: tuple[tuple[float, float], ...]  # (N, seconds), non-decreasing
+    draft: tuple[tuple[float, float], ...]  # (W, seconds), non-decreasing
+    host_a: float = 0.0  # seconds per step
+    host_b: float = 0.0  # seconds per node per step
+
+    @classmethod
+    def from_curves(cls, verify: dict, draft: dict, host_a: float = 0.0, host_b: float = 0.0) -> "CostModel":
+        if not verify or not draft:
+            raise ValueError("tuning needs a measured verify curve and drafter curve (run `lantern profile run`)")
+        return cls(tuple(monotone(verify)), tuple(monotone(draft)), host_a, host_b)
+
+    @property
+    def max_nodes(self) -> int:
+        return int(self.verify[-1][0])
+
+    def step_seconds(self, n: int, depth: int, width: int) -> float:
+        drafting = interpolate(self.draft, depth + 1) + (depth - 1) * interpolate(self.draft, max(width, 1))
+        return interpolate(self.verify, n) + drafting + self.host_a + self.host_b * n
+
+
+@dataclass(frozen=True)
+class AcceptanceRates:
+    rates: tuple[tuple[float, ...], ...]  # rates[d - 1][j]: a[d][j]
+
+    @property
+    def max_depth(self) -> int:
+        return len(self.rates)
+
+    @property
+    def max_rank(self) -> int:
+        return max(len(r) for r in self.rates)
+
+    def rate(self, depth: int, rank: int) -> float:
+        if depth > len(self.rates) or rank >= len(self.rates[depth - 1]):
+            return 0.0  # never measured: never counted on
+        return self.rates[depth - 1][rank]
+
+    def path_probability(self, path: Sequence[int]) -> float:
+        prob = 1.0
+        for d, j in enumerate(path, start=1):
+            prob *= self.rate(d, j)
+        return prob
+
+
+def tree_shape(paths: Paths) -> tuple[int, int, int]:
+    """(N with the root, depth, widest drafting level: nodes with children at one depth >= 1)."""
+    parents = {p[:-1] for p in paths if len(p) > 1}
+    levels: dict[int, int] = {}
+    for p in parents:
+        levels[len(p)] = levels.get(len(p), 0) + 1
+    return len(paths) + 1, max(len(p) for p in paths), max(levels.values(), default=0)
+
+
+def evaluate(paths: Paths, acc: AcceptanceRates, cost: CostModel) -> dict:
+    n, depth, width = tree_shape(paths)
+    tau = 1.0 + sum(acc.path_probability(p) for p in paths)
+    step = cost.step_seconds(n, depth, width)
+    return {"N": n, "depth": depth, "draft_width": width, "tau": tau, "step_s": step, "tokens_per_s": tau / step}
+
+
+@dataclass
+class _Growing:
+    """A tree being grown, with what the cost model needs kept up to date."""
+
+    paths: list
+    children: dict  # path -> number of children
+    levels: dict  # depth -> nodes with children at that depth (depth >= 1)
+    tau: float
+    depth: int
+
+    def shape_with(self, c: tuple) -> tuple[int, int, int]:
+        parent = c[:-1]
+        levels = dict(self.levels)
+        if parent and not self.children.get(parent):
+            levels[len(parent)] = levels.get(len(parent), 0) + 1
+        return len(self.paths) + 2, max(self.depth, len(c)), max(levels.values(), default=0)
+
+    def add(self, c: tuple, prob: float) -> None:
+        parent = c[:-1]
+        if parent and not self.children.get(parent):
+            self.levels[len(parent)] = self.levels.get(len(parent), 0) + 1
+        self.children[parent] = self.children.get(parent, 0) + 1
+        self.children[c] = 0
+        self.paths.append(c)
+        self.tau += prob
+        self.depth = max(self.depth, len(c))
+
+
+def choose_tree(acc: AcceptanceRates, cost: CostModel, max_nodes: Optional[int] = None) -> dict:
+    """Greedy growth (see the module doc). Returns the best tree, its predicted numbers and the trajectory."""
+    max_nodes = min(max_nodes or cost.max_nodes, cost.max_nodes)
+    if max_nodes < 2:
+        raise ValueError(f"the verify curve must reach N >= 2 to choose a tree (largest measured N: {max_nodes})")
+    g = _Growing(paths=[(0,)], children={(): 1, (0,): 0}, levels={}, tau=1.0 + acc.rate(1, 0), depth=1)
+    best = (g.tau / cost.step_seconds(2, 1, 0), list(g.paths))
+    trajectory = [(2, best[0])]
+    while len(g.paths) + 1 < max_nodes:
+        candidates = [u + (k,) for u, k in g.children.items() if k < acc.max_rank and len(u) < acc.max_depth]
+        if not candidates:
+            break
+        scored = []
+        for c in candidates:
+            prob = acc.path_probability(c)
+            n, depth, width = g.shape_with(c)
+            scored.append(((g.tau + prob) / cost.step_seconds(n, depth, width), prob, c))
+        thr, prob, c = max(scored, key=lambda s: (s[0], s[1], [-r for r in s[2]]))
+        g.add(c, prob)
+        trajectory.append((len(g.paths) + 1, thr))
+        if thr > best[0]:
+            best = (thr, list(g.paths))
+    paths = prune(validate_paths(best[1]), acc, cost)
+    return {"paths": paths, **evaluate(paths, acc, cost), "trajectory": trajectory}
+
+
+def prune(paths: Paths, acc: AcceptanceRates, cost: CostModel) -> Paths:
+    """Drop removable leaves (no children, last rank among their siblings) while that raises E / cost: the
+    greedy growth can leave a node that only paid off as a stepping stone it never used."""
+    while len(paths) > 1:
+        current = evaluate(paths, acc, cost)["tokens_per_s"]
+        have = set(paths)
+        removable = [p for p in paths if p + (0,) not in have and p[:-1] + (p[-1] + 1,) not in have]
+        gains = [(evaluate(tuple(q for q in paths if q != p), acc, cost)["tokens_per_s"], p) for p in removable]
+        best, leaf = max(gains)
+        if best <= current:
+            return paths
+        paths = tuple(q for q in paths if q != leaf)
+    return paths
+
+
+def fit_host_overhead(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least squares residual = a + b * N over (N, residual seconds per step); b >= 0, a >= 0."""
+    if not points:
+        return 0.0, 0.0
+    ns = {n for n, _ in points}
+    mean_r = sum(r for _, r in points) / len(points)
+    if len(ns) < 2:
+        return max(mean_r, 0.0), 0.0
+    mean_n = sum(n for n, _ in points) / len(points)
+    sxx = sum((n - mean_n) ** 2 for n, _ in points)
+    b = sum((n - mean_n) * (r - mean_r) for n, r in points) / sxx
+    if b < 0:
+        return max(mean_r, 0.0), 0.0
+    return max(mean_r - b * mean_n, 0.0), b
+
+
+# -- from a results file -------------------------------------------------------------------------------------
+def _ok(data: dict, kind: str) -> dict:
+    return {cid: c for cid, c in data["cases"].items() if c["kind"] == kind and c["status"] == "ok"}
+
+
+def step_curves(data: dict, batch: int = 1) -> tuple[dict, dict]:
+    """{N: median seconds} of verify and {W: median seconds} of drafter steps at `batch` images."""
+    verify = {c["params"]["N"]: c["result"]["latency"]["median_s"] for c in _ok(data, "verify").values()
+              if c["params"]["batch"] == batch}
+    draft = {c["params"]["W"]: c["result"]["latency"]["median_s"] for c in _ok(data, "draft").values()
+             if c["params"]["batch"] == batch}
+    return verify, draft
+
+
+def per_step_seconds(result: dict) -> float:
+    return sum(result["wall"]["samples_s"]) / max(result["verify_steps"], 1)
+
+
+def cost_model(data: dict) -> tuple[CostModel, list[dict]]:
+    """Curves at batch 1 plus host overhead fitted on the static-tree generations (the residual of each
+    one's measured step time over the curves' prediction)."""
+    verify, draft = step_curves(data)
+    bare = CostModel.from_curves(verify, draft)
+    points, used = [], []
+    for cid, c in _ok(data, "generate").items():
+        r = c["result"]
+        if c["params"]["method"] == "ar" or c["params"]["decode"]["drafting"] == "dynamic":
+            continue
+        residual = per_step_seconds(r) - bare.step_seconds(r["verify_width"], r["tree_depth"], r["draft_width"])
+        points.append((r["verify_width"], residual))
+        used.append({"case": cid, "N": r["verify_width"], "step_s": per_step_seconds(r), "residual_s": residual})
+    a, b = fit_host_overhead(points)
+    return CostModel(bare.verify, bare.draft, a, b), used
+
+
+def acceptance_model(data: dict) -> AcceptanceRates:
+    probe = data["cases"].get("acceptance/probe")
+    if not probe or probe["status"] != "ok":
+        raise ValueError("tuning needs the acceptance/probe case of `lantern profile run` (missing or failed in "
+                         "this results file)")
+    return AcceptanceRates(tuple(tuple(row) for row in probe["result"]["rates"]))
+
+
+def ar_seconds_per_token(data: dict) -> Optional[float]:
+    c = data["cases"].get("generate/ar")
+    if not c or c["status"] != "ok":
+        return None
+    r = c["result"]
+    return sum(r["wall"]["samples_s"]) / (r["tokens_per_pass"] * r["wall"]["repeats"])
+
+
+def tune_results(data: dict, presets: dict, max_nodes: Optional[int] = None) -> dict:
+    """The chosen tree and, under the same model, every preset (for comparison)."""
+    acc = acceptance_model(data)
+    cost, host_points = cost_model(data)
+    choice = choose_tree(acc, cost, max_nodes)
+    ar = ar_seconds_per_token(data)
+    rows = {name: evaluate(tuple(paths), acc, cost) for name, paths in presets.items()
+            if len(paths) + 1 <= cost.max_nodes}
+    for row in [choice, *rows.values()]:
+        row["predicted_speedup_vs_ar"] = row["tokens_per_s"] * ar if ar else None
+    return {"choice": choice, "presets": rows, "ar_seconds_per_token": ar,
+            "cost_model": {"verify": cost.verify, "draft": cost.draft, "host_a_s": cost.host_a,
+                           "host_b_s_per_node": cost.host_b, "host_fit": host_points},
+            "acceptance_rates": acc.rates}

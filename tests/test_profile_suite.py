@@ -1,0 +1,224 @@
+"""The profile suite end to end on the tiny random model: results schema, resumable runs, failed cases,
+compare report with plots, and tree tuning from synthetic and measured numbers."""
+import json
+
+import pytest
+
+from lantern.cli import main
+from lantern.decoding.trees import TREE_PRESETS, load_tree
+from lantern.profile import measure
+from lantern.profile.hardware import load_profile
+from lantern.profile.report import compare
+from lantern.profile.schema import SCHEMA_VERSION, SchemaError, load_results, save_results
+from lantern.profile.suite import Suite
+from lantern.profile.tune import AcceptanceRates, CostModel, choose_tree, evaluate
+
+TINY_PROFILE = """\
+# a tiny profile: every kind of case, in seconds
+name = "tiny"
+backend = "cpu"
+dtype = "fp32"
+threads = 1
+model = "random:GPT-test"
+verify_sizes = [1, 2, 4, 8, 16]
+draft_sizes = [1, 2, 4]
+methods = ["ar", "eagle2", "lantern++"]
+trees = ["chain-5", "tuned"]
+classes = [0]
+warmup = 1
+repeats = 1
+
+[probe]  # keep this comment
+depth = 3
+fanout = 3
+expand = [1, 2, 2]
+"""
+
+
+def run_cli(*argv, capsys) -> tuple[int, dict]:
+    code = main([*argv, "--json"])
+    return code, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A profile file and the results of one whole run of it."""
+    root = tmp_path_factory.mktemp("profiles")
+    path = root / "tiny.toml"
+    path.write_text(TINY_PROFILE)
+    summary = Suite(load_profile(str(path)), progress=False).run()
+    return path, root / "results" / "tiny.json", summary
+
+
+def test_run_writes_a_valid_results_file(tiny_run):
+    _, results, summary = tiny_run
+    assert summary["failed"] == [] and summary["complete"]
+    data = load_results(results)
+    assert data["schema_version"] == SCHEMA_VERSION and data["model"]["kind"] == "random"
+    kinds = {c["kind"] for c in data["cases"].values()}
+    assert kinds == {"verify", "draft", "generate", "acceptance"}
+    verify = data["cases"]["verify/b1/N8"]["result"]
+    assert verify["latency"]["repeats"] == 1 and verify["latency"]["median_s"] > 0
+    assert verify["memory"]["weights_bytes"] > 0 and verify["memory"]["kv_cache_bytes"] > 0
+    gen = data["cases"]["generate/lantern++/chain-5"]["result"]
+    assert gen["tau"] >= 1 and gen["tokens_per_pass"] == 16 and gen["verify_width"] == 6
+    probe = data["cases"]["acceptance/probe"]["result"]
+    assert len(probe["rates"]) == 3 and all(0 <= r <= 1 for row in probe["rates"] for r in row)
+    env = data["environment"]
+    assert env["torch"] and env["logical_cores"] >= 1 and "cpu_model" in env
+    assert "generate/lantern++/tuned" not in " ".join(data["cases"])  # no tuned tree yet: nothing planned
+
+
+def test_wrong_schema_version_is_refused_with_a_clear_message(tiny_run, tmp_path, capsys):
+    data = json.loads(tiny_run[1].read_text())
+    data["schema_version"] = SCHEMA_VERSION + 1
+    bad = tmp_path / "future.json"
+    bad.write_text(json.dumps(data))
+    with pytest.raises(SchemaError, match=f"schema version {SCHEMA_VERSION + 1} is incompatible; this lantern "
+                                          f"reads version {SCHEMA_VERSION}"):
+        load_results(bad)
+    code, out = run_cli("profile", "compare", str(tiny_run[1]), str(bad), "--out", str(tmp_path / "r"), capsys=capsys)
+    assert code == 2 and "incompatible" in out["error"]
+    del data["cases"]
+    data["schema_version"] = SCHEMA_VERSION
+    with pytest.raises(SchemaError, match="field 'cases'"):
+        save_results(data, tmp_path / "broken.json")
+
+
+def test_second_run_resumes_and_a_failed_case_is_recorded_then_retried(tiny_run, tmp_path, monkeypatch):
+    path, results, first = tiny_run
+    out = tmp_path / "tiny.json"
+    out.write_text(results.read_text())
+    again = Suite(load_profile(str(path)), out=out, progress=False).run()
+    assert again["ran"] == 0 and again["resumed"] == first["planned"]
+
+    data = json.loads(out.read_text())
+    del data["cases"]["verify/b1/N4"]  # as if the run had stopped before this case
+    out.write_text(json.dumps(data))
+    real = measure.verify_latency
+
+    def broken(backend, target, spec, warmup, repeats):
+        if spec.verify_widths == (4,):
+            raise RuntimeError("device lost at N=4")
+        return real(backend, target, spec, warmup, repeats)
+    monkeypatch.setattr(measure, "verify_latency", broken)
+    failed = Suite(load_profile(str(path)), out=out, progress=False).run()
+    assert failed["ran"] == 1 and failed["failed"] == ["verify/b1/N4"]
+    case = load_results(out)["cases"]["verify/b1/N4"]
+    assert case["status"] == "failed" and case["error"] == "RuntimeError: device lost at N=4"
+    monkeypatch.setattr(measure, "verify_latency", real)
+    fixed = Suite(load_profile(str(path)), out=out, progress=False).run()
+    assert fixed["ran"] == 1 and fixed["failed"] == [] and load_results(out)["cases"]["verify/b1/N4"]["status"] == "ok"
+
+
+def test_unavailable_backend_is_one_failed_case_and_exit_code_3(tiny_run, tmp_path, capsys):
+    out = tmp_path / "nope.json"
+    code, summary = run_cli("profile", "run", "--profile", str(tiny_run[0]), "--backend", "nope", "--out", str(out),
+                            "--no-progress", capsys=capsys)
+    assert code == 3 and summary["exit_code"] == 3 and not summary["available"]
+    data = load_results(out)
+    assert not data["backend"]["available"]
+    assert data["cases"]["backend"]["error"].startswith("unavailable: unknown backend 'nope'")
+
+
+def test_bad_profile_is_exit_code_2(capsys):
+    code, out = run_cli("profile", "run", "--profile", "no-such-profile", capsys=capsys)
+    assert code == 2 and "no-such-profile" in out["error"] and "known:" in out["error"]
+
+
+def test_compare_writes_markdown_and_plots(tiny_run, tmp_path, capsys):
+    code, unavailable = run_cli("profile", "run", "--profile", str(tiny_run[0]), "--backend", "nope",
+                                "--out", str(tmp_path / "nope.json"), capsys=capsys)
+    out = compare([tiny_run[1], tmp_path / "nope.json"], tmp_path / "report")
+    report = (tmp_path / "report" / "report.md").read_text()
+    for heading in ("Verify latency vs tree size N", "Whole generation", "Memory", "Unavailable backends",
+                    "Failed cases"):
+        assert heading in report
+    assert "lantern++/chain-5" in report and "unknown backend 'nope'" in report
+    assert set(out["plots"]) == {"latency vs N", "speed-up", "memory"}
+    for png in out["plots"].values():
+        with open(png, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def synthetic_acceptance(depth=6, ranks=10) -> AcceptanceRates:
+    """Rank j accepted given its parent reached: 0.5 * 0.6**j, a little lower at each depth."""
+    return AcceptanceRates(tuple(tuple(0.5 * 0.6 ** j * 0.95 ** d for j in range(ranks)) for d in range(depth)))
+
+
+def test_flat_verify_latency_gets_a_bigger_tree_than_steep():
+    sizes = [1, 2, 4, 8, 16, 32, 64, 128]
+    draft = {1: 1e-3, 4: 1e-3, 8: 1.1e-3, 16: 1.2e-3}
+    flat = CostModel.from_curves({n: 10e-3 for n in sizes}, draft)
+    steep = CostModel.from_curves({n: 1e-3 + 1e-3 * n for n in sizes}, draft)
+    acc = synthetic_acceptance()
+    wide, small = choose_tree(acc, flat), choose_tree(acc, steep)
+    assert wide["N"] > 2 * small["N"]
+    assert wide["N"] > 57 and small["N"] < 26
+    assert wide["tokens_per_s"] == pytest.approx(evaluate(wide["paths"], acc, flat)["tokens_per_s"])
+    # on its own device, the chosen tree beats every preset under the same model
+    for cost, chosen in ((flat, wide), (steep, small)):
+        for paths in TREE_PRESETS.values():
+            assert chosen["tokens_per_s"] >= evaluate(paths, acc, cost)["tokens_per_s"] - 1e-9
+
+
+def test_tune_writes_the_profile_keeping_comments_and_runs_pick_it_up(tiny_run, tmp_path, capsys):
+    path, results, _ = tiny_run
+    profile = tmp_path / "tiny.toml"
+    profile.write_text(path.read_text())
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "tiny.json").write_text(results.read_text())
+    for _ in range(2):  # tuning twice replaces the [tuned] table
+        code, out = run_cli("profile", "tune", "--profile", str(profile), capsys=capsys)
+        assert code == 0 and out["N"] >= 2
+    text = profile.read_text()
+    assert text.startswith(TINY_PROFILE) and text.count("[tuned]") == 1 and "# keep this comment" in text
+    tuned = load_profile(str(profile))
+    assert tuned.tuned["N"] == out["N"] and load_tree(str(tuned.tuned_tree_file())) == tuple(map(tuple, out["tree"]))
+    assert load_results(tmp_path / "results" / "tiny.json")["tune"]["choice"]["N"] == out["N"]
+
+    again = Suite(tuned, progress=False).run()
+    assert again["ran"] == 1 and again["failed"] == []
+    assert any(k.startswith(f"generate/lantern++/tuned-N{out['N']}-") for k in load_results(again["results"])["cases"])
+
+    from argparse import Namespace
+
+    from lantern.profile.cli import apply_profile
+    args = Namespace(profile=str(profile), backend=None, dtype="fp32", drafting=None, method="lantern++")
+    apply_profile(args)
+    assert args.backend == "cpu" and args.drafting == str(tuned.tuned_tree_file())
+
+
+def test_acceptance_counts_per_depth_and_rank():
+    paths = measure.probe_paths(depth=2, fanout=2, expand=(1, 1))
+    assert paths == ((0,), (1,), (0, 0), (0, 1))
+    # an 8-token image: the prefill gives token 1; the steps accept ranks (0, 1) (tokens 2-4), (1,) (5-6), and
+    # nothing (7: every child of the root rejected, with max_accept = 8 - 6 - 1 = 1 not binding)
+    counts = measure.count_acceptance(paths, [[(0, 1), (1,), ()]], block=8)
+    assert counts["offered"] == [[3, 3], [1, 1]]
+    assert counts["accepted"] == [[1, 1], [0, 1]]
+    assert counts["rates"] == [[1 / 3, 1 / 3], [0.0, 1.0]]
+    # a path cut by the image's token budget says nothing about the children after it
+    capped = measure.count_acceptance(paths, [[(0,)]], block=3)  # max_accept = 3 - 1 - 1 = 1 = accepted length
+    assert capped["offered"] == [[1, 1], [0, 0]]
+
+
+def test_auto_source_prefers_the_embedded_bundle(tmp_path, monkeypatch, tiny):
+    """With a `lantern.bundle` whose default bundle exists, `auto` loads it and records it as a bundle."""
+    import sys
+    import types
+
+    from lantern.profile.source import load_source
+    target, drafter, proximity = tiny
+    (tmp_path / "config.json").write_text("{}")
+    fake = types.ModuleType("lantern.bundle")
+    fake.DEFAULT_BUNDLE = tmp_path
+    fake.load_bundle = lambda path=None: types.SimpleNamespace(
+        path=tmp_path, target=target, drafter=drafter, proximity=proximity, default_cfg_scale=3.0,
+        manifest={"files": {"target.safetensors": "ab12"}})
+    monkeypatch.setitem(sys.modules, "lantern.bundle", fake)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: object() if name == "lantern.bundle" else None)
+    src = load_source("auto")
+    assert src.info["kind"] == "bundle" and src.info["name"] == f"bundle:{tmp_path}" and src.default_cfg_scale == 3.0
+    assert load_source(src.info["name"]).info == src.info  # the recorded name loads the same source again
+    assert src.target is target and src.info["manifest_files"] == {"target.safetensors": "ab12"}

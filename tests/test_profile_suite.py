@@ -184,9 +184,9 @@ def test_tune_writes_the_profile_keeping_comments_and_runs_pick_it_up(tiny_run, 
     from argparse import Namespace
 
     from lantern.profile.cli import apply_profile
-    args = Namespace(profile=str(profile), backend=None, dtype="fp32", drafting=None, method="lantern++")
+    args = Namespace(profile=str(profile), backend=None, dtype=None, drafting=None, method="lantern++")
     apply_profile(args)
-    assert args.backend == "cpu" and args.drafting == str(tuned.tuned_tree_file())
+    assert args.backend == "cpu" and args.dtype == "fp32" and args.drafting == str(tuned.tuned_tree_file())
 
 
 def test_acceptance_counts_per_depth_and_rank():

@@ -170,7 +170,7 @@ def print_tune(out: dict) -> None:
 
 def apply_profile(args: argparse.Namespace) -> None:
     """For `lantern generate --profile NAME`: the profile supplies the backend (unless --backend), the dtype
-    (unless --dtype was given; fp32 is the flag's default), torch threads, and for static-tree methods its
+    (unless --dtype), torch threads, and for static-tree methods its
     tuned tree (unless --drafting)."""
     if not getattr(args, "profile", None):
         return
@@ -181,7 +181,7 @@ def apply_profile(args: argparse.Namespace) -> None:
     profile = load_profile(args.profile)
     if args.backend is None:
         args.backend = profile.backend
-    if args.dtype == "fp32":
+    if args.dtype is None:
         args.dtype = profile.dtype
     if profile.threads:
         torch.set_num_threads(profile.threads)

@@ -43,21 +43,24 @@ class Checkpoint:
     def __init__(self, out_dir: str | os.PathLike, name: str):
         self.path = Path(out_dir) / f"{name}.ckpt"
 
-    def load(self, model: torch.nn.Module, opt: torch.optim.Optimizer, config: dict) -> int:
-        """Restore state if a checkpoint exists; returns the step to start from (0 if none)."""
+    def load(self, model: torch.nn.Module, opt: torch.optim.Optimizer, config: dict) -> tuple[int, float]:
+        """Restore state if a checkpoint exists; returns (step to start from, training seconds so far)."""
         if not self.path.exists():
-            return 0
+            return 0, 0.0
         state = torch.load(self.path, map_location="cpu", weights_only=False)
         if state["config"] != config:
             raise ValueError(f"checkpoint {self.path} was made with config {state['config']}, not {config}; "
                              f"delete it or use another output dir")
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
-        return int(state["step"])
+        return int(state["step"]), float(state["seconds"])
 
-    def save(self, model: torch.nn.Module, opt: torch.optim.Optimizer, config: dict, step: int) -> None:
+    def save(self, model: torch.nn.Module, opt: torch.optim.Optimizer, config: dict, step: int,
+             seconds: float) -> None:
+        """seconds: wall time spent training up to `step`, over every run that resumed this checkpoint."""
         tmp = self.path.with_suffix(".ckpt.tmp")
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "config": config, "step": step}, tmp)
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "config": config, "step": step,
+                    "seconds": seconds}, tmp)
         os.replace(tmp, self.path)
 
 

@@ -91,7 +91,7 @@ def train_drafter(out_dir: str, target: GPT, tokens: torch.Tensor, labels: torch
     run_cfg = {"steps": steps, "batch": batch, "lr": lr, "null_prob": null_prob, "seed": seed, "bf16": bf16,
                "noise": "U(-0.1, 0.1)", "ce_weight": 0.1, "n_sequences": len(tokens)}
     ckpt = Checkpoint(out, "drafter")
-    start = ckpt.load(drafter, opt, run_cfg)
+    start, prior_seconds = ckpt.load(drafter, opt, run_cfg)
     t0 = time.time()
     bar = tqdm(range(start, steps), desc="drafter", disable=not progress, initial=start, total=steps)
     for step in bar:
@@ -109,9 +109,10 @@ def train_drafter(out_dir: str, target: GPT, tokens: torch.Tensor, labels: torch
         opt.step()
         bar.set_postfix(loss=f"{loss.item():.4f}")
         if (step + 1) % ckpt_every == 0 or step + 1 == steps:
-            ckpt.save(drafter, opt, run_cfg, step + 1)
+            ckpt.save(drafter, opt, run_cfg, step + 1, prior_seconds + time.time() - t0)
+    seconds = prior_seconds + time.time() - t0  # training wall time, every resumed run included
     report = drafter_report(drafter, target, *heldout, bf16=bf16)
-    report.update(train_seconds=round(time.time() - t0, 1), run=run_cfg)
+    report.update(train_seconds=round(seconds, 1), run=run_cfg)
     save_weights(drafter, out / "drafter.safetensors")
     write_json(out / "drafter_report.json", report)
     return report

@@ -27,7 +27,7 @@ def train_evaluator(out_dir: str, cfg: ClassifierConfig = ClassifierConfig(), st
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
     run_cfg = {"classifier": cfg.to_dict(), "steps": steps, "batch": batch, "lr": lr, "seed": seed, "bf16": bf16}
     ckpt = Checkpoint(out, "evaluator")
-    start = ckpt.load(model, opt, run_cfg)
+    start, prior_seconds = ckpt.load(model, opt, run_cfg)
     t0 = time.time()
     bar = tqdm(range(start, steps), desc="evaluator", disable=not progress, initial=start, total=steps)
     for step in bar:
@@ -43,10 +43,11 @@ def train_evaluator(out_dir: str, cfg: ClassifierConfig = ClassifierConfig(), st
         opt.step()
         bar.set_postfix(loss=f"{loss.item():.3f}")
         if (step + 1) % ckpt_every == 0 or step + 1 == steps:
-            ckpt.save(model, opt, run_cfg, step + 1)
+            ckpt.save(model, opt, run_cfg, step + 1, prior_seconds + time.time() - t0)
+    seconds = prior_seconds + time.time() - t0  # training wall time, every resumed run included
     pred, _ = model.predict(held.images)
     report = {"heldout_accuracy": float((pred == held.labels).float().mean()), "n_heldout": len(held.labels),
-              "train_seconds": round(time.time() - t0, 1), "run": run_cfg}
+              "train_seconds": round(seconds, 1), "run": run_cfg}
     save_weights(model, out / "evaluator.safetensors")
     write_json(out / "evaluator_config.json", cfg.to_dict())
     write_json(out / "evaluator_report.json", report)

@@ -64,7 +64,7 @@ def train_target(out_dir: str, cfg: GPTConfig, tokens: torch.Tensor, labels: tor
     run_cfg = {"gpt": cfg.to_dict(), "steps": steps, "batch": batch, "lr": lr, "weight_decay": weight_decay,
                "seed": seed, "bf16": bf16, "n_sequences": len(tokens)}
     ckpt = Checkpoint(out, "target")
-    start = ckpt.load(model, opt, run_cfg)
+    start, prior_seconds = ckpt.load(model, opt, run_cfg)
     t0, last_loss = time.time(), None
     bar = tqdm(range(start, steps), desc="target", disable=not progress, initial=start, total=steps)
     for step in bar:
@@ -82,9 +82,10 @@ def train_target(out_dir: str, cfg: GPTConfig, tokens: torch.Tensor, labels: tor
         last_loss = loss.item()
         bar.set_postfix(loss=f"{last_loss:.3f}")
         if (step + 1) % ckpt_every == 0 or step + 1 == steps:
-            ckpt.save(model, opt, run_cfg, step + 1)
+            ckpt.save(model, opt, run_cfg, step + 1, prior_seconds + time.time() - t0)
+    seconds = prior_seconds + time.time() - t0  # training wall time, every resumed run included
     report = target_report(model, *heldout, bf16=bf16)
-    report.update(train_seconds=round(time.time() - t0, 1), final_train_loss=last_loss, run=run_cfg)
+    report.update(train_seconds=round(seconds, 1), final_train_loss=last_loss, run=run_cfg)
     save_weights(model, out / "target.safetensors")
     write_json(out / "target_config.json", cfg.to_dict())
     write_json(out / "target_report.json", report)

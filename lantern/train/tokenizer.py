@@ -41,7 +41,7 @@ def reconstruction_report(vq: VQModel, images: torch.Tensor, batch: int = 128) -
 
 
 def train_tokenizer(out_dir: str, cfg: VQConfig = VQConfig(), steps: int = 800, batch: int = 32,
-                    lr: float = 2e-3, seed: int = 0, bf16: bool = True, restart_every: int = 100,
+                    lr: float = 2e-3, seed: int = 0, bf16: bool = True, restart_every: int = 50,
                     ckpt_every: int = 100, progress: bool = True) -> dict:
     """Writes `<out_dir>/vq.safetensors`, `vq_config.json`, `vq_report.json`; resumes from `vq.ckpt`."""
     out = Path(out_dir)
@@ -54,7 +54,7 @@ def train_tokenizer(out_dir: str, cfg: VQConfig = VQConfig(), steps: int = 800, 
     run_cfg = {"vq": cfg.to_dict(), "steps": steps, "batch": batch, "lr": lr, "seed": seed, "bf16": bf16,
                "restart_every": restart_every}
     ckpt = Checkpoint(out, "vq")
-    start = ckpt.load(vq, opt, run_cfg)
+    start, prior_seconds = ckpt.load(vq, opt, run_cfg)
     counts = torch.zeros(cfg.codebook_size, dtype=torch.long)
     recent = []
     t0 = time.time()
@@ -85,10 +85,11 @@ def train_tokenizer(out_dir: str, cfg: VQConfig = VQConfig(), steps: int = 800, 
             recent.pop(0)
         bar.set_postfix(rec=f"{rec.item():.4f}", used=int((counts > 0).sum()))
         if (step + 1) % ckpt_every == 0 or step + 1 == steps:
-            ckpt.save(vq, opt, run_cfg, step + 1)
+            ckpt.save(vq, opt, run_cfg, step + 1, prior_seconds + time.time() - t0)
+    seconds = prior_seconds + time.time() - t0  # training wall time, every resumed run included
     vq.eval()
     report = reconstruction_report(vq, held.images)
-    report.update(train_seconds=round(time.time() - t0, 1), run=run_cfg)
+    report.update(train_seconds=round(seconds, 1), run=run_cfg)
     save_weights(vq, out / "vq.safetensors")
     write_json(out / "vq_config.json", cfg.to_dict())
     write_json(out / "vq_report.json", report)

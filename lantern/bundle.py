@@ -167,27 +167,31 @@ def describe_bundle(path: str | Path | None = None) -> str:
     m = manifest.get("metrics", {})
     t, v = config["target"], config["vq"]
     size = sum(f.stat().st_size for f in root.iterdir() if f.is_file())
+    data = manifest.get("data", {})
+    sampling_text = ", ".join(f"{k} {v}" for k, v in config.get("sampling", {}).items()) or "default sampling"
 
     def fmt(key, spec=".3f"):
         return format(m[key], spec) if key in m else "n/a"
 
     lines = [
         f"bundle: {root}  ({size / 2**20:.1f} MiB)",
-        f"data: {manifest.get('data', {}).get('source', 'unknown')}; split {manifest.get('data', {}).get('split', '?')}",
+        f"data: {data.get('source', 'unknown')}; split: {data.get('split', '?')}",
         f"tokenizer: LlamaGen VQ, {v['image_size']}x{v['image_size']} images -> "
         f"{v['image_size'] // 2 ** (len(v['ch_mult']) - 1)}^2 tokens, codebook {v['codebook_size']} x "
         f"{v['codebook_embed_dim']} (L2-normalised); held-out recon MSE {fmt('vq_recon_mse', '.4f')} "
         f"(mean-image baseline {fmt('vq_mean_image_mse', '.4f')})",
         f"target: LlamaGen c2i GPT, {t['n_layer']} layers x dim {t['dim']} x {t['n_head']} heads, vocab "
-        f"{t['vocab_size']}, {t['num_classes']} classes + null; held-out mean top-1 prob {fmt('target_mean_top1_prob')} "
+        f"{t['vocab_size']}, {t['num_classes']} classes + null; held-out mean top-1 prob "
+        f"{fmt('target_mean_top1_prob')} "
         f"(teacher-forced, true class, no CFG), top-1 acc {fmt('target_heldout_top1_acc')}, "
         f"decode step {fmt('target_step_ms_batch2', '.1f')} ms at batch 2",
         f"drafter: EAGLE-1 head (fc + 1 decoder layer); held-out top-1 agreement with the target "
         f"{fmt('drafter_top1_agreement_cond')} (cond), {fmt('drafter_top1_agreement_uncond')} (uncond)"
         if (root / "drafter.safetensors").exists() else "drafter: none",
         f"evaluator: CNN classifier, held-out accuracy {fmt('evaluator_heldout_accuracy')}",
-        f"AR samples at cfg {config.get('sampling', {}).get('cfg_scale', '?')}: class accuracy "
+        f"AR samples at {sampling_text}: class accuracy "
         f"{fmt('ar_class_accuracy')}, Frechet distance {fmt('ar_frechet')} (real-image floor {fmt('real_frechet')})",
-        f"made by: {manifest.get('command', 'unknown')}  (seed {manifest.get('seed', '?')})",
+        f"made by: {manifest.get('command', 'unknown')}  (seed {manifest.get('seed', '?')}); training seconds "
+        + ", ".join(f"{k} {r.get('train_seconds', '?')}" for k, r in manifest.get("stages", {}).items()),
     ]
     return "\n".join(lines)

@@ -33,6 +33,7 @@ def main(argv=None) -> int:
         seed=args.seed,
         vq=VQConfig(), vq_steps=300, vq_batch=32, vq_lr=2e-3,
         gpt=gpt_preset("GPT-lantern-digits"), n_aug=6, target_steps=600, target_batch=16, target_lr=1e-3,
+        target2_steps=250, target2_lr=4e-4,
         drafter_steps=250, drafter_batch=16, drafter_lr=1e-3,
         evaluator=ClassifierConfig(), evaluator_steps=300, evaluator_batch=64,
         cfg_scale=5.0, temperature=1.0, top_k=20, eval_per_class=20,

@@ -31,7 +31,8 @@ class VQConfig:
             raise ValueError(f"codebook {self.codebook_size} x {self.codebook_embed_dim} is too small")
         for m in self.ch_mult:
             if (self.ch * m) % self.norm_groups:
-                raise ValueError(f"channels ch*mult = {self.ch * m} are not divisible by norm_groups {self.norm_groups}")
+                raise ValueError(f"channels ch*mult = {self.ch * m} are not divisible by "
+                                 f"norm_groups {self.norm_groups}")
         if self.z_channels % self.norm_groups:
             raise ValueError(f"z_channels {self.z_channels} is not divisible by norm_groups {self.norm_groups}")
         if self.image_size % self.downsample:

@@ -61,12 +61,15 @@ def _train(args: argparse.Namespace) -> int:
             from lantern.config import gpt_preset
             from lantern.train.target import train_target
             cfg = gpt_preset(args.preset)
-            report = train_target(str(work), cfg, *data["train"], data["heldout"], **common)
+            report = train_target(str(work), cfg, *data["train"], data["heldout"], **common,
+                                  init_from=args.init_from, name=args.name)
         else:
             from lantern.train.drafter import train_drafter
-            if not (work / "target.safetensors").exists():
-                raise FileNotFoundError(f"{work / 'target.safetensors'} is missing: run `lantern train target` first")
-            report = train_drafter(str(work), load_target(work), *data["train"], data["heldout"], **common)
+            if not (work / f"{args.target_name}.safetensors").exists():
+                raise FileNotFoundError(f"{work / args.target_name}.safetensors is missing: "
+                                        f"run `lantern train target` first")
+            report = train_drafter(str(work), load_target(work, args.target_name), *data["train"], data["heldout"],
+                                   **common)
     print(json.dumps(report, indent=2))
     return EXIT_OK
 
@@ -81,9 +84,12 @@ def add_train_commands(subparsers) -> None:
     _common(g, steps=600, batch=16, lr=1e-3)
     g.add_argument("--preset", default="GPT-lantern-digits", help="a lantern.config.GPT_PRESETS name")
     g.add_argument("--n-aug", type=int, default=6, help="copies of each training image (copy 0 un-augmented)")
+    g.add_argument("--init-from", help="continue from these target weights (a second phase) instead of a fresh init")
+    g.add_argument("--name", default="target", help="output name: <work>/<name>.safetensors (phase 2: target2)")
     d = stages.add_parser("drafter", help="the EAGLE drafter on the frozen target's features")
     _common(d, steps=250, batch=16, lr=1e-3)
     d.add_argument("--n-aug", type=int, default=6)
+    d.add_argument("--target-name", default="target2", help="the target in --work to draft for")
     e = stages.add_parser("evaluator", help="the classifier behind `lantern eval`")
     _common(e, steps=300, batch=64, lr=2e-3)
     for sp in (t, g, d, e):

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from lantern.bundle import weights_hash
 from lantern.models.drafter import Drafter
 from lantern.models.gpt import GPT
 from lantern.train.common import (Checkpoint, autocast, lr_at, save_weights, seed_everything, set_lr,
@@ -89,7 +90,8 @@ def train_drafter(out_dir: str, target: GPT, tokens: torch.Tensor, labels: torch
     drafter = Drafter(cfg)
     opt = torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     run_cfg = {"steps": steps, "batch": batch, "lr": lr, "null_prob": null_prob, "seed": seed, "bf16": bf16,
-               "noise": "U(-0.1, 0.1)", "ce_weight": 0.1, "n_sequences": len(tokens)}
+               "noise": "U(-0.1, 0.1)", "ce_weight": 0.1, "n_sequences": len(tokens),
+               "target_hash": weights_hash(target.state_dict())}  # a checkpoint for another target is refused
     ckpt = Checkpoint(out, "drafter")
     start, prior_seconds = ckpt.load(drafter, opt, run_cfg)
     t0 = time.time()

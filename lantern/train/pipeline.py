@@ -43,6 +43,8 @@ class PipelineSettings:
     target_steps: int
     target_batch: int
     target_lr: float
+    target2_steps: int  # a second phase continuing from the first one's weights (0 = none)
+    target2_lr: float
     drafter_steps: int
     drafter_batch: int
     drafter_lr: float
@@ -65,9 +67,9 @@ def load_vq(work: Path) -> VQModel:
     return vq.eval()
 
 
-def load_target(work: Path) -> GPT:
-    target = GPT(GPTConfig.from_dict(json.loads((work / "target_config.json").read_text())))
-    target.load_state_dict(load_file(str(work / "target.safetensors")))
+def load_target(work: Path, name: str = "target") -> GPT:
+    target = GPT(GPTConfig.from_dict(json.loads((work / f"{name}_config.json").read_text())))
+    target.load_state_dict(load_file(str(work / f"{name}.safetensors")))
     return target.eval()
 
 
@@ -80,12 +82,21 @@ def run_pipeline(work: str | Path, s: PipelineSettings, progress: bool = True) -
     data = token_dataset(vq, s.n_aug, s.seed, cache_dir=str(work))
     reports["target"] = train_target(work, s.gpt, *data["train"], data["heldout"], steps=s.target_steps,
                                      batch=s.target_batch, lr=s.target_lr, seed=s.seed, progress=progress)
-    target = load_target(work)
+    if s.target2_steps:
+        reports["target_phase1"] = reports["target"]
+        reports["target"] = train_target(work, s.gpt, *data["train"], data["heldout"], steps=s.target2_steps,
+                                         batch=s.target_batch, lr=s.target2_lr, seed=s.seed + 1, progress=progress,
+                                         init_from=str(work / "target.safetensors"), name="target2")
+    target = load_target(work, final_target_name(s))
     reports["drafter"] = train_drafter(work, target, *data["train"], data["heldout"], steps=s.drafter_steps,
                                        batch=s.drafter_batch, lr=s.drafter_lr, seed=s.seed, progress=progress)
     reports["evaluator"] = train_evaluator(work, s.evaluator, steps=s.evaluator_steps, batch=s.evaluator_batch,
                                            seed=s.seed, progress=progress)
     return reports
+
+
+def final_target_name(s: PipelineSettings) -> str:
+    return "target2" if s.target2_steps else "target"
 
 
 @torch.no_grad()
@@ -117,9 +128,10 @@ def build_bundle(work: str | Path, out: str | Path, s: PipelineSettings, reports
     """Pack `work`'s stage outputs into the bundle folder `out`, measure it, write config + manifest."""
     work, out = Path(work), Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("vq", "target", "evaluator"):
+    for name in ("vq", "evaluator"):
         shutil.copyfile(work / f"{name}.safetensors", out / f"{name}.safetensors")
-    target = load_target(work)
+    shutil.copyfile(work / f"{final_target_name(s)}.safetensors", out / "target.safetensors")
+    target = load_target(work, final_target_name(s))
     target_hash = weights_hash(target.state_dict())
     drafter_state = load_file(str(work / "drafter.safetensors"))
     save_file(drafter_state, str(out / "drafter.safetensors"), metadata={"target_hash": target_hash})

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from tqdm import tqdm
 
 from lantern.config import GPTConfig
@@ -51,19 +52,25 @@ def target_report(model: GPT, tokens: torch.Tensor, labels: torch.Tensor, batch:
 def train_target(out_dir: str, cfg: GPTConfig, tokens: torch.Tensor, labels: torch.Tensor,
                  heldout: tuple[torch.Tensor, torch.Tensor], steps: int = 1200, batch: int = 32,
                  lr: float = 8e-4, weight_decay: float = 0.05, seed: int = 0, bf16: bool = True,
-                 ckpt_every: int = 50, progress: bool = True) -> dict:
-    """tokens (N, L) int64, labels (N,) -> `<out_dir>/target.safetensors`, `target_config.json`,
-    `target_report.json`; resumes from `target.ckpt`."""
+                 ckpt_every: int = 50, progress: bool = True, init_from: str | None = None,
+                 name: str = "target") -> dict:
+    """tokens (N, L) int64, labels (N,) -> `<out_dir>/<name>.safetensors`, `<name>_config.json`,
+    `<name>_report.json`; resumes from `<name>.ckpt`. init_from: weights to continue from (a second phase
+    with its own warm-up and decay) instead of a fresh init."""
     if tokens.shape[1] != cfg.block_size:
         raise ValueError(f"token sequences of length {tokens.shape[1]}; config block_size is {cfg.block_size}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     seed_everything(seed)
     model = GPT(cfg)
+    if init_from is not None:
+        model.load_state_dict(load_file(init_from))
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
     run_cfg = {"gpt": cfg.to_dict(), "steps": steps, "batch": batch, "lr": lr, "weight_decay": weight_decay,
                "seed": seed, "bf16": bf16, "n_sequences": len(tokens)}
-    ckpt = Checkpoint(out, "target")
+    if init_from is not None:
+        run_cfg["init_from"] = Path(init_from).name
+    ckpt = Checkpoint(out, name)
     start, prior_seconds = ckpt.load(model, opt, run_cfg)
     t0, last_loss = time.time(), None
     bar = tqdm(range(start, steps), desc="target", disable=not progress, initial=start, total=steps)
@@ -86,7 +93,7 @@ def train_target(out_dir: str, cfg: GPTConfig, tokens: torch.Tensor, labels: tor
     seconds = prior_seconds + time.time() - t0  # training wall time, every resumed run included
     report = target_report(model, *heldout, bf16=bf16)
     report.update(train_seconds=round(seconds, 1), final_train_loss=last_loss, run=run_cfg)
-    save_weights(model, out / "target.safetensors")
-    write_json(out / "target_config.json", cfg.to_dict())
-    write_json(out / "target_report.json", report)
+    save_weights(model, out / f"{name}.safetensors")
+    write_json(out / f"{name}_config.json", cfg.to_dict())
+    write_json(out / f"{name}_report.json", report)
     return report

@@ -4,6 +4,13 @@ Every stage checkpoints into --work and resumes from there, so re-running this s
 interruption continues where it stopped; re-running it after completion only re-measures and re-packs.
 
     python tools/train_default_bundle.py --work runs/default --out lantern/assets/default
+
+The same stages one by one through the CLI (then this script only measures and packs):
+    lantern train tokenizer --work W
+    lantern train target --work W                                   # phase 1: 600 steps, lr 1e-3
+    lantern train target --work W --init-from W/target.safetensors --name target2 --steps 250 --lr 4e-4 --seed 1
+    lantern train drafter --work W                                  # drafts for W/target2
+    lantern train evaluator --work W
 """
 from __future__ import annotations
 

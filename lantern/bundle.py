@@ -1,0 +1,197 @@
+"""Model bundles: one folder with every model lantern needs (VQ, target, drafter, evaluator, proximity table).
+
+Layout of a bundle folder:
+    config.json              {"vq": VQConfig, "target": GPTConfig, "evaluator": ClassifierConfig, "sampling": {...}}
+    vq.safetensors           LlamaGen VQModel keys
+    target.safetensors       LlamaGen GPT keys
+    drafter.safetensors      optional; metadata["target_hash"] = weights_hash of the target it was trained on
+    evaluator.safetensors    the classifier behind `lantern eval`
+    proximity.safetensors    optional; "neighbours" (V, V-1) int32 on disk, int64 in memory
+    manifest.json            how it was made: command, seed, data split, sha256 of every file, metrics
+`load_bundle()` with no path loads the embedded default, `lantern/assets/default`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from lantern.config import GPTConfig
+from lantern.models.classifier import Classifier, ClassifierConfig
+from lantern.models.drafter import Drafter
+from lantern.models.gpt import GPT
+from lantern.models.vq import VQConfig, VQModel
+
+DEFAULT_BUNDLE = Path(__file__).parent / "assets" / "default"
+WEIGHT_FILES = ("vq.safetensors", "target.safetensors", "drafter.safetensors", "evaluator.safetensors",
+                "proximity.safetensors")
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def weights_hash(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over sorted (name, dtype, shape, float32 bytes): the identity of a set of weights, independent of
+    how the file was serialised. Drafters record the hash of the target they were trained for."""
+    h = hashlib.sha256()
+    for k in sorted(state):
+        t = state[k].detach().float().contiguous() if state[k].is_floating_point() else state[k].contiguous()
+        h.update(f"{k}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+
+def load_weights_strict(module: torch.nn.Module, path: str | Path) -> dict[str, torch.Tensor]:
+    """Load a safetensors file into `module`, refusing (ValueError) any missing, unexpected or mis-shaped key."""
+    state = load_file(str(path))
+    expected = module.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    shapes = sorted(f"{k}: file {tuple(state[k].shape)} vs config {tuple(expected[k].shape)}"
+                    for k in set(state) & set(expected) if state[k].shape != expected[k].shape)
+    if missing or unexpected or shapes:
+        raise ValueError(f"{path} does not match its config: missing keys {missing[:8]}"
+                         f"{' ...' if len(missing) > 8 else ''}, unexpected keys {unexpected[:8]}"
+                         f"{' ...' if len(unexpected) > 8 else ''}, shape mismatches {shapes[:8]}")
+    module.load_state_dict(state, strict=True)
+    return state
+
+
+def verify_bundle(path: str | Path | None = None) -> list[str]:
+    """Check every file listed in manifest.json against its sha256; returns a list of problems (empty = ok)."""
+    root = Path(path) if path is not None else DEFAULT_BUNDLE
+    mpath = root / "manifest.json"
+    if not mpath.exists():
+        return [f"{mpath} is missing"]
+    manifest = json.loads(mpath.read_text())
+    problems = []
+    for name, digest in sorted(manifest.get("files", {}).items()):
+        f = root / name
+        if not f.exists():
+            problems.append(f"{name}: listed in the manifest but missing")
+        elif sha256_file(f) != digest:
+            problems.append(f"{name}: sha256 {sha256_file(f)} differs from the manifest's {digest}")
+    for name in ("config.json", "vq.safetensors", "target.safetensors"):
+        if name not in manifest.get("files", {}):
+            problems.append(f"{name}: not listed in the manifest")
+    return problems
+
+
+@dataclass
+class Bundle:
+    path: Path
+    manifest: dict
+    config: dict
+    target: GPT
+    drafter: Optional[Drafter]
+    vq: VQModel
+    evaluator: Optional[Classifier]
+    proximity: Optional[torch.Tensor]  # (V, k) int64
+
+    @property
+    def default_cfg_scale(self) -> float:
+        return float(self.config.get("sampling", {}).get("cfg_scale", 1.0))
+
+    @torch.no_grad()
+    def decode_images(self, codes: torch.Tensor) -> np.ndarray:
+        """codes (B, h*w) int64 -> uint8 images (B, H, W, 3)."""
+        images = self.vq.decode_code(torch.as_tensor(codes, dtype=torch.long))  # (B, 3, H, W) in [-1, 1]
+        return ((images + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+
+
+def load_bundle(path: str | Path | None = None, verify: bool = True) -> Bundle:
+    """Load a bundle folder (None = the embedded default). Raises ValueError on a manifest hash mismatch
+    (when verify), a checkpoint that does not match its config, or a drafter trained for another target."""
+    root = Path(path) if path is not None else DEFAULT_BUNDLE
+    if not (root / "config.json").exists():
+        raise ValueError(f"{root} is not a lantern bundle: config.json is missing")
+    if verify:
+        problems = verify_bundle(root)
+        if problems:
+            raise ValueError(f"bundle {root} failed verification: " + "; ".join(problems))
+    config = json.loads((root / "config.json").read_text())
+    manifest = json.loads((root / "manifest.json").read_text()) if (root / "manifest.json").exists() else {}
+
+    vq = VQModel(VQConfig.from_dict(config["vq"]))
+    load_weights_strict(vq, root / "vq.safetensors")
+    target = GPT(GPTConfig.from_dict(config["target"]))
+    target_state = load_weights_strict(target, root / "target.safetensors")
+    if target.config.vocab_size != vq.config.codebook_size or target.config.grid_size != vq.config.grid_size:
+        raise ValueError(f"target vocab {target.config.vocab_size} / grid {target.config.grid_size} does not match "
+                         f"the VQ codebook {vq.config.codebook_size} / grid {vq.config.grid_size}")
+
+    drafter = None
+    if (root / "drafter.safetensors").exists():
+        with safe_open(str(root / "drafter.safetensors"), "pt") as f:
+            trained_for = (f.metadata() or {}).get("target_hash", "")
+        actual = weights_hash(target_state)
+        if trained_for != actual:
+            raise ValueError(f"drafter.safetensors was trained for target weights {trained_for or '<unrecorded>'}, "
+                             f"but this bundle's target weights hash to {actual}")
+        drafter = Drafter(target.config)
+        load_weights_strict(drafter, root / "drafter.safetensors")
+        drafter.eval()
+
+    evaluator = None
+    if (root / "evaluator.safetensors").exists():
+        evaluator = Classifier(ClassifierConfig.from_dict(config["evaluator"]))
+        load_weights_strict(evaluator, root / "evaluator.safetensors")
+        evaluator.eval()
+
+    proximity = None
+    if (root / "proximity.safetensors").exists():
+        proximity = load_file(str(root / "proximity.safetensors"))["neighbours"].to(torch.int64)
+        V = vq.config.codebook_size
+        if proximity.ndim != 2 or proximity.shape[0] != V or int(proximity.max()) >= V or int(proximity.min()) < 0:
+            raise ValueError(f"proximity table of shape {tuple(proximity.shape)} does not fit codebook size {V}")
+    return Bundle(root, manifest, config, target.eval(), drafter, vq.eval(), evaluator, proximity)
+
+
+def describe_bundle(path: str | Path | None = None) -> str:
+    """A human-readable account of a bundle: what the models are, how they were made, what they measure."""
+    root = Path(path) if path is not None else DEFAULT_BUNDLE
+    config = json.loads((root / "config.json").read_text())
+    manifest = json.loads((root / "manifest.json").read_text()) if (root / "manifest.json").exists() else {}
+    m = manifest.get("metrics", {})
+    t, v = config["target"], config["vq"]
+    size = sum(f.stat().st_size for f in root.iterdir() if f.is_file())
+    data = manifest.get("data", {})
+    sampling_text = ", ".join(f"{k} {v}" for k, v in config.get("sampling", {}).items()) or "default sampling"
+
+    def fmt(key, spec=".3f"):
+        return format(m[key], spec) if key in m else "n/a"
+
+    lines = [
+        f"bundle: {root}  ({size / 2**20:.1f} MiB)",
+        f"data: {data.get('source', 'unknown')}; split: {data.get('split', '?')}",
+        f"tokenizer: LlamaGen VQ, {v['image_size']}x{v['image_size']} images -> "
+        f"{v['image_size'] // 2 ** (len(v['ch_mult']) - 1)}^2 tokens, codebook {v['codebook_size']} x "
+        f"{v['codebook_embed_dim']} (L2-normalised); held-out recon MSE {fmt('vq_recon_mse', '.4f')} "
+        f"(mean-image baseline {fmt('vq_mean_image_mse', '.4f')})",
+        f"target: LlamaGen c2i GPT, {t['n_layer']} layers x dim {t['dim']} x {t['n_head']} heads, vocab "
+        f"{t['vocab_size']}, {t['num_classes']} classes + null; held-out mean top-1 prob "
+        f"{fmt('target_mean_top1_prob')} "
+        f"(teacher-forced, true class, no CFG), top-1 acc {fmt('target_heldout_top1_acc')}, "
+        f"decode step {fmt('target_step_ms_batch2', '.1f')} ms at batch 2",
+        f"drafter: EAGLE-1 head (fc + 1 decoder layer); held-out top-1 agreement with the target "
+        f"{fmt('drafter_top1_agreement_cond')} (cond), {fmt('drafter_top1_agreement_uncond')} (uncond)"
+        if (root / "drafter.safetensors").exists() else "drafter: none",
+        f"evaluator: CNN classifier, held-out accuracy {fmt('evaluator_heldout_accuracy')}",
+        f"AR samples at {sampling_text}: class accuracy "
+        f"{fmt('ar_class_accuracy')}, Frechet distance {fmt('ar_frechet')} (real-image floor {fmt('real_frechet')})",
+        f"made by: {manifest.get('command', 'unknown')}  (seed {manifest.get('seed', '?')}); training seconds "
+        + ", ".join(f"{k} {r.get('train_seconds', '?')}" for k, r in manifest.get("stages", {}).items()),
+    ]
+    return "\n".join(lines)

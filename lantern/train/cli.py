@@ -1,0 +1,164 @@
+"""CLI wiring for `lantern train tokenizer|target|drafter|evaluator`, `lantern info` and `lantern eval`.
+
+Each `add_*` registers argparse subcommands on the main parser's subparsers; every handler returns an exit
+code (0 ok, 2 bad input) and prints errors as `lantern: error: ...` on stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+EXIT_OK, EXIT_BAD_INPUT = 0, 2
+
+
+def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"lantern: error: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+    return run
+
+
+def _common(p: argparse.ArgumentParser, steps: int, batch: int, lr: float) -> None:
+    p.add_argument("--work", required=True, help="output dir: weights, reports and the resumable <stage>.ckpt")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--batch", type=int, default=batch)
+    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--no-bf16", action="store_true", help="train in fp32 (default: bf16 autocast)")
+
+
+def _train(args: argparse.Namespace) -> int:
+    import torch
+
+    from lantern.train.pipeline import load_target, load_vq
+    from lantern.train.tokens import token_dataset
+
+    if args.steps < 1 or args.batch < 1 or args.lr <= 0:
+        raise ValueError(f"--steps {args.steps}, --batch {args.batch} must be >= 1 and --lr {args.lr} > 0")
+    torch.set_num_threads(args.threads)
+    work, bf16 = Path(args.work), not args.no_bf16
+    common = dict(steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed, bf16=bf16)
+    if args.stage == "tokenizer":
+        from lantern.models.vq import VQConfig
+        from lantern.train.tokenizer import train_tokenizer
+        report = train_tokenizer(str(work), VQConfig(codebook_size=args.codebook_size), **common)
+    elif args.stage == "evaluator":
+        from lantern.train.evaluator import train_evaluator
+        report = train_evaluator(str(work), **common)
+    else:
+        for need in ("vq.safetensors", "vq_config.json"):
+            if not (work / need).exists():
+                raise FileNotFoundError(f"{work / need} is missing: run `lantern train tokenizer --work {work}` first")
+        data = token_dataset(load_vq(work), args.n_aug, args.seed, cache_dir=str(work))
+        if args.stage == "target":
+            from lantern.config import gpt_preset
+            from lantern.train.target import train_target
+            cfg = gpt_preset(args.preset)
+            report = train_target(str(work), cfg, *data["train"], data["heldout"], **common,
+                                  init_from=args.init_from, name=args.name)
+        else:
+            from lantern.train.drafter import train_drafter
+            if not (work / f"{args.target_name}.safetensors").exists():
+                raise FileNotFoundError(f"{work / args.target_name}.safetensors is missing: "
+                                        f"run `lantern train target` first")
+            report = train_drafter(str(work), load_target(work, args.target_name), *data["train"], data["heldout"],
+                                   **common)
+    print(json.dumps(report, indent=2))
+    return EXIT_OK
+
+
+def add_train_commands(subparsers) -> None:
+    p = subparsers.add_parser("train", help="train one stage of a bundle (tokenizer, target, drafter, evaluator)")
+    stages = p.add_subparsers(dest="stage", required=True)
+    t = stages.add_parser("tokenizer", help="the VQ tokenizer on the digits training split")
+    _common(t, steps=300, batch=32, lr=2e-3)
+    t.add_argument("--codebook-size", type=int, default=1024)
+    g = stages.add_parser("target", help="the class-conditional GPT on the tokenizer's codes")
+    _common(g, steps=600, batch=16, lr=1e-3)
+    g.add_argument("--preset", default="GPT-lantern-digits", help="a lantern.config.GPT_PRESETS name")
+    g.add_argument("--n-aug", type=int, default=6, help="copies of each training image (copy 0 un-augmented)")
+    g.add_argument("--init-from", help="continue from these target weights (a second phase) instead of a fresh init")
+    g.add_argument("--name", default="target", help="output name: <work>/<name>.safetensors (phase 2: target2)")
+    d = stages.add_parser("drafter", help="the EAGLE drafter on the frozen target's features")
+    _common(d, steps=250, batch=16, lr=1e-3)
+    d.add_argument("--n-aug", type=int, default=6)
+    d.add_argument("--target-name", default="target2", help="the target in --work to draft for")
+    e = stages.add_parser("evaluator", help="the classifier behind `lantern eval`")
+    _common(e, steps=300, batch=64, lr=2e-3)
+    for sp in (t, g, d, e):
+        sp.set_defaults(func=_guard(_train))
+
+
+def _info(args: argparse.Namespace) -> int:
+    from lantern.bundle import describe_bundle, verify_bundle
+    problems = verify_bundle(args.model)
+    if args.json:
+        from lantern.bundle import DEFAULT_BUNDLE
+        root = Path(args.model) if args.model else DEFAULT_BUNDLE
+        manifest = json.loads((root / "manifest.json").read_text())
+        print(json.dumps({"path": str(root), "problems": problems, "command": manifest.get("command"),
+                          "seed": manifest.get("seed"), "data": manifest.get("data"),
+                          "metrics": manifest.get("metrics")}))
+    else:
+        print(describe_bundle(args.model))
+        print("integrity: ok (every file matches its manifest sha256)" if not problems
+              else "integrity problems:\n  " + "\n  ".join(problems))
+    return EXIT_OK if not problems else EXIT_BAD_INPUT
+
+
+def add_info_command(subparsers) -> None:
+    p = subparsers.add_parser("info", help="what a bundle is, how it was made, what it measures")
+    p.add_argument("--model", help="bundle folder (default: the embedded model)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_guard(_info))
+
+
+def reference_generate_fn(bundle, cfg_scale: float, temperature: float, top_k: int):
+    """The training reports' plain AR sampler as a generate_fn (the lead may pass the product's instead)."""
+    from lantern.train.sample import sample_ar_simple
+    return lambda class_ids, seed: sample_ar_simple(bundle.target, class_ids, cfg_scale, temperature, top_k, seed)
+
+
+def _eval_handler(make_generate_fn):
+    def _eval(args: argparse.Namespace) -> int:
+        from lantern.bundle import load_bundle
+        from lantern.evaluate import evaluate
+        bundle = load_bundle(args.model)
+        sampling = bundle.config.get("sampling", {})
+        cfg_scale = bundle.default_cfg_scale if args.cfg_scale is None else args.cfg_scale
+        temperature = sampling.get("temperature", 1.0) if args.temperature is None else args.temperature
+        top_k = sampling.get("top_k", 0) if args.top_k is None else args.top_k
+        gen = make_generate_fn(bundle, args) if make_generate_fn else reference_generate_fn(
+            bundle, cfg_scale, temperature, top_k)
+        out = evaluate(bundle, gen, classes=args.classes, n_per_class=args.n_per_class, seed=args.seed)
+        out["sampling"] = {"cfg_scale": cfg_scale, "temperature": temperature, "top_k": top_k}
+        if args.json:
+            print(json.dumps(out))
+        else:
+            g, r = out["generated"], out["real_train_reference"]
+            print(f"generated: class accuracy {g['class_accuracy']:.3f}, Frechet {g['frechet_distance']:.3f} "
+                  f"(n={g['n']}, cfg {cfg_scale})")
+            print(f"real (floor): class accuracy {r['class_accuracy']:.3f}, Frechet {r['frechet_distance']:.3f}")
+        return EXIT_OK
+    return _eval
+
+
+def add_eval_command(subparsers, make_generate_fn: Optional[Callable] = None) -> None:
+    """make_generate_fn(bundle, args) -> generate_fn(class_ids, seed) -> codes; None = the reference AR sampler."""
+    p = subparsers.add_parser("eval", help="class accuracy and Frechet distance of generated images")
+    p.add_argument("--model", help="bundle folder (default: the embedded model)")
+    p.add_argument("--classes", type=int, nargs="+", help="class ids (default: all)")
+    p.add_argument("--n-per-class", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cfg-scale", type=float, help="default: the bundle's")
+    p.add_argument("--temperature", type=float, help="default: the bundle's")
+    p.add_argument("--top-k", type=int, help="default: the bundle's")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_guard(_eval_handler(make_generate_fn)))

@@ -1,0 +1,101 @@
+"""The shipped bundle is what its manifest says, and tampered or mismatched bundles are refused."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from lantern.bundle import DEFAULT_BUNDLE, load_bundle, verify_bundle, weights_hash
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    return load_bundle()
+
+
+@pytest.fixture
+def copy(tmp_path):
+    dst = tmp_path / "bundle"
+    shutil.copytree(DEFAULT_BUNDLE, dst)
+    return dst
+
+
+def test_manifest_hashes_match(bundle):
+    assert verify_bundle() == []
+    assert set(bundle.manifest["files"]) >= {"config.json", "vq.safetensors", "target.safetensors",
+                                              "drafter.safetensors", "evaluator.safetensors", "proximity.safetensors"}
+
+
+def test_bundle_contents(bundle):
+    cfg, V = bundle.target.config, bundle.vq.config.codebook_size
+    assert cfg.vocab_size == V >= 1024 and cfg.block_size >= 256 and bundle.vq.config.codebook_embed_dim == 8
+    assert bundle.proximity.dtype == torch.int64 and bundle.proximity.shape == (V, V - 1)
+    assert bundle.drafter is not None and bundle.evaluator is not None
+    assert bundle.manifest["drafter"]["target_hash"] == weights_hash(bundle.target.state_dict())
+    m = bundle.manifest["metrics"]
+    assert m["drafter_top1_agreement_cond"] > 0.4 and 0 < m["target_mean_top1_prob"] < 1
+    size = sum(f.stat().st_size for f in DEFAULT_BUNDLE.iterdir() if f.is_file())
+    assert size <= 80 * 2**20
+
+
+def test_decode_images(bundle):
+    codes = torch.zeros(2, bundle.target.config.block_size, dtype=torch.long)
+    images = bundle.decode_images(codes)
+    s = bundle.vq.config.image_size
+    assert images.shape == (2, s, s, 3) and images.dtype == np.uint8
+    with pytest.raises(ValueError, match="code ids"):
+        bundle.decode_images(codes + bundle.vq.config.codebook_size)
+
+
+def test_corrupted_file_is_reported_and_refused(copy):
+    path = copy / "drafter.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    problems = verify_bundle(copy)
+    assert len(problems) == 1 and problems[0].startswith("drafter.safetensors")
+    with pytest.raises(ValueError, match="failed verification"):
+        load_bundle(copy)
+
+
+def test_drafter_for_another_target_is_refused(copy):
+    path = copy / "drafter.safetensors"
+    save_file(load_file(str(path)), str(path), metadata={"target_hash": "0" * 64})
+    with pytest.raises(ValueError, match="0{64}.*hash to [0-9a-f]{64}"):
+        load_bundle(copy, verify=False)
+
+
+def test_checkpoint_not_matching_config_is_refused(copy):
+    cfg = json.loads((copy / "config.json").read_text())
+    cfg["target"]["n_layer"] += 1
+    (copy / "config.json").write_text(json.dumps(cfg))
+    n = cfg["target"]["n_layer"] - 1
+    with pytest.raises(ValueError, match=rf"missing keys \['layers\.{n}\."):
+        load_bundle(copy, verify=False)
+    cfg["target"]["n_layer"] -= 1
+    cfg["target"]["dim"] *= 2
+    (copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="shape mismatches"):
+        load_bundle(copy, verify=False)
+
+
+def test_info_command(capsys, copy):
+    import argparse
+
+    from lantern.train.cli import add_eval_command, add_info_command, add_train_commands
+    parser = argparse.ArgumentParser(prog="lantern")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_train_commands(sub)
+    add_info_command(sub)
+    add_eval_command(sub)
+    args = parser.parse_args(["info"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "mean top-1 prob" in out and "integrity: ok" in out
+    (copy / "vq.safetensors").write_bytes(b"broken")
+    args = parser.parse_args(["info", "--model", str(copy)])
+    assert args.func(args) == 2
+    args = parser.parse_args(["eval", "--classes", "11"])
+    assert args.func(args) == 2  # class 11 of a 10-class model: bad input

@@ -24,6 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from lantern.config import GPTConfig
+from lantern.models.checkpoint import load_into, weights_hash  # noqa: F401  weights_hash: part of this API
 from lantern.models.classifier import Classifier, ClassifierConfig
 from lantern.models.drafter import Drafter
 from lantern.models.gpt import GPT
@@ -42,30 +43,10 @@ def sha256_file(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def weights_hash(state: dict[str, torch.Tensor]) -> str:
-    """sha256 over sorted (name, dtype, shape, float32 bytes): the identity of a set of weights, independent of
-    how the file was serialised. Drafters record the hash of the target they were trained for."""
-    h = hashlib.sha256()
-    for k in sorted(state):
-        t = state[k].detach().float().contiguous() if state[k].is_floating_point() else state[k].contiguous()
-        h.update(f"{k}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.numpy().tobytes())
-    return h.hexdigest()
-
-
 def load_weights_strict(module: torch.nn.Module, path: str | Path) -> dict[str, torch.Tensor]:
     """Load a safetensors file into `module`, refusing (ValueError) any missing, unexpected or mis-shaped key."""
     state = load_file(str(path))
-    expected = module.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    shapes = sorted(f"{k}: file {tuple(state[k].shape)} vs config {tuple(expected[k].shape)}"
-                    for k in set(state) & set(expected) if state[k].shape != expected[k].shape)
-    if missing or unexpected or shapes:
-        raise ValueError(f"{path} does not match its config: missing keys {missing[:8]}"
-                         f"{' ...' if len(missing) > 8 else ''}, unexpected keys {unexpected[:8]}"
-                         f"{' ...' if len(unexpected) > 8 else ''}, shape mismatches {shapes[:8]}")
-    module.load_state_dict(state, strict=True)
+    load_into(module, state, str(path))
     return state
 
 
@@ -103,6 +84,13 @@ class Bundle:
     @property
     def default_cfg_scale(self) -> float:
         return float(self.config.get("sampling", {}).get("cfg_scale", 1.0))
+
+    @property
+    def default_sampling(self) -> dict:
+        """The sampling settings the bundle was validated with (cfg_scale, temperature, top_k, top_p)."""
+        s = self.config.get("sampling", {})
+        return {"cfg_scale": float(s.get("cfg_scale", 1.0)), "temperature": float(s.get("temperature", 1.0)),
+                "top_k": int(s.get("top_k", 0)), "top_p": float(s.get("top_p", 1.0))}
 
     @torch.no_grad()
     def decode_images(self, codes: torch.Tensor) -> np.ndarray:

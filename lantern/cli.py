@@ -11,6 +11,7 @@ import traceback
 from pathlib import Path
 
 from lantern.profile.cli import add_profile_commands
+from lantern.train.cli import add_info_command, add_train_commands
 
 EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT, EXIT_UNAVAILABLE = 0, 1, 2, 3
 
@@ -33,9 +34,9 @@ def add_decode_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--delta", type=float, help="LANTERN bound, in [0, 1]")
     g.add_argument("--lam", type=float, help="LANTERN++ bound, >= 1")
     g.add_argument("--greedy", action="store_true", help="argmax decoding (default: sampling)")
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    g.add_argument("--temperature", type=float, help="default: the model's")
+    g.add_argument("--top-k", type=int, help="0 = off (default: the model's)")
+    g.add_argument("--top-p", type=float, help="1 = off (default: the model's)")
     g.add_argument("--cfg-scale", type=float, help="classifier-free guidance scale (default: the model's)")
 
 
@@ -45,11 +46,12 @@ def add_backend_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", help="fp32 | bf16 | fp16, what the backend supports (default: its preferred one)")
 
 
-def decode_config_from_args(args, default_cfg_scale: float):
+def decode_config_from_args(args, model_defaults: dict):
+    """The decode config of the flags; sampling flags left out take the model's validated defaults."""
     from lantern.decoding.config import method_preset
     from lantern.decoding.sampling import SamplingConfig
-    sampling = SamplingConfig(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                              cfg_scale=default_cfg_scale if args.cfg_scale is None else args.cfg_scale)
+    chosen = {k: getattr(args, k) for k in ("cfg_scale", "temperature", "top_k", "top_p")}
+    sampling = SamplingConfig(greedy=args.greedy, **{k: model_defaults[k] if v is None else v for k, v in chosen.items()})
     overrides = {name: getattr(args, name) for name in ("drafting", "acceptance", "k", "delta", "lam")
                  if getattr(args, name) is not None}
     return method_preset(args.method, sampling, **overrides)
@@ -65,7 +67,7 @@ def cmd_generate(args) -> dict:
     apply_profile(args)  # a --profile supplies backend, dtype, threads and tuned tree
     get_backend(args.backend)  # an unknown or unavailable backend fails before any loading or writing
     bundle = load_bundle(args.model)
-    dcfg = decode_config_from_args(args, bundle.default_cfg_scale)
+    dcfg = decode_config_from_args(args, bundle.default_sampling)
     pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend=args.backend, dtype=args.dtype)
     result = pipe.generate(args.classes, dcfg, seed=args.seed)
     paths, grid = [], None
@@ -83,6 +85,42 @@ def cmd_generate(args) -> dict:
         "wall_seconds": s["wall_seconds"], "peak_memory_bytes": result.profile["memory"]["peak_bytes"],
         "memory": result.profile["memory"], "warmup_seconds": result.profile["warmup_s"], "stats": s,
     }
+
+
+def cmd_eval(args) -> dict:
+    """Generate n images per class with the chosen method and backend; accuracy and Frechet distance against
+    held-out real images, and the same figures for real images as the floor."""
+    from lantern.api import Pipeline
+    from lantern.backends import get_backend
+    from lantern.bundle import load_bundle
+    from lantern.evaluate import evaluate
+
+    get_backend(args.backend)
+    bundle = load_bundle(args.model)
+    dcfg = decode_config_from_args(args, bundle.default_sampling)
+    pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend=args.backend, dtype=args.dtype)
+    stats = []
+
+    def generate_fn(class_ids, seed):
+        result = pipe.generate(class_ids.tolist(), dcfg, seed=seed)
+        stats.append(result.stats.summary())
+        return result.tokens
+
+    out = evaluate(bundle, generate_fn, classes=args.classes, n_per_class=args.n_per_class, seed=args.seed)
+    steps = sum(s["verify_steps"] for s in stats)
+    out.update(mode=args.method, decode=dcfg.to_dict(), backend=pipe.backend.name, dtype=pipe.dtype,
+               wall_seconds=sum(s["wall_seconds"] for s in stats),
+               mean_accepted_length=(sum(s["mean_accepted_length"] * s["verify_steps"] for s in stats) / steps
+                                     if steps else 1.0))
+    return out
+
+
+def print_eval(out: dict) -> None:
+    g, r = out["generated"], out["real_train_reference"]
+    print(f"{out['mode']} on {out['backend']} ({out['dtype']}): class accuracy {g['class_accuracy']:.3f}, Frechet "
+          f"distance {g['frechet_distance']:.2f} over {g['n']} images; mean accepted length "
+          f"{out['mean_accepted_length']:.2f}, {out['wall_seconds']:.1f} s")
+    print(f"real images (floor): class accuracy {r['class_accuracy']:.3f}, Frechet distance {r['frechet_distance']:.2f}")
 
 
 def cmd_backends(args) -> dict:
@@ -133,11 +171,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_backend_options(g)
     g.set_defaults(func=cmd_generate, show=print_generate)
 
+    e = sub.add_parser("eval", help="class accuracy and Frechet distance of generated images")
+    e.add_argument("--model", help="bundle folder (default: the embedded model)")
+    e.add_argument("--classes", type=int, nargs="+", help="class ids (default: all)")
+    e.add_argument("--n-per-class", type=int, default=10)
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--json", action="store_true")
+    add_decode_options(e)
+    add_backend_options(e)
+    e.set_defaults(func=cmd_eval, show=print_eval)
+
     b = sub.add_parser("backends", help="list backends: available or why not, device, dtypes")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_backends, show=print_backends)
 
     add_profile_commands(sub)
+    add_train_commands(sub)
+    add_info_command(sub)
     from lantern.onnx_cli import add_export_onnx_command
     add_export_onnx_command(sub)
     return parser
@@ -156,6 +206,8 @@ def main(argv=None) -> int:
     except Exception as e:  # noqa: BLE001  anything else is our bug: say so, with the trace on stderr
         traceback.print_exc()
         return _fail(f"internal error: {e}", EXIT_INTERNAL, as_json)
+    if isinstance(out, int):  # the command printed its own output
+        return out
     if as_json:
         print(json.dumps(out))
     else:

@@ -103,13 +103,3 @@ def gpt_preset(name: str, **overrides) -> GPTConfig:
     if name not in GPT_PRESETS:
         raise ValueError(f"unknown GPT preset {name!r}; choose one of {sorted(GPT_PRESETS)}")
     return GPTConfig(**{**GPT_PRESETS[name], **overrides})
-
-
-@dataclass(frozen=True)
-class DrafterConfig:
-    """EAGLE-1 style head: fc([emb(x); f]) then one Llama decoder layer, sharing the target's head."""
-
-    target_hash: str = ""  # hash of the target weights the drafter was trained on ("" = unchecked)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)

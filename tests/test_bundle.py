@@ -82,20 +82,10 @@ def test_checkpoint_not_matching_config_is_refused(copy):
 
 
 def test_info_command(capsys, copy):
-    import argparse
-
-    from lantern.train.cli import add_eval_command, add_info_command, add_train_commands
-    parser = argparse.ArgumentParser(prog="lantern")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_train_commands(sub)
-    add_info_command(sub)
-    add_eval_command(sub)
-    args = parser.parse_args(["info"])
-    assert args.func(args) == 0
+    from lantern.cli import main
+    assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert "mean top-1 prob" in out and "integrity: ok" in out
     (copy / "vq.safetensors").write_bytes(b"broken")
-    args = parser.parse_args(["info", "--model", str(copy)])
-    assert args.func(args) == 2
-    args = parser.parse_args(["eval", "--classes", "11"])
-    assert args.func(args) == 2  # class 11 of a 10-class model: bad input
+    assert main(["info", "--model", str(copy)]) == 2
+    assert main(["eval", "--classes", "11"]) == 2  # class 11 of a 10-class model: bad input

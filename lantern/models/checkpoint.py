@@ -81,10 +81,13 @@ def save_checkpoint(model: nn.Module, path: str | Path) -> None:
         torch.save({"model": sd}, path)
 
 
-def weights_hash(model: nn.Module) -> str:
-    """sha256 over the state_dict (sorted keys, raw bytes): ties a drafter to the target it was trained on."""
+def weights_hash(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over sorted (name, dtype, shape, float32 bytes): the identity of a set of weights, independent of
+    how the file was serialised. Drafters record the hash of the target they were trained for."""
     h = hashlib.sha256()
-    for k, v in sorted(model.state_dict().items()):
-        h.update(k.encode())
-        h.update(v.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    for k in sorted(state):
+        t = state[k].detach().cpu()
+        t = t.float().contiguous() if t.is_floating_point() else t.contiguous()
+        h.update(f"{k}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.numpy().tobytes())
     return h.hexdigest()

@@ -1,27 +1,16 @@
-"""CLI wiring for `lantern train tokenizer|target|drafter|evaluator`, `lantern info` and `lantern eval`.
+"""CLI wiring for `lantern train tokenizer|target|drafter|evaluator` and `lantern info`.
 
-Each `add_*` registers argparse subcommands on the main parser's subparsers; every handler returns an exit
-code (0 ok, 2 bad input) and prints errors as `lantern: error: ...` on stderr.
+Each `add_*` registers argparse subcommands on the main parser's subparsers; every handler prints its own
+output and returns an exit code; `lantern.cli.main` turns exceptions into error messages and exit codes.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Callable, Optional
 
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
-
-
-def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    def run(args: argparse.Namespace) -> int:
-        try:
-            return fn(args)
-        except (ValueError, FileNotFoundError) as e:
-            print(f"lantern: error: {e}", file=sys.stderr)
-            return EXIT_BAD_INPUT
-    return run
 
 
 def _common(p: argparse.ArgumentParser, steps: int, batch: int, lr: float) -> None:
@@ -93,7 +82,7 @@ def add_train_commands(subparsers) -> None:
     e = stages.add_parser("evaluator", help="the classifier behind `lantern eval`")
     _common(e, steps=300, batch=64, lr=2e-3)
     for sp in (t, g, d, e):
-        sp.set_defaults(func=_guard(_train))
+        sp.set_defaults(func=_train)
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -117,48 +106,4 @@ def add_info_command(subparsers) -> None:
     p = subparsers.add_parser("info", help="what a bundle is, how it was made, what it measures")
     p.add_argument("--model", help="bundle folder (default: the embedded model)")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=_guard(_info))
-
-
-def reference_generate_fn(bundle, cfg_scale: float, temperature: float, top_k: int):
-    """The training reports' plain AR sampler as a generate_fn (the lead may pass the product's instead)."""
-    from lantern.train.sample import sample_ar_simple
-    return lambda class_ids, seed: sample_ar_simple(bundle.target, class_ids, cfg_scale, temperature, top_k, seed)
-
-
-def _eval_handler(make_generate_fn):
-    def _eval(args: argparse.Namespace) -> int:
-        from lantern.bundle import load_bundle
-        from lantern.evaluate import evaluate
-        bundle = load_bundle(args.model)
-        sampling = bundle.config.get("sampling", {})
-        cfg_scale = bundle.default_cfg_scale if args.cfg_scale is None else args.cfg_scale
-        temperature = sampling.get("temperature", 1.0) if args.temperature is None else args.temperature
-        top_k = sampling.get("top_k", 0) if args.top_k is None else args.top_k
-        gen = make_generate_fn(bundle, args) if make_generate_fn else reference_generate_fn(
-            bundle, cfg_scale, temperature, top_k)
-        out = evaluate(bundle, gen, classes=args.classes, n_per_class=args.n_per_class, seed=args.seed)
-        out["sampling"] = {"cfg_scale": cfg_scale, "temperature": temperature, "top_k": top_k}
-        if args.json:
-            print(json.dumps(out))
-        else:
-            g, r = out["generated"], out["real_train_reference"]
-            print(f"generated: class accuracy {g['class_accuracy']:.3f}, Frechet {g['frechet_distance']:.3f} "
-                  f"(n={g['n']}, cfg {cfg_scale})")
-            print(f"real (floor): class accuracy {r['class_accuracy']:.3f}, Frechet {r['frechet_distance']:.3f}")
-        return EXIT_OK
-    return _eval
-
-
-def add_eval_command(subparsers, make_generate_fn: Optional[Callable] = None) -> None:
-    """make_generate_fn(bundle, args) -> generate_fn(class_ids, seed) -> codes; None = the reference AR sampler."""
-    p = subparsers.add_parser("eval", help="class accuracy and Frechet distance of generated images")
-    p.add_argument("--model", help="bundle folder (default: the embedded model)")
-    p.add_argument("--classes", type=int, nargs="+", help="class ids (default: all)")
-    p.add_argument("--n-per-class", type=int, default=10)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cfg-scale", type=float, help="default: the bundle's")
-    p.add_argument("--temperature", type=float, help="default: the bundle's")
-    p.add_argument("--top-k", type=int, help="default: the bundle's")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=_guard(_eval_handler(make_generate_fn)))
+    p.set_defaults(func=_info)

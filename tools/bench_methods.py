@@ -31,6 +31,9 @@ def main() -> None:
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("--dtype", default="fp32")
     ap.add_argument("--methods", nargs="+", default=list(METHODS))
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL:METHOD[:KEY=VALUE,...]",
+                    help="one more row, e.g. 'lantern++ lam1.5:lantern++:lam=1.5' or "
+                         "'chain-5 exact:lantern++:drafting=chain-5,lam=1'")
     ap.add_argument("--per-class", type=int, default=2, help="images per class (and seeds)")
     ap.add_argument("--classes", type=int, nargs="+", help="default: all")
     ap.add_argument("--greedy", action="store_true")
@@ -41,8 +44,13 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     bundle = load_bundle()
     classes = args.classes or list(range(bundle.target.config.num_classes))
-    sampling = SamplingConfig(greedy=args.greedy, cfg_scale=bundle.default_cfg_scale)
+    sampling = SamplingConfig(greedy=args.greedy, **bundle.default_sampling)
     configs = {m: method_preset(m, sampling) for m in args.methods}
+    for spec in args.variant:
+        label, method, overrides = (spec.split(":", 2) + [""])[:3]
+        kv = dict(item.split("=", 1) for item in overrides.split(",") if item)
+        configs[label] = method_preset(method, sampling, **{k: v if k == "drafting" else (int(v) if k == "k" else float(v))
+                                                            for k, v in kv.items()})
     pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend=args.backend, dtype=args.dtype)
     for dcfg in configs.values():  # prepare and warm up every static shape before timing anything
         pipe.runner(dcfg, 1)

@@ -6,6 +6,15 @@ from dataclasses import dataclass
 from typing import Optional
 
 
+def from_known_fields(cls, d: dict):
+    """Build the dataclass `cls` from a dict, refusing unknown keys by name (a config for another model)."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} fields {unknown}; allowed: {sorted(known)}")
+    return cls(**d)
+
+
 def find_multiple(n: int, k: int) -> int:
     return n if n % k == 0 else n + k - (n % k)
 
@@ -79,11 +88,7 @@ class GPTConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "GPTConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown GPTConfig fields {unknown}; allowed: {sorted(known)}")
-        return cls(**d)
+        return from_known_fields(cls, d)
 
 
 # LlamaGen's class-conditional sizes, plus small ones the tests and the embedded model use.

@@ -19,6 +19,18 @@ import torch
 KINDS = ("exact", "lantern", "lantern++")
 
 
+def check_rule(kind: str, k: int, delta: float, lam: float) -> None:
+    """Refuse bad acceptance parameters, naming the value and what is allowed."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown acceptance {kind!r}; allowed: {', '.join(KINDS)}")
+    if not 0.0 <= delta <= 1.0:
+        raise ValueError(f"delta {delta} is outside [0, 1]")
+    if not lam >= 1.0:
+        raise ValueError(f"lambda {lam} must be >= 1")
+    if k < 0:
+        raise ValueError(f"k {k} must be >= 0")
+
+
 @dataclass(frozen=True)
 class Acceptance:
     kind: str = "exact"
@@ -28,14 +40,7 @@ class Acceptance:
     proximity: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)  # (V, K) int64
 
     def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"unknown acceptance {self.kind!r}; allowed: {', '.join(KINDS)}")
-        if not 0.0 <= self.delta <= 1.0:
-            raise ValueError(f"delta {self.delta} is outside [0, 1]")
-        if not self.lam >= 1.0:
-            raise ValueError(f"lambda {self.lam} must be >= 1")
-        if self.k < 0:
-            raise ValueError(f"k {self.k} must be >= 0")
+        check_rule(self.kind, self.k, self.delta, self.lam)
         if self.relaxed:
             if self.proximity is None:
                 raise ValueError(f"acceptance {self.kind!r} needs a proximity table (built from the VQ codebook)")

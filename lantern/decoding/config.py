@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
 
-from lantern.decoding.acceptance import KINDS
+from lantern.decoding.acceptance import check_rule
 from lantern.decoding.sampling import SamplingConfig
 from lantern.decoding.trees import CompiledTree, compile_tree, load_tree
 
@@ -22,14 +22,7 @@ class DecodeConfig:
     _tree: CompiledTree | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        if self.acceptance not in KINDS:
-            raise ValueError(f"unknown acceptance {self.acceptance!r}; allowed: {', '.join(KINDS)}")
-        if not 0.0 <= self.delta <= 1.0:
-            raise ValueError(f"delta {self.delta} is outside [0, 1]")
-        if not self.lam >= 1.0:
-            raise ValueError(f"lambda {self.lam} must be >= 1")
-        if self.k < 0:
-            raise ValueError(f"k {self.k} must be >= 0")
+        check_rule(self.acceptance, self.k, self.delta, self.lam)
         if self.drafting == "dynamic":
             for name in ("dynamic_depth", "dynamic_top_k", "dynamic_total"):
                 if getattr(self, name) < 1:

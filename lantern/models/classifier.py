@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lantern.config import from_known_fields
+
 
 @dataclass(frozen=True)
 class ClassifierConfig:
@@ -21,11 +23,7 @@ class ClassifierConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ClassifierConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown ClassifierConfig fields {unknown}; allowed: {sorted(known)}")
-        return cls(**d)
+        return from_known_fields(cls, d)
 
 
 def _stage(c_in: int, c_out: int) -> nn.Sequential:

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lantern.config import from_known_fields
+
 
 @dataclass(frozen=True)
 class VQConfig:
@@ -53,11 +55,7 @@ class VQConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "VQConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown VQConfig fields {unknown}; allowed: {sorted(known)}")
-        return cls(**d)
+        return from_known_fields(cls, d)
 
 
 def swish(x: torch.Tensor) -> torch.Tensor:

@@ -2,10 +2,12 @@
 generates images' tokens with any decoding method, returning them with their stats and profile."""
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
+from tqdm import tqdm
 
 from lantern.backends import Runner, get_backend
 from lantern.decoding.config import DecodeConfig
@@ -72,9 +74,10 @@ class Pipeline:
                              f"got {tuple(cond.shape)}")
         return cond
 
-    def generate(self, conditions, dcfg: DecodeConfig, seed: int = 0) -> GenerationResult:
+    def generate(self, conditions, dcfg: DecodeConfig, seed: int = 0, progress: bool = False) -> GenerationResult:
         """conditions: class ids (c2i) or caption embeddings (n, P, C) (t2i). Same seed, same backend ->
-        same tokens. AR decodes all images as one batch; speculative decoding goes one image at a time."""
+        same tokens. AR decodes all images as one batch; speculative decoding goes one image at a time
+        (with `progress`, a bar on stderr counts them)."""
         cond = self._cond(conditions)
         n, block = cond.shape[0], self.config.block_size
         generator = torch.Generator().manual_seed(seed)
@@ -87,7 +90,7 @@ class Pipeline:
             tokens, stats = decode_ar(runner, rows, dcfg, n, block, generator)
         else:
             stats, outs = GenerationStats(), []
-            for i in range(n):
+            for i in tqdm(range(n), desc=f"{dcfg.drafting} images", disable=not progress or n == 1, file=sys.stderr):
                 rows = condition_rows(cond[i:i + 1], dcfg, self.config, null)
                 toks, st = decode_speculative(runner, rows, dcfg, block, generator, self.proximity)
                 outs.append(toks)

@@ -69,7 +69,7 @@ def cmd_generate(args) -> dict:
     bundle = load_bundle(args.model)
     dcfg = decode_config_from_args(args, bundle.default_sampling)
     pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend=args.backend, dtype=args.dtype)
-    result = pipe.generate(args.classes, dcfg, seed=args.seed)
+    result = pipe.generate(args.classes, dcfg, seed=args.seed, progress=not args.json)
     paths, grid = [], None
     if not args.no_images:
         images = bundle.decode_images(result.tokens)

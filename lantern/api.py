@@ -86,12 +86,12 @@ class Pipeline:
         runner.reset_times()
         runner.reset_peak_memory()
         if not dcfg.speculative:
-            rows = condition_rows(cond, dcfg, self.config, null.expand(n, *null.shape[1:]))
+            rows = condition_rows(cond, dcfg, null.expand(n, *null.shape[1:]))
             tokens, stats = decode_ar(runner, rows, dcfg, n, block, generator)
         else:
             stats, outs = GenerationStats(), []
             for i in tqdm(range(n), desc=f"{dcfg.drafting} images", disable=not progress or n == 1, file=sys.stderr):
-                rows = condition_rows(cond[i:i + 1], dcfg, self.config, null)
+                rows = condition_rows(cond[i:i + 1], dcfg, null)
                 toks, st = decode_speculative(runner, rows, dcfg, block, generator, self.proximity)
                 outs.append(toks)
                 stats.merge(st)

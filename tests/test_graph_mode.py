@@ -124,7 +124,7 @@ def decode_configs(drafting: str) -> list[tuple[int, object]]:
 def generate(runner, dcfg, cls: int, proximity, seed: int = 0) -> torch.Tensor:
     """One image's token ids (block,) for class `cls` through the real decode loops."""
     cfg = runner.model_config
-    rows = condition_rows(torch.tensor([cls]), dcfg, cfg, torch.tensor([cfg.null_class]))
+    rows = condition_rows(torch.tensor([cls]), dcfg, torch.tensor([cfg.null_class]))
     g = torch.Generator().manual_seed(seed)
     if dcfg.speculative:
         return decode_speculative(runner, rows, dcfg, cfg.block_size, g, proximity)[0]

@@ -73,7 +73,7 @@ def main() -> None:
         moved = [st["moved_mass_max"] for st in stats[m]]
         order = {(c, s): i for i, (c, s) in enumerate((c, s) for c in classes for s in range(args.per_class))}
         by_chunk = sorted(codes[m].items(), key=lambda kv: order[kv[0]])
-        quality = evaluate(bundle, lambda chunk, i, _b=by_chunk: _b[i][1], classes=classes,
+        quality = evaluate(bundle, lambda _chunk, i, _b=by_chunk: _b[i][1], classes=classes,
                            n_per_class=args.per_class, seed=0, batch_size=1)
         rows.append({
             "method": m, "decode": configs[m].to_dict(), "images": len(jobs), "wall_seconds": wall,

@@ -112,7 +112,7 @@ def generation(target, drafter, method: str, tree: str, threads: int, cache_dir:
     for name in BACKENDS:
         runner = backend(name, threads, cache_dir).prepare(target, drafter if dcfg.speculative else None, spec)
         runner.warmup()
-        rows = condition_rows(labels, dcfg, cfg, target.null_condition(1))
+        rows = condition_rows(labels, dcfg, target.null_condition(1))
         g = torch.Generator().manual_seed(0)
         if dcfg.speculative:
             tokens[name], stats = decode_speculative(runner, rows, dcfg, cfg.block_size, g, proximity)

@@ -38,7 +38,7 @@ def _round8(n: int) -> int:
     return (n + 7) // 8 * 8
 
 
-def condition_rows(cond: torch.Tensor, dcfg: DecodeConfig, target_config, null: torch.Tensor) -> torch.Tensor:
+def condition_rows(cond: torch.Tensor, dcfg: DecodeConfig, null: torch.Tensor) -> torch.Tensor:
     """[cond; uncond] rows for CFG (LlamaGen's layout), or cond alone."""
     return torch.cat([cond, null]) if dcfg.sampling.use_cfg else cond
 

@@ -142,16 +142,23 @@ class Encoder(nn.Module):
 
     def forward(self, x):
         h = self.conv_in(x)
-        for block in self.conv_blocks:
-            for j, res in enumerate(block.res):
-                h = res(h)
-                if len(block.attn):
-                    h = block.attn[j](h)
-            if hasattr(block, "downsample"):
-                h = block.downsample(h)
+        h = through_blocks(h, self.conv_blocks, "downsample")
         for m in self.mid:
             h = m(h)
         return self.conv_out(swish(self.norm_out(h)))
+
+
+def through_blocks(h: torch.Tensor, blocks: nn.ModuleList, resample: str) -> torch.Tensor:
+    """Each stage: its resnet blocks (each followed by its attention block, where the stage has them), then
+    the stage's `resample` ("downsample" or "upsample") module if it has one."""
+    for block in blocks:
+        for j, res in enumerate(block.res):
+            h = res(h)
+            if len(block.attn):
+                h = block.attn[j](h)
+        if hasattr(block, resample):
+            h = getattr(block, resample)(h)
+    return h
 
 
 class Decoder(nn.Module):
@@ -181,13 +188,7 @@ class Decoder(nn.Module):
         h = self.conv_in(z)
         for m in self.mid:
             h = m(h)
-        for block in self.conv_blocks:
-            for j, res in enumerate(block.res):
-                h = res(h)
-                if len(block.attn):
-                    h = block.attn[j](h)
-            if hasattr(block, "upsample"):
-                h = block.upsample(h)
+        h = through_blocks(h, self.conv_blocks, "upsample")
         return self.conv_out(swish(self.norm_out(h)))
 
 

@@ -45,7 +45,6 @@ def drafter_pass(drafter: Drafter, target: GPT, tokens: torch.Tensor, hidden: to
 def drafter_loss(drafter: Drafter, target: GPT, tokens: torch.Tensor, hidden: torch.Tensor,
                  g: torch.Generator, noise_scale: float = 0.1, ce_weight: float = 0.1) -> torch.Tensor:
     """EAGLE: SmoothL1(f^, f) + 0.1 * CE(softmax(head(f)) as soft targets, head(f^)); features get U(-a, a) noise."""
-    P = target.config.cls_token_num
     shape = (tokens.shape[0], tokens.shape[1] - 1, hidden.shape[-1])
     noise = (torch.rand(shape, generator=g) * 2 - 1) * noise_scale if noise_scale else None
     pred, true = drafter_pass(drafter, target, tokens, hidden, noise)

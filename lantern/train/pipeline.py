@@ -22,7 +22,7 @@ from lantern.models.classifier import ClassifierConfig
 from lantern.models.gpt import GPT
 from lantern.models.vq import VQConfig, VQModel
 from lantern.proximity import build_proximity_table
-from lantern.train.common import save_weights, write_json
+from lantern.train.common import write_json
 from lantern.train.drafter import train_drafter
 from lantern.train.evaluator import train_evaluator
 from lantern.train.sample import sample_ar_simple

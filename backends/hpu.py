@@ -17,6 +17,7 @@ import torch
 
 from lantern.backends.base import (Availability, Backend, BackendUnavailable, Capabilities, MemoryReport, Runner,
                                    StaticSpec)
+from lantern.backends.torch_eager import SharedWeights
 from lantern.backends.torch_graph import CapturedRunner
 
 INSTALL_HINT = "install Habana's PyTorch bridge, then pip install lantern[hpu]"
@@ -68,7 +69,7 @@ class HPURunner(CapturedRunner):
         return {**super().profile(), "memory_stats": dict(self.hpu.memory_stats())}
 
 
-class HPUBackend(Backend):
+class HPUBackend(SharedWeights, Backend):
     name = "hpu"
 
     def __init__(self, device_index: int = 0):
@@ -91,7 +92,7 @@ class HPUBackend(Backend):
 
     def capabilities(self) -> Capabilities:
         return Capabilities(device=f"{DEVICE_TYPE}:{self.device_index}", dtypes=("bf16", "fp32"),
-                            supports_graphs=True, supports_bf16=True,
+                            supports_graphs=True,
                             timer="habana_frameworks.torch.hpu.synchronize + time.perf_counter",
                             memory_source="habana_frameworks.torch.hpu.max_memory_allocated")
 
@@ -101,6 +102,8 @@ class HPUBackend(Backend):
             raise BackendUnavailable(f"hpu: {avail.reason}")
         self.check_dtype(spec.dtype)
         core, hpu = import_bridge()
-        runner = HPURunner(target, drafter, spec, torch.device(DEVICE_TYPE, self.device_index), core, hpu)
+        device = torch.device(DEVICE_TYPE, self.device_index)
+        runner = HPURunner(*self.placed(target, drafter if spec.draft_widths else None, device, spec.dtype), spec,
+                           device, core, hpu)
         runner.backend_name = self.name
         return runner

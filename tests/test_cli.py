@@ -38,7 +38,9 @@ def test_speculative_generate_reports_acceptance(tmp_path):
 
 @pytest.mark.parametrize("args, code, message", [
     (["--classes", "12"], 2, "class id 12 is out of range; allowed: integers 0..9"),
-    (["--lam", "0.5"], 2, "lambda 0.5 must be >= 1"),
+    (["--lam", "0.5"], 2, "lambda 0.5 must be a finite number >= 1"),
+    (["--k", "5000"], 2, "k 5000 exceeds the proximity table"),
+    (["--batch", "0"], 2, "batch 0 must be an integer >= 1"),
     (["--method", "lantern", "--delta", "1.5"], 2, r"delta 1.5 is outside [0, 1]"),
     (["--drafting", "no-such-tree"], 2, "neither a preset"),
     (["--backend", "tpu"], 2, "unknown backend 'tpu'"),

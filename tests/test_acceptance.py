@@ -7,37 +7,14 @@ import torch
 from scipy.stats import chisquare
 
 import lantern.decoding.acceptance as acc
-from lantern.decoding.acceptance import Acceptance, DraftedTree, accept
+from lantern.decoding.acceptance import Acceptance
+from lantern.decoding.node_trials import full_support, one_node_trials
 from lantern.decoding.relaxation import bounded_target
-from lantern.decoding.sampling import Support, candidates
 
 SIGNIFICANCE = 1e-3  # a lossless rule fails a test at this level once in a thousand seeds
 
 
-def full_support(p: torch.Tensor) -> Support:
-    """(..., V) dense probabilities as a support over the whole vocabulary."""
-    return Support(p, torch.arange(p.shape[-1]).expand(p.shape).contiguous())
-
-
-def one_node(p, q, n_children, rule, trials, seed, deterministic=False, greedy=False):
-    """`trials` one-node trees in one batch: the root's n children drawn from q without replacement (or its
-    top n), each child a leaf. Returns the first output token of every trial (B,)."""
-    g = torch.Generator().manual_seed(seed)
-    v, n = p.shape[0], n_children + 1
-    qs = full_support(q.expand(trials, 1, v))
-    kids, ok = candidates(qs, n_children, deterministic or greedy, g)  # (B, 1, C)
-    tokens = torch.cat([torch.zeros(trials, 1, dtype=torch.long), kids[:, 0]], 1)
-    valid = torch.cat([torch.ones(trials, 1, dtype=torch.bool), ok[:, 0]], 1)
-    ancestors = torch.eye(n, dtype=torch.bool)
-    ancestors[:, 0] = True
-    tree = DraftedTree(tokens=tokens, valid=valid, depth=torch.tensor([[0] + [1] * n_children]),
-                       ancestors=ancestors[None], parents=torch.tensor([[0]]),
-                       children=torch.arange(1, n)[None, None], q=None if deterministic or greedy else qs,
-                       max_depth=1, rank=torch.arange(-1, n_children)[None])
-    p_nodes = full_support(torch.cat([p[None], torch.full((n_children, v), 1.0 / v)]).expand(trials, n, v))
-    out = accept(p_nodes, tree, rule, greedy, g, v)
-    first = tokens.gather(1, out.path[:, 1:2])[:, 0]
-    return torch.where(out.accepted > 0, first, out.bonus), out
+one_node = one_node_trials  # (p, q, n_children, rule, trials, seed, deterministic, greedy) -> (first, out)
 
 
 def counts_of(tokens: torch.Tensor, v: int) -> torch.Tensor:

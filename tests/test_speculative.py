@@ -14,6 +14,7 @@ from lantern.decoding import TREE_PRESETS, DecodeConfig, SamplingConfig, method_
 from lantern.decoding.sampling import SamplingConfig as SC
 from lantern.models.drafter import Drafter
 from lantern.models.gpt import GPT
+from lantern.profile.host_transfers import HostTransfers
 
 SIGNIFICANCE = 1e-3
 
@@ -226,24 +227,6 @@ def test_verify_guided_with_another_cfg_scale_fails_the_lossless_test(flat, monk
 
 
 # --- what crosses to the host ---------------------------------------------------------------------------
-
-class HostTransfers(torch.overrides.TorchFunctionMode):
-    """Counts the calls that move tensor data to the host (or sync on it), and their elements."""
-
-    NAMES = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"}
-
-    def __init__(self):
-        super().__init__()
-        self.calls, self.elements = 0, 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        to_host = name == "to" and any(str(a) == "cpu" for a in list(args[1:]) + list((kwargs or {}).values()))
-        if (name in self.NAMES or to_host) and args and isinstance(args[0], torch.Tensor):
-            self.calls += 1
-            self.elements += args[0].numel()
-        return func(*args, **(kwargs or {}))
-
 
 @pytest.mark.parametrize("drafting", ["lantern++-57", "dynamic"])
 def test_each_speculative_step_moves_only_a_flag_to_the_host(pipe, drafting, monkeypatch):

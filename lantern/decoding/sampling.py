@@ -87,7 +87,7 @@ def combine_cfg(logits: torch.Tensor, scale: float, use_cfg: bool) -> torch.Tens
 
 def warp(logits: torch.Tensor, cfg: SamplingConfig) -> Support:
     """(..., V) guided logits -> the distribution after temperature, top-k and top-p, on its support."""
-    x = logits.float() / cfg.temperature
+    x = logits.float() if cfg.temperature == 1.0 else logits.float() / cfg.temperature
     k = cfg.support_size(x.shape[-1])
     if k < x.shape[-1] or cfg.top_p < 1.0:
         vals, ids = torch.topk(x, k, dim=-1)  # sorted, descending

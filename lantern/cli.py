@@ -10,14 +10,10 @@ import sys
 import traceback
 from pathlib import Path
 
+from lantern.cli_args import Parser, UsageError, check_writable, number
+from lantern.exit_codes import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_OK, EXIT_UNAVAILABLE
 from lantern.profile.cli import add_profile_commands
 from lantern.train.cli import add_info_command, add_train_commands
-
-EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT, EXIT_UNAVAILABLE = 0, 1, 2, 3
-
-
-class UsageError(ValueError):
-    """Bad input found by a command itself (reported like a ValueError, exit code 2)."""
 
 
 def add_decode_options(p: argparse.ArgumentParser) -> None:
@@ -30,14 +26,15 @@ def add_decode_options(p: argparse.ArgumentParser) -> None:
                         "lantern++ (57-node static tree, k=10, lambda=3)")
     g.add_argument("--drafting", help="override: none | dynamic | a tree preset | a .json file of paths")
     g.add_argument("--acceptance", choices=KINDS, help="override the method's acceptance rule")
-    g.add_argument("--k", type=int, help="proximity neighbours for relaxed acceptance")
-    g.add_argument("--delta", type=float, help="LANTERN bound, in [0, 1]")
-    g.add_argument("--lam", type=float, help="LANTERN++ bound, >= 1")
+    g.add_argument("--k", type=number(int, 0), help="proximity neighbours for relaxed acceptance")
+    g.add_argument("--delta", type=number(float, 0, 1), help="LANTERN bound, in [0, 1]")
+    g.add_argument("--lam", type=number(float, 1), help="LANTERN++ bound, >= 1")
     g.add_argument("--greedy", action="store_true", help="argmax decoding (default: sampling)")
-    g.add_argument("--temperature", type=float, help="default: the model's")
-    g.add_argument("--top-k", type=int, help="0 = off (default: the model's)")
-    g.add_argument("--top-p", type=float, help="1 = off (default: the model's)")
-    g.add_argument("--cfg-scale", type=float, help="classifier-free guidance scale (default: the model's)")
+    g.add_argument("--temperature", type=number(float, 0, low_open=True), help="> 0 (default: the model's)")
+    g.add_argument("--top-k", type=number(int, 0), help="0 = off (default: the model's)")
+    g.add_argument("--top-p", type=number(float, 0, 1, low_open=True), help="in (0, 1], 1 = off (default: the model's)")
+    g.add_argument("--cfg-scale", type=number(float, 1),
+                   help="classifier-free guidance scale, >= 1, 1 = off (default: the model's)")
 
 
 def add_backend_options(p: argparse.ArgumentParser) -> None:
@@ -66,6 +63,8 @@ def cmd_generate(args) -> dict:
 
     apply_profile(args)  # a --profile supplies backend, dtype, threads and tuned tree
     get_backend(args.backend)  # an unknown or unavailable backend fails before any loading or writing
+    if not args.no_images:
+        check_writable(Path(args.out), "--out", folder=True)
     bundle = load_bundle(args.model)
     dcfg = decode_config_from_args(args, bundle.default_sampling)
     pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend=args.backend, dtype=args.dtype)
@@ -155,7 +154,7 @@ def print_backends(out: dict) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lantern", description=__doc__.split("\n")[0])
+    parser = Parser(prog="lantern", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate images (default model: the embedded bundle)")
@@ -163,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--classes", type=int, nargs="+", default=[0, 1, 2, 3], help="class ids, one image each")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--out", default="out", help="folder for the PNGs and grid.png")
-    g.add_argument("--scale", type=int, default=4, help="upscale factor of the written PNGs")
+    g.add_argument("--scale", type=number(int, 1), default=4, help="upscale factor of the written PNGs, >= 1")
     g.add_argument("--no-images", action="store_true", help="tokens and stats only")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--profile", help="hardware profile NAME or .toml FILE: its backend, dtype, threads and tuned tree")
@@ -174,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="class accuracy and Frechet distance of generated images")
     e.add_argument("--model", help="bundle folder (default: the embedded model)")
     e.add_argument("--classes", type=int, nargs="+", help="class ids (default: all)")
-    e.add_argument("--n-per-class", type=int, default=10)
+    e.add_argument("--n-per-class", type=number(int, 1), default=10)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--json", action="store_true")
     add_decode_options(e)
@@ -195,7 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     from lantern.backends import BackendUnavailable
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as e:
+        return _fail(str(e), EXIT_BAD_INPUT, "--json" in argv)
     as_json = getattr(args, "json", False)
     try:
         out = args.func(args)

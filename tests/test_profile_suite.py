@@ -222,3 +222,17 @@ def test_auto_source_prefers_the_embedded_bundle(tmp_path, monkeypatch, tiny):
     assert src.info["kind"] == "bundle" and src.info["name"] == f"bundle:{tmp_path}" and src.default_cfg_scale == 3.0
     assert load_source(src.info["name"]).info == src.info  # the recorded name loads the same source again
     assert src.target is target and src.info["manifest_files"] == {"target.safetensors": "ab12"}
+
+
+def test_sampling_table_is_the_decoders_sampling_config():
+    """[sampling] holds SamplingConfig's fields (validated by it); a missing cfg_scale is the model's default."""
+    from lantern.decoding.sampling import SamplingConfig
+    from lantern.profile.hardware import profile_from_dict
+
+    profile = profile_from_dict({"sampling": {"top_k": 20}})
+    assert profile.sampling_config(model_cfg_scale=5.0) == SamplingConfig(top_k=20, cfg_scale=5.0)
+    assert profile_from_dict({"sampling": {"cfg_scale": 2.0}}).sampling_config(5.0).cfg_scale == 2.0
+    with pytest.raises(ValueError, match=r"profile 'default': \[sampling\] temperature 0 must be > 0"):
+        profile_from_dict({"sampling": {"temperature": 0}})
+    with pytest.raises(ValueError, match=r"unknown keys \['topk'\] in \[sampling\]"):
+        profile_from_dict({"sampling": {"topk": 20}})

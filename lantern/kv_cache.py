@@ -42,11 +42,6 @@ class StaticKVCache(nn.Module):
                 buf = getattr(self, name)
                 buf.index_copy_(0, dst, buf.index_select(0, src))
 
-    def zero_(self) -> None:
-        for buf in self.buffers():
-            if buf.is_floating_point():
-                buf.zero_()
-
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers() if b.is_floating_point())

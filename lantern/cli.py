@@ -1,4 +1,7 @@
-"""`lantern` command line. Exit codes: 0 ok, 1 internal error, 2 bad usage or input, 3 backend unavailable.
+"""`lantern` command line: generate, eval, backends, profile, train, info, export-onnx.
+
+Exit codes (lantern.exit_codes): 0 ok, 1 internal error (or a failed case or check), 2 bad usage or input,
+3 backend unavailable.
 
 With --json, a command prints exactly one JSON object on stdout (errors too: {"error": ..., "exit_code": ...}).
 """
@@ -11,7 +14,7 @@ import traceback
 from pathlib import Path
 
 from lantern.cli_args import Parser, UsageError, check_writable, number
-from lantern.exit_codes import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_OK, EXIT_UNAVAILABLE
+from lantern.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED_CASES, EXIT_INTERNAL, EXIT_OK, EXIT_UNAVAILABLE
 from lantern.profile.cli import add_profile_commands
 from lantern.train.cli import add_info_command, add_train_commands
 
@@ -125,6 +128,12 @@ def print_eval(out: dict) -> None:
 def cmd_backends(args) -> dict:
     from lantern.backends import backend_class, registered, resolve_name
     from lantern.backends.base import describe
+    if args.check:
+        from lantern.backends.conformance import check_backend
+        report = check_backend(args.check).to_dict()
+        failed = not report["passed"]
+        return {**report, "exit_code": EXIT_FAILED_CASES if failed else EXIT_OK if report["available"]
+                else EXIT_UNAVAILABLE}
     rows = []
     for name in sorted(registered()):
         try:
@@ -145,6 +154,13 @@ def print_generate(out: dict) -> None:
 
 
 def print_backends(out: dict) -> None:
+    if "checks" in out:
+        for check in out["checks"]:
+            print(f"{check['status'].upper():<5} {check['name']}: {check['message']}")
+        verdict = ("unavailable here: nothing else was checked" if not out["available"] and out["passed"]
+                   else "conforms" if out["passed"] else "does NOT conform")
+        print(f"{out['backend']}: {verdict}")
+        return
     for row in out["backends"]:
         if row["available"]:
             print(f"{row['name']:<12} available    device={row['device']} dtypes={','.join(row['dtypes'])}")
@@ -181,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_eval, show=print_eval)
 
     b = sub.add_parser("backends", help="list backends: available or why not, device, dtypes")
+    b.add_argument("--check", metavar="NAME", help="run the conformance kit (lantern.backends.conformance) on "
+                                                   "backend NAME: exit 0 if it conforms, 1 if a check fails, "
+                                                   "3 if it is unavailable here")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_backends, show=print_backends)
 

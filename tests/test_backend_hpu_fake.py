@@ -120,3 +120,11 @@ def test_whole_generations_use_one_graph_per_static_step(fake, models, tiny, dra
     profile = runner.profile()
     assert profile["graphs"] == runner.graph_keys() and profile["memory_stats"]["fake"]
     assert profile["memory"]["source"] == "habana_frameworks.torch.hpu.max_memory_allocated"
+
+
+def test_conformance_kit_passes_against_the_fake(fake):
+    """The kit's parity, ownership (replays overwrite the graph's outputs: the runner hands out copies), static
+    shapes and memory checks, on the FAKE bridge."""
+    from lantern.backends.conformance import check_backend
+    report = check_backend("hpu", dtypes=["bf16"])
+    assert report.passed and len(report.checks) > 5, report.failures()

@@ -44,6 +44,19 @@ def add_backend_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("backend")
     g.add_argument("--backend", help="auto | cpu | cuda | ... (default: $LANTERN_BACKEND, else auto)")
     g.add_argument("--dtype", help="fp32 | bf16 | fp16, what the backend supports (default: its preferred one)")
+    g.add_argument("--gaudi-config", help="hpu backend only: a gaudi_config.json (or its folder) whose autocast op "
+                                          "lists the steps run under (default: $LANTERN_GAUDI_CONFIG; docs/gaudi.md)")
+
+
+def backend_options(args) -> dict:
+    """Backend constructor options from the flags: --gaudi-config, which only the hpu backend takes."""
+    from lantern.backends import resolve_name
+    if not args.gaudi_config:
+        return {}
+    name = resolve_name(args.backend)
+    if name != "hpu":
+        raise UsageError(f"--gaudi-config is an option of the hpu backend; the backend here is {name!r}")
+    return {"gaudi_config": args.gaudi_config}
 
 
 def decode_config_from_args(args, model_defaults: dict):
@@ -65,12 +78,14 @@ def cmd_generate(args) -> dict:
     from lantern.profile.cli import apply_profile
 
     apply_profile(args)  # a --profile supplies backend, dtype, threads and tuned tree
-    get_backend(args.backend)  # an unknown or unavailable backend fails before any loading or writing
+    options = backend_options(args)
+    get_backend(args.backend, **options)  # an unknown or unavailable backend fails before any loading or writing
     if not args.no_images:
         check_writable(Path(args.out), "--out", folder=True)
     bundle = load_bundle(args.model)
     dcfg = decode_config_from_args(args, bundle.default_sampling)
-    pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend=args.backend, dtype=args.dtype)
+    pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend=args.backend, dtype=args.dtype,
+                    **options)
     result = pipe.generate(args.classes, dcfg, seed=args.seed, progress=not args.json)
     paths, grid = [], None
     if not args.no_images:
@@ -97,10 +112,12 @@ def cmd_eval(args) -> dict:
     from lantern.bundle import load_bundle
     from lantern.evaluate import evaluate
 
-    get_backend(args.backend)
+    options = backend_options(args)
+    get_backend(args.backend, **options)
     bundle = load_bundle(args.model)
     dcfg = decode_config_from_args(args, bundle.default_sampling)
-    pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend=args.backend, dtype=args.dtype)
+    pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend=args.backend, dtype=args.dtype,
+                    **options)
     stats = []
 
     def generate_fn(class_ids, seed):

@@ -95,6 +95,13 @@ def test_bad_flags_of_other_commands_exit_2_in_process(tmp_path, capsys):
     assert not (tmp_path / "g").exists()
 
 
+def test_gaudi_config_is_an_hpu_option(tmp_path, capsys):
+    from lantern.cli import main
+    assert main(["generate", "--backend", "cpu", "--gaudi-config", str(tmp_path), "--json"]) == 2
+    assert "--gaudi-config is an option of the hpu backend; the backend here is 'cpu'" in json.loads(
+        capsys.readouterr().out)["error"]
+
+
 def test_unwritable_output_is_found_before_generation(tmp_path):
     """--out under a file, or on a file system that refuses writes: exit 2 at once (no model is loaded, so this
     takes well under the seconds a generation would), nothing written."""

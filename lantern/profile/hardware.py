@@ -1,8 +1,10 @@
 """Hardware profiles: one TOML file per target (backend, device, dtype, threads, what to measure, and the
 tree `lantern profile tune` chose for it).
 
-Lookup of `--profile NAME|FILE`: an existing .toml path, else NAME.toml in $LANTERN_PROFILES, ./profiles,
-or the profiles/ folder of the lantern checkout. Every field and its default is in `HardwareProfile`.
+Lookup of `--profile NAME|FILE`: an existing .toml path, else NAME.toml in the first folder of the search path
+that has it: $LANTERN_PROFILES (folders separated by os.pathsep), ./profiles, then the profiles lantern ships
+(the package `lantern.hardware_profiles`: the repository's profiles/ folder, installed with lantern).
+Every field and its default is in `HardwareProfile`.
 The tuned tree lives beside the profile as `<name>.tuned.json` (a list of paths, loadable by
 `load_tree`), and the profile's trailing `[tuned]` table names it; rewriting that table keeps every comment
 above it.
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import os
 import tomllib
@@ -24,7 +27,7 @@ from lantern.decoding.trees import TREE_PRESETS
 
 PROFILES_ENV = "LANTERN_PROFILES"
 TUNED_TREE = "tuned"  # the name a profile's `trees` list uses for its own tuned tree
-REPO_PROFILES = Path(__file__).resolve().parents[2] / "profiles"
+SHIPPED_PACKAGE = "lantern.hardware_profiles"
 
 
 def sampling_table(table: dict) -> dict:
@@ -130,9 +133,14 @@ class HardwareProfile:
         return self.path.parent / self.tuned["tree_file"]
 
 
+def shipped_dir() -> Path:
+    """The folder of the profiles installed with lantern."""
+    return Path(importlib.util.find_spec(SHIPPED_PACKAGE).origin).parent
+
+
 def search_dirs() -> list[Path]:
-    dirs = [Path(os.environ[PROFILES_ENV])] if os.environ.get(PROFILES_ENV) else []
-    return dirs + [Path("profiles"), REPO_PROFILES]
+    dirs = [Path(d) for d in os.environ.get(PROFILES_ENV, "").split(os.pathsep) if d]
+    return dirs + [Path("profiles"), shipped_dir()]
 
 
 def profile_names() -> list[str]:

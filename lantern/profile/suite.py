@@ -23,7 +23,7 @@ from lantern.backends import BackendUnavailable, backend_class, get_backend, res
 from lantern.decoding.config import method_preset
 from lantern.decoding.trees import load_tree
 from lantern.profile import environment, measure
-from lantern.profile.hardware import TUNED_TREE, HardwareProfile
+from lantern.profile.hardware import TUNED_TREE, HardwareProfile, shipped_dir
 from lantern.profile.schema import SCHEMA, SCHEMA_VERSION, load_results, save_results
 from lantern.profile.source import load_source
 
@@ -43,7 +43,11 @@ class Case:
 
 
 def default_results_path(profile: HardwareProfile) -> Path:
+    """results/<name>.json beside the profile's file; ./profiles/results for a profile lantern ships (never
+    inside the installed package) and for one built from defaults."""
     base = profile.path.parent if profile.path else Path("profiles")
+    if base.resolve() == shipped_dir().resolve():
+        base = Path("profiles")
     return base / "results" / f"{profile.name}.json"
 
 

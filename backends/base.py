@@ -5,13 +5,22 @@ A backend turns (target, drafter, StaticSpec) into a `Runner`. The decoding core
     prefill(cond, mask)                                   -> StepOutput, T = 1 (last prefix position)
     verify(tokens, positions, slots, mask)                -> StepOutput, T in spec.verify_widths
     draft(tokens, features, positions, slots, mask)       -> StepOutput, T in spec.draft_widths
-    commit(src, dst, cache)                               compaction inside the preallocated cache
+    commit(src, dst)                                      compaction inside the target's KV cache,
+                                                          src and dst exactly (B, spec.commit_pairs)
     phase(name)                                           timing context (syncs the device)
     sync(), profile(), warmup() (optional: default runs every static step once)
 
 Every argument is a tensor of a fixed shape (positions, slots and lengths included: never Python ints that
-would key a new graph); `mask` is (B, T, S) bool over all S cache slots, built by the core.
-Capability queries (`Capabilities`) replace device checks in the core.
+would key a new graph), on the runner's device; `mask` is (B, T, S) bool over all S cache slots, built by the
+core. The drafter's cache needs no commit: each catch-up writes the accepted pairs at their own slots.
+
+Output lifetime: a step's StepOutput stays valid (unchanged) until the next call of the SAME step (same name
+and width); a graph replay may reuse its output buffers after that. The core reads or copies what it keeps
+before it calls that step again.
+
+Capabilities the core reads: `device` (where inputs and the generator live) and `dtypes` (the first is the
+default). `supports_graphs`, `timer` and `memory_source` are reported in `lantern backends` and profiles,
+and `supports_graphs` tells the conformance kit to count graphs.
 """
 from __future__ import annotations
 
@@ -47,7 +56,6 @@ class Capabilities:
     device: str  # "cpu", "cuda:0", "hpu", ...
     dtypes: tuple[str, ...]
     supports_graphs: bool  # steps are captured once and replayed
-    supports_bf16: bool
     timer: str  # what phase timing rests on
     memory_source: str  # what peak memory rests on
 
@@ -78,16 +86,21 @@ class StaticSpec:
 
     @property
     def commit_pairs(self) -> int:
-        """A: slot pairs of one commit; callers pad shorter ones so a graph backend captures one shape."""
+        """A: slot pairs of every commit (the core pads shorter ones: one static shape)."""
         return self.commit_width or max(self.verify_widths + self.draft_widths)
+
+    def check_commit(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        want = (self.batch, self.commit_pairs)
+        if tuple(src.shape) != want or tuple(dst.shape) != want:
+            raise ValueError(f"commit takes src and dst of shape (batch, commit_pairs) = {want}; got "
+                             f"{tuple(src.shape)} and {tuple(dst.shape)}")
 
     @property
     def static_steps(self) -> list[str]:
         """Names of the distinct static steps (one compiled graph each in graph mode)."""
         steps = ["prefill"] + [f"verify[{t}]" for t in self.verify_widths]
         steps += [f"draft[{t}]" for t in self.draft_widths]
-        steps += ["commit[target]"] + (["commit[draft]"] if self.draft_widths else [])
-        return steps
+        return steps + ["commit"]
 
 
 class StepOutput(NamedTuple):
@@ -145,8 +158,8 @@ class Runner(ABC):
         """Drafter forward over T (feature, token) pairs into the drafter's own cache."""
 
     @abstractmethod
-    def commit(self, src: torch.Tensor, dst: torch.Tensor, cache: str) -> None:
-        """Copy slots src -> dst (B, A) in the 'target' or 'draft' cache."""
+    def commit(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy target-cache slots src -> dst, both (B, spec.commit_pairs), every layer (reads before writes)."""
 
     @abstractmethod
     def sync(self) -> None:
@@ -165,10 +178,6 @@ class Runner(ABC):
         if cfg.model_type == "c2i":
             return torch.zeros(b, dtype=torch.long, device=self.device)
         return torch.zeros(b, cfg.cls_token_num, cfg.caption_dim, device=self.device)
-
-    @property
-    def has_drafter(self) -> bool:
-        return bool(self.spec.draft_widths)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -230,10 +239,8 @@ def run_every_static_step(runner: Runner) -> None:
         tokens, positions, slots, mask = dummy_step_inputs(spec, t, dev)
         feats = out.hidden[:, -1:].expand(b, t, -1).contiguous()
         runner.draft(tokens, feats, positions, slots, mask)
-    a = torch.zeros(b, 1, dtype=torch.long, device=dev)
-    runner.commit(a, a, "target")
-    if spec.draft_widths:
-        runner.commit(a, a, "draft")
+    a = torch.arange(spec.commit_pairs, device=dev).expand(b, -1).contiguous()
+    runner.commit(a, a.clone())
 
 
 class Backend(ABC):

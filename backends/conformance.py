@@ -13,8 +13,9 @@ reference (fp32), feeds both the same random steps and compares what comes back:
   backend that ignores the mask fails), commit (the accepted paths, different per row, compacted and then read
   by the next step: a commit that does nothing fails) and two drafter steps (when the backend can prepare a
   drafter). Tolerance: max |out - ref| <= TOLERANCE[dtype] * max |ref| (logits and features apart);
-- output ownership: a step's outputs do not share memory with its inputs and stay unchanged (inputs overwritten,
-  sync() and memory() called) until the next step call; the core copies what it needs beyond that;
+- output ownership (base.py's output lifetime): a step's outputs do not share memory with its inputs, and stay
+  unchanged until the next call of the same step (its inputs overwritten, sync(), memory() and the other steps
+  called in between); the core copies what it needs beyond that;
 - static shapes (graph backends): the warm-up compiles at most one graph per static step (where torch.compile
   is used, counted by dynamo), later calls of the same shapes compile nothing, and a width outside the
   StaticSpec is refused;
@@ -129,6 +130,7 @@ class DtypeChecks:
         self.g = torch.Generator().manual_seed(seed)
         self.errors: dict[str, float] = {}  # step kind -> worst relative error over rounds
         self.ownership: list[str] = []  # violations
+        self.kept: dict[str, tuple[StepOutput, list[torch.Tensor]]] = {}  # step -> its last outputs and a copy
 
     def run(self) -> list[Check]:
         target, drafter = tiny_models(self.seed)
@@ -154,10 +156,12 @@ class DtypeChecks:
             compiled_later = count_compiled_graphs(lambda: [self.round(runner, reference) for _ in range(ROUNDS)])
         except Exception as e:  # noqa: BLE001  a step that raises fails parity as a whole
             return checks + [Check("steps", FAIL, f"{type(e).__name__}: {e}")]
+        for step in list(self.kept):  # the last outputs of every step: no call of theirs has come since
+            self.check_kept(step)
         checks += self.parity_checks()
         checks.append(Check("output ownership", FAIL if self.ownership else PASS,
                             "; ".join(self.ownership[:3]) or "outputs own their memory and stay unchanged until "
-                                                              "the next step call"))
+                                                              "the next call of the same step"))
         if self.backend.capabilities().supports_graphs:
             checks.append(guarded("static shapes", lambda: static_shape_check(runner, compiled_in_warmup,
                                                                               compiled_later)))
@@ -193,7 +197,7 @@ class DtypeChecks:
         paths = [path_to(e, parents) for e in ends]
         src, dst = zip(*[commit_pairs(path, r, spec.commit_pairs) for path in paths])
         for run in (runner, reference):
-            run.commit(torch.stack(src).to(run.device), torch.stack(dst).to(run.device), "target")
+            run.commit(torch.stack(src).to(run.device), torch.stack(dst).to(run.device))
         after = torch.tensor([[r + len(path)] for path in paths])  # (B, 1): each row's next slot
         self.step("commit (next step reads the compacted cache)", runner, reference, "verify",
                   torch.randint(cfg.vocab_size, (b, 1), generator=g), after, after.clone(),
@@ -223,6 +227,9 @@ class DtypeChecks:
         mine = [t.clone().to(runner.device) for t in inputs]
         if method == "draft":
             mine[1] = mine[1].to(DTYPES[self.dtype])
+        name = method if method == "prefill" else f"{method}[{inputs[0].shape[-1]}]"
+        if name in self.kept:
+            self.check_kept(name)
         out = getattr(runner, method)(*mine)
         for part, (a, e) in {"logits": (out.logits, ref.logits), "features": (out.hidden, ref.hidden)}.items():
             if a.shape != e.shape:
@@ -231,20 +238,25 @@ class DtypeChecks:
             scale = e.float().abs().max().clamp_min(1e-12)
             err = float((a.detach().float().cpu() - e.float()).abs().max() / scale)
             self.errors[f"{kind} {part}"] = max(self.errors.get(f"{kind} {part}", 0.0), err)
-        self.check_ownership(kind, runner, out, mine)
+        self.keep(name, runner, out, mine)
         return ref
 
-    def check_ownership(self, kind: str, runner: Runner, out: StepOutput, inputs: list[torch.Tensor]) -> None:
-        kept = [out.logits.clone(), out.hidden.clone()]
+    def keep(self, name: str, runner: Runner, out: StepOutput, inputs: list[torch.Tensor]) -> None:
+        """Check that the outputs own their memory, then keep them and a copy until the step's next call."""
         storages = {t.untyped_storage().data_ptr() for t in inputs}
         if any(t.untyped_storage().data_ptr() in storages for t in out):
-            self.ownership.append(f"{kind}: an output shares memory with an input")
+            self.ownership.append(f"{name}: an output shares memory with an input")
+        copy = [t.clone() for t in out]
         for t in inputs:  # the caller may reuse its input tensors at once
             t.copy_(torch.zeros_like(t) if t.dtype != torch.bool else ~t)
         runner.sync()
         runner.memory()
-        if not all(torch.equal(a, b) for a, b in zip(out, kept)):
-            self.ownership.append(f"{kind}: outputs changed before the next step call")
+        self.kept[name] = (out, copy)
+
+    def check_kept(self, name: str) -> None:
+        out, copy = self.kept.pop(name)
+        if not all(torch.equal(a, b) for a, b in zip(out, copy)):
+            self.ownership.append(f"{name}: outputs changed before the step's next call")
 
     def parity_checks(self) -> list[Check]:
         tol = TOLERANCE[self.dtype]

@@ -4,9 +4,10 @@ Probing availability imports nothing and sets nothing: it looks for the bridge's
 without importing it, and for Gaudi devices in sysfs. The bridge is imported when a runner is prepared, and only
 then: HPU graphs run only in lazy mode, which the bridge reads from PT_HPU_LAZY_MODE when imported, so preparing
 sets PT_HPU_LAZY_MODE=1 for the process (any other value is refused), declares a GaudiConfig's autocast op
-lists (gaudi_config.py), then imports. After every step `mark_step` flushes what lazy mode accumulated. `wrap_in_hpu_graph` keys one graph per distinct input shape and per distinct
-non-tensor argument: every step argument is a tensor of a StaticSpec shape (positions and slots included),
-so a whole generation uses exactly `runner.graph_keys()` graphs.
+lists (gaudi_config.py), then imports. After every step `mark_step` flushes what lazy mode accumulated.
+`wrap_in_hpu_graph` keys one graph per distinct input shape and per distinct non-tensor argument: every step
+argument is a tensor of a StaticSpec shape (positions and slots included), so a whole generation uses exactly
+`runner.graph_keys()` graphs.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import torch
 from lantern.backends.base import (Availability, Backend, BackendUnavailable, Capabilities, MemoryReport, Runner,
                                    StaticSpec, StepOutput, parse_dtype)
 from lantern.backends.gaudi_config import GaudiSettings, load_gaudi_config
+from lantern.backends.torch_eager import SharedWeights
 from lantern.backends.torch_graph import CapturedRunner
 
 INSTALL_HINT = "install Habana's PyTorch bridge, then pip install lantern[hpu]"
@@ -109,7 +111,7 @@ class HPURunner(CapturedRunner):
         return {**super().profile(), "memory_stats": dict(self.hpu.memory_stats())}
 
 
-class HPUBackend(Backend):
+class HPUBackend(SharedWeights, Backend):
     """gaudi_config: a gaudi_config.json (or its folder) whose autocast op lists the steps run under; default
     $LANTERN_GAUDI_CONFIG, else none (see gaudi_config.py)."""
 
@@ -135,7 +137,7 @@ class HPUBackend(Backend):
 
     def capabilities(self) -> Capabilities:
         return Capabilities(device=f"{DEVICE_TYPE}:{self.device_index}", dtypes=("bf16", "fp32"),
-                            supports_graphs=True, supports_bf16=True,
+                            supports_graphs=True,
                             timer="habana_frameworks.torch.hpu.synchronize + time.perf_counter",
                             memory_source="habana_frameworks.torch.hpu.max_memory_allocated")
 
@@ -149,6 +151,8 @@ class HPUBackend(Backend):
             raise BackendUnavailable("hpu: no Gaudi device is visible (habana_frameworks.torch.hpu.is_available() "
                                      "is False)")
         autocast = self.gaudi_config is not None and self.gaudi_config.use_torch_autocast
-        runner = HPURunner(target, drafter, spec, torch.device(DEVICE_TYPE, self.device_index), core, hpu, autocast)
+        device = torch.device(DEVICE_TYPE, self.device_index)
+        runner = HPURunner(*self.placed(target, drafter if spec.draft_widths else None, device, spec.dtype), spec,
+                           device, core, hpu, autocast)
         runner.backend_name = self.name
         return runner

@@ -10,8 +10,8 @@ memory, and nothing reads the old cache after the scatter has run. Checked by pa
 every ORT optimisation level, and by watching which rows of the bound buffer a step changes.
 
 Inputs are data, not shapes: token ids, positions, slots (int64), masks (bool); the widths, batch and
-max length are fixed per graph. The commit graphs (cache[dst] = cache[src]) take (B, A) slot tensors with
-A dynamic: a gather then a scatter, so overlapping src/dst stay safe in place.
+max length are fixed per graph. The commit graph (cache[dst] = cache[src], the target's cache) takes (B, A)
+slot tensors, A = the spec's commit_pairs: a gather then a scatter, so overlapping src/dst stay safe in place.
 
 Exporter: torch's TorchScript exporter (`dynamo=False`): no onnxscript dependency, it traces the twins at
 their fixed shapes in about a second per graph, and it emits ScatterND for `index_put`.
@@ -33,10 +33,10 @@ from torch import nn
 
 from lantern.models.checkpoint import weights_hash
 
-FORMAT_VERSION = 3  # bump when the graphs' inputs, outputs or maths change: older cache files become stale
+FORMAT_VERSION = 4  # bump when the graphs' inputs, outputs or maths change: older cache files become stale
 OPSET = 17
 CACHE_ENV = "LANTERN_ONNX_CACHE"
-KINDS = ("prefill", "verify", "draft", "commit_target", "commit_draft")
+KINDS = ("prefill", "verify", "draft", "commit")
 GRAPH, MANIFEST = "model.onnx", "manifest.json"  # the files of one graph's folder
 
 
@@ -141,7 +141,7 @@ class GraphKey:
     """Everything an exported graph depends on; its folder name and manifest are made of this."""
 
     kind: str
-    width: int  # T of the step (0 for commits, whose A is dynamic)
+    width: int  # T of the step (A, the slot pairs, for the commit)
     batch: int
     max_len: int
     prefix_len: int
@@ -174,13 +174,11 @@ def keys_for_spec(spec, model_hash_target: str, model_hash_pair: str) -> dict[st
     """Step name -> key of every graph a runner for `spec` needs (drafter graphs hash target + drafter)."""
     base = dict(batch=spec.batch, max_len=spec.max_len, prefix_len=spec.prefix_len, dtype=spec.dtype)
     keys = {"prefill": GraphKey("prefill", spec.prefix_len, model_hash=model_hash_target, **base),
-            "commit_target": GraphKey("commit_target", 0, model_hash=model_hash_target, **base)}
+            "commit": GraphKey("commit", spec.commit_pairs, model_hash=model_hash_target, **base)}
     for t in spec.verify_widths:
         keys[f"verify[{t}]"] = GraphKey("verify", t, model_hash=model_hash_target, **base)
     for t in spec.draft_widths:
         keys[f"draft[{t}]"] = GraphKey("draft", t, model_hash=model_hash_pair, **base)
-    if spec.draft_widths:
-        keys["commit_draft"] = GraphKey("commit_draft", 0, model_hash=model_hash_pair, **base)
     return keys
 
 
@@ -188,7 +186,7 @@ def _example(key: GraphKey, target, drafter, dtype: torch.dtype):
     """(module, example inputs, input names, output names, dynamic axes) of one graph kind."""
     cfg = target.config
     b, s, t = key.batch, key.max_len, key.width
-    n_cache_layers = 1 if key.kind in ("draft", "commit_draft") else cfg.n_layer
+    n_cache_layers = 1 if key.kind == "draft" else cfg.n_layer
     kv = [torch.zeros(cache_rows(b, s, cfg), cfg.head_dim, dtype=dtype) for _ in range(2 * n_cache_layers)]
     kv_names = [f"k{i}" for i in range(n_cache_layers)] + [f"v{i}" for i in range(n_cache_layers)]
     kv_out = [f"{n}_out" for n in kv_names]
@@ -212,9 +210,8 @@ def _example(key: GraphKey, target, drafter, dtype: torch.dtype):
         return (DraftGraph(target, drafter, b, s), (tokens, feats, positions, positions.clone(), mask, *kv),
                 ["tokens", "features", "positions", "slots", "mask", *kv_names], ["logits", "hidden", *kv_out],
                 None)
-    a = torch.zeros(b, 2, dtype=torch.long)
-    return (CommitGraph(b, s), (a, a + 1, *kv), ["src", "dst", *kv_names], kv_out,
-            {"src": {1: "accepted"}, "dst": {1: "accepted"}})
+    a = torch.arange(t)[None].expand(b, t).contiguous()
+    return CommitGraph(b, s), (a, a + 1, *kv), ["src", "dst", *kv_names], kv_out, None
 
 
 def export_graph(key: GraphKey, target, drafter, path: Path) -> None:

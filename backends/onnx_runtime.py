@@ -111,7 +111,7 @@ class ORTRunner(Runner):
         self.reset_peak_memory()
 
     def _caches_of(self, step: str) -> dict:
-        return self.draft_kv if step.startswith(("draft", "commit_draft")) else self.target_kv
+        return self.draft_kv if step.startswith("draft") else self.target_kv
 
     def _session(self, path: Path):
         """A session on the first provider that starts; after a fallback the rest go straight to CPU."""
@@ -171,15 +171,10 @@ class ORTRunner(Runner):
             "tokens": tokens.long(), "features": features.to(self.out_dtype), "positions": positions.long(),
             "slots": slots.long(), "mask": mask.bool()})
 
-    def commit(self, src, dst, cache):
-        if cache not in ("target", "draft") or (cache == "draft" and not self.draft_kv):
-            raise ValueError(f"cache {cache!r} is not one of this runner's caches")
-        if src.shape != dst.shape or src.dim() != 2 or src.shape[0] != self.spec.batch:
-            raise ValueError(f"commit src {tuple(src.shape)} and dst {tuple(dst.shape)} must both be "
-                             f"(batch={self.spec.batch}, A)")
-        if src.shape[1]:
-            self.graphs[f"commit_{cache}"].run({"src": src.detach().cpu().long().contiguous(),
-                                                 "dst": dst.detach().cpu().long().contiguous()}, {})
+    def commit(self, src, dst):
+        self.spec.check_commit(src, dst)
+        self.graphs["commit"].run({"src": src.detach().cpu().long().contiguous(),
+                                   "dst": dst.detach().cpu().long().contiguous()}, {})
 
     def sync(self):
         """run_with_iobinding returns once the outputs are in the bound host tensors: nothing pending."""
@@ -231,8 +226,8 @@ class ORTRunner(Runner):
             tokens, positions, slots, mask = dummy_step_inputs(spec, int(name[len(kind) + 1:-1]), self.device)
             self.draft(tokens, torch.zeros(*tokens.shape, self.dim, dtype=self.out_dtype), positions, slots, mask)
         else:
-            a = torch.zeros(spec.batch, 1, dtype=torch.long)
-            self.commit(a, a, kind.removeprefix("commit_"))
+            a = torch.arange(spec.commit_pairs).expand(spec.batch, -1).contiguous()
+            self.commit(a, a.clone())
 
     def memory(self) -> MemoryReport:
         self._sample_rss()
@@ -293,7 +288,7 @@ class ONNXBackend(Backend):
         return Availability(True)
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(device="cpu", dtypes=("fp32",), supports_graphs=True, supports_bf16=False,
+        return Capabilities(device="cpu", dtypes=("fp32",), supports_graphs=True,
                             timer="time.perf_counter (run_with_iobinding is synchronous)",
                             memory_source="process RSS (psutil) + ORT profiler mem_in_use_peak")
 
@@ -328,7 +323,7 @@ class ONNXCUDABackend(ONNXBackend):
 
     def capabilities(self) -> Capabilities:
         return Capabilities(device=f"cuda:{self.device_index}", dtypes=("fp32",), supports_graphs=True,
-                            supports_bf16=False, timer="time.perf_counter (run_with_iobinding is synchronous)",
+                            timer="time.perf_counter (run_with_iobinding is synchronous)",
                             memory_source="process RSS (psutil) + ORT profiler mem_in_use_peak")
 
     def providers(self) -> list:

@@ -1,4 +1,8 @@
-"""PyTorch eager backend: the reference. Device `cuda` (CUDA allocator stats) or the same code on `cpu`."""
+"""PyTorch eager backend: the reference. Device `cuda` (CUDA allocator stats) or the same code on `cpu`.
+
+Every torch-based backend (eager, graph modes, HPU) places the models once per (device, dtype) and shares
+those copies among all the runners it prepares (`SharedWeights`): a Pipeline with several static shapes
+holds one copy of the weights, and the caller's fp32 models are never changed."""
 from __future__ import annotations
 
 import contextlib
@@ -24,28 +28,47 @@ def module_bytes(*modules) -> int:
     return total
 
 
+def is_cuda(device: torch.device) -> bool:
+    """The one place the torch runners ask which device they are on."""
+    return device.type == "cuda"
+
+
+class SharedWeights:
+    """Mixin of torch backends: the models placed on (device, dtype) once, shared by every runner prepared."""
+
+    def placed(self, target, drafter, device: torch.device, dtype: str):
+        cache = self.__dict__.setdefault("_placed", {})
+        key = (id(target), id(drafter), str(device), dtype)
+        if key not in cache:
+            t = parse_dtype(dtype)
+            # own copies, so preparing never changes the caller's fp32 models
+            tc = copy.deepcopy(target).to(device=device, dtype=t).eval().requires_grad_(False)
+            tc.rope = tc.rope.float()  # rotations stay in fp32 whatever the weights' dtype
+            dc = (copy.deepcopy(drafter).to(device=device, dtype=t).eval().requires_grad_(False)
+                  if drafter is not None else None)
+            cache[key] = (target, drafter, tc, dc)  # the originals are kept so their ids stay theirs
+        return cache[key][2:]
+
+
 class TorchRunner(Runner):
-    """Calls the step modules; subclasses swap `wrap_step` to capture them (graph modes)."""
+    """Calls the step modules; subclasses swap `wrap_step` to capture them (graph modes).
+    target and drafter are already placed on the device in the spec's dtype (SharedWeights)."""
 
     backend_name = "cpu"
+    threads: int | None = None  # torch intra-op threads inside steps (None: torch's own setting)
 
     def __init__(self, target, drafter, spec: StaticSpec, device: torch.device):
         super().__init__(spec, device, target.config)
-        dtype = parse_dtype(spec.dtype)
-        # own copies, so preparing never changes the caller's fp32 models
-        self.target = copy.deepcopy(target).to(device=device, dtype=dtype).eval().requires_grad_(False)
-        self.drafter = (copy.deepcopy(drafter).to(device=device, dtype=dtype).eval().requires_grad_(False)
-                        if drafter is not None and spec.draft_widths else None)
+        self.target = target
+        self.drafter = drafter if spec.draft_widths else None
         if spec.draft_widths and self.drafter is None:
             raise ValueError("StaticSpec has draft widths but no drafter was given")
-        self.target.rope = self.target.rope.float()  # rotations stay in fp32 whatever the weights' dtype
-        self.target_cache, self.draft_cache = make_caches(self.target, spec, dtype, device)
+        self.target_cache, self.draft_cache = make_caches(self.target, spec, parse_dtype(spec.dtype), device)
         self.steps = {"prefill": self.wrap_step("prefill", TargetPrefill(self.target, self.target_cache)),
                       "verify": self.wrap_step("verify", TargetStep(self.target, self.target_cache)),
-                      "commit_target": self.wrap_step("commit", CacheCommit(self.target_cache))}
+                      "commit": self.wrap_step("commit", CacheCommit(self.target_cache))}
         if self.drafter is not None:
             self.steps["draft"] = self.wrap_step("draft", DraftStep(self.target, self.drafter, self.draft_cache))
-            self.steps["commit_draft"] = self.wrap_step("commit", CacheCommit(self.draft_cache))
         self.weights_bytes = module_bytes(self.target, self.drafter)
         self.reset_peak_memory()
 
@@ -53,34 +76,46 @@ class TorchRunner(Runner):
         """Eager: the module itself."""
         return module
 
-    @torch.inference_mode()
+    @contextlib.contextmanager
+    def _threads(self):
+        """Run a step with the backend's thread count, then give torch its own setting back."""
+        if not self.threads:
+            yield
+            return
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+
+    def _run(self, name: str, *args):
+        with torch.inference_mode(), self._threads():
+            return self.steps[name](*args)
+
     def prefill(self, cond, mask):
-        return StepOutput(*self.steps["prefill"](cond, mask))
+        return StepOutput(*self._run("prefill", cond, mask))
 
-    @torch.inference_mode()
     def verify(self, tokens, positions, slots, mask):
-        return StepOutput(*self.steps["verify"](tokens, positions, slots, mask))
+        return StepOutput(*self._run("verify", tokens, positions, slots, mask))
 
-    @torch.inference_mode()
     def draft(self, tokens, features, positions, slots, mask):
         if self.drafter is None:
             raise RuntimeError("this runner was prepared without a drafter")
-        return StepOutput(*self.steps["draft"](tokens, features, positions, slots, mask))
+        return StepOutput(*self._run("draft", tokens, features, positions, slots, mask))
 
-    @torch.inference_mode()
-    def commit(self, src, dst, cache):
-        if cache not in ("target", "draft") or (cache == "draft" and self.drafter is None):
-            raise ValueError(f"cache {cache!r} is not one of this runner's caches")
-        self.steps[f"commit_{cache}"](src, dst)
+    def commit(self, src, dst):
+        self.spec.check_commit(src, dst)
+        self._run("commit", src, dst)
 
     def sync(self):
-        if self.device.type == "cuda":
+        if is_cuda(self.device):
             torch.cuda.synchronize(self.device)
 
     @contextlib.contextmanager
     def phase(self, name: str):
         """On CUDA, time the phase with CUDA events (device time between two stream marks)."""
-        if self.device.type != "cuda":
+        if not is_cuda(self.device):
             with super().phase(name):
                 yield
             return
@@ -95,13 +130,13 @@ class TorchRunner(Runner):
         return self.target_cache.nbytes + (self.draft_cache.nbytes if self.draft_cache is not None else 0)
 
     def reset_peak_memory(self):
-        if self.device.type == "cuda":
+        if is_cuda(self.device):
             torch.cuda.reset_peak_memory_stats(self.device)
         self._rss_base = psutil.Process().memory_info().rss
 
     def memory(self) -> MemoryReport:
         fixed = self.weights_bytes + self.kv_bytes() + self.tree_buffer_bytes()
-        if self.device.type == "cuda":
+        if is_cuda(self.device):
             peak = torch.cuda.max_memory_allocated(self.device)
             source = "torch.cuda.max_memory_allocated"
         else:
@@ -113,11 +148,12 @@ class TorchRunner(Runner):
                             source=source)
 
 
-class CPUBackend(Backend):
+class CPUBackend(SharedWeights, Backend):
     name = "cpu"
     runner_cls = TorchRunner
 
     def __init__(self, threads: int | None = None):
+        """threads: torch's intra-op threads while this backend's steps run (None: leave torch's setting)."""
         self.threads = threads
 
     @classmethod
@@ -125,15 +161,16 @@ class CPUBackend(Backend):
         return Availability(True)
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(device="cpu", dtypes=("fp32", "bf16"), supports_graphs=False, supports_bf16=True,
+        return Capabilities(device="cpu", dtypes=("fp32", "bf16"), supports_graphs=False,
                             timer="time.perf_counter", memory_source="process RSS (psutil)")
 
     def prepare(self, target, drafter, spec: StaticSpec) -> Runner:
         self.check_dtype(spec.dtype)
-        if self.threads:
-            torch.set_num_threads(self.threads)
-        runner = self.runner_cls(target, drafter, spec, torch.device("cpu"))
+        device = torch.device("cpu")
+        runner = self.runner_cls(*self.placed(target, drafter if spec.draft_widths else None, device, spec.dtype),
+                                 spec, device)
         runner.backend_name = self.name
+        runner.threads = self.threads
         return runner
 
 
@@ -153,12 +190,14 @@ class CUDABackend(CPUBackend):
 
     def capabilities(self) -> Capabilities:
         return Capabilities(device=f"cuda:{self.device_index}", dtypes=("fp32", "bf16", "fp16"),
-                            supports_graphs=False, supports_bf16=True,
+                            supports_graphs=False,
                             timer="torch.cuda.Event elapsed_time",
                             memory_source="torch.cuda.max_memory_allocated")
 
     def prepare(self, target, drafter, spec: StaticSpec) -> Runner:
         self.check_dtype(spec.dtype)
-        runner = self.runner_cls(target, drafter, spec, torch.device("cuda", self.device_index))
+        device = torch.device("cuda", self.device_index)
+        runner = self.runner_cls(*self.placed(target, drafter if spec.draft_widths else None, device, spec.dtype),
+                                 spec, device)
         runner.backend_name = self.name
         return runner

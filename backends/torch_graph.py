@@ -2,7 +2,6 @@
 
 `CapturedRunner` is what all graph modes share (cpu-graph and cuda-graph here, hpu in hpu.py):
 - it refuses a step width outside the StaticSpec, since that would capture a new graph mid-generation;
-- it pads every commit to one fixed width, so compaction is one graph whatever the accepted length;
 - its warm-up runs every step twice, so what a mode does on first and second calls (compile, capture, CUDA
   graph recording) is done before timing starts;
 - `graph_keys()` names the graphs a whole generation uses: one per static step (commits included).
@@ -35,18 +34,6 @@ def check_width(step: str, width: int, widths: tuple[int, ...]) -> None:
     if width not in widths:
         raise ValueError(f"{step} width {width} is not one of this runner's static widths {widths}: graph mode "
                          f"would capture a new graph mid-generation; add it to StaticSpec.{step}_widths")
-
-
-def pad_pairs(src: torch.Tensor, dst: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, A) slot pairs -> (B, width) by repeating the last pair: copying one slot twice writes one value."""
-    a = src.shape[1]
-    if src.shape != dst.shape or not 1 <= a <= width:
-        raise ValueError(f"commit takes src, dst of one shape (B, A) with 1 <= A <= {width} (the widest step); "
-                         f"got {tuple(src.shape)} and {tuple(dst.shape)}")
-    if a == width:
-        return src, dst
-    return (torch.cat([src, src[:, -1:].expand(-1, width - a)], dim=1),
-            torch.cat([dst, dst[:, -1:].expand(-1, width - a)], dim=1))
 
 
 @contextlib.contextmanager
@@ -102,8 +89,8 @@ class CapturedRunner(TorchRunner):
             check_width("draft", tokens.shape[1], self.spec.draft_widths)
         return self._finish(super().draft(*as_inference(tokens, features, positions, slots, mask)))
 
-    def commit(self, src, dst, cache):
-        super().commit(*as_inference(*pad_pairs(src, dst, self.spec.commit_pairs)), cache)
+    def commit(self, src, dst):
+        super().commit(*as_inference(src, dst))
         self.step_done()
 
     def warmup(self) -> float:
@@ -155,10 +142,11 @@ class CPUGraphBackend(CPUBackend):
 
     def prepare(self, target, drafter, spec: StaticSpec) -> Runner:
         self.check_dtype(spec.dtype)
-        if self.threads:
-            torch.set_num_threads(self.threads)
-        runner = CompiledRunner(target, drafter, spec, torch.device("cpu"), compiler=self.compiler)
+        device = torch.device("cpu")
+        runner = CompiledRunner(*self.placed(target, drafter if spec.draft_widths else None, device, spec.dtype),
+                                spec, device, compiler=self.compiler)
         runner.backend_name = self.name
+        runner.threads = self.threads
         return runner
 
 
@@ -172,7 +160,8 @@ class CUDAGraphBackend(CUDABackend):
 
     def prepare(self, target, drafter, spec: StaticSpec) -> Runner:
         self.check_dtype(spec.dtype)
-        runner = CompiledRunner(target, drafter, spec, torch.device("cuda", self.device_index),
-                                compiler="inductor", mode="reduce-overhead")
+        device = torch.device("cuda", self.device_index)
+        runner = CompiledRunner(*self.placed(target, drafter if spec.draft_widths else None, device, spec.dtype),
+                                spec, device, compiler="inductor", mode="reduce-overhead")
         runner.backend_name = self.name
         return runner

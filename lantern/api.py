@@ -11,7 +11,8 @@ from tqdm import tqdm
 
 from lantern.backends import Runner, get_backend
 from lantern.decoding.config import DecodeConfig
-from lantern.decoding.loop import condition_rows, decode_ar, decode_speculative, static_spec
+from lantern.decoding.acceptance import Acceptance
+from lantern.decoding.loop import condition_rows, decode_ar, decode_speculative, make_generator, static_spec
 from lantern.decoding.stats import GenerationStats
 
 
@@ -39,6 +40,9 @@ def check_classes(classes: Sequence[int], num_classes: int) -> list[int]:
     return out
 
 
+DEFAULT_BATCH = 16  # images per static step unless the caller says otherwise
+
+
 class Pipeline:
     def __init__(self, target, drafter=None, proximity: Optional[torch.Tensor] = None, backend: str | None = None,
                  dtype: str | None = None, **backend_options):
@@ -53,9 +57,9 @@ class Pipeline:
     def config(self):
         return self.target.config
 
-    def runner(self, dcfg: DecodeConfig, images: int) -> Runner:
-        """The runner for this static shape: prepared and warmed up once, then reused."""
-        spec = static_spec(dcfg, self.config, images, self.dtype)
+    def runner(self, dcfg: DecodeConfig, batch: int) -> Runner:
+        """The runner for this static shape (`batch` images per step): prepared and warmed up once, then reused."""
+        spec = static_spec(dcfg, self.config, batch, self.dtype)
         if spec not in self._runners:
             if spec.draft_widths and self.drafter is None:
                 raise ValueError(f"drafting {dcfg.drafting!r} needs a drafter, and this pipeline has none")
@@ -74,31 +78,53 @@ class Pipeline:
                              f"got {tuple(cond.shape)}")
         return cond
 
-    def generate(self, conditions, dcfg: DecodeConfig, seed: int = 0, progress: bool = False) -> GenerationResult:
-        """conditions: class ids (c2i) or caption embeddings (n, P, C) (t2i). Same seed, same backend ->
-        same tokens. AR decodes all images as one batch; speculative decoding goes one image at a time
-        (with `progress`, a bar on stderr counts them)."""
+    def check(self, dcfg: DecodeConfig, batch: Optional[int] = None) -> int:
+        """Refuse a configuration this pipeline cannot run, before any work; returns the batch width."""
+        batch = DEFAULT_BATCH if batch is None else batch
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch {batch!r} must be an integer >= 1 (images per static step)")
+        if dcfg.speculative and self.drafter is None:
+            raise ValueError(f"method with drafting {dcfg.drafting!r} needs a drafter, and this pipeline has none")
+        strategy = dcfg.strategy
+        if strategy is not None and strategy.depth >= self.config.block_size:
+            raise ValueError(f"tree depth {strategy.depth} must be below the image's {self.config.block_size} tokens")
+        if dcfg.acceptance != "exact":
+            Acceptance(dcfg.acceptance, k=dcfg.k, delta=dcfg.delta, lam=dcfg.lam, form=dcfg.form,
+                       proximity=self.proximity)  # refuses a missing table or k beyond it
+        return batch
+
+    def generate(self, conditions, dcfg: DecodeConfig, seed: int = 0, progress: bool = False,
+                 batch: Optional[int] = None) -> GenerationResult:
+        """conditions: class ids (c2i) or caption embeddings (n, P, C) (t2i). Images are decoded `batch` at a
+        time (default 16; a shorter last chunk runs in the same static shape, padded with finished images).
+        Same seed, same backend -> same tokens. With `progress`, a bar on stderr counts chunks."""
         cond = self._cond(conditions)
+        width = self.check(dcfg, batch)
         n, block = cond.shape[0], self.config.block_size
-        generator = torch.Generator().manual_seed(seed)
-        null = self.target.null_condition(1)
-        runner = self.runner(dcfg, n)
+        width = min(width, n)
+        runner = self.runner(dcfg, width)
         runner.reset_times()
         runner.reset_peak_memory()
-        if not dcfg.speculative:
-            rows = condition_rows(cond, dcfg, null.expand(n, *null.shape[1:]))
-            tokens, stats = decode_ar(runner, rows, dcfg, n, block, generator)
-        else:
-            stats, outs = GenerationStats(), []
-            for i in tqdm(range(n), desc=f"{dcfg.drafting} images", disable=not progress or n == 1, file=sys.stderr):
-                rows = condition_rows(cond[i:i + 1], dcfg, null)
-                toks, st = decode_speculative(runner, rows, dcfg, block, generator, self.proximity)
-                outs.append(toks)
-                stats.merge(st)
-            tokens = torch.stack(outs)
+        generator = make_generator(runner, seed)
+        stats, outs = GenerationStats(), []
+        chunks = range(0, n, width)
+        for start in tqdm(chunks, desc="images", unit="chunk", disable=not progress or len(chunks) == 1,
+                          file=sys.stderr):
+            part = cond[start:start + width]
+            real = part.shape[0]
+            active = torch.arange(width) < real
+            part = torch.cat([part, part[:1].expand(width - real, *part.shape[1:])])  # padding images
+            rows = condition_rows(part, dcfg, self.target.null_condition(width))
+            if dcfg.speculative:
+                toks, st = decode_speculative(runner, rows, dcfg, active, block, generator, self.proximity)
+            else:
+                toks, st = decode_ar(runner, rows, dcfg, active, block, generator)
+            st.batch = width
+            outs.append(toks[:real])
+            stats.merge(st)
         stats.phase_seconds = {k: v["total_s"] for k, v in runner.profile()["phases"].items()}
         caps = self.backend.capabilities()
         conds = cond.tolist() if self.config.model_type == "c2i" else list(range(n))
-        return GenerationResult(tokens=tokens, conditions=conds, stats=stats, backend=self.backend.name,
+        return GenerationResult(tokens=torch.cat(outs), conditions=conds, stats=stats, backend=self.backend.name,
                                 device=caps.device, dtype=self.dtype, decode=dcfg, seed=seed,
                                 profile=runner.profile())

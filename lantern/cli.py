@@ -21,7 +21,7 @@ from lantern.train.cli import add_info_command, add_train_commands
 
 def add_decode_options(p: argparse.ArgumentParser) -> None:
     """Decoding flags shared by generate, eval and profile."""
-    from lantern.decoding.acceptance import KINDS
+    from lantern.decoding.acceptance import FORMS, KINDS
     from lantern.decoding.config import METHODS
     g = p.add_argument_group("decoding")
     g.add_argument("--method", choices=METHODS, default="lantern++",
@@ -32,6 +32,11 @@ def add_decode_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--k", type=number(int, 0), help="proximity neighbours for relaxed acceptance")
     g.add_argument("--delta", type=number(float, 0, 1), help="LANTERN bound, in [0, 1]")
     g.add_argument("--lam", type=number(float, 1), help="LANTERN++ bound, >= 1")
+    g.add_argument("--relaxation", dest="form", choices=FORMS,
+                   help="bounded (default: a fixed relaxed target per node, output within the recorded TV of the "
+                        "target) | paper (the published per-candidate rules, distortion not bounded by delta)")
+    g.add_argument("--batch", type=number(int, 1), help="images per static step (default 16); more images run in "
+                                                        "chunks")
     g.add_argument("--greedy", action="store_true", help="argmax decoding (default: sampling)")
     g.add_argument("--temperature", type=number(float, 0, low_open=True), help="> 0 (default: the model's)")
     g.add_argument("--top-k", type=number(int, 0), help="0 = off (default: the model's)")
@@ -65,7 +70,7 @@ def decode_config_from_args(args, model_defaults: dict):
     from lantern.decoding.sampling import SamplingConfig
     chosen = {k: getattr(args, k) for k in ("cfg_scale", "temperature", "top_k", "top_p")}
     sampling = SamplingConfig(greedy=args.greedy, **{k: model_defaults[k] if v is None else v for k, v in chosen.items()})
-    overrides = {name: getattr(args, name) for name in ("drafting", "acceptance", "k", "delta", "lam")
+    overrides = {name: getattr(args, name) for name in ("drafting", "acceptance", "k", "delta", "lam", "form")
                  if getattr(args, name) is not None}
     return method_preset(args.method, sampling, **overrides)
 
@@ -86,7 +91,8 @@ def cmd_generate(args) -> dict:
     dcfg = decode_config_from_args(args, bundle.default_sampling)
     pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend=args.backend, dtype=args.dtype,
                     **options)
-    result = pipe.generate(args.classes, dcfg, seed=args.seed, progress=not args.json)
+    pipe.check(dcfg, args.batch)
+    result = pipe.generate(args.classes, dcfg, seed=args.seed, progress=not args.json, batch=args.batch)
     paths, grid = [], None
     if not args.no_images:
         images = bundle.decode_images(result.tokens)
@@ -97,7 +103,8 @@ def cmd_generate(args) -> dict:
         "backend": result.backend, "device": result.device, "dtype": result.dtype, "mode": args.method,
         "decode": dcfg.to_dict(), "seed": args.seed, "classes": result.conditions,
         "image_paths": paths, "grid_path": grid, "tokens": result.tokens.tolist(),
-        "num_tokens": s["tokens"], "target_forwards": s["target_forwards"],
+        "batch": s["batch"], "num_tokens": s["tokens"], "target_forwards": s["target_forwards"],
+        "step_compression": s["step_compression"],
         "mean_accepted_length": s["mean_accepted_length"], "phase_seconds": s["phase_seconds"],
         "wall_seconds": s["wall_seconds"], "peak_memory_bytes": result.profile["memory"]["peak_bytes"],
         "memory": result.profile["memory"], "warmup_seconds": result.profile["warmup_s"], "stats": s,
@@ -118,10 +125,11 @@ def cmd_eval(args) -> dict:
     dcfg = decode_config_from_args(args, bundle.default_sampling)
     pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend=args.backend, dtype=args.dtype,
                     **options)
+    pipe.check(dcfg, args.batch)
     stats = []
 
     def generate_fn(class_ids, seed):
-        result = pipe.generate(class_ids.tolist(), dcfg, seed=seed)
+        result = pipe.generate(class_ids.tolist(), dcfg, seed=seed, batch=args.batch)
         stats.append(result.stats.summary())
         return result.tokens
 

@@ -1,7 +1,7 @@
 """`lantern export-onnx`: write the ONNX graphs a generation will need, for deployment.
 
-The graphs are exactly those `lantern generate` prepares for the same model, method, tree, guidance and image
-count (the StaticSpec comes from the decode loop's own `static_spec`), written into --out; point
+The graphs are exactly those `lantern generate` prepares for the same model, method, tree, guidance and batch
+width (the StaticSpec comes from the decode loop's own `static_spec`), written into --out; point
 LANTERN_ONNX_CACHE at that folder on the deployment machine and the onnx backend loads them as they are.
 The model is a bundle, as for generate (default: the embedded one, with its sampling defaults), or a
 --preset shape with LlamaGen --checkpoint weights (random weights without one: tests and timing only).
@@ -36,7 +36,9 @@ def add_export_onnx_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--cfg-scale", type=number(float, 1),
                    help="the scale generate will use, >= 1: > 1 exports the two-row CFG batch (default: the "
                         "bundle's; required with --preset)")
-    p.add_argument("--images", type=number(int, 1), default=1, help="images per AR batch")
+    p.add_argument("--batch", type=number(int, 1), default=4,
+                   help="images per static step, as generate will run them: min(its --batch, its number of images) "
+                        "(default 4: generate's default of 4 classes)")
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--seed", type=int, default=0, help="with --preset and no checkpoint: the random weights' seed")
     p.add_argument("--out", required=True, help="folder to write the graphs (one folder each) into")
@@ -93,7 +95,7 @@ def cmd_export_onnx(args: argparse.Namespace) -> dict:
     target, drafter, default_cfg, random_weights = export_models(args, speculative)
     cfg_scale = args.cfg_scale if args.cfg_scale is not None else default_cfg
     dcfg = method_preset(args.method, SamplingConfig(cfg_scale=cfg_scale), **overrides)
-    spec = static_spec(dcfg, target.config, args.images if not dcfg.speculative else 1, args.dtype)
+    spec = static_spec(dcfg, target.config, args.batch, args.dtype)
     paths = ensure_graphs(target, drafter, spec, Path(args.out), force=args.force)
     import onnxruntime as ort
 

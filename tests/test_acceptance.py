@@ -1,31 +1,54 @@
-"""Acceptance rules: the exact rule is lossless (statistically), relaxations stay within their bounds."""
+"""Acceptance as a tensor program: the exact rule is lossless, the bounded relaxation outputs exactly its p_hat
+(within the recorded TV of p), the papers' rules stay reference-compatible, p(x) = 0 is never accepted.
+
+Every statistical test runs many one-node trees as one batch: row b is an independent trial."""
 import pytest
 import torch
 from scipy.stats import chisquare
 
 import lantern.decoding.acceptance as acc
-from lantern.decoding.acceptance import Acceptance, walk_tree
+from lantern.decoding.acceptance import Acceptance, DraftedTree, accept
+from lantern.decoding.relaxation import bounded_target
+from lantern.decoding.sampling import Support, candidates
 
 SIGNIFICANCE = 1e-3  # a lossless rule fails a test at this level once in a thousand seeds
 
 
-def one_node_walk(p, q, n_children, rule, trials, seed, deterministic=False):
-    """Root with n children drawn from q without replacement (or top-n, deterministic); each child a leaf
-    whose target distribution is irrelevant, since we record only the first output token."""
+def full_support(p: torch.Tensor) -> Support:
+    """(..., V) dense probabilities as a support over the whole vocabulary."""
+    return Support(p, torch.arange(p.shape[-1]).expand(p.shape).contiguous())
+
+
+def one_node(p, q, n_children, rule, trials, seed, deterministic=False, greedy=False):
+    """`trials` one-node trees in one batch: the root's n children drawn from q without replacement (or its
+    top n), each child a leaf. Returns the first output token of every trial (B,)."""
     g = torch.Generator().manual_seed(seed)
-    v = p.shape[0]
-    children = [tuple(range(1, n_children + 1))] + [()] * n_children
-    p_nodes = torch.cat([p[None], torch.full((n_children, v), 1.0 / v)])
-    counts = torch.zeros(v)
-    for _ in range(trials):
-        cand = torch.topk(q, n_children).indices if deterministic else torch.multinomial(q, n_children, generator=g)
-        tokens = torch.cat([torch.tensor([0]), cand])
-        q_nodes = None if deterministic else torch.cat([q[None], torch.zeros(n_children, v)])
-        w = walk_tree(p_nodes, children, tokens, torch.ones(n_children + 1, dtype=torch.bool), q_nodes, rule,
-                      greedy=False, generator=g, max_accept=1)
-        first = int(tokens[w.path[1]]) if len(w.path) > 1 else w.bonus
-        counts[first] += 1
-    return counts
+    v, n = p.shape[0], n_children + 1
+    qs = full_support(q.expand(trials, 1, v))
+    kids, ok = candidates(qs, n_children, deterministic or greedy, g)  # (B, 1, C)
+    tokens = torch.cat([torch.zeros(trials, 1, dtype=torch.long), kids[:, 0]], 1)
+    valid = torch.cat([torch.ones(trials, 1, dtype=torch.bool), ok[:, 0]], 1)
+    ancestors = torch.eye(n, dtype=torch.bool)
+    ancestors[:, 0] = True
+    tree = DraftedTree(tokens=tokens, valid=valid, depth=torch.tensor([[0] + [1] * n_children]),
+                       ancestors=ancestors[None], parents=torch.tensor([[0]]),
+                       children=torch.arange(1, n)[None, None], q=None if deterministic or greedy else qs,
+                       max_depth=1, rank=torch.arange(-1, n_children)[None])
+    p_nodes = full_support(torch.cat([p[None], torch.full((n_children, v), 1.0 / v)]).expand(trials, n, v))
+    out = accept(p_nodes, tree, rule, greedy, g, v)
+    first = tokens.gather(1, out.path[:, 1:2])[:, 0]
+    return torch.where(out.accepted > 0, first, out.bonus), out
+
+
+def counts_of(tokens: torch.Tensor, v: int) -> torch.Tensor:
+    return torch.bincount(tokens, minlength=v).float()
+
+
+def matches(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Chi-square p-value of counts against probs (outcomes with zero probability must have no counts)."""
+    keep = probs > 0
+    assert counts[~keep].sum() == 0
+    return chisquare(counts[keep], probs[keep] / probs[keep].sum() * counts.sum()).pvalue
 
 
 P = torch.tensor([0.30, 0.05, 0.25, 0.02, 0.18, 0.20])
@@ -34,84 +57,135 @@ Q = torch.tensor([0.05, 0.40, 0.10, 0.25, 0.05, 0.15])
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_exact_multi_candidate_rule_reproduces_p(deterministic):
-    counts = one_node_walk(P, Q, 3, Acceptance("exact"), trials=20000, seed=0, deterministic=deterministic)
-    assert chisquare(counts, P * counts.sum()).pvalue > SIGNIFICANCE
+    first, _ = one_node(P, Q, 3, Acceptance("exact"), trials=20000, seed=0, deterministic=deterministic)
+    assert matches(counts_of(first, 6), P) > SIGNIFICANCE
 
 
-def test_a_broken_rule_fails_the_same_test(monkeypatch):
-    """Subtracting the distribution with x_i already removed (the reference code's static-tree bug)."""
-    def broken(p, kids, tok, q, rule, generator):
-        residual, remaining = p.clone(), q.clone()
-        for c in kids:
-            x = tok[c]
-            q_i = remaining / remaining.sum()
-            if float(torch.rand((), generator=generator)) * float(q_i[x]) < float(residual[x]):
-                return c, residual, 0.0
-            remaining[x] = 0.0
-            nxt = (residual - remaining / remaining.sum()).clamp_min(0)  # wrong: x_i's own draw distribution
-            residual = nxt / nxt.sum() if nxt.sum() > 0 else residual
-        return None, residual, 0.0
-    monkeypatch.setattr(acc, "_choose_sampling", broken)
-    counts = one_node_walk(P, Q, 3, Acceptance("exact"), trials=20000, seed=0)
-    assert chisquare(counts, P * counts.sum()).pvalue < SIGNIFICANCE
+def test_a_residual_against_q_instead_of_q_i_fails_the_same_test(monkeypatch):
+    """Subtracting q itself (not q with the earlier candidates removed) on each rejection is biased."""
+    monkeypatch.setattr(acc, "draft_distribution", lambda q_sup, earlier, removed: q_sup)
+    first, _ = one_node(P, Q, 3, Acceptance("exact"), trials=20000, seed=0)
+    assert matches(counts_of(first, 6), P) < SIGNIFICANCE
 
 
-def relaxed(kind, **kw):
-    torch.manual_seed(0)
-    prox = torch.stack([torch.randperm(64) for _ in range(64)])
-    prox = torch.stack([row[row != i][:63] for i, row in enumerate(prox)])
-    return Acceptance(kind, proximity=prox, **kw)
+def codebook_rule(kind, v=64, form="bounded", **kw):
+    """A proximity table of random 4-D codes (neighbours by distance, self excluded)."""
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randn(v, 4, generator=g)
+    d = torch.cdist(codes, codes)
+    prox = torch.argsort(d, dim=1)[:, 1:]
+    return Acceptance(kind, proximity=prox, form=form, **kw)
 
 
-@pytest.mark.parametrize("rule", [relaxed("lantern", k=10, delta=0.1), relaxed("lantern", k=63, delta=0.4),
-                                  relaxed("lantern++", k=10, lam=3.0), relaxed("lantern++", k=63, lam=1.5)])
-def test_moved_mass_is_within_the_bound(rule):
-    g = torch.Generator().manual_seed(1)
-    for _ in range(300):
-        p = torch.softmax(torch.randn(64, generator=g) * 2, 0)
-        x = int(torch.randint(0, 64, (), generator=g))
-        p_tilde, moved = rule.boost(p, x)
-        bound = rule.delta if rule.kind == "lantern" else (rule.lam - 1) * float(p[x])
-        assert 0.0 <= moved <= bound + 1e-12
-        assert p_tilde == pytest.approx(float(p[x]) + moved)
-        # the moved mass is exactly the latent neighbours' mass, taken greedily in proximity order
-        m = sum(1 for c in p[rule.proximity[x, :rule.k]].double().cumsum(0) if c <= bound)
-        assert moved == pytest.approx(float(p[rule.proximity[x, :m]].sum()))
+def flat_pair(v=64, seed=3, alpha=0.3):
+    """A flat target p and a different draft q (Dirichlet(alpha)), like image-token distributions."""
+    g = torch.Generator().manual_seed(seed)
+    d = torch.distributions.Gamma(torch.full((2, v), alpha), torch.ones(2, v))
+    torch.manual_seed(seed)
+    pq = d.sample()
+    pq = pq / pq.sum(-1, keepdim=True)
+    return pq[0], pq[1]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("rule", [codebook_rule("lantern", k=8, delta=0.1),
+                                  codebook_rule("lantern++", k=8, lam=2.0)], ids=["lantern", "lantern++"])
+def test_bounded_relaxation_outputs_exactly_p_hat_and_not_p(rule, deterministic):
+    p, q = flat_pair()
+    first, out = one_node(p, q, 3, rule, trials=30000, seed=1, deterministic=deterministic)
+    if deterministic:  # the candidate set is the same every trial: the top 3 of q
+        q_sup = torch.zeros(64).scatter_(0, torch.topk(q, 3).indices, 1.0)
+    else:
+        q_sup = q
+    p_hat, tv = bounded_target(full_support(p[None, None]), q_sup[None, None], rule.neighbours("cpu"), 64,
+                               *rule.bounds)
+    p_hat, tv = p_hat[0, 0], float(tv[0, 0])
+    counts = counts_of(first, 64)
+    assert matches(counts, p_hat) > SIGNIFICANCE
+    assert tv > 0.02 and matches(counts, p) < SIGNIFICANCE  # it really is p_hat, not p
+    assert float((p_hat - p).abs().sum() / 2) == pytest.approx(tv, abs=1e-5)  # recorded TV is the true TV
+    if rule.kind == "lantern":
+        assert tv <= rule.delta + 1e-6
+    else:
+        assert torch.all(p_hat - p <= (rule.lam - 1) * p + 1e-6)  # at most (lam - 1) p(y) into each token y
+    assert torch.allclose(out.token_tv[:, 0], torch.full((30000,), tv))  # recorded per token
+
+
+def top_k_pair():
+    """A target with zeros (top-k removed half the vocabulary) and a draft that likes those tokens."""
+    p, q = flat_pair(seed=5)
+    p = torch.where(torch.arange(64) % 2 == 0, p, 0.0)
+    q = torch.where(torch.arange(64) % 2 == 1, q * 4, q)
+    return p / p.sum(), q / q.sum()
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+@pytest.mark.parametrize("rule", [
+    Acceptance("exact"), codebook_rule("lantern", k=16, delta=0.3), codebook_rule("lantern++", k=16, lam=4.0),
+    codebook_rule("lantern", form="paper", k=16, delta=0.3), codebook_rule("lantern++", form="paper", k=16, lam=4.0)],
+    ids=["exact", "bounded-lantern", "bounded-lantern++", "paper-lantern", "paper-lantern++"])
+def test_no_rule_ever_emits_a_token_the_target_cannot(rule, greedy):
+    p, q = top_k_pair()
+    first, out = one_node(p, q, 4, rule, trials=4000, seed=2, greedy=greedy)
+    assert torch.all(p[first] > 0)  # accepted drafts and residual draws alike (leaves' bonuses follow their own p)
 
 
 @pytest.mark.parametrize("kw", [dict(kind="lantern", k=10, delta=0.0), dict(kind="lantern", k=0, delta=0.3),
                                 dict(kind="lantern++", k=10, lam=1.0)])
-def test_zero_relaxation_is_the_exact_rule(kw):
-    rule = relaxed(**kw)
+@pytest.mark.parametrize("form", ["bounded", "paper"])
+def test_zero_relaxation_is_the_exact_rule_draw_for_draw(kw, form):
+    rule = codebook_rule(form=form, **kw)
     assert not rule.relaxed
-    counts_relaxed = one_node_walk(P, Q, 3, Acceptance("exact"), trials=500, seed=5)
-    counts_exact = one_node_walk(P, Q, 3, rule, trials=500, seed=5)
-    assert torch.equal(counts_relaxed, counts_exact)
+    exact, _ = one_node(P, Q, 3, Acceptance("exact"), trials=500, seed=5)
+    relaxed, _ = one_node(P, Q, 3, rule, trials=500, seed=5)
+    assert torch.equal(exact, relaxed)
+
+
+@pytest.mark.parametrize("form", ["bounded", "paper"])
+def test_relaxation_accepts_more_than_exact(form):
+    p, q = flat_pair()
+    rule = codebook_rule("lantern", form=form, k=8, delta=0.2)
+    _, exact = one_node(p, q, 1, Acceptance("exact"), trials=4000, seed=4)
+    _, relaxed = one_node(p, q, 1, rule, trials=4000, seed=4)
+    assert relaxed.accepted.float().mean() > exact.accepted.float().mean() + 0.05
+
+
+def test_paper_boost_is_the_neighbours_mass_within_the_bound():
+    rule = codebook_rule("lantern", form="paper", k=10, delta=0.1)
+    p, q = flat_pair()
+    _, out = one_node(p, q, 3, rule, trials=2000, seed=6)
+    boosts = out.boost[out.accepted > 0, 0]
+    assert boosts.max() <= 0.1 + 1e-6 and boosts.max() > 0
 
 
 @pytest.mark.parametrize("kw, message", [
     (dict(kind="lantern", k=5, delta=1.5), r"delta 1.5 is outside \[0, 1\]"),
     (dict(kind="lantern", k=5, delta=-0.1), r"delta -0.1 is outside \[0, 1\]"),
-    (dict(kind="lantern++", k=5, lam=0.5), "lambda 0.5 must be >= 1"),
+    (dict(kind="lantern", k=5, delta=float("nan")), r"delta nan is outside \[0, 1\]"),
+    (dict(kind="lantern++", k=5, lam=0.5), "lambda 0.5 must be a finite number >= 1"),
+    (dict(kind="lantern++", k=5, lam=float("inf")), "lambda inf must be a finite number >= 1"),
     (dict(kind="typical", k=5), "unknown acceptance 'typical'"),
+    (dict(kind="lantern", k=5, delta=0.1, form="loose"), "unknown relaxation form 'loose'"),
     (dict(kind="lantern", k=5, delta=0.1, proximity=None), "needs a proximity table"),
+    (dict(kind="lantern", k=7, delta=0.1, proximity=torch.zeros(4, 3, dtype=torch.long)),
+     r"k 7 exceeds the proximity table's 3 neighbours; allowed: 0..3"),
 ])
 def test_bad_parameters_are_named(kw, message):
     with pytest.raises(ValueError, match=message):
         Acceptance(**kw)
 
 
-def test_greedy_relaxation_accepts_a_near_tie_only_within_the_bound():
+def test_greedy_paper_rule_accepts_a_near_tie_only_within_the_bound():
     prox = torch.tensor([[1, 2], [0, 2], [0, 1]])
     p = torch.tensor([0.45, 0.40, 0.15])
-    children, tokens, valid = [(1,), ()], torch.tensor([0, 1]), torch.ones(2, dtype=torch.bool)
-    p_nodes = torch.stack([p, p])
-    g = torch.Generator()
-    exact = walk_tree(p_nodes, children, tokens, valid, None, Acceptance("exact"), True, g, 1)
-    loose = walk_tree(p_nodes, children, tokens, valid, None, Acceptance("lantern", k=1, delta=0.5, proximity=prox),
-                      True, g, 1)
-    tight = walk_tree(p_nodes, children, tokens, valid, None, Acceptance("lantern", k=1, delta=0.1, proximity=prox),
-                      True, g, 1)
-    assert exact.path == [0] and exact.bonus == 0  # token 1 is not the argmax
-    assert loose.path == [0, 1] and loose.moved == [pytest.approx(0.45)]  # 0.40 + 0.45 >= 0.45
-    assert tight.path == [0]  # neighbour 0 holds 0.45 > delta, so nothing moves
+    q = torch.tensor([0.0, 1.0, 0.0])  # the draft's top-1 is token 1
+
+    def first(rule):
+        return one_node(p, q, 1, rule, trials=1, seed=0, greedy=True)
+
+    exact_tok, exact = first(Acceptance("exact"))
+    loose_tok, loose = first(Acceptance("lantern", k=1, delta=0.5, proximity=prox, form="paper"))
+    _, tight = first(Acceptance("lantern", k=1, delta=0.1, proximity=prox, form="paper"))
+    assert int(exact.accepted) == 0 and int(exact_tok) == 0  # token 1 is not the argmax
+    assert int(loose.accepted) == 1 and float(loose.boost[0, 0]) == pytest.approx(0.45)  # 0.40 + 0.45 >= 0.45
+    assert int(tight.accepted) == 0  # neighbour 0 holds 0.45 > delta, so nothing moves

@@ -151,7 +151,7 @@ def test_outputs_survive_the_next_replay(fake, models):
 def test_whole_generations_use_one_graph_per_static_step(fake, models, tiny, drafting):
     cfg = models[0].config
     configs = decode_configs(drafting)
-    spec = static_spec(configs[0][1], cfg, images=1, dtype="bf16")
+    spec = static_spec(configs[0][1], cfg, batch=1, dtype="bf16")
     runner = get_backend("hpu").prepare(*models, spec)
     eager = get_backend("cpu").prepare(*models, spec)
     runner.warmup()

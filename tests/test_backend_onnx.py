@@ -57,7 +57,15 @@ def models():
 
 @pytest.fixture(scope="module")
 def spec():
-    return StaticSpec(batch=2, max_len=MAX_LEN, prefix_len=1, verify_widths=TREE_SIZES, draft_widths=DRAFT_WIDTHS)
+    return StaticSpec(batch=2, max_len=MAX_LEN, prefix_len=1, verify_widths=TREE_SIZES, draft_widths=DRAFT_WIDTHS,
+                      commit_width=MAX_DEPTH + 1)
+
+
+def commit_pairs(base: int, path: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The accepted path's slots moved to base.., padded as the core pads: self-copies past the path."""
+    dst = base + torch.arange(width)
+    src = torch.cat([base + torch.tensor(path), dst[len(path):]])
+    return src[None].expand(2, -1).contiguous(), dst[None].expand(2, -1).contiguous()
 
 
 @pytest.fixture(scope="module")
@@ -141,10 +149,9 @@ def test_verify_parity_over_steps_with_commits(runners, models, kind, n):
         mask, depth, path = random_tree(n, seed=10 * n + step) if kind == "random" else preset_tree(kind)
         args = tree_inputs(mask, depth, base, 2, cfg.vocab_size, seed=step)
         assert_close(onnx.verify(*args), ref.verify(*args), f"{kind} verify[{n}] step {step}")
-        src = (base + torch.tensor(path))[None].expand(2, -1).contiguous()
-        dst = (base + torch.arange(len(path)))[None].expand(2, -1).contiguous()
-        onnx.commit(src, dst, "target")
-        ref.commit(src, dst, "target")
+        src, dst = commit_pairs(base, path, MAX_DEPTH + 1)
+        onnx.commit(src, dst)
+        ref.commit(src, dst)
         base += len(path)
     for name, value in onnx.target_kv.items():
         want = getattr(ref.target_cache, name)
@@ -153,7 +160,7 @@ def test_verify_parity_over_steps_with_commits(runners, models, kind, n):
 
 @needs_ort
 @pytest.mark.parametrize("width", DRAFT_WIDTHS)
-def test_draft_parity_over_steps_with_commits(runners, models, width):
+def test_draft_parity_over_steps(runners, models, width):
     onnx, ref = runners
     cfg = models[0].config
     feats = prefill_both(onnx, ref, cfg).hidden
@@ -168,9 +175,6 @@ def test_draft_parity_over_steps_with_commits(runners, models, width):
             tokens, f, positions, positions.clone(), mask)
         assert_close(got, want, f"draft[{width}] step {step}")
         feats = want.hidden
-        src, dst = positions[:, -1:], positions[:, :1]  # overlapping-free compaction of the last row
-        onnx.commit(src, dst, "draft")
-        ref.commit(src, dst, "draft")
         base += width
     for name, value in onnx.draft_kv.items():
         assert torch.allclose(torch_layout(value, 2, cfg), getattr(ref.draft_cache, name), atol=1e-5)
@@ -181,7 +185,7 @@ def test_draft_parity_over_steps_with_commits(runners, models, width):
 def test_in_place_caches_hold_at_every_optimisation_level(models, opt_level, tmp_path):
     """The shared input/output cache buffer must not depend on which graph rewrites ORT applies."""
     target, _ = models
-    spec = StaticSpec(batch=2, max_len=MAX_LEN, prefix_len=1, verify_widths=(4,))
+    spec = StaticSpec(batch=2, max_len=MAX_LEN, prefix_len=1, verify_widths=(4,), commit_width=2)
     onnx = ONNXBackend(threads=1, opt_level=opt_level, cache_dir=str(tmp_path)).prepare(target, None, spec)
     ref = get_backend("cpu").prepare(target, None, spec)
     prefill_both(onnx, ref, target.config)
@@ -189,10 +193,9 @@ def test_in_place_caches_hold_at_every_optimisation_level(models, opt_level, tmp
         mask, depth, path = random_tree(4, seed=step)
         args = tree_inputs(mask, depth, 1 + 2 * step, 2, target.config.vocab_size, seed=step)
         assert_close(onnx.verify(*args), ref.verify(*args), f"{opt_level} verify step {step}")
-        src = (1 + 2 * step + torch.tensor(path[:2]))[None].expand(2, -1).contiguous()
-        dst = (1 + 2 * step + torch.arange(2))[None].expand(2, -1).contiguous()
-        onnx.commit(src, dst, "target")
-        ref.commit(src, dst, "target")
+        src, dst = commit_pairs(1 + 2 * step, path[:2], 2)
+        onnx.commit(src, dst)
+        ref.commit(src, dst)
 
 
 @needs_ort
@@ -360,7 +363,7 @@ def test_export_onnx_command(models, tmp_path, capsys, monkeypatch):
             "--out", str(out)]
     assert main(argv + ["--json"]) == 0
     graphs = json.loads(capsys.readouterr().out)["graphs"]
-    assert sorted(graphs) == ["commit_target", "prefill", "verify[1]"]
+    assert sorted(graphs) == ["commit", "prefill", "verify[1]"]
     assert model_hash(target)[:16] in graphs["verify[1]"]  # keyed by the loaded weights
     stamp = Path(graphs["verify[1]"]).stat().st_mtime_ns
     assert main(argv) == 0 and Path(graphs["verify[1]"]).stat().st_mtime_ns == stamp  # reused, not rewritten
@@ -386,5 +389,5 @@ def test_export_onnx_defaults_to_the_bundle_generate_loads(tmp_path, capsys):
     bundle = load_bundle()
     assert main(["export-onnx", "--method", "ar", "--out", str(tmp_path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["cfg_scale"] == bundle.default_sampling["cfg_scale"] > 1 and out["spec"]["batch"] == 2
+    assert out["cfg_scale"] == bundle.default_sampling["cfg_scale"] > 1 and out["spec"]["batch"] == 2 * 4
     assert not out["random_weights"] and model_hash(bundle.target)[:16] in out["graphs"]["verify[1]"]

@@ -38,6 +38,7 @@ def test_speculative_generate_reports_acceptance(tmp_path):
 
 @pytest.mark.parametrize("args, code, message", [
     (["--classes", "12"], 2, "class id 12 is out of range; allowed: integers 0..9"),
+    (["--k", "5000"], 2, "k 5000 exceeds the proximity table"),
     (["--drafting", "no-such-tree"], 2, "neither a preset"),
     (["--backend", "tpu"], 2, "unknown backend 'tpu'"),
     (["--dtype", "fp8"], 2, "dtype 'fp8' is not supported"),
@@ -65,6 +66,7 @@ def test_bad_input_exits_2_and_writes_nothing(tmp_path, args, code, message):
     (["--k", "x"], "argument --k: 'x' is not an integer; allowed: an integer >= 0"),
     (["--scale", "0"], "argument --scale: 0 is not allowed; allowed: an integer >= 1"),
     (["--scale", "-2"], "argument --scale: -2 is not allowed; allowed: an integer >= 1"),
+    (["--batch", "0"], "argument --batch: 0 is not allowed; allowed: an integer >= 1"),
 ])
 def test_bad_numbers_exit_2_before_any_work(tmp_path, capsys, args, message):
     """In process (the flags are refused while parsing): exit 2, the flag, the value and what is allowed."""
@@ -84,8 +86,8 @@ def test_bad_flags_of_other_commands_exit_2_in_process(tmp_path, capsys):
              (["eval", "--cfg-scale", "nan", "--json"], "argument --cfg-scale: nan is not allowed"),
              (["export-onnx", "--out", str(tmp_path / "g"), "--cfg-scale", "inf", "--json"],
               "argument --cfg-scale: inf is not allowed"),
-             (["export-onnx", "--out", str(tmp_path / "g"), "--images", "0", "--json"],
-              "argument --images: 0 is not allowed; allowed: an integer >= 1"),
+             (["export-onnx", "--out", str(tmp_path / "g"), "--batch", "0", "--json"],
+              "argument --batch: 0 is not allowed; allowed: an integer >= 1"),
              (["profile", "tune", "--profile", "cpu", "--max-nodes", "1", "--json"],
               "argument --max-nodes: 1 is not allowed; allowed: an integer >= 2")]
     for argv, message in cases:

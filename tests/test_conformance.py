@@ -27,8 +27,25 @@ class MaskBlindRunner(TorchRunner):
 
 
 class LazyCommitRunner(TorchRunner):
-    def commit(self, src, dst, cache):
+    def commit(self, src, dst):
         pass  # the accepted path is never compacted
+
+
+class SharedBufferRunner(TorchRunner):
+    """Hands out one buffer for every step's logits: a later step overwrites an earlier one's outputs."""
+
+    def verify(self, tokens, positions, slots, mask):
+        return self.into_buffer(super().verify(tokens, positions, slots, mask))
+
+    def draft(self, tokens, features, positions, slots, mask):
+        return self.into_buffer(super().draft(tokens, features, positions, slots, mask))
+
+    def into_buffer(self, out):
+        b, t, v = out.logits.shape
+        if getattr(self, "buffer", None) is None:
+            self.buffer = torch.empty(b, max(self.spec.verify_widths + self.spec.draft_widths), v)
+        self.buffer[:, :t] = out.logits
+        return StepOutput(self.buffer[:, :t], out.hidden)
 
 
 class EchoRunner(TorchRunner):
@@ -50,6 +67,10 @@ class EchoBackend(CPUBackend):
     name, runner_cls = "echo", EchoRunner
 
 
+class SharedBufferBackend(CPUBackend):
+    name, runner_cls = "shared-buffer", SharedBufferRunner
+
+
 class MuteBackend(CPUBackend):
     name = "mute"
 
@@ -59,7 +80,7 @@ class MuteBackend(CPUBackend):
 '''
 
 ENTRY_POINTS = {"tiny-accel": "TinyBackend", "mask-blind": "MaskBlindBackend", "lazy-commit": "LazyCommitBackend",
-                "echo": "EchoBackend", "mute": "MuteBackend"}
+                "echo": "EchoBackend", "shared-buffer": "SharedBufferBackend", "mute": "MuteBackend"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -108,6 +129,7 @@ def test_onnx_conforms(tmp_path, monkeypatch):
                     "commit (next step reads the compacted cache) parity [fp32]"}),
     ("lazy-commit", {"commit (next step reads the compacted cache) parity [fp32]"}),
     ("echo", {"output ownership [fp32]"}),
+    ("shared-buffer", {"output ownership [fp32]"}),
     ("mute", {"availability"}),
 ])
 def test_wrong_backends_fail_the_check_that_covers_their_fault(name, failing):

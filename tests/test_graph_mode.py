@@ -15,9 +15,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from lantern.api import Pipeline
 from lantern.backends import StaticSpec, get_backend
-from lantern.backends.torch_graph import pad_pairs
 from lantern.decoding import SamplingConfig, method_preset
-from lantern.decoding.loop import condition_rows, decode_ar, decode_speculative, static_spec
+from lantern.decoding.loop import condition_rows, decode_ar, decode_speculative, make_generator, static_spec
 
 TREE_PARENTS = (-1, 0, 0, 1, 1, 2)  # a 6-node tree: root, 2 children, 3 grandchildren
 TREE_DEPTH = (0, 1, 1, 2, 2, 2)
@@ -40,7 +39,7 @@ def spec_for(cfg, speculative: bool, dtype: str = "fp32") -> StaticSpec:
     n = len(TREE_PARENTS)
     return StaticSpec(batch=2, max_len=cfg.seq_len + n, prefix_len=cfg.cls_token_num,
                       verify_widths=(1, n) if speculative else (1,),
-                      draft_widths=(1, 4) if speculative else (), dtype=dtype)
+                      draft_widths=(1, 4) if speculative else (), dtype=dtype, commit_width=3)
 
 
 def tree_mask(n: int) -> torch.Tensor:
@@ -87,17 +86,15 @@ def step_loop(runner, rounds: int = 3, seed: int = 0) -> list[torch.Tensor]:
             out = runner.verify(*step_inputs(spec, pos, t, tokens, tree=True))
             outs += [out.logits, out.hidden]
             path = torch.tensor([0, 1, 3])  # root -> node 1 -> node 3 accepted
-            runner.commit((pos + path).expand(b, 3), (pos + torch.arange(3)).expand(b, 3), "target")
+            runner.commit((pos + path).expand(b, 3), (pos + torch.arange(3)).expand(b, 3))
             pos += 3
         for t in spec.draft_widths:
             tokens = torch.randint(cfg.vocab_size, (b, t), generator=g)
             _, positions, slots, mask = step_inputs(spec, pos - t, t, tokens, tree=False)
             d = runner.draft(tokens, out.hidden[:, :1].expand(b, t, -1).contiguous(), positions, slots, mask)
             outs += [d.logits, d.hidden]
-        if spec.draft_widths:
-            runner.commit(torch.tensor([[pos - 2, pos - 1]] * b), torch.tensor([[pos - 3, pos - 2]] * b), "draft")
     assert pos + max(spec.verify_widths) <= s
-    caches = [runner.target_cache] + ([runner.draft_cache] if spec.draft_widths else [])
+    caches = [runner.target_cache] + ([runner.draft_cache] if runner.drafter is not None else [])
     return outs + [c.k0.clone() for c in caches] + [c.v0.clone() for c in caches]
 
 
@@ -125,10 +122,10 @@ def generate(runner, dcfg, cls: int, proximity, seed: int = 0) -> torch.Tensor:
     """One image's token ids (block,) for class `cls` through the real decode loops."""
     cfg = runner.model_config
     rows = condition_rows(torch.tensor([cls]), dcfg, torch.tensor([cfg.null_class]))
-    g = torch.Generator().manual_seed(seed)
+    g, active = make_generator(runner, seed), torch.ones(1, dtype=torch.bool)
     if dcfg.speculative:
-        return decode_speculative(runner, rows, dcfg, cfg.block_size, g, proximity)[0]
-    return decode_ar(runner, rows, dcfg, 1, cfg.block_size, g)[0][0]
+        return decode_speculative(runner, rows, dcfg, active, cfg.block_size, g, proximity)[0][0]
+    return decode_ar(runner, rows, dcfg, active, cfg.block_size, g)[0][0]
 
 
 @pytest.mark.parametrize("drafting", list(DRAFTING))
@@ -136,8 +133,8 @@ def test_whole_generations_compile_each_static_step_once(models, tiny, drafting)
     """After warm-up: zero recompiles over every rule, greedy and sampling, two classes; greedy ids == eager."""
     cfg = models[0].config
     configs = decode_configs(drafting)
-    spec = static_spec(configs[0][1], cfg, images=1, dtype="fp32")
-    assert all(static_spec(d, cfg, images=1, dtype="fp32") == spec for _, d in configs)
+    spec = static_spec(configs[0][1], cfg, batch=1, dtype="fp32")
+    assert all(static_spec(d, cfg, batch=1, dtype="fp32") == spec for _, d in configs)
     counter = CompileCounterWithBackend("eager")
     graph = prepare("cpu-graph", models, spec, compiler=counter)
     eager = prepare("cpu", models, spec)
@@ -181,7 +178,7 @@ def test_pipeline_selects_graph_mode_by_name(tiny):
     eager = Pipeline(*tiny, backend="cpu").generate([0, 1], dcfg)
     assert torch.equal(graph.tokens, eager.tokens)
     assert graph.backend == "cpu-graph" and counter.frame_count == compiled_in_warmup == len(graph.profile["graphs"])
-    assert graph.profile["graphs"][:4] == ["prefill", "verify[26]", "draft[5]", "draft[6]"]
+    assert graph.profile["graphs"] == ["prefill", "verify[26]", "draft[5]", "draft[6]", "commit"]
 
 
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")),
@@ -190,7 +187,7 @@ def test_inductor_greedy_ids_match_eager(models):
     """The compiler the benchmark uses, on AR generation only (each inductor compile takes seconds here)."""
     cfg = models[0].config
     dcfg = method_preset("ar", SamplingConfig(greedy=True, cfg_scale=2.0))
-    spec = static_spec(dcfg, cfg, images=1, dtype="fp32")
+    spec = static_spec(dcfg, cfg, batch=1, dtype="fp32")
     eager, graph = prepare("cpu", models, spec), prepare("cpu-graph", models, spec)
     graph.warmup()
     with torch.compiler.set_stance("fail_on_recompile"):
@@ -206,8 +203,8 @@ def test_widths_outside_the_spec_are_refused(models):
         runner.verify(*step_inputs(spec, 1, 3, tokens, tree=False))
     with pytest.raises(ValueError, match=r"draft width 3"):
         runner.draft(tokens, torch.zeros(2, 3, 64), *step_inputs(spec, 1, 3, tokens, tree=False)[1:])
-    with pytest.raises(ValueError, match=r"1 <= A <= 6"):
-        runner.commit(torch.zeros(2, 7, dtype=torch.long), torch.zeros(2, 7, dtype=torch.long), "target")
+    with pytest.raises(ValueError, match=r"commit takes src and dst of shape \(batch, commit_pairs\) = \(2, 3\)"):
+        runner.commit(torch.zeros(2, 2, dtype=torch.long), torch.zeros(2, 2, dtype=torch.long))
 
 
 def test_compiling_runners_leave_the_process_recompile_limit_alone(models, monkeypatch):
@@ -219,10 +216,3 @@ def test_compiling_runners_leave_the_process_recompile_limit_alone(models, monke
         spec = StaticSpec(batch=2, max_len=cfg.seq_len + 4, prefix_len=cfg.cls_token_num, verify_widths=(width,))
         prepare("cpu-graph", models, spec, compiler="eager").warmup()
         assert torch._dynamo.config.cache_size_limit == 2
-
-
-def test_commit_padding_repeats_the_last_pair():
-    src, dst = torch.tensor([[4, 6], [5, 7]]), torch.tensor([[2, 3], [2, 3]])
-    ps, pd = pad_pairs(src, dst, 4)
-    assert ps.tolist() == [[4, 6, 6, 6], [5, 7, 7, 7]] and pd.tolist() == [[2, 3, 3, 3], [2, 3, 3, 3]]
-    assert pad_pairs(ps, pd, 4)[0] is ps

@@ -1,34 +1,47 @@
-"""Acceptance: which drafted children a target distribution keeps, walking a tree from its root.
+"""Acceptance as one tensor program on the runner's device: which drafted nodes a target keeps, per image.
 
-Rules (see ALGORITHMS.md section 3):
-- exact: recursive rejection sampling, lossless; greedy: the argmax only.
-- lantern: p~(x) = p(x) + C_m*(x), m* = max{m <= k : C_m <= delta}   (additive, delta in [0, 1]).
-- lantern++: the same with the bound (lam - 1) * p(x)                  (multiplicative, lam >= 1).
-where C_m = sum of p over x's m nearest codebook neighbours. delta = 0, lam = 1 or k = 0 is exact.
-On a relaxed rejection the residual is the exact rule's, normalise(max(p - q_i, 0)); the neighbours are
-not zeroed as the reference code does (both keep the output within delta in a toy test; this one keeps
-delta = 0 identical to the exact rule draw for draw).
+For a drafted tree and the target's distribution p at every node, nothing in the rule depends on the random
+draws except which branch is taken, so every candidate's acceptance probability and every residual of the
+recursive rejection are computed up front, batched over images and nodes (a loop over sibling rank only).
+Then one uniform per candidate decides: a child is taken iff its uniform is below its acceptance probability
+and every earlier valid sibling was rejected; a node is on the accepted path iff it and all its ancestors
+were taken. The bonus token is one draw from the residual at the last accepted node (or from p there when
+no child was tried). Only the path (B, depth + 1), its length and the bonus token are results.
+
+Rules (docs/algorithms.md):
+- exact: recursive rejection against q_i, the distribution candidate i was drawn from (q without the
+  earlier candidates, renormalised), residual normalise(max(r - q_i, 0)); lossless. Greedy: the argmax.
+- lantern (k, delta) / lantern++ (k, lam), form "bounded" (default): the exact rule against a fixed relaxed
+  target p_hat (lantern.decoding.relaxation); form "paper": the published per-candidate boost.
+delta = 0, lam = 1 or k = 0 is the exact rule, draw for draw.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
+from lantern.decoding.relaxation import bounded_target, paper_boost
+from lantern.decoding.sampling import Support, draw
+
 KINDS = ("exact", "lantern", "lantern++")
+FORMS = ("bounded", "paper")
 
 
-def check_rule(kind: str, k: int, delta: float, lam: float) -> None:
+def check_rule(kind: str, k: int, delta: float, lam: float, form: str = "bounded") -> None:
     """Refuse bad acceptance parameters, naming the value and what is allowed."""
     if kind not in KINDS:
         raise ValueError(f"unknown acceptance {kind!r}; allowed: {', '.join(KINDS)}")
-    if not 0.0 <= delta <= 1.0:
+    if form not in FORMS:
+        raise ValueError(f"unknown relaxation form {form!r}; allowed: {', '.join(FORMS)}")
+    if not (math.isfinite(delta) and 0.0 <= delta <= 1.0):
         raise ValueError(f"delta {delta} is outside [0, 1]")
-    if not lam >= 1.0:
-        raise ValueError(f"lambda {lam} must be >= 1")
-    if k < 0:
-        raise ValueError(f"k {k} must be >= 0")
+    if not (math.isfinite(lam) and lam >= 1.0):
+        raise ValueError(f"lambda {lam} must be a finite number >= 1")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"k {k!r} must be an integer >= 0")
 
 
 @dataclass(frozen=True)
@@ -37,15 +50,17 @@ class Acceptance:
     k: int = 0
     delta: float = 0.0
     lam: float = 1.0
+    form: str = "bounded"
     proximity: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)  # (V, K) int64
 
     def __post_init__(self):
-        check_rule(self.kind, self.k, self.delta, self.lam)
+        check_rule(self.kind, self.k, self.delta, self.lam, self.form)
         if self.relaxed:
             if self.proximity is None:
                 raise ValueError(f"acceptance {self.kind!r} needs a proximity table (built from the VQ codebook)")
             if self.k > self.proximity.shape[1]:
-                raise ValueError(f"k {self.k} exceeds the proximity table's {self.proximity.shape[1]} neighbours")
+                raise ValueError(f"k {self.k} exceeds the proximity table's {self.proximity.shape[1]} neighbours; "
+                                 f"allowed: 0..{self.proximity.shape[1]}")
 
     @property
     def relaxed(self) -> bool:
@@ -55,93 +70,184 @@ class Acceptance:
             return self.k > 0 and self.lam > 1
         return False
 
-    def boost(self, p: torch.Tensor, x: int) -> tuple[float, float]:
-        """(p~(x), moved mass C_m*) for token x under distribution p (V,)."""
-        px = float(p[x])
-        if not self.relaxed:
-            return px, 0.0
-        cum = p[self.proximity[x, : self.k]].double().cumsum(0)  # (k,) C_1..C_k, non-decreasing
-        bound = self.delta if self.kind == "lantern" else (self.lam - 1.0) * px
-        m = int((cum <= bound).sum())  # the qualifying m form a prefix, so m* is their count
-        moved = float(cum[m - 1]) if m else 0.0
-        return px + moved, moved
+    @property
+    def bounds(self) -> tuple[Optional[float], Optional[float]]:
+        """(delta, lam): the one that applies, the other None."""
+        return (self.delta, None) if self.kind == "lantern" else (None, self.lam)
+
+    def neighbours(self, device) -> torch.Tensor:
+        """(V, k) int64 on `device` (the decode loop places the table there once)."""
+        near = self.proximity[:, : self.k]
+        return near if near.device == torch.device(device) and near.dtype == torch.long else near.to(device, torch.long)
 
 
 @dataclass
-class WalkResult:
-    path: list[int]  # node ids from the root, root included
-    bonus: int  # the token sampled after the last accepted node
-    moved: list[float]  # mass moved for each accepted draft token
-    reached: list[int]  # depths at which children were tried (for per-depth acceptance rates)
+class DraftedTree:
+    """One verify step's tree for B images. Shared structure may have a leading dim of 1."""
+
+    tokens: torch.Tensor  # (B, N) node tokens, root first
+    valid: torch.Tensor  # (B, N) bool: a real candidate (padding and missing candidates are never accepted)
+    depth: torch.Tensor  # (B|1, N) int64 depth from the root
+    ancestors: torch.Tensor  # (B|1, N, N) bool: j is i or an ancestor of i
+    parents: torch.Tensor  # (B|1, M) node ids that may have children (-1: none)
+    children: torch.Tensor  # (B|1, M, C) their children's node ids in rank order (-1: none)
+    q: Optional[Support]  # (B, M, Kq) what each parent's children were drawn from; None = deterministic top-k
+    max_depth: int  # D: the deepest a node can be (static)
+    rank: torch.Tensor  # (B|1, N) int64 child rank of each node among its siblings (root: -1 or 0)
 
 
-def _second_best(p: torch.Tensor, x: int) -> float:
-    top = torch.topk(p, 2).indices.tolist()
-    return float(p[top[1]] if top[0] == x else p[top[0]])
+@dataclass
+class StepAcceptance:
+    path: torch.Tensor  # (B, D+1) node ids on the accepted path by depth (0 past its end)
+    accepted: torch.Tensor  # (B,) m: accepted draft tokens
+    bonus: torch.Tensor  # (B,) the token after the last accepted node
+    tried: torch.Tensor  # (B, D) bool: children were tried at depth d + 1
+    token_tv: torch.Tensor  # (B, D+1) TV(p_hat, p) of the distribution each emitted token came from
+    boost: torch.Tensor  # (B, D) papers' rule: the boost each accepted draft used (0 otherwise)
 
 
-def walk_tree(p_nodes: torch.Tensor, children: Sequence[Sequence[int]], tokens: torch.Tensor, valid: torch.Tensor,
-              q_nodes: Optional[torch.Tensor], rule: Acceptance, greedy: bool, generator: torch.Generator,
-              max_accept: int) -> WalkResult:
-    """p_nodes (N, V): target distribution after each node; q_nodes (N, V): the draft distribution each
-    node's children were sampled from, or None for deterministic (top-k) drafts, where q_i is a point mass.
-    Children are tried in rank order; at most `max_accept` draft tokens are accepted."""
-    node, path, moved, reached = 0, [0], [], []
-    tok = tokens.tolist()
-    while True:
-        p = p_nodes[node]
-        kids = [c for c in children[node] if valid[c]]
-        if len(path) - 1 >= max_accept or not kids:
-            return WalkResult(path, _pick(p, greedy, generator), moved, reached)
-        reached.append(len(path))
-        chosen = (_choose_greedy if greedy else _choose_sampling)(
-            p, kids, tok, None if q_nodes is None else q_nodes[node], rule, generator)
-        child, residual, mv = chosen
-        if child is None:
-            return WalkResult(path, _pick(residual, greedy, generator), moved, reached)
-        path.append(child)
-        moved.append(mv)
-        node = child
+def draft_distribution(q_on_support: torch.Tensor, earlier: torch.Tensor, removed: torch.Tensor) -> torch.Tensor:
+    """q_i on the support (B, M, K): q without the earlier candidates (`earlier` marks them), renormalised by
+    the q mass `removed` (B, M) they held."""
+    return q_on_support.masked_fill(earlier, 0.0) / (1.0 - removed).clamp_min(1e-12)[..., None]
 
 
-def _pick(p: torch.Tensor, greedy: bool, generator: torch.Generator) -> int:
-    if greedy:
-        return int(torch.argmax(p))
-    return int(torch.multinomial(p, 1, generator=generator))
-
-
-def _choose_greedy(p, kids, tok, q, rule: Acceptance, generator):
-    best = int(torch.argmax(p))
-    for c in kids:
-        x = tok[c]
-        if not rule.relaxed:
-            if x == best:
-                return c, p, 0.0
-            continue
-        p_tilde, mv = rule.boost(p, x)
-        if p_tilde >= _second_best(p, x):
-            return c, p, mv
-    return None, p, 0.0
-
-
-def _choose_sampling(p, kids, tok, q, rule: Acceptance, generator):
-    residual = p.clone()
-    remaining = None if q is None else q.clone()
-    for c in kids:
-        x = tok[c]
-        if remaining is None:
-            q_i = torch.zeros_like(p)
-            q_i[x] = 1.0  # a deterministic draft: x was "drawn" with certainty
+def _acceptance_sampling(target: Support, p_orig: Support, cand, cvalid, q_dense, rule: Acceptance, vocab: int):
+    """Acceptance probabilities (B, M, C), the final residuals (B, M, K) and papers' boosts (B, M, C)."""
+    r, ids = target.probs, target.ids
+    acc = torch.zeros(cand.shape, device=r.device)
+    boost = torch.zeros(cand.shape, device=r.device)
+    if q_dense is not None:
+        q_sup, removed = q_dense.gather(2, ids), torch.zeros(r.shape[:2], device=r.device)
+        earlier = torch.zeros(r.shape, dtype=torch.bool, device=r.device)
+    paper = rule.relaxed and rule.form == "paper"
+    for j in range(cand.shape[-1]):
+        x, v = cand[..., j], cvalid[..., j]
+        hit = ids == x[..., None]  # (B, M, K)
+        if q_dense is None:  # a deterministic draft: x was "drawn" with certainty
+            q_x, q_j = torch.ones(x.shape, dtype=r.dtype, device=r.device), hit.to(r.dtype)
         else:
-            q_i = remaining / remaining.sum()  # what x was drawn from: q without the earlier candidates
-        p_tilde, mv = rule.boost(residual, x)
-        # accept with prob min(1, p~(x) / q_i(x))
-        if float(torch.rand((), generator=generator)) * float(q_i[x]) < p_tilde:
-            return c, residual, mv
-        nxt = (residual - q_i).clamp_min(0.0)
-        total = float(nxt.sum())
-        if total > 0:  # zero only if p <= q_i everywhere, when rejection had probability 0
-            residual = nxt / total
-        if remaining is not None:
-            remaining[x] = 0.0
-    return None, residual, 0.0
+            q_x = q_dense.gather(2, x[..., None])[..., 0] / (1.0 - removed).clamp_min(1e-12)
+            q_j = draft_distribution(q_sup, earlier, removed)
+        if paper:
+            p_tilde, b = paper_boost(Support(r, ids).dense(vocab), p_orig.prob_of(x), x,
+                                     rule.neighbours(r.device), *rule.bounds)
+            boost[..., j] = torch.where(v, b, 0.0)
+        else:
+            p_tilde = (r * hit).sum(-1)
+        acc[..., j] = torch.where(v, (p_tilde / q_x.clamp_min(1e-30)).clamp(max=1.0), 0.0)  # min(1, p~/q_i)
+        nxt = (r - q_j).clamp_min(0.0)
+        total = nxt.sum(-1, keepdim=True)
+        # total is 0 only if r <= q_i everywhere, when rejection had probability 0
+        r = torch.where(v[..., None] & (total > 0), nxt / total.clamp_min(1e-30), r)
+        if q_dense is not None:
+            removed = removed + torch.where(v, q_dense.gather(2, x[..., None])[..., 0], 0.0)
+            earlier = earlier | (hit & v[..., None])
+    return acc, r, boost
+
+
+def _acceptance_greedy(target: Support, cand, cvalid, rule: Acceptance, vocab: int):
+    """Greedy: a child is accepted iff it is the argmax (of p_hat), or for the papers' rule iff its boosted
+    probability reaches the best other token's. Returns (B, M, C) in {0, 1} and the boosts."""
+    best = draw(target, True, None)  # (B, M)
+    boost = torch.zeros(cand.shape, device=cand.device)
+    if rule.relaxed and rule.form == "paper":
+        dense = target.dense(vocab)  # (B, M, V)
+        top2 = torch.topk(dense, 2, dim=-1)
+        acc = torch.zeros(cand.shape, device=cand.device)
+        for j in range(cand.shape[-1]):
+            x = cand[..., j]
+            p_tilde, b = paper_boost(dense, dense.gather(2, x[..., None])[..., 0], x, rule.neighbours(dense.device),
+                                     *rule.bounds)
+            other = torch.where(top2.indices[..., 0] == x, top2.values[..., 1], top2.values[..., 0])
+            acc[..., j] = (p_tilde >= other).float()
+            boost[..., j] = b
+    else:
+        acc = (cand == best[..., None]).float()
+    return acc * cvalid, boost * cvalid
+
+
+def accept(p_nodes: Support, tree: DraftedTree, rule: Acceptance, greedy: bool, generator: torch.Generator,
+           vocab: int) -> StepAcceptance:
+    """p_nodes (B, N, K): the target's (guided, warped) distribution after every node."""
+    b, n = tree.tokens.shape
+    dev = tree.tokens.device
+    parents = tree.parents.expand(b, -1)
+    kids = tree.children.expand(b, -1, -1)  # (B, M, C)
+    m_rows, c = kids.shape[1:]
+    has_parent = parents >= 0
+    kid_ids = kids.clamp_min(0)
+    cvalid = (kids >= 0) & has_parent[..., None] & tree.valid.gather(1, kid_ids.flatten(1)).view(b, m_rows, c)
+    cand = tree.tokens.gather(1, kid_ids.flatten(1)).view(b, m_rows, c)
+    p = p_nodes.index(parents.clamp_min(0))  # (B, M, K)
+    q_dense = tree.q.dense(vocab) if tree.q is not None else None  # (B, M, V)
+
+    tv = torch.zeros(b, m_rows, device=dev)
+    target = p
+    if rule.relaxed and rule.form == "bounded":
+        if q_dense is not None:
+            q_sup = q_dense.gather(2, p.ids)
+        else:  # deterministic drafts: the fixed candidate set plays q
+            q_sup = ((p.ids[..., None, :] == cand[..., None]) & cvalid[..., None]).any(-2).to(p.probs.dtype)
+        p_hat, tv = bounded_target(p, q_sup, rule.neighbours(dev), vocab, *rule.bounds)
+        target = Support(p_hat, p.ids)
+    if greedy:
+        acc, boost = _acceptance_greedy(target, cand, cvalid, rule, vocab)
+        end = target.probs
+    else:
+        acc, end, boost = _acceptance_sampling(target, p, cand, cvalid, q_dense, rule, vocab)
+
+    u = torch.rand(acc.shape, generator=generator, device=dev)
+    ok = (u < acc) & cvalid  # (B, M, C)
+    first = ok.int().argmax(-1)  # first accepted sibling (rank order)
+    taken_kid = torch.where(ok.any(-1), kids.gather(2, first[..., None])[..., 0], -1)  # (B, M)
+    taken = torch.zeros(b, n + 1, dtype=torch.bool, device=dev)
+    taken.scatter_(1, torch.where(taken_kid >= 0, taken_kid, n), True)
+    taken = taken[:, :n]
+    taken[:, 0] = True
+    on_path = ~(tree.ancestors & ~taken[:, None, :]).any(-1)  # (B, N): every ancestor taken
+
+    depth = tree.depth.expand(b, -1)
+    max_depth = tree.max_depth
+    path = torch.zeros(b, max_depth + 2, dtype=torch.long, device=dev)
+    node_ids = torch.arange(n, device=dev).expand(b, n)
+    path.scatter_(1, torch.where(on_path, depth, max_depth + 1), node_ids)
+    path = path[:, : max_depth + 1]
+    accepted = torch.where(on_path, depth, 0).max(-1).values  # (B,)
+    final = path.gather(1, accepted[:, None])[:, 0]
+
+    row_of = _row_of_node(parents, n)  # (B, N): parent row of each node, -1 if it has none
+    final_row = row_of.gather(1, final[:, None])[:, 0]
+    end_sup = Support(end, p.ids).index(final_row.clamp_min(0)[:, None])
+    at_final = p_nodes.index(final[:, None])
+    has_row = (final_row >= 0)[:, None, None]
+    bonus_dist = Support(torch.where(has_row, end_sup.probs, at_final.probs),
+                         torch.where(has_row, end_sup.ids, at_final.ids))
+    bonus = draw(bonus_dist, greedy, generator)[:, 0]
+
+    has_kids = _per_node(parents, cvalid.any(-1), n, False)
+    depths = torch.arange(max_depth, device=dev)
+    tried = (depths[None] <= accepted[:, None]) & has_kids.gather(1, path[:, :max_depth])
+    tv_node = _per_node(parents, tv, n, 0.0)
+    emitted = torch.arange(max_depth + 1, device=dev)[None] <= accepted[:, None]
+    token_tv = torch.where(emitted, tv_node.gather(1, path), 0.0)
+    boost_node = torch.zeros(b, n + 1, device=dev).scatter_(
+        1, torch.where(kids >= 0, kids, n).flatten(1), boost.flatten(1))[:, :n]
+    boost_path = torch.where(emitted[:, 1:], boost_node.gather(1, path[:, 1:]), 0.0)
+    return StepAcceptance(path=path, accepted=accepted, bonus=bonus, tried=tried, token_tv=token_tv,
+                          boost=boost_path)
+
+
+def _row_of_node(parents: torch.Tensor, n: int) -> torch.Tensor:
+    """(B, M) parent node ids -> (B, N) the row each node has in that table, -1 if none."""
+    b, m = parents.shape
+    out = torch.full((b, n + 1), -1, dtype=torch.long, device=parents.device)
+    rows = torch.arange(m, device=parents.device).expand(b, m)
+    return out.scatter_(1, torch.where(parents >= 0, parents, n), rows)[:, :n]
+
+
+def _per_node(parents: torch.Tensor, values: torch.Tensor, n: int, fill) -> torch.Tensor:
+    """(B, M) values per parent row -> (B, N) per node (`fill` for nodes without a row)."""
+    b = parents.shape[0]
+    out = torch.full((b, n + 1), fill, dtype=values.dtype, device=values.device)
+    return out.scatter_(1, torch.where(parents >= 0, parents, n), values)[:, :n]

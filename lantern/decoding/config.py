@@ -5,7 +5,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 from lantern.decoding.acceptance import check_rule
 from lantern.decoding.sampling import SamplingConfig
-from lantern.decoding.trees import CompiledTree, compile_tree, load_tree
+from lantern.decoding.strategy import DynamicTree, StaticTree, Strategy
+from lantern.decoding.trees import compile_tree, load_tree
 
 
 @dataclass(frozen=True)
@@ -16,51 +17,37 @@ class DecodeConfig:
     k: int = 0  # proximity neighbours the relaxation may use
     delta: float = 0.0  # LANTERN's additive bound, in [0, 1]
     lam: float = 1.0  # LANTERN++'s multiplicative bound, >= 1
+    form: str = "bounded"  # relaxation: "bounded" (lantern's, output within the recorded TV) | "paper"
     dynamic_depth: int = 5  # EAGLE-2: drafting depth
     dynamic_top_k: int = 10  # EAGLE-2: beams expanded per depth, children per beam
     dynamic_total: int = 60  # EAGLE-2: verified nodes, root included (the static verify width)
-    _tree: CompiledTree | None = field(default=None, init=False, repr=False, compare=False)
+    _strategy: Strategy | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        check_rule(self.acceptance, self.k, self.delta, self.lam)
+        check_rule(self.acceptance, self.k, self.delta, self.lam, self.form)
         if self.drafting == "dynamic":
             for name in ("dynamic_depth", "dynamic_top_k", "dynamic_total"):
-                if getattr(self, name) < 1:
-                    raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                value = getattr(self, name)
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError(f"{name} {value!r} must be an integer >= 1")
             if self.dynamic_total < 2:
                 raise ValueError(f"dynamic_total {self.dynamic_total} must be >= 2 (the root and one node)")
+            strategy = DynamicTree(self.dynamic_depth, self.dynamic_top_k, self.dynamic_total)
         elif self.drafting != "none":
-            # compiled once (fails early, naming the presets); frozen, hence object.__setattr__
-            object.__setattr__(self, "_tree", compile_tree(load_tree(self.drafting)))
+            # compiled once (fails early, naming the presets)
+            strategy = StaticTree(compile_tree(load_tree(self.drafting)))
+        else:
+            strategy = None
+        object.__setattr__(self, "_strategy", strategy)  # frozen, hence object.__setattr__
 
     @property
     def speculative(self) -> bool:
-        return self.drafting != "none"
-
-    def static_tree(self) -> CompiledTree | None:
-        return self._tree
+        return self._strategy is not None
 
     @property
-    def verify_width(self) -> int:
-        """N: root + drafted nodes per verification."""
-        if self.drafting == "dynamic":
-            return self.dynamic_total
-        tree = self.static_tree()
-        return tree.size if tree else 1
-
-    @property
-    def tree_depth(self) -> int:
-        if self.drafting == "dynamic":
-            return self.dynamic_depth
-        tree = self.static_tree()
-        return tree.depth if tree else 0
-
-    @property
-    def draft_width(self) -> int:
-        if self.drafting == "dynamic":
-            return self.dynamic_top_k
-        tree = self.static_tree()
-        return max(tree.draft_width, 1) if tree else 0
+    def strategy(self) -> Strategy | None:
+        """How drafts are made (None: plain AR): owns the widths, depth and scratch layout."""
+        return self._strategy
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) if f.name != "sampling" else asdict(self.sampling)

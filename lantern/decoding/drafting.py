@@ -1,214 +1,207 @@
-"""Drafting a token tree with the EAGLE-style drafter: catch-up, static trees, EAGLE-2 dynamic trees.
+"""Batched drafting on the runner's device: catch-up, static trees, EAGLE-2 dynamic trees, for B images.
 
-Drafter cache layout (per row): the pair (f_{q-1}, x_q) lives at slot q, its sequence position; slots
-below the prefix length are never written and are masked out. While a tree is drafted, drafted nodes use
-scratch slots past the root (root position r + 1 + j), which the next catch-up overwrites.
+Rows of every step are [cond images; uncond images] (LlamaGen's CFG layout): image b owns rows b and B + b.
+Each image has its own root position r (B,), so positions, slots and masks are built per image on the
+device; nothing here reads a value back to the host.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
 from lantern.backends.base import Runner
-from lantern.decoding.sampling import SamplingConfig, combine_cfg, warp
-from lantern.decoding.trees import CompiledTree, compile_tree
+from lantern.decoding.acceptance import DraftedTree
+from lantern.decoding.sampling import SamplingConfig, Support, candidates, target_support
+from lantern.decoding.strategy import DynamicTree, LevelPlan, StaticTree
+
+
+def on_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """Per-image inputs (B, ...) -> per-row (rows * B, ...), dense (graph backends key on strides)."""
+    return x.repeat(rows, *([1] * (x.dim() - 1))).contiguous()
+
+
+def window_mask(relative: torch.Tensor, root: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """relative (B|1, T, X) bool over slots root .. root + X - 1 of each image; base (B, S) bool, the slots
+    every row sees. -> (B, T, S): base | relative placed at each image's root."""
+    b, s = base.shape
+    t, x = relative.shape[-2:]
+    rel = torch.arange(s, device=base.device)[None] - root[:, None]  # (B, S)
+    inside = (rel >= 0) & (rel < x)
+    idx = rel.clamp(0, x - 1)[:, None, :].expand(b, t, s)
+    placed = relative.expand(b, t, x).gather(2, idx) & inside[:, None, :]
+    return base[:, None, :] | placed
 
 
 @dataclass
-class DraftContext:
+class Drafter:
+    """The drafter of one runner: its static widths and the sampling that shapes its distributions."""
+
     runner: Runner
     sampling: SamplingConfig
-    prefix_len: int
-    catchup_width: int  # A: the most pairs one catch-up feeds (tree depth + 1)
-    draft_width: int  # W: the most nodes one tree-drafting step feeds
     generator: torch.Generator
-    draft_calls: int = 0
 
     @property
     def rows(self) -> int:
         return self.sampling.rows_per_image
 
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """(R, T, V) drafter logits -> (T, V) draft distribution, guided and warped like the target's."""
-        guided = combine_cfg(logits.float().cpu(), self.sampling.cfg_scale, self.sampling.use_cfg)  # (1, T, V)
-        return warp(guided[0], self.sampling)
+    @property
+    def slots(self) -> torch.Tensor:
+        return torch.arange(self.runner.spec.max_len, device=self.runner.device)
+
+    def committed(self, last: torch.Tensor) -> torch.Tensor:
+        """(B,) last committed drafter slot -> (B, S): slots P .. last (slots below the prefix are empty)."""
+        s = self.slots[None]
+        return (s >= self.runner.spec.prefix_len) & (s <= last[:, None])
 
     def step(self, tokens, features, positions, slots, mask):
-        """Pad to the static width W, run, return (probs (T, V), feats (R, T, D)) of the real rows."""
-        t = tokens.shape[0]
-        out = run_padded(self.runner, self.draft_width, tokens, features, positions, slots, mask, self.rows)
-        self.draft_calls += 1
-        return self.probs(out.logits[:, :t]), out.hidden[:, :t]
+        """Per image tokens, positions, slots (B, T), mask (B, T, S); features (R*B, T, D) ->
+        (distributions (B, T, K), predicted features (R*B, T, D))."""
+        r = self.rows
+        out = self.runner.draft(on_rows(tokens, r), features.contiguous(), on_rows(positions, r),
+                                on_rows(slots, r), on_rows(mask, r))
+        return target_support(out.logits, self.sampling), out.hidden
+
+    def catch_up(self, features, tokens, count, root):
+        """Feed each image's newly accepted pairs: features (R*B, A, D), tokens (B, A), count (B,) real pairs
+        ending at position root (B,). Pairs past count are padding at later (scratch) slots.
+        Returns the root's draft distribution (B, K) and predicted feature (R*B, D)."""
+        a = tokens.shape[1]
+        positions = (root - count + 1)[:, None] + torch.arange(a, device=root.device)  # (B, A)
+        s = self.slots[None, None]
+        mask = (s >= self.runner.spec.prefix_len) & (s <= positions[..., None])  # causal (B, A, S)
+        q, feats = self.step(tokens, features, positions, positions.clone(), mask)
+        last = (count - 1)[:, None]
+        q_root = Support(q.probs.gather(1, last[..., None].expand(-1, -1, q.probs.shape[-1]))[:, 0],
+                         q.ids.gather(1, last[..., None].expand(-1, -1, q.ids.shape[-1]))[:, 0])
+        rows_last = on_rows(last, self.rows)[..., None].expand(-1, -1, feats.shape[-1])
+        return q_root, feats.gather(1, rows_last)[:, 0]
 
 
-def run_padded(runner: Runner, width: int, tokens, features, positions, slots, mask, rows: int):
-    """Feed T <= width real pairs (tokens, positions, slots (T,); features (R, T, D); mask (T, S)) as one
-    step of exactly `width`. Padding pairs write to slots past every real one, which callers never read."""
-    t, s = tokens.shape[0], mask.shape[-1]
-    dev = runner.device
-    pad = width - t
-    if pad:
-        pad_slots = slots.max() + 1 + torch.arange(pad)
-        slots = torch.cat([slots, pad_slots])
-        positions = torch.cat([positions, positions[-1:].expand(pad)])
-        tokens = torch.cat([tokens, tokens.new_zeros(pad)])
-        features = torch.cat([features, features[:, -1:].expand(-1, pad, -1)], dim=1)
-        own = torch.zeros(pad, s, dtype=torch.bool)
-        own[torch.arange(pad), pad_slots] = True  # a padding pair sees only itself
-        mask = torch.cat([mask, own])
-    return runner.draft(on_rows(tokens, rows, dev), features.contiguous().to(dev), on_rows(positions, rows, dev),
-                        on_rows(slots, rows, dev), on_rows(mask, rows, dev))
+def draft_static(d: Drafter, strategy: StaticTree, root_token, root: torch.Tensor, q_root: Support,
+                 root_feat: torch.Tensor) -> DraftedTree:
+    """Child j of a node is its j-th candidate (top-j, or the j-th draw without replacement), whatever the
+    drafter's confidence (LANTERN++). root (B,) is the root's position."""
+    greedy, gen = d.sampling.greedy, d.generator
+    b, n, dev = root.shape[0], strategy.tree.size, root.device
+    placed = strategy.on_device(dev)
+    table = placed.children  # (M, C)
+    tokens = torch.zeros(b, n, dtype=torch.long, device=dev)
+    valid = torch.zeros(b, n, dtype=torch.bool, device=dev)
+    tokens[:, 0], valid[:, 0] = root_token, True
+    feats = root_feat[:, None].repeat(1, n, 1)  # (R*B, N, D) predicted feature after each node
+    k = q_root.probs.shape[-1]
+    q_probs = torch.zeros(b, table.shape[0], k, device=dev)
+    q_ids = torch.zeros(b, table.shape[0], k, dtype=torch.long, device=dev)
+
+    def assign(level: LevelPlan, q: Support) -> None:
+        """The level's nodes (rows of q (B, w, K)) get their children's candidates."""
+        q_probs[:, level.rows], q_ids[:, level.rows] = q.probs, q.ids
+        cand, ok = candidates(q, table.shape[1], greedy, gen)  # (B, w, C)
+        parent_ok = valid[:, level.nodes][..., None]
+        tokens[:, level.kids] = cand.flatten(1)[:, level.kid_cols]
+        valid[:, level.kids] = (ok & parent_ok).flatten(1)[:, level.kid_cols]
+
+    plans = placed.levels
+    assign(plans[0], Support(q_root.probs[:, None], q_root.ids[:, None]))
+    committed = d.committed(root)
+    for level in plans[1:]:
+        w, width = level.nodes.shape[0], level.rel.shape[0]
+        step_tokens = torch.cat([tokens[:, level.nodes], tokens.new_zeros(b, width - w)], 1)
+        step_feats = torch.cat([feats[:, level.parents], root_feat[:, None].expand(-1, width - w, -1)], 1)
+        positions = (root + level.depth)[:, None].expand(b, width).contiguous()
+        slots = root[:, None] + level.offsets
+        q, out_feats = d.step(step_tokens, step_feats, positions, slots, window_mask(level.rel[None], root, committed))
+        feats[:, level.nodes] = out_feats[:, :w]
+        assign(level, Support(q.probs[:, :w], q.ids[:, :w]))
+    q = None if greedy else Support(q_probs, q_ids)
+    return DraftedTree(tokens=tokens, valid=valid, depth=placed.depth, ancestors=placed.ancestors,
+                       parents=placed.parents, children=table[None], q=q, max_depth=strategy.depth,
+                       rank=placed.rank)
 
 
-def on_rows(x: torch.Tensor, rows: int, device) -> torch.Tensor:
-    """The same tree input for every CFG row: (...) -> (rows, ...), dense (graph backends key on strides)."""
-    return x[None].expand(rows, *x.shape).contiguous().to(device)
+def draft_dynamic(d: Drafter, strategy: DynamicTree, root_token, root: torch.Tensor, q_root: Support,
+                  root_feat: torch.Tensor) -> DraftedTree:
+    """EAGLE-2 per image: beams by cumulative draft log-probability, then the `total` best nodes (drafts are
+    deterministic top-k, so q is a point mass on each candidate)."""
+    k, depth, gen = strategy.top_k, strategy.max_depth, d.generator
+    b, dev = root.shape[0], root.device
+    n_rec = strategy.records
+    tok = torch.zeros(b, n_rec, dtype=torch.long, device=dev)
+    par = torch.zeros(b, n_rec, dtype=torch.long, device=dev)
+    score = torch.full((b, n_rec), float("-inf"), device=dev)
+    rec_depth = torch.zeros(n_rec, dtype=torch.long, device=dev)
+    expanded = torch.zeros(b, strategy.expanded, dtype=torch.long, device=dev)  # record ids, root first
+    tok[:, 0], score[:, 0] = root_token, 0.0
+
+    def add_children(base: int, parent_recs: torch.Tensor, q: Support, level: int) -> None:
+        """Records base .. base + w*k - 1: the top-k candidates of each parent (B, w)."""
+        cand, ok = candidates(q, k, True, gen)  # (B, w, k)
+        logq = torch.where(ok, q.prob_of(cand).log(), float("-inf"))
+        w = parent_recs.shape[1]
+        span = slice(base, base + w * k)
+        tok[:, span] = cand.flatten(1)
+        par[:, span] = parent_recs[..., None].expand(-1, -1, k).flatten(1)
+        score[:, span] = (score.gather(1, parent_recs)[..., None] + logq).flatten(1)
+        rec_depth[span] = level
+
+    add_children(1, torch.zeros(b, 1, dtype=torch.long, device=dev), Support(q_root.probs[:, None], q_root.ids[:, None]), 1)
+    committed = d.committed(root)
+    frontier_mask = committed[:, None].expand(b, k, -1)  # slots each frontier node's ancestors occupy
+    parent_feats = root_feat[:, None].expand(-1, k, -1)
+    base, first_of_level = 1 + k, 1
+    for level in range(1, depth):
+        span = k if level == 1 else k * k
+        level_scores = score[:, first_of_level:first_of_level + span]
+        pick = torch.topk(level_scores, k, dim=-1).indices  # (B, k) best beams of this level
+        recs = first_of_level + pick
+        expanded[:, 1 + (level - 1) * k: 1 + level * k] = recs
+        if level > 1:  # the beam's parent is a frontier node of the previous level
+            from_beam = pick // k
+            frontier_mask = frontier_mask.gather(1, from_beam[..., None].expand(-1, -1, frontier_mask.shape[-1]))
+            parent_feats = prev_feats.gather(1, on_rows(from_beam, d.rows)[..., None].expand(-1, -1, prev_feats.shape[-1]))
+        slots = root[:, None] + 1 + (level - 1) * k + torch.arange(k, device=dev)  # (B, k) scratch
+        own = torch.zeros_like(frontier_mask).scatter_(2, slots[..., None], True)
+        frontier_mask = frontier_mask | own
+        positions = (root + level)[:, None].expand(b, k).contiguous()
+        q, prev_feats = d.step(tok.gather(1, recs), parent_feats, positions, slots, frontier_mask)
+        add_children(base, recs, q, level + 1)
+        first_of_level, base = base, base + k * k
+    return _rerank(strategy, tok, par, score, rec_depth, expanded)
 
 
-def catch_up(ctx: DraftContext, features: torch.Tensor, tokens: torch.Tensor, start: int):
-    """Feed the newly accepted pairs (features (R, n, D), tokens (n,)) at positions start..start+n-1.
-    Returns the root's draft distribution (V,) and predicted feature (R, D)."""
-    n = tokens.shape[0]
-    s = ctx.runner.spec.max_len
-    positions = start + torch.arange(n)
-    slot_ids = torch.arange(s)
-    mask = (slot_ids[None, :] >= ctx.prefix_len) & (slot_ids[None, :] <= positions[:, None])  # (n, S) causal
-    out = run_padded(ctx.runner, ctx.catchup_width, tokens, features, positions, positions, mask, ctx.rows)
-    ctx.draft_calls += 1
-    return ctx.probs(out.logits[:, n - 1:n])[0], out.hidden[:, n - 1]
+def _rerank(strategy: DynamicTree, tok, par, score, rec_depth, expanded) -> DraftedTree:
+    """Keep the total - 1 best records (a child never outscores its parent and ties go to the earlier record,
+    i.e. the shallower: the kept set is a tree), number them as nodes 1.. in score order."""
+    b, n_rec = tok.shape
+    n, k, dev = strategy.total, strategy.top_k, tok.device
+    order = torch.sort(score[:, 1:], dim=-1, descending=True, stable=True).indices + 1
+    chosen = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=dev), order[:, : n - 1]], 1)  # (B, N) records
+    node_of = torch.full((b, n_rec), -1, dtype=torch.long, device=dev)
+    node_of.scatter_(1, chosen, torch.arange(n, device=dev).expand(b, n))
+    parent = node_of.gather(1, par.gather(1, chosen))  # (B, N); the root's parent is itself
+    valid = torch.isfinite(score.gather(1, chosen)) & (parent >= 0)
+    parent = parent.clamp_min(0)
+    ancestors = torch.eye(n, dtype=torch.bool, device=dev).expand(b, n, n).clone()
+    for _ in range(strategy.max_depth):
+        ancestors = ancestors | ancestors.gather(1, parent[..., None].expand(b, n, n))
+    # children of every expanded record: the root's are records 1..k, beam e's a block of k after them
+    blocks = torch.cat([torch.arange(1, 1 + k, device=dev)[None].expand(b, k)[:, None],
+                        _child_blocks(strategy, expanded[:, 1:])], 1)  # (B, M, k) record ids
+    children = node_of.gather(1, blocks.flatten(1)).view(b, -1, k)
+    parents = node_of.gather(1, expanded)
+    depth = rec_depth[chosen]
+    rank = torch.zeros(b, n_rec, dtype=torch.long, device=dev)
+    rank[:, 1:] = (torch.arange(1, n_rec, device=dev) - 1) % k
+    return DraftedTree(tokens=tok.gather(1, chosen), valid=valid, depth=depth, ancestors=ancestors,
+                       parents=parents, children=children, q=None, max_depth=strategy.max_depth,
+                       rank=rank.gather(1, chosen))
 
 
-@dataclass
-class DraftedTree:
-    tree: CompiledTree
-    tokens: torch.Tensor  # (N,) node tokens, root first
-    valid: torch.Tensor  # (N,) bool: padding and missing candidates are never accepted
-    q: Optional[torch.Tensor]  # (N, V) distribution each node's children were sampled from; None = top-k
-
-
-def _candidates(ctx: DraftContext, q: torch.Tensor, n: int) -> torch.Tensor:
-    """The n children of a node: top-n (greedy) or n draws without replacement (sampling)."""
-    n = min(n, int((q > 0).sum()))
-    if ctx.sampling.greedy:
-        return torch.topk(q, n).indices
-    return torch.multinomial(q, n, replacement=False, generator=ctx.generator)
-
-
-def _tree_mask_rows(ctx: DraftContext, tree: CompiledTree, nodes: list[int], root_pos: int) -> torch.Tensor:
-    """(len(nodes), S): committed drafter slots up to the root, plus the scratch slots of each node's
-    drafted ancestors and itself (node j sits at scratch slot root_pos + j)."""
-    s = ctx.runner.spec.max_len
-    slot_ids = torch.arange(s)
-    mask = ((slot_ids >= ctx.prefix_len) & (slot_ids <= root_pos))[None].repeat(len(nodes), 1)
-    n = tree.size
-    mask[:, root_pos + 1: root_pos + n] = tree.mask[nodes, 1:]
-    return mask
-
-
-def draft_static(ctx: DraftContext, tree: CompiledTree, root_token: int, root_q: torch.Tensor,
-                 root_feat: torch.Tensor, root_pos: int) -> DraftedTree:
-    """Child j of a node is its j-th candidate, whatever the drafter's confidence (LANTERN++)."""
-    n = tree.size
-    tokens = torch.zeros(n, dtype=torch.long)
-    valid = torch.zeros(n, dtype=torch.bool)
-    tokens[0], valid[0] = root_token, True
-    q_nodes = None if ctx.sampling.greedy else torch.zeros(n, root_q.shape[0])
-    feats = {0: root_feat}  # node -> predicted feature (R, D) that its children's pairs carry
-
-    def assign_children(node: int, q: torch.Tensor) -> None:
-        kids = tree.children[node]
-        cand = _candidates(ctx, q, len(kids))
-        for c, tok in zip(kids, cand.tolist()):
-            tokens[c], valid[c] = tok, True
-        if q_nodes is not None:
-            q_nodes[node] = q
-
-    assign_children(0, root_q)
-    for level in tree.draft_levels:
-        nodes = [i for i in level if valid[i]]
-        if not nodes:
-            break
-        depth = int(tree.node_depth[nodes[0]])
-        parent_feats = torch.stack([feats[int(tree.parent[i])] for i in nodes], dim=1)  # (R, w, D)
-        probs, out_feats = ctx.step(tokens[nodes], parent_feats, torch.full((len(nodes),), root_pos + depth),
-                                    root_pos + torch.tensor(nodes), _tree_mask_rows(ctx, tree, nodes, root_pos))
-        for j, i in enumerate(nodes):
-            feats[i] = out_feats[:, j]
-            assign_children(i, probs[j])
-    return DraftedTree(tree, tokens, valid, q_nodes)
-
-
-def draft_dynamic(ctx: DraftContext, depth: int, top_k: int, total: int, root_token: int, root_q: torch.Tensor,
-                  root_feat: torch.Tensor, root_pos: int) -> DraftedTree:
-    """EAGLE-2: expand the top_k nodes by cumulative draft log-prob at each depth, then keep the `total`
-    best of all drafted nodes (root included); drafts are deterministic top-k, so q is a point mass."""
-    # node records: token, parent record id, cumulative score, depth, scratch slot (if expanded)
-    tok, par, score, dep = [root_token], [-1], [0.0], [0]
-    slot: dict[int, int] = {}
-    feat = {0: root_feat}
-    s = ctx.runner.spec.max_len
-    slot_ids = torch.arange(s)
-
-    def add_children(node: int, q: torch.Tensor) -> list[int]:
-        top = torch.topk(q, min(top_k, int((q > 0).sum())))
-        ids = []
-        for t, lp in zip(top.indices.tolist(), torch.log(top.values).tolist()):
-            tok.append(t), par.append(node), score.append(score[node] + lp), dep.append(dep[node] + 1)
-            ids.append(len(tok) - 1)
-        return ids
-
-    frontier = add_children(0, root_q)
-    next_slot = root_pos + 1
-    for d in range(1, depth):
-        frontier = sorted(frontier, key=lambda i: -score[i])[:top_k]
-        for i in frontier:
-            slot[i], next_slot = next_slot, next_slot + 1
-        mask = ((slot_ids >= ctx.prefix_len) & (slot_ids <= root_pos))[None].repeat(len(frontier), 1)
-        for row, i in enumerate(frontier):
-            a = i
-            while a > 0:  # the node and its drafted ancestors, all expanded, all with scratch slots
-                mask[row, slot[a]] = True
-                a = par[a]
-        parent_feats = torch.stack([feat[par[i]] for i in frontier], dim=1)
-        probs, out_feats = ctx.step(torch.tensor([tok[i] for i in frontier]), parent_feats,
-                                    torch.full((len(frontier),), root_pos + d), torch.tensor([slot[i] for i in frontier]),
-                                    mask)
-        new = []
-        for j, i in enumerate(frontier):
-            feat[i] = out_feats[:, j]
-            new += add_children(i, probs[j])
-        frontier = new
-    return _rerank(tok, par, score, dep, total)
-
-
-def _rerank(tok, par, score, dep, total: int) -> DraftedTree:
-    """Keep the best `total - 1` drafted nodes (a child never outscores its parent, so the set is a tree;
-    ties are broken parent-first), order siblings by score, compile at the static size `total`."""
-    order = sorted(range(1, len(tok)), key=lambda i: (-score[i], dep[i], i))
-    chosen: set[int] = {0}
-    for i in order:
-        if len(chosen) == total:
-            break
-        if par[i] in chosen:
-            chosen.add(i)
-    kids: dict[int, list[int]] = {}
-    for i in sorted(chosen - {0}, key=lambda i: (-score[i], i)):
-        kids.setdefault(par[i], []).append(i)
-    path_of = {0: ()}
-    stack = [0]
-    while stack:
-        node = stack.pop()
-        for rank, c in enumerate(kids.get(node, [])):
-            path_of[c] = path_of[node] + (rank,)
-            stack.append(c)
-    paths = [p for p in path_of.values() if p]
-    tree = compile_tree(paths, pad_to=total)
-    record = {p: i for i, p in path_of.items()}
-    tokens = torch.zeros(total, dtype=torch.long)
-    valid = torch.zeros(total, dtype=torch.bool)
-    tokens[0], valid[0] = tok[0], True
-    for idx, p in enumerate(tree.paths, start=1):
-        tokens[idx], valid[idx] = tok[record[p]], True
-    return DraftedTree(tree, tokens, valid, None)
+def _child_blocks(strategy: DynamicTree, beams: torch.Tensor) -> torch.Tensor:
+    """(B, (D-1)*k) beam record ids -> (B, (D-1)*k, k) the record ids of each beam's children."""
+    k = strategy.top_k
+    level = torch.arange(beams.shape[1], device=beams.device) // k  # 0-based: beams of depth level + 1
+    beam_in_level = torch.arange(beams.shape[1], device=beams.device) % k
+    base = 1 + k + level * k * k + beam_in_level * k
+    return (base[:, None] + torch.arange(k, device=beams.device))[None].expand(beams.shape[0], -1, -1)

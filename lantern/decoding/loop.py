@@ -1,9 +1,12 @@
-"""The decode loops over any backend Runner: AR (a batch of images) and speculative (one image at a time).
+"""The decode loops over any backend Runner, for a batch of B images, on the runner's device.
 
-Speculative step, with the root r = the last accepted token (not yet in the target cache):
-  catch-up (drafter eats the newly accepted pairs) -> draft a tree -> verify the tree in one target
-  forward -> walk the tree with the acceptance rule -> commit the accepted path's K/V -> bonus = new root.
-Sampling, acceptance and tree bookkeeping run on the host; model math runs on the runner's device.
+AR: one target forward per token for all B images. Speculative, per step for all B images at once:
+  catch-up (the drafter eats each image's newly accepted pairs) -> draft a tree per image -> verify every
+  image's tree in one static-shape target forward -> acceptance as a tensor program -> commit each image's
+  accepted path inside the KV cache -> its bonus token is the image's new root.
+Images finish at different steps; a finished image keeps running as padding (its root and length frozen,
+nothing it computes is kept), so every shape stays static. Per step only the "is any image still running"
+flag crosses to the host; statistics stay on the device until the end.
 """
 from __future__ import annotations
 
@@ -13,25 +16,25 @@ from typing import Optional
 import torch
 
 from lantern.backends.base import Runner, StaticSpec
-from lantern.decoding.acceptance import Acceptance, walk_tree
+from lantern.decoding.acceptance import Acceptance, DraftedTree, accept
 from lantern.decoding.config import DecodeConfig
-from lantern.decoding.drafting import DraftContext, catch_up, draft_dynamic, draft_static, on_rows
-from lantern.decoding.sampling import combine_cfg, sample_from, warp
-from lantern.decoding.stats import GenerationStats
+from lantern.decoding.drafting import Drafter, draft_dynamic, draft_static, on_rows, window_mask
+from lantern.decoding.sampling import draw, target_support
+from lantern.decoding.stats import GenerationStats, StepRecords
+from lantern.decoding.strategy import StaticTree
 
 
-def static_spec(dcfg: DecodeConfig, model_config, images: int, dtype: str) -> StaticSpec:
-    """Every shape the loops below will use. Speculative decoding runs one image per step."""
-    rows = dcfg.sampling.rows_per_image * (1 if dcfg.speculative else images)
-    p, n = model_config.cls_token_num, dcfg.verify_width
-    if not dcfg.speculative:
+def static_spec(dcfg: DecodeConfig, model_config, batch: int, dtype: str) -> StaticSpec:
+    """Every shape the loops below use for `batch` images (B, a static width of the runner)."""
+    rows = dcfg.sampling.rows_per_image * batch
+    p = model_config.cls_token_num
+    strategy = dcfg.strategy
+    if strategy is None:
         return StaticSpec(batch=rows, max_len=_round8(p + model_config.block_size), prefix_len=p,
                           verify_widths=(1,), dtype=dtype, commit_width=1)
-    catchup, width = dcfg.tree_depth + 1, dcfg.draft_width
-    scratch = n + width + catchup if dcfg.drafting != "dynamic" else dcfg.dynamic_top_k * dcfg.dynamic_depth + width
-    return StaticSpec(batch=rows, max_len=_round8(p + model_config.block_size + max(n, scratch) + catchup),
-                      prefix_len=p, verify_widths=(n,), draft_widths=tuple(sorted({catchup, width})), dtype=dtype,
-                      commit_width=catchup)
+    return StaticSpec(batch=rows, max_len=_round8(p + model_config.block_size + strategy.scratch), prefix_len=p,
+                      verify_widths=(strategy.verify_width,), draft_widths=strategy.draft_widths, dtype=dtype,
+                      commit_width=strategy.commit_pairs)
 
 
 def _round8(n: int) -> int:
@@ -39,116 +42,118 @@ def _round8(n: int) -> int:
 
 
 def condition_rows(cond: torch.Tensor, dcfg: DecodeConfig, null: torch.Tensor) -> torch.Tensor:
-    """[cond; uncond] rows for CFG (LlamaGen's layout), or cond alone."""
+    """[cond; uncond] rows for CFG (LlamaGen's layout), or cond alone. null: the null condition, one per image."""
     return torch.cat([cond, null]) if dcfg.sampling.use_cfg else cond
 
 
 def _prefill(runner: Runner, rows: torch.Tensor):
-    spec = runner.spec
-    p, s = spec.prefix_len, spec.max_len
-    mask = torch.arange(s)[None, :] <= torch.arange(p)[:, None]  # (P, S) causal over the prefix
-    out = runner.prefill(rows.to(runner.device), on_rows(mask, spec.batch, runner.device))
-    return out.logits[:, -1].float().cpu(), out.hidden[:, -1]  # (R, V), (R, D)
+    spec, dev = runner.spec, runner.device
+    slots = torch.arange(spec.max_len, device=dev)
+    mask = slots[None, :] <= torch.arange(spec.prefix_len, device=dev)[:, None]  # (P, S) causal over the prefix
+    out = runner.prefill(rows.to(dev), mask[None].expand(spec.batch, -1, -1).contiguous())
+    return out.logits[:, -1], out.hidden[:, -1]  # (R*B, V), (R*B, D)
 
 
-def _choose(probs: torch.Tensor, greedy: bool, generator: torch.Generator) -> torch.Tensor:
-    return probs.argmax(-1) if greedy else sample_from(probs, generator)
+def make_generator(runner: Runner, seed: int) -> torch.Generator:
+    """The one seeded generator of a generation, on the runner's device (same seed, same tokens)."""
+    return torch.Generator(device=runner.device).manual_seed(seed)
 
 
 @torch.inference_mode()
-def decode_ar(runner: Runner, cond_rows: torch.Tensor, dcfg: DecodeConfig, n_images: int, block: int,
+def decode_ar(runner: Runner, cond_rows: torch.Tensor, dcfg: DecodeConfig, active: torch.Tensor, block: int,
               generator: torch.Generator) -> tuple[torch.Tensor, GenerationStats]:
-    """Plain AR over a batch of images: one target forward per token. Returns tokens (n, block)."""
-    sc, spec = dcfg.sampling, runner.spec
-    stats = GenerationStats()
-    s, dev = spec.max_len, runner.device
+    """Plain AR over B images: one target forward per token. active (B,) marks real images (the rest pad a
+    short chunk). Returns tokens (B, block) and the stats of the active images."""
+    sc, spec, dev = dcfg.sampling, runner.spec, runner.device
+    b = active.shape[0]
     t0 = time.perf_counter()
     with runner.phase("prefill"):
         logits, _ = _prefill(runner, cond_rows)
-    stats.target_forwards += 1
-    tok = _choose(warp(combine_cfg(logits, sc.cfg_scale, sc.use_cfg), sc), sc.greedy, generator)  # (n,)
-    out = [tok]
-    slot_ids = torch.arange(s)
+        tok = draw(target_support(logits, sc), sc.greedy, generator)  # (B,)
+    out = torch.empty(b, block, dtype=torch.long, device=dev)
+    out[:, 0] = tok
+    slots = torch.arange(spec.max_len, device=dev)
     for t in range(1, block):
         pos = spec.prefix_len + t - 1  # sequence position of the token being fed
         positions = torch.full((spec.batch, 1), pos, device=dev)
-        slots = positions.clone()  # its own tensor: graph backends key on inputs that alias each other
-        mask = on_rows((slot_ids <= pos)[None], spec.batch, dev)
+        mask = (slots <= pos)[None, None].expand(spec.batch, 1, -1).contiguous()
         with runner.phase("decode"):
-            rows_tok = tok.repeat(sc.rows_per_image)[:, None]
-            o = runner.verify(rows_tok.to(dev), positions, slots, mask)
-            probs = warp(combine_cfg(o.logits[:, 0].float().cpu(), sc.cfg_scale, sc.use_cfg), sc)
-            tok = _choose(probs, sc.greedy, generator)
-        stats.target_forwards += 1
-        out.append(tok)
-    stats.tokens = n_images * block
-    stats.wall_seconds = time.perf_counter() - t0
-    return torch.stack(out, dim=1), stats
+            o = runner.verify(on_rows(tok[:, None], sc.rows_per_image), positions, positions.clone(), mask)
+            tok = draw(target_support(o.logits[:, 0], sc), sc.greedy, generator)
+        out[:, t] = tok
+    stats = GenerationStats.for_ar(int(active.sum()), block, time.perf_counter() - t0)
+    return out.cpu(), stats
 
 
 @torch.inference_mode()
-def decode_speculative(runner: Runner, cond_rows: torch.Tensor, dcfg: DecodeConfig, block: int,
+def decode_speculative(runner: Runner, cond_rows: torch.Tensor, dcfg: DecodeConfig, active: torch.Tensor, block: int,
                        generator: torch.Generator, proximity: Optional[torch.Tensor]) -> tuple[torch.Tensor, GenerationStats]:
-    """One image (its CFG rows) with a drafter: returns tokens (block,) and the stats."""
+    """B images with a drafter, one batched step at a time. Returns tokens (B, block) and the stats of the
+    active images (padding images of a short chunk start finished)."""
     sc, spec, dev = dcfg.sampling, runner.spec, runner.device
-    k = min(dcfg.k, proximity.shape[1]) if proximity is not None else dcfg.k
-    rule = Acceptance(dcfg.acceptance, k=k, delta=dcfg.delta, lam=dcfg.lam, proximity=proximity)
-    tree = dcfg.static_tree()
-    n = dcfg.verify_width
-    ctx = DraftContext(runner, sc, spec.prefix_len, catchup_width=dcfg.tree_depth + 1, draft_width=dcfg.draft_width,
-                       generator=generator)
-    stats = GenerationStats()
-    s, p = spec.max_len, spec.prefix_len
-    slot_ids = torch.arange(s)
+    strategy = dcfg.strategy
+    near = proximity.to(dev, torch.long) if proximity is not None else None  # placed once, read every step
+    rule = Acceptance(dcfg.acceptance, k=dcfg.k, delta=dcfg.delta, lam=dcfg.lam, form=dcfg.form, proximity=near)
+    drafter = Drafter(runner, sc, generator)
+    b, n, depth = active.shape[0], strategy.verify_width, strategy.depth
+    vocab = runner.model_config.vocab_size
+    slots = torch.arange(spec.max_len, device=dev)
     t0 = time.perf_counter()
     with runner.phase("prefill"):
         logits, feat = _prefill(runner, cond_rows)
-    stats.target_forwards += 1
-    root = int(_choose(warp(combine_cfg(logits, sc.cfg_scale, sc.use_cfg), sc)[0], sc.greedy, generator))
-    tokens = [root]
-    r = p  # the root's position = the target cache length
-    pending_feats, pending_tokens = feat[:, None], torch.tensor([root])
-    while len(tokens) < block:
+        root_tok = draw(target_support(logits, sc), sc.greedy, generator)  # (B,)
+    out = torch.zeros(b, block + depth + 2, dtype=torch.long, device=dev)  # the last column absorbs padding
+    out[:, 0] = root_tok
+    emitted = torch.where(active.to(dev), 1, block)  # (B,) tokens so far; padding images start finished
+    root = torch.full((b,), spec.prefix_len, dtype=torch.long, device=dev)  # the root's position
+    a = strategy.catchup_width
+    pend_feats = feat[:, None].repeat(1, a, 1)  # (R*B, A, D) pairs for the next catch-up
+    pend_tokens = root_tok[:, None].repeat(1, a)
+    pend_count = torch.ones(b, dtype=torch.long, device=dev)
+    records = StepRecords()
+    steps = torch.arange(depth + 1, device=dev)
+    while True:
+        running = emitted < block
+        if not bool(running.any()):  # the one host sync of a step
+            break
         with runner.phase("draft"):
-            root_q, root_feat = catch_up(ctx, pending_feats, pending_tokens, r - pending_tokens.shape[0] + 1)
-            if tree is not None:
-                drafted = draft_static(ctx, tree, root, root_q, root_feat, r)
-            else:
-                drafted = draft_dynamic(ctx, dcfg.dynamic_depth, dcfg.dynamic_top_k, dcfg.dynamic_total, root, root_q,
-                                        root_feat, r)
-        t = drafted.tree
+            q_root, root_feat = drafter.catch_up(pend_feats, pend_tokens, pend_count, root)
+            draft = draft_static if isinstance(strategy, StaticTree) else draft_dynamic
+            tree = draft(drafter, strategy, root_tok, root, q_root, root_feat)
+        # at most block - emitted - 1 drafts fit in the image; finished images accept none
+        limit = torch.where(running, block - emitted - 1, -1)
+        tree.valid = tree.valid & (tree.depth <= limit[:, None])
         with runner.phase("verify"):
-            mask = (slot_ids < r)[None].repeat(n, 1)
-            mask[:, r:r + n] = t.mask  # (N, S): the committed cache plus each node's ancestors
-            b = spec.batch
-            out = runner.verify(on_rows(drafted.tokens, b, dev), on_rows(r + t.node_depth, b, dev),
-                                on_rows(r + torch.arange(n), b, dev), on_rows(mask, b, dev))
-            p_nodes = warp(combine_cfg(out.logits.float().cpu(), sc.cfg_scale, sc.use_cfg), sc)[0]  # (N, V)
-        stats.target_forwards += 1
+            out_step = _verify(runner, tree, root, n, slots, sc.rows_per_image)
+            p_nodes = target_support(out_step.logits, sc)
         with runner.phase("accept"):
-            walk = walk_tree(p_nodes, t.children, drafted.tokens, drafted.valid, drafted.q, rule, sc.greedy,
-                             generator, max_accept=block - len(tokens) - 1)
-        m = len(walk.path) - 1
+            acc = accept(p_nodes, tree, rule, sc.greedy, generator, vocab)
+        m = torch.where(running, acc.accepted, -1)  # finished images: nothing to emit or commit
         with runner.phase("commit"):
-            width = spec.commit_pairs
-            path = torch.tensor(walk.path)
-            # pad with self-copies past the new length, so every dst is distinct and nothing valid is touched
-            pad = r + m + 1 + torch.arange(width - m - 1)
-            src = torch.cat([r + path, pad])
-            dst = torch.cat([r + torch.arange(m + 1), pad])
-            runner.commit(on_rows(src, spec.batch, dev), on_rows(dst, spec.batch, dev), "target")
-        new_tokens = drafted.tokens[path[1:]].tolist() + [walk.bonus]
-        tokens += new_tokens
-        pending_feats = out.hidden[:, path]  # features of the root and the accepted nodes: (R, m+1, D)
-        pending_tokens = torch.tensor(new_tokens)
-        root = walk.bonus
-        r += m + 1
-        stats.accepted_lengths.append(m + 1)
-        stats.depth_tried.update(walk.reached)
-        stats.depth_accepted.update(range(1, m + 1))
-        stats.moved_mass += walk.moved
-        stats.accepted_ranks.append(tuple(t.rank[path[1:]].tolist()))
-    stats.draft_forwards = ctx.draft_calls
-    stats.tokens = block
-    stats.wall_seconds = time.perf_counter() - t0
-    return torch.tensor(tokens[:block]), stats
+            dst = root[:, None] + steps  # (B, D+1)
+            src = torch.where(steps[None] <= m[:, None], root[:, None] + acc.path, dst)  # padding copies itself
+            r = sc.rows_per_image
+            runner.commit(on_rows(src, r), on_rows(dst, r))
+        new_tokens = torch.cat([tree.tokens.gather(1, acc.path[:, 1:]), acc.bonus[:, None]], 1)  # (B, D+1)
+        new_tokens = torch.where(steps[None] < m[:, None], new_tokens, acc.bonus[:, None])
+        col = torch.where(steps[None] <= m[:, None], emitted[:, None] + steps, out.shape[1] - 1)
+        out.scatter_(1, col, new_tokens)
+        records.add(running, acc, tree.rank.expand(b, -1))
+        pend_feats = out_step.hidden.gather(1, on_rows(acc.path, r)[..., None].expand(-1, -1, out_step.hidden.shape[-1]))
+        pend_tokens, pend_count = new_tokens, torch.where(running, m + 1, pend_count)
+        advance = torch.where(running, m + 1, 0)
+        root_tok = torch.where(running, acc.bonus, root_tok)
+        root, emitted = root + advance, emitted + advance
+    stats = records.stats(active.cpu(), block, time.perf_counter() - t0)
+    stats.draft_forwards = records.steps * strategy.drafter_calls
+    return out[:, :block].cpu(), stats
+
+
+def _verify(runner: Runner, tree: DraftedTree, root: torch.Tensor, n: int, slots: torch.Tensor, rows: int):
+    """One target forward over every image's N nodes: node i at position root + depth(i), slot root + i."""
+    b = root.shape[0]
+    positions = root[:, None] + tree.depth.expand(b, -1)
+    node_slots = root[:, None] + torch.arange(n, device=root.device)
+    mask = window_mask(tree.ancestors, root, slots[None] < root[:, None])  # committed cache + own ancestors
+    return runner.verify(on_rows(tree.tokens, rows), on_rows(positions, rows), on_rows(node_slots, rows),
+                         on_rows(mask, rows))

@@ -1,14 +1,22 @@
-"""Logits -> target distribution: classifier-free guidance, then temperature, top-k, top-p."""
+"""Logits -> target distribution on the runner's device: classifier-free guidance, temperature, top-k, top-p.
+
+Distributions are kept on their support: `Support(probs, ids)` holds the K most likely tokens in descending
+order (K = top-k when it is on, else the whole vocabulary), with top-p's removed tokens at probability 0.
+Everything the acceptance walk does happens on (..., K) instead of (..., V). Random draws come from one
+seeded generator on the runner's device (Gumbel-max), so the same seed on the same backend gives the same
+tokens.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """greedy=True takes the argmax (temperature etc. are then ignored for the choice itself)."""
+    """greedy=True takes the argmax (temperature etc. then still shape the distribution, not the choice)."""
 
     greedy: bool = False
     temperature: float = 1.0
@@ -17,6 +25,10 @@ class SamplingConfig:
     cfg_scale: float = 1.0  # 1 = no guidance, and no unconditional rows
 
     def __post_init__(self):
+        for name in ("temperature", "top_p", "cfg_scale"):
+            value = getattr(self, name)
+            if value != value or value in (float("inf"), float("-inf")):
+                raise ValueError(f"{name} {value} must be a finite number")
         if not self.temperature > 0:
             raise ValueError(f"temperature {self.temperature} must be > 0 (use greedy for argmax)")
         if self.top_k < 0:
@@ -34,37 +46,93 @@ class SamplingConfig:
     def rows_per_image(self) -> int:
         return 2 if self.use_cfg else 1
 
+    def support_size(self, vocab: int) -> int:
+        """K: tokens a warped distribution can put mass on."""
+        return self.top_k if 0 < self.top_k < vocab else vocab
+
+
+class Support(NamedTuple):
+    """A distribution on its K most likely tokens, in descending order of probability."""
+
+    probs: torch.Tensor  # (..., K) float32, sums to 1
+    ids: torch.Tensor  # (..., K) int64 token ids
+
+    def prob_of(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(...) or (..., C) token ids -> their probabilities, same shape (0 off the support)."""
+        squeeze = tokens.dim() == self.ids.dim() - 1
+        t = tokens[..., None] if squeeze else tokens
+        hit = self.ids[..., None, :] == t[..., :, None]  # (..., C, K)
+        out = (hit * self.probs[..., None, :]).sum(-1)
+        return out[..., 0] if squeeze else out
+
+    def dense(self, vocab: int) -> torch.Tensor:
+        """(..., V) probabilities."""
+        out = torch.zeros(*self.probs.shape[:-1], vocab, dtype=self.probs.dtype, device=self.probs.device)
+        return out.scatter_(-1, self.ids, self.probs)
+
+    def index(self, idx: torch.Tensor) -> "Support":
+        """Gather along dim 1: (B, N, K) supports, idx (B, M) -> (B, M, K)."""
+        k = self.probs.shape[-1]
+        at = idx[..., None].expand(*idx.shape, k)
+        return Support(self.probs.gather(1, at), self.ids.gather(1, at))
+
 
 def combine_cfg(logits: torch.Tensor, scale: float, use_cfg: bool) -> torch.Tensor:
     """logits (R, ..., V) with rows [cond; uncond] -> (R/2, ..., V): u + s * (c - u)."""
     if not use_cfg:
         return logits
-    cond, uncond = logits.chunk(2, dim=0)
+    cond, uncond = logits.float().chunk(2, dim=0)
     return uncond + scale * (cond - uncond)
 
 
-def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
-    """(..., V) guided logits -> probabilities after temperature, top-k and top-p (float32)."""
+def warp(logits: torch.Tensor, cfg: SamplingConfig) -> Support:
+    """(..., V) guided logits -> the distribution after temperature, top-k and top-p, on its support."""
     x = logits.float() / cfg.temperature
-    if cfg.top_k and cfg.top_k < x.shape[-1]:
-        kth = torch.topk(x, cfg.top_k, dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
+    k = cfg.support_size(x.shape[-1])
+    if k < x.shape[-1] or cfg.top_p < 1.0:
+        vals, ids = torch.topk(x, k, dim=-1)  # sorted, descending
+    else:
+        vals, ids = x, torch.arange(x.shape[-1], device=x.device).expand(x.shape)
+    probs = torch.softmax(vals, dim=-1)
     if cfg.top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        cum = torch.softmax(sorted_x, dim=-1).cumsum(-1)
         # drop a token once the mass before it already reaches top_p (the first token always stays)
-        drop_sorted = (cum - torch.softmax(sorted_x, dim=-1)) >= cfg.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        x = x.masked_fill(drop, float("-inf"))
-    return torch.softmax(x, dim=-1)
+        before = probs.cumsum(-1) - probs
+        probs = torch.softmax(vals.masked_fill(before >= cfg.top_p, float("-inf")), dim=-1)
+    return Support(probs, ids)
 
 
-def sample_from(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """(..., V) -> (...) one draw per row."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+def target_support(logits: torch.Tensor, cfg: SamplingConfig) -> Support:
+    """(R*B, ..., V) step logits, rows [cond; uncond] -> per image (B, ..., K)."""
+    return warp(combine_cfg(logits, cfg.cfg_scale, cfg.use_cfg), cfg)
 
 
-def sample_without_replacement(probs: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
-    """(V,) -> (k,) distinct tokens in draw order (successive draws from the renormalised remainder)."""
-    return torch.multinomial(probs, k, replacement=False, generator=generator)
+def gumbel(shape, generator: torch.Generator, device) -> torch.Tensor:
+    u = torch.rand(shape, generator=generator, device=device).clamp_(1e-20, 1.0)
+    return -torch.log(-torch.log(u))
+
+
+def categorical(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """(..., K) -> (...) index of one draw per row (Gumbel-max: exact; zero-probability entries never win)."""
+    return (probs.log() + gumbel(probs.shape, generator, probs.device)).argmax(-1)
+
+
+def draw(dist: Support, greedy: bool, generator: torch.Generator) -> torch.Tensor:
+    """(..., K) support -> (...) token ids: its argmax, or one draw."""
+    pick = dist.probs.argmax(-1) if greedy else categorical(dist.probs, generator)
+    return dist.ids.gather(-1, pick[..., None])[..., 0]
+
+
+def candidates(dist: Support, n: int, greedy: bool, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """n children of a node: the top n (greedy) or n draws without replacement, in draw order (Gumbel top-k).
+    Returns tokens (..., n) and valid (..., n): False where the distribution had fewer than n tokens."""
+    n_take = min(n, dist.probs.shape[-1])
+    keys = dist.probs.log()
+    if not greedy:
+        keys = keys + gumbel(keys.shape, generator, keys.device)
+    top = torch.topk(keys, n_take, dim=-1)
+    tokens, valid = dist.ids.gather(-1, top.indices), torch.isfinite(top.values)
+    if n_take < n:  # a vocabulary smaller than the tree's fan-out
+        pad = n - n_take
+        tokens = torch.cat([tokens, tokens.new_zeros(*tokens.shape[:-1], pad)], -1)
+        valid = torch.cat([valid, valid.new_zeros(*valid.shape[:-1], pad)], -1)
+    return tokens, valid

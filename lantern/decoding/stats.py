@@ -1,57 +1,177 @@
-"""What a generation measured: acceptance (tau, per depth, histogram), forwards, moved mass, phase times."""
+"""What a generation measured, per image: tau, step compression, per-depth acceptance, the true TV of the
+relaxed target each token came from (bounded rule), the papers' boosts, forwards and phase times.
+
+Definitions (docs/algorithms.md): tau = mean over an image's verify steps of accepted drafts + 1 bonus;
+step compression = an image's tokens / the target forwards that image took (prefill included; a batch of B
+images shares each forward, and each image counts it once).
+"""
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass
-class GenerationStats:
-    tokens: int = 0  # image tokens generated (all images)
-    target_forwards: int = 0  # prefill + verify/decode steps
-    draft_forwards: int = 0  # drafter steps (catch-up and tree levels)
+class ImageStats:
+    tokens: int
+    target_forwards: int  # prefill + the verify (or AR decode) steps this image ran in
     accepted_lengths: list[int] = field(default_factory=list)  # per verify step: accepted drafts + 1 bonus
     depth_tried: Counter = field(default_factory=Counter)  # depth -> steps whose walk tried children there
     depth_accepted: Counter = field(default_factory=Counter)  # depth -> steps that accepted a child there
-    moved_mass: list[float] = field(default_factory=list)  # per accepted draft token
-    accepted_ranks: list[tuple[int, ...]] = field(default_factory=list)  # per verify step: child ranks of the path
+    accepted_ranks: list[tuple[int, ...]] = field(default_factory=list)  # per step: child ranks of the path
+    token_tv: list[float] = field(default_factory=list)  # per token from a verify step: TV(p_hat, p)
+    boost: list[float] = field(default_factory=list)  # papers' rule: per accepted draft, its boost
+
+    @property
+    def tau(self) -> float:
+        return sum(self.accepted_lengths) / len(self.accepted_lengths) if self.accepted_lengths else 1.0
+
+    @property
+    def step_compression(self) -> float:
+        return self.tokens / self.target_forwards if self.target_forwards else 0.0
+
+    def summary(self) -> dict:
+        return {"tokens": self.tokens, "target_forwards": self.target_forwards, "tau": self.tau,
+                "step_compression": self.step_compression, "acceptance_by_depth": _by_depth(self),
+                "token_tv_max": max(self.token_tv, default=0.0)}
+
+
+def _by_depth(s) -> dict:
+    return {d: s.depth_accepted[d] / s.depth_tried[d] for d in sorted(s.depth_tried)}
+
+
+@dataclass
+class GenerationStats:
+    images: list[ImageStats] = field(default_factory=list)
+    draft_forwards: int = 0  # drafter steps (catch-ups and tree levels), each over the whole batch
+    batch: int = 0  # the runner's static image width B
     phase_seconds: dict[str, float] = field(default_factory=dict)
     wall_seconds: float = 0.0  # decode wall time (VQ decode excluded)
 
+    @classmethod
+    def for_ar(cls, n_images: int, block: int, seconds: float) -> "GenerationStats":
+        """AR: every image takes one forward per token."""
+        return cls(images=[ImageStats(tokens=block, target_forwards=block) for _ in range(n_images)],
+                   wall_seconds=seconds)
+
     def merge(self, other: "GenerationStats") -> None:
-        self.tokens += other.tokens
-        self.target_forwards += other.target_forwards
+        """Append another chunk's images."""
+        self.images += other.images
         self.draft_forwards += other.draft_forwards
-        self.accepted_lengths += other.accepted_lengths
-        self.depth_tried.update(other.depth_tried)
-        self.depth_accepted.update(other.depth_accepted)
-        self.moved_mass += other.moved_mass
-        self.accepted_ranks += other.accepted_ranks
+        self.batch = max(self.batch, other.batch)
         for k, v in other.phase_seconds.items():
             self.phase_seconds[k] = self.phase_seconds.get(k, 0.0) + v
         self.wall_seconds += other.wall_seconds
 
     @property
+    def tokens(self) -> int:
+        return sum(i.tokens for i in self.images)
+
+    @property
+    def target_forwards(self) -> int:
+        """Summed over images: each image counts every forward it took part in."""
+        return sum(i.target_forwards for i in self.images)
+
+    @property
+    def accepted_lengths(self) -> list[int]:
+        return [x for i in self.images for x in i.accepted_lengths]
+
+    @property
+    def accepted_ranks(self) -> list[tuple[int, ...]]:
+        return [x for i in self.images for x in i.accepted_ranks]
+
+    @property
+    def token_tv(self) -> list[float]:
+        return [x for i in self.images for x in i.token_tv]
+
+    @property
+    def boost(self) -> list[float]:
+        return [x for i in self.images for x in i.boost]
+
+    @property
+    def depth_tried(self) -> Counter:
+        return sum((i.depth_tried for i in self.images), Counter())
+
+    @property
+    def depth_accepted(self) -> Counter:
+        return sum((i.depth_accepted for i in self.images), Counter())
+
+    @property
     def mean_accepted_length(self) -> float:
-        """tau: mean over verify steps of accepted draft tokens + 1 bonus (1.0 for AR)."""
-        if not self.accepted_lengths:
-            return 1.0
-        return sum(self.accepted_lengths) / len(self.accepted_lengths)
+        """tau over every verify step of every image (1.0 for AR)."""
+        lengths = self.accepted_lengths
+        return sum(lengths) / len(lengths) if lengths else 1.0
+
+    @property
+    def step_compression(self) -> float:
+        return self.tokens / self.target_forwards if self.target_forwards else 0.0
 
     def summary(self) -> dict:
-        depths = sorted(self.depth_tried)
+        tv, boost = self.token_tv, self.boost
         return {
+            "images": len(self.images),
+            "batch": self.batch,
             "tokens": self.tokens,
             "target_forwards": self.target_forwards,
             "draft_forwards": self.draft_forwards,
             "verify_steps": len(self.accepted_lengths),
             "mean_accepted_length": self.mean_accepted_length,
-            "step_compression": self.tokens / self.target_forwards if self.target_forwards else 0.0,
-            "acceptance_by_depth": {d: self.depth_accepted[d] / self.depth_tried[d] for d in depths},
+            "step_compression": self.step_compression,
+            "acceptance_by_depth": _by_depth(self),
             "accepted_length_histogram": dict(sorted(Counter(self.accepted_lengths).items())),
-            "moved_mass_max": max(self.moved_mass, default=0.0),
-            "moved_mass_mean": sum(self.moved_mass) / len(self.moved_mass) if self.moved_mass else 0.0,
+            "token_tv_max": max(tv, default=0.0),
+            "token_tv_mean": sum(tv) / len(tv) if tv else 0.0,
+            "paper_boost_max": max(boost, default=0.0),
+            "paper_boost_mean": sum(boost) / len(boost) if boost else 0.0,
+            "per_image": [i.summary() for i in self.images],
             "phase_seconds": dict(self.phase_seconds),
             "wall_seconds": self.wall_seconds,
             "tokens_per_second": self.tokens / self.wall_seconds if self.wall_seconds else 0.0,
         }
+
+
+@dataclass
+class StepRecords:
+    """Per-step results of a speculative batch, kept on the device until the generation ends."""
+
+    running: list[torch.Tensor] = field(default_factory=list)  # (B,) bool
+    accepted: list[torch.Tensor] = field(default_factory=list)  # (B,)
+    tried: list[torch.Tensor] = field(default_factory=list)  # (B, D)
+    token_tv: list[torch.Tensor] = field(default_factory=list)  # (B, D+1)
+    boost: list[torch.Tensor] = field(default_factory=list)  # (B, D)
+    ranks: list[torch.Tensor] = field(default_factory=list)  # (B, D)
+
+    @property
+    def steps(self) -> int:
+        return len(self.running)
+
+    def add(self, running: torch.Tensor, acc, rank: torch.Tensor) -> None:
+        """acc: a StepAcceptance; rank (B, N) child rank of every node."""
+        self.running.append(running)
+        self.accepted.append(acc.accepted)
+        self.tried.append(acc.tried)
+        self.token_tv.append(acc.token_tv)
+        self.boost.append(acc.boost)
+        self.ranks.append(rank.gather(1, acc.path[:, 1:]))
+
+    def stats(self, active: torch.Tensor, block: int, seconds: float) -> GenerationStats:
+        """One transfer to the host; active (B,) marks real images."""
+        run, acc, tried, tv, boost, ranks = (torch.stack(x, 1).cpu().tolist() for x in (
+            self.running, self.accepted, self.tried, self.token_tv, self.boost, self.ranks))
+        images = []
+        for b in (i for i in range(len(active)) if active[i]):
+            st = ImageStats(tokens=block, target_forwards=1 + sum(run[b]))
+            for t in range(self.steps):
+                if not run[b][t]:
+                    continue
+                m = acc[b][t]
+                st.accepted_lengths.append(m + 1)
+                st.depth_tried.update(d + 1 for d, hit in enumerate(tried[b][t]) if hit)
+                st.depth_accepted.update(range(1, m + 1))
+                st.accepted_ranks.append(tuple(ranks[b][t][:m]))
+                st.token_tv += tv[b][t][: m + 1]
+                st.boost += boost[b][t][:m]
+            images.append(st)
+        return GenerationStats(images=images, batch=len(active), wall_seconds=seconds)

@@ -113,6 +113,8 @@ class CompiledTree:
     children: tuple[tuple[int, ...], ...]  # per node, child node ids in rank order
     retrieve: torch.Tensor  # (leaves, depth+1) node ids along each root-to-leaf path, padded with -1
     draft_levels: tuple[tuple[int, ...], ...]  # per depth 1..depth-1, the nodes that have children
+    parent_nodes: torch.Tensor  # (M,) int64 the nodes that have children, root first
+    children_table: torch.Tensor  # (M, C) int64 their children in rank order, -1 padded
 
     @property
     def draft_width(self) -> int:
@@ -150,8 +152,12 @@ def compile_tree(paths: Sequence[Sequence[int]], pad_to: int | None = None) -> C
         while parent[chain[-1]] >= 0:
             chain.append(int(parent[chain[-1]]))
         retrieve[row, : len(chain)] = torch.tensor(chain[::-1])
+    parents = [i for i in range(n_real) if children[i]]
+    fan_out = max(len(children[i]) for i in parents)
+    table = torch.tensor([children[i] + [-1] * (fan_out - len(children[i])) for i in parents], dtype=torch.long)
     levels = tuple(tuple(i for i in range(1, n_real) if depth[i] == d and children[i])
                    for d in range(1, max_depth))
     return CompiledTree(paths=paths, size=size, n_real=n_real, depth=max_depth, parent=parent, node_depth=depth,
                         rank=rank, mask=mask, children=tuple(tuple(c) for c in children), retrieve=retrieve,
-                        draft_levels=levels)
+                        draft_levels=levels, parent_nodes=torch.tensor(parents, dtype=torch.long),
+                        children_table=table)

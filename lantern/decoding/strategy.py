@@ -1,0 +1,187 @@
+"""Drafting strategies: each owns its static widths, its depth and its scratch layout.
+
+`static_spec` (lantern.decoding.loop) and the profile suite derive every shape from these, never from the
+method's name. The core pads every call to exactly these widths, so graph backends capture each step once.
+
+Cache layout per image row: the committed sequence fills slots 0 .. r-1 of the target cache (r = the root's
+position: the last accepted token, not yet in the cache); a verify writes its N nodes at slots r .. r+N-1.
+The drafter's cache holds the pair (f_{q-1}, x_q) at slot q; drafted nodes use scratch slots past the root,
+which the next catch-up overwrites. `scratch` is how many slots past the last image token a strategy needs.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, fields
+from functools import cached_property
+
+import torch
+
+from lantern.decoding.trees import CompiledTree
+
+
+class Strategy(ABC):
+    @property
+    @abstractmethod
+    def verify_width(self) -> int:
+        """N: root + drafted nodes per target forward."""
+
+    @property
+    @abstractmethod
+    def depth(self) -> int:
+        """D: the longest run of drafts one step can accept."""
+
+    @property
+    def draft_widths(self) -> tuple[int, ...]:
+        """Widths of the drafter steps (empty: no drafter)."""
+        return ()
+
+    @property
+    def scratch(self) -> int:
+        """Cache slots past the sequence that drafting and verification write to."""
+        return self.verify_width + max(self.draft_widths, default=0)
+
+    @property
+    def commit_pairs(self) -> int:
+        """Slot pairs per commit: the root and up to D accepted nodes."""
+        return self.depth + 1
+
+    @property
+    def catchup_width(self) -> int:
+        """Pairs the drafter eats after a step: the accepted drafts and the bonus token."""
+        return self.depth + 1
+
+    @property
+    def drafter_calls(self) -> int:
+        """Drafter steps per verification (0 without a drafter)."""
+        return 0
+
+
+@dataclass(frozen=True)
+class LevelPlan:
+    """One drafting level of a static tree: which nodes it feeds, where their children go (all static)."""
+
+    nodes: torch.Tensor  # (w,) node ids fed at this level (the root alone for level 0)
+    rows: torch.Tensor  # (w,) their rows in the tree's children table
+    parents: torch.Tensor  # (w,) their parents' node ids (whose predicted features they carry)
+    kids: torch.Tensor  # (c,) child node ids, in the order of kid_cols
+    kid_cols: torch.Tensor  # (c,) columns of the flattened (w * C) candidate table that are real children
+    depth: int  # the nodes' depth
+    offsets: torch.Tensor  # (W,) scratch slot offsets from the root: node ids, then padding past the tree
+    rel: torch.Tensor  # (W, N + W) bool: the scratch slots each fed pair attends to (padding: only itself)
+
+    def to(self, device) -> "LevelPlan":
+        return LevelPlan(**{f.name: getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), torch.Tensor)
+                            else getattr(self, f.name) for f in fields(self)})
+
+
+@dataclass(frozen=True)
+class PlacedTree:
+    """A static tree's buffers on one device: (1, N) / (1, N, N) / (1, M) shared by every image."""
+
+    levels: list
+    depth: torch.Tensor
+    ancestors: torch.Tensor
+    parents: torch.Tensor
+    children: torch.Tensor  # (M, C)
+    rank: torch.Tensor
+
+
+@dataclass(frozen=True)
+class StaticTree(Strategy):
+    """A fixed tree shared by every image (LANTERN++, EAGLE-1): child j of a node is its j-th candidate."""
+
+    tree: CompiledTree
+
+    @property
+    def verify_width(self) -> int:
+        return self.tree.size
+
+    @property
+    def depth(self) -> int:
+        return self.tree.depth
+
+    @property
+    def level_width(self) -> int:
+        """W: nodes with children at one depth >= 1 (one drafter step each)."""
+        return max(self.tree.draft_width, 1)
+
+    @property
+    def draft_widths(self) -> tuple[int, ...]:
+        return tuple(sorted({self.catchup_width, self.level_width}))
+
+    @property
+    def drafter_calls(self) -> int:
+        return 1 + len(self.tree.draft_levels)  # the catch-up, then one per level
+
+    def on_device(self, device) -> "PlacedTree":
+        """The tree's buffers and level plans on `device`, moved once and reused every step."""
+        cache = self.__dict__.setdefault("_placed", {})
+        key = str(device)
+        if key not in cache:
+            t = self.tree
+            cache[key] = PlacedTree(levels=[plan.to(device) for plan in self.levels],
+                                    depth=t.node_depth.to(device)[None], ancestors=t.mask.to(device)[None],
+                                    parents=t.parent_nodes.to(device)[None], children=t.children_table.to(device),
+                                    rank=t.rank.to(device)[None])
+        return cache[key]
+
+    @cached_property
+    def levels(self) -> list[LevelPlan]:
+        """Level 0 (the root, fed by the catch-up) then one plan per drafter step."""
+        tree = self.tree
+        n, width = tree.size, self.level_width
+        row_of = {int(p): i for i, p in enumerate(tree.parent_nodes)}
+        table = tree.children_table
+        plans = []
+        for nodes in [(0,)] + list(tree.draft_levels):
+            w = len(nodes)
+            kids = table[[row_of[i] for i in nodes]].flatten()
+            rel = torch.zeros(width, n + width, dtype=torch.bool)
+            rel[:w, :n] = tree.mask[list(nodes)]
+            rel[torch.arange(w, width), n + torch.arange(w, width)] = True
+            plans.append(LevelPlan(
+                nodes=torch.tensor(nodes), rows=torch.tensor([row_of[i] for i in nodes]),
+                parents=tree.parent[list(nodes)].clamp_min(0), kids=kids[kids >= 0],
+                kid_cols=torch.nonzero(kids >= 0).flatten(), depth=int(tree.node_depth[nodes[0]]),
+                offsets=torch.cat([torch.tensor(nodes), n + torch.arange(w, width)]), rel=rel))
+        return plans
+
+
+@dataclass(frozen=True)
+class DynamicTree(Strategy):
+    """EAGLE-2, per image: expand the top_k beams by cumulative draft log-probability at each depth, keep the
+    `total` best drafted nodes (root included)."""
+
+    max_depth: int
+    top_k: int
+    total: int
+
+    @property
+    def verify_width(self) -> int:
+        return self.total
+
+    @property
+    def depth(self) -> int:
+        return self.max_depth
+
+    @property
+    def draft_widths(self) -> tuple[int, ...]:
+        return tuple(sorted({self.catchup_width, self.top_k}))
+
+    @property
+    def drafter_calls(self) -> int:
+        return self.max_depth  # the catch-up, then one per depth 1 .. D-1
+
+    @property
+    def records(self) -> int:
+        """Drafted candidates before reranking: the root, its top_k, then top_k**2 per deeper level."""
+        return 1 + self.top_k + (self.max_depth - 1) * self.top_k ** 2
+
+    @property
+    def expanded(self) -> int:
+        """Nodes that get children: the root and top_k beams per depth 1 .. D-1."""
+        return 1 + (self.max_depth - 1) * self.top_k
+
+    @property
+    def scratch(self) -> int:
+        return max(self.total, 1 + (self.max_depth - 1) * self.top_k) + self.catchup_width

@@ -173,6 +173,11 @@ class DynamicTree(Strategy):
         return self.max_depth  # the catch-up, then one per depth 1 .. D-1
 
     @property
+    def level_width(self) -> int:
+        """W: beams fed per drafter step."""
+        return self.top_k
+
+    @property
     def records(self) -> int:
         """Drafted candidates before reranking: the root, its top_k, then top_k**2 per deeper level."""
         return 1 + self.top_k + (self.max_depth - 1) * self.top_k ** 2

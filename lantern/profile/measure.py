@@ -105,6 +105,7 @@ def side_by_side(pipe, dcfgs: dict, classes, seed: int, warmup: int, repeats: in
 
 
 def _summary(dcfg: DecodeConfig, results: list, walls: list[float], images: int) -> dict:
+    strategy = dcfg.strategy
     stats = results[0].stats
     for res in results[1:]:
         stats.merge(res.stats)
@@ -121,11 +122,11 @@ def _summary(dcfg: DecodeConfig, results: list, walls: list[float], images: int)
         "target_forwards": s["target_forwards"],
         "verify_steps": steps,
         "acceptance_by_depth": {str(d): v for d, v in s["acceptance_by_depth"].items()},
-        "moved_mass_max": s["moved_mass_max"],
+        "token_tv_max": s["token_tv_max"],
         "phase_seconds": s["phase_seconds"],
-        "verify_width": dcfg.verify_width,
-        "tree_depth": dcfg.tree_depth,
-        "draft_width": dcfg.draft_width,
+        "verify_width": strategy.verify_width if strategy else 1,
+        "tree_depth": strategy.depth if strategy else 0,
+        "draft_width": strategy.level_width if strategy else 0,
         "warmup_s": last["warmup_s"],
         "spec": last["spec"],
         "memory": {**last["memory"], "process_peak_rss_bytes": process_peak_rss()},

@@ -1,38 +1,70 @@
 """Intel Gaudi (HPU) backend: every static step an HPU graph, captured in warm-up and replayed, bf16 by default.
 
-Habana's bridge (`habana_frameworks`) is imported only inside this backend when it is asked for, never at
-module scope, so `lantern backends` works and says why on machines without it. HPU graphs run only in lazy
-mode, so the bridge is imported with PT_HPU_LAZY_MODE=1 set explicitly; after every step `mark_step` flushes
-what lazy mode accumulated. `wrap_in_hpu_graph` keys one graph per distinct input shape and per distinct
-non-tensor argument: every step argument is a tensor of a StaticSpec shape (positions and slots included),
-so a whole generation uses exactly `runner.graph_keys()` graphs.
+Probing availability imports nothing and sets nothing: it looks for the bridge's package (`habana_frameworks`)
+without importing it, and for Gaudi devices in sysfs. The bridge is imported when a runner is prepared, and only
+then: HPU graphs run only in lazy mode, which the bridge reads from PT_HPU_LAZY_MODE when imported, so preparing
+sets PT_HPU_LAZY_MODE=1 for the process (any other value is refused), declares a GaudiConfig's autocast op
+lists (gaudi_config.py), then imports. After every step `mark_step` flushes what lazy mode accumulated.
+`wrap_in_hpu_graph` keys one graph per distinct input shape and per distinct non-tensor argument: every step
+argument is a tensor of a StaticSpec shape (positions and slots included), so a whole generation uses exactly
+`runner.graph_keys()` graphs.
 """
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
+import re
+from pathlib import Path
 from types import ModuleType
+from typing import Optional
 
 import torch
 
 from lantern.backends.base import (Availability, Backend, BackendUnavailable, Capabilities, MemoryReport, Runner,
-                                   StaticSpec)
+                                   StaticSpec, StepOutput, parse_dtype)
+from lantern.backends.gaudi_config import GaudiSettings, load_gaudi_config
 from lantern.backends.torch_eager import SharedWeights
 from lantern.backends.torch_graph import CapturedRunner
 
 INSTALL_HINT = "install Habana's PyTorch bridge, then pip install lantern[hpu]"
 LAZY_ENV = "PT_HPU_LAZY_MODE"
 DEVICE_TYPE = "hpu"
+# where the habanalabs driver registers Gaudi devices: the accel subsystem, or its own class on older kernels
+SYSFS_DEVICES = ((Path("/sys/class/accel"), re.compile(r"accel\d+")),
+                 (Path("/sys/class/habanalabs"), re.compile(r"hl\d+")))
 
 
-def import_bridge() -> tuple[ModuleType, ModuleType]:
-    """(habana_frameworks.torch.core, habana_frameworks.torch.hpu), imported in lazy mode."""
-    mode = os.environ.setdefault(LAZY_ENV, "1")
-    if mode != "1":
-        raise BackendUnavailable(f"hpu: {LAZY_ENV}={mode}, but HPU graphs run only in lazy mode; "
-                                 f"unset it or set {LAZY_ENV}=1 before starting Python")
-    return (importlib.import_module("habana_frameworks.torch.core"),
-            importlib.import_module("habana_frameworks.torch.hpu"))
+def bridge_installed() -> bool:
+    """Whether `habana_frameworks` can be found, without importing it."""
+    try:
+        return importlib.util.find_spec("habana_frameworks") is not None
+    except (ImportError, ValueError):  # ValueError: a module in sys.modules without a spec
+        return False
+
+
+def gaudi_devices() -> list[str]:
+    """Names of the Gaudi devices the habanalabs driver registered, from sysfs."""
+    found = []
+    for folder, pattern in SYSFS_DEVICES:
+        for dev in sorted(folder.glob("*")) if folder.is_dir() else []:
+            driver = dev / "device" / "driver"
+            if pattern.fullmatch(dev.name) and driver.exists() and driver.resolve().name == "habanalabs":
+                found.append(dev.name)
+    return found
+
+
+def import_bridge(gaudi_config: Optional[GaudiSettings]) -> tuple[ModuleType, ModuleType]:
+    """(habana_frameworks.torch.core, habana_frameworks.torch.hpu), imported in lazy mode with the config's
+    autocast lists declared first. Sets PT_HPU_LAZY_MODE=1 for the process: the bridge reads it."""
+    os.environ[LAZY_ENV] = "1"  # availability() refused any other value
+    if gaudi_config is not None:
+        gaudi_config.declare()
+    try:
+        return (importlib.import_module("habana_frameworks.torch.core"),
+                importlib.import_module("habana_frameworks.torch.hpu"))
+    except Exception as e:  # a broken bridge: say what failed
+        raise BackendUnavailable(f"hpu: habana_frameworks failed to import ({type(e).__name__}: {e})") from e
 
 
 class HPURunner(CapturedRunner):
@@ -42,12 +74,22 @@ class HPURunner(CapturedRunner):
     capture_kind = "habana_frameworks.torch.hpu.wrap_in_hpu_graph (lazy mode)"
 
     def __init__(self, target, drafter, spec: StaticSpec, device: torch.device, core: ModuleType,
-                 hpu: ModuleType):
-        self.core, self.hpu = core, hpu
+                 hpu: ModuleType, autocast: bool = False):
+        self.core, self.hpu, self.autocast = core, hpu, autocast
         super().__init__(target, drafter, spec, device)
 
     def wrap_step(self, name, module):
-        return self.hpu.wrap_in_hpu_graph(module)
+        graph = self.hpu.wrap_in_hpu_graph(module)
+        if not self.autocast:
+            return graph
+
+        def step(*args):
+            """The graph under autocast (captured so); features back in the runner's dtype, as the contract says."""
+            with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16):
+                out = graph(*args)
+            return out if out is None else StepOutput(out[0], out[1].to(parse_dtype(self.spec.dtype)))
+
+        return step
 
     def step_done(self):
         self.core.mark_step()
@@ -70,24 +112,27 @@ class HPURunner(CapturedRunner):
 
 
 class HPUBackend(SharedWeights, Backend):
+    """gaudi_config: a gaudi_config.json (or its folder) whose autocast op lists the steps run under; default
+    $LANTERN_GAUDI_CONFIG, else none (see gaudi_config.py)."""
+
     name = "hpu"
 
-    def __init__(self, device_index: int = 0):
+    def __init__(self, device_index: int = 0, gaudi_config: Optional[str] = None):
         self.device_index = device_index
+        self.gaudi_config = load_gaudi_config(gaudi_config)
 
     @classmethod
     def availability(cls) -> Availability:
-        try:
-            _, hpu = import_bridge()
-        except BackendUnavailable as e:
-            return Availability(False, str(e).removeprefix("hpu: "))
-        except Exception as e:  # a missing or broken bridge must not break listing or `auto`
-            if isinstance(e, ImportError) and e.name == "habana_frameworks":
-                return Availability(False, f"habana_frameworks is not installed ({INSTALL_HINT})")
-            return Availability(False, f"habana_frameworks failed to import ({type(e).__name__}: {e})")
-        if not hpu.is_available():
-            return Availability(False, "no Gaudi device is visible (habana_frameworks.torch.hpu.is_available() "
-                                       "is False)")
+        """From the environment, the package index and sysfs: imports nothing, sets nothing."""
+        mode = os.environ.get(LAZY_ENV, "1")
+        if mode != "1":
+            return Availability(False, f"{LAZY_ENV}={mode}, but HPU graphs run only in lazy mode; unset it or set "
+                                       f"{LAZY_ENV}=1 before starting Python")
+        if not bridge_installed():
+            return Availability(False, f"habana_frameworks is not installed ({INSTALL_HINT})")
+        if not gaudi_devices():
+            return Availability(False, "no Gaudi device is visible (no habanalabs device in "
+                                       + " or ".join(str(folder) for folder, _ in SYSFS_DEVICES) + ")")
         return Availability(True)
 
     def capabilities(self) -> Capabilities:
@@ -101,9 +146,13 @@ class HPUBackend(SharedWeights, Backend):
         if not avail.ok:
             raise BackendUnavailable(f"hpu: {avail.reason}")
         self.check_dtype(spec.dtype)
-        core, hpu = import_bridge()
+        core, hpu = import_bridge(self.gaudi_config)
+        if not hpu.is_available():
+            raise BackendUnavailable("hpu: no Gaudi device is visible (habana_frameworks.torch.hpu.is_available() "
+                                     "is False)")
+        autocast = self.gaudi_config is not None and self.gaudi_config.use_torch_autocast
         device = torch.device(DEVICE_TYPE, self.device_index)
         runner = HPURunner(*self.placed(target, drafter if spec.draft_widths else None, device, spec.dtype), spec,
-                           device, core, hpu)
+                           device, core, hpu, autocast)
         runner.backend_name = self.name
         return runner

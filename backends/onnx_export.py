@@ -31,6 +31,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from lantern.models.checkpoint import weights_hash
+
 FORMAT_VERSION = 4  # bump when the graphs' inputs, outputs or maths change: older cache files become stale
 OPSET = 17
 CACHE_ENV = "LANTERN_ONNX_CACHE"
@@ -158,16 +160,13 @@ class GraphKey:
 
 
 def model_hash(*modules: Optional[nn.Module]) -> str:
-    """sha256 over the configs and state_dicts (names, dtypes, shapes, bytes) of the given modules."""
+    """sha256 over the configs and weights (lantern's one `weights_hash`) of the given modules."""
     h = hashlib.sha256()
     for m in modules:
         if m is None:
             continue
         h.update(json.dumps(getattr(m, "config").to_dict(), sort_keys=True).encode())
-        for name, t in sorted(m.state_dict().items()):
-            t = t.detach().cpu().contiguous()
-            h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(weights_hash(m.state_dict()).encode())
     return h.hexdigest()
 
 

@@ -6,9 +6,14 @@
   graph recording) is done before timing starts;
 - `graph_keys()` names the graphs a whole generation uses: one per static step (commits included).
 Subclasses say only how a step module is captured (`wrap_step`) and what ends a step (`step_done`).
+
+Dynamo keeps at most `recompile_limit` graphs per code object in a process (8 by default), and the step modules
+of every runner share their code objects; a compiled runner raises that limit only while its warm-up compiles,
+and restores it after, so preparing runners changes nothing for other compiled code in the process.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from abc import abstractmethod
@@ -20,8 +25,8 @@ import torch._dynamo
 from lantern.backends.base import Runner, StaticSpec, StepOutput, run_every_static_step
 from lantern.backends.torch_eager import CPUBackend, CUDABackend, TorchRunner
 
-# Graphs of several runners (other shapes) share the step modules' code objects, whose dynamo cache
-# holds 8 entries by default; a few runners in one process would exceed it and fail under fullgraph.
+# Graphs of several runners (other shapes) share the step modules' code objects; a few runners in one process
+# would exceed dynamo's default limit of 8 and fail under fullgraph.
 MIN_RECOMPILE_LIMIT = 64
 
 
@@ -29,6 +34,18 @@ def check_width(step: str, width: int, widths: tuple[int, ...]) -> None:
     if width not in widths:
         raise ValueError(f"{step} width {width} is not one of this runner's static widths {widths}: graph mode "
                          f"would capture a new graph mid-generation; add it to StaticSpec.{step}_widths")
+
+
+@contextlib.contextmanager
+def recompile_limit_at_least(limit: int):
+    """Dynamo's process-wide recompile limit raised to `limit` inside the block only."""
+    config = torch._dynamo.config
+    old = config.cache_size_limit  # torch 2.4's name; newer torch keeps it as an alias of recompile_limit
+    config.cache_size_limit = max(old, limit)
+    try:
+        yield
+    finally:
+        config.cache_size_limit = old
 
 
 def as_inference(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -99,13 +116,16 @@ class CompiledRunner(CapturedRunner):
         self.capture_kind = f"torch.compile(backend={getattr(compiler, '__name__', compiler)!s}, mode={mode})"
         # reduce-overhead (CUDA graphs) replays into the same output buffers, so the next replay overwrites them
         self.clone_outputs = mode == "reduce-overhead"
-        # cache_size_limit: the name torch 2.4 knows; newer torch keeps it as an alias of recompile_limit
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, MIN_RECOMPILE_LIMIT)
         super().__init__(target, drafter, spec, device)
 
     def wrap_step(self, name, module):
         options = {"mode": self.mode} if self.mode else {}
         return torch.compile(module, backend=self.compiler, fullgraph=True, dynamic=False, **options)
+
+    def warmup(self) -> float:
+        """Every step compiled here (graph modes never compile after warm-up), under a raised recompile limit."""
+        with recompile_limit_at_least(MIN_RECOMPILE_LIMIT):
+            return super().warmup()
 
 
 class CPUGraphBackend(CPUBackend):

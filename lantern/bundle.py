@@ -31,8 +31,6 @@ from lantern.models.gpt import GPT
 from lantern.models.vq import VQConfig, VQModel
 
 DEFAULT_BUNDLE = Path(__file__).parent / "assets" / "default"
-WEIGHT_FILES = ("vq.safetensors", "target.safetensors", "drafter.safetensors", "evaluator.safetensors",
-                "proximity.safetensors")
 
 
 def sha256_file(path: str | Path) -> str:

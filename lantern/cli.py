@@ -1,4 +1,7 @@
-"""`lantern` command line. Exit codes: 0 ok, 1 internal error, 2 bad usage or input, 3 backend unavailable.
+"""`lantern` command line: generate, eval, backends, profile, train, info, export-onnx.
+
+Exit codes (lantern.exit_codes): 0 ok, 1 internal error (or a failed case or check), 2 bad usage or input,
+3 backend unavailable.
 
 With --json, a command prints exactly one JSON object on stdout (errors too: {"error": ..., "exit_code": ...}).
 """
@@ -10,14 +13,10 @@ import sys
 import traceback
 from pathlib import Path
 
+from lantern.cli_args import Parser, UsageError, check_writable, number
+from lantern.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED_CASES, EXIT_INTERNAL, EXIT_OK, EXIT_UNAVAILABLE
 from lantern.profile.cli import add_profile_commands
 from lantern.train.cli import add_info_command, add_train_commands
-
-EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT, EXIT_UNAVAILABLE = 0, 1, 2, 3
-
-
-class UsageError(ValueError):
-    """Bad input found by a command itself (reported like a ValueError, exit code 2)."""
 
 
 def add_decode_options(p: argparse.ArgumentParser) -> None:
@@ -30,24 +29,39 @@ def add_decode_options(p: argparse.ArgumentParser) -> None:
                         "lantern++ (57-node static tree, k=10, lambda=3)")
     g.add_argument("--drafting", help="override: none | dynamic | a tree preset | a .json file of paths")
     g.add_argument("--acceptance", choices=KINDS, help="override the method's acceptance rule")
-    g.add_argument("--k", type=int, help="proximity neighbours for relaxed acceptance")
-    g.add_argument("--delta", type=float, help="LANTERN bound, in [0, 1]")
-    g.add_argument("--lam", type=float, help="LANTERN++ bound, >= 1")
+    g.add_argument("--k", type=number(int, 0), help="proximity neighbours for relaxed acceptance")
+    g.add_argument("--delta", type=number(float, 0, 1), help="LANTERN bound, in [0, 1]")
+    g.add_argument("--lam", type=number(float, 1), help="LANTERN++ bound, >= 1")
     g.add_argument("--relaxation", dest="form", choices=FORMS,
                    help="bounded (default: a fixed relaxed target per node, output within the recorded TV of the "
                         "target) | paper (the published per-candidate rules, distortion not bounded by delta)")
-    g.add_argument("--batch", type=int, help="images per static step (default 16); more images run in chunks")
+    g.add_argument("--batch", type=number(int, 1), help="images per static step (default 16); more images run in "
+                                                        "chunks")
     g.add_argument("--greedy", action="store_true", help="argmax decoding (default: sampling)")
-    g.add_argument("--temperature", type=float, help="default: the model's")
-    g.add_argument("--top-k", type=int, help="0 = off (default: the model's)")
-    g.add_argument("--top-p", type=float, help="1 = off (default: the model's)")
-    g.add_argument("--cfg-scale", type=float, help="classifier-free guidance scale (default: the model's)")
+    g.add_argument("--temperature", type=number(float, 0, low_open=True), help="> 0 (default: the model's)")
+    g.add_argument("--top-k", type=number(int, 0), help="0 = off (default: the model's)")
+    g.add_argument("--top-p", type=number(float, 0, 1, low_open=True), help="in (0, 1], 1 = off (default: the model's)")
+    g.add_argument("--cfg-scale", type=number(float, 1),
+                   help="classifier-free guidance scale, >= 1, 1 = off (default: the model's)")
 
 
 def add_backend_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("backend")
     g.add_argument("--backend", help="auto | cpu | cuda | ... (default: $LANTERN_BACKEND, else auto)")
     g.add_argument("--dtype", help="fp32 | bf16 | fp16, what the backend supports (default: its preferred one)")
+    g.add_argument("--gaudi-config", help="hpu backend only: a gaudi_config.json (or its folder) whose autocast op "
+                                          "lists the steps run under (default: $LANTERN_GAUDI_CONFIG; docs/gaudi.md)")
+
+
+def backend_options(args) -> dict:
+    """Backend constructor options from the flags: --gaudi-config, which only the hpu backend takes."""
+    from lantern.backends import resolve_name
+    if not args.gaudi_config:
+        return {}
+    name = resolve_name(args.backend)
+    if name != "hpu":
+        raise UsageError(f"--gaudi-config is an option of the hpu backend; the backend here is {name!r}")
+    return {"gaudi_config": args.gaudi_config}
 
 
 def decode_config_from_args(args, model_defaults: dict):
@@ -69,10 +83,14 @@ def cmd_generate(args) -> dict:
     from lantern.profile.cli import apply_profile
 
     apply_profile(args)  # a --profile supplies backend, dtype, threads and tuned tree
-    get_backend(args.backend)  # an unknown or unavailable backend fails before any loading or writing
+    options = backend_options(args)
+    get_backend(args.backend, **options)  # an unknown or unavailable backend fails before any loading or writing
+    if not args.no_images:
+        check_writable(Path(args.out), "--out", folder=True)
     bundle = load_bundle(args.model)
     dcfg = decode_config_from_args(args, bundle.default_sampling)
-    pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend=args.backend, dtype=args.dtype)
+    pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend=args.backend, dtype=args.dtype,
+                    **options)
     pipe.check(dcfg, args.batch)
     result = pipe.generate(args.classes, dcfg, seed=args.seed, progress=not args.json, batch=args.batch)
     paths, grid = [], None
@@ -101,10 +119,12 @@ def cmd_eval(args) -> dict:
     from lantern.bundle import load_bundle
     from lantern.evaluate import evaluate
 
-    get_backend(args.backend)
+    options = backend_options(args)
+    get_backend(args.backend, **options)
     bundle = load_bundle(args.model)
     dcfg = decode_config_from_args(args, bundle.default_sampling)
-    pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend=args.backend, dtype=args.dtype)
+    pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend=args.backend, dtype=args.dtype,
+                    **options)
     pipe.check(dcfg, args.batch)
     stats = []
 
@@ -133,6 +153,12 @@ def print_eval(out: dict) -> None:
 def cmd_backends(args) -> dict:
     from lantern.backends import backend_class, registered, resolve_name
     from lantern.backends.base import describe
+    if args.check:
+        from lantern.backends.conformance import check_backend
+        report = check_backend(args.check).to_dict()
+        failed = not report["passed"]
+        return {**report, "exit_code": EXIT_FAILED_CASES if failed else EXIT_OK if report["available"]
+                else EXIT_UNAVAILABLE}
     rows = []
     for name in sorted(registered()):
         try:
@@ -153,6 +179,13 @@ def print_generate(out: dict) -> None:
 
 
 def print_backends(out: dict) -> None:
+    if "checks" in out:
+        for check in out["checks"]:
+            print(f"{check['status'].upper():<5} {check['name']}: {check['message']}")
+        verdict = ("unavailable here: nothing else was checked" if not out["available"] and out["passed"]
+                   else "conforms" if out["passed"] else "does NOT conform")
+        print(f"{out['backend']}: {verdict}")
+        return
     for row in out["backends"]:
         if row["available"]:
             print(f"{row['name']:<12} available    device={row['device']} dtypes={','.join(row['dtypes'])}")
@@ -162,7 +195,7 @@ def print_backends(out: dict) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lantern", description=__doc__.split("\n")[0])
+    parser = Parser(prog="lantern", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate images (default model: the embedded bundle)")
@@ -170,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--classes", type=int, nargs="+", default=[0, 1, 2, 3], help="class ids, one image each")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--out", default="out", help="folder for the PNGs and grid.png")
-    g.add_argument("--scale", type=int, default=4, help="upscale factor of the written PNGs")
+    g.add_argument("--scale", type=number(int, 1), default=4, help="upscale factor of the written PNGs, >= 1")
     g.add_argument("--no-images", action="store_true", help="tokens and stats only")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--profile", help="hardware profile NAME or .toml FILE: its backend, dtype, threads and tuned tree")
@@ -181,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="class accuracy and Frechet distance of generated images")
     e.add_argument("--model", help="bundle folder (default: the embedded model)")
     e.add_argument("--classes", type=int, nargs="+", help="class ids (default: all)")
-    e.add_argument("--n-per-class", type=int, default=10)
+    e.add_argument("--n-per-class", type=number(int, 1), default=10)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--json", action="store_true")
     add_decode_options(e)
@@ -189,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_eval, show=print_eval)
 
     b = sub.add_parser("backends", help="list backends: available or why not, device, dtypes")
+    b.add_argument("--check", metavar="NAME", help="run the conformance kit (lantern.backends.conformance) on "
+                                                   "backend NAME: exit 0 if it conforms, 1 if a check fails, "
+                                                   "3 if it is unavailable here")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_backends, show=print_backends)
 
@@ -202,7 +238,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     from lantern.backends import BackendUnavailable
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as e:
+        return _fail(str(e), EXIT_BAD_INPUT, "--json" in argv)
     as_json = getattr(args, "json", False)
     try:
         out = args.func(args)

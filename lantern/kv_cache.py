@@ -27,10 +27,11 @@ class StaticKVCache(nn.Module):
         return (slots + self.row_offset[:, None]).reshape(-1)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, flat_slots: torch.Tensor):
-        """Write k, v (B, T, H_kv, hd) at flat_slots; return the whole cache as (B, H_kv, S, hd) views."""
+        """Write k, v (B, T, H_kv, hd) at flat_slots; return the whole cache as (B, H_kv, S, hd) views.
+        The cache keeps its own dtype whatever autocast computed k and v in."""
         kc, vc = getattr(self, f"k{layer}"), getattr(self, f"v{layer}")
-        kc.index_copy_(0, flat_slots, k.reshape(-1, self.n_kv_head, self.head_dim))
-        vc.index_copy_(0, flat_slots, v.reshape(-1, self.n_kv_head, self.head_dim))
+        kc.index_copy_(0, flat_slots, k.reshape(-1, self.n_kv_head, self.head_dim).to(kc.dtype))
+        vc.index_copy_(0, flat_slots, v.reshape(-1, self.n_kv_head, self.head_dim).to(vc.dtype))
         shape = (self.batch, self.max_len, self.n_kv_head, self.head_dim)
         return kc.view(shape).transpose(1, 2), vc.view(shape).transpose(1, 2)
 
@@ -41,11 +42,6 @@ class StaticKVCache(nn.Module):
             for name in (f"k{i}", f"v{i}"):
                 buf = getattr(self, name)
                 buf.index_copy_(0, dst, buf.index_select(0, src))
-
-    def zero_(self) -> None:
-        for buf in self.buffers():
-            if buf.is_floating_point():
-                buf.zero_()
 
     @property
     def nbytes(self) -> int:

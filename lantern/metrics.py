@@ -1,4 +1,4 @@
-"""Sample-quality metrics in the evaluator's feature space (lantern's stand-in for FID, see ALGORITHMS.md 5)."""
+"""Sample-quality metrics in the evaluator's feature space (lantern's stand-in for FID; docs/algorithms.md, 7)."""
 from __future__ import annotations
 
 import numpy as np

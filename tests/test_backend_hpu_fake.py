@@ -8,16 +8,19 @@ reasons when the bridge is missing, broken, in the wrong mode, or sees no device
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from fakes.fake_habana_frameworks import hide, install
+from fakes.fake_habana_frameworks import hide, install, uninstall
 from lantern.backends import BackendUnavailable, StaticSpec, get_backend, resolve_name
 from lantern.backends import hpu as hpu_backend
-from lantern.backends.base import describe
+from lantern.backends.base import describe, dummy_step_inputs
+from lantern.backends.gaudi_config import FP32_LIST_ENV, LOWER_LIST_ENV
 from lantern.decoding.loop import static_spec
 from test_graph_mode import DRAFTING, decode_configs, generate, spec_for, step_loop
 
@@ -33,10 +36,17 @@ def models(tiny):
 
 @pytest.fixture
 def fake(monkeypatch):
-    monkeypatch.delenv("PT_HPU_LAZY_MODE", raising=False)
+    for name in ("PT_HPU_LAZY_MODE", "LANTERN_GAUDI_CONFIG", LOWER_LIST_ENV, FP32_LIST_ENV):
+        monkeypatch.delenv(name, raising=False)
     recorder = install(monkeypatch)
     monkeypatch.setattr(hpu_backend, "DEVICE_TYPE", "cpu")  # the fake's tensors live on the CPU
-    return recorder
+    monkeypatch.setattr(hpu_backend, "gaudi_devices", lambda: ["accel0"])  # what sysfs would list
+    yield recorder
+    uninstall()
+
+
+def small_spec(dtype: str = "fp32") -> StaticSpec:
+    return StaticSpec(batch=2, max_len=32, prefix_len=1, verify_widths=(1,), dtype=dtype)
 
 
 def test_without_the_bridge_the_reason_is_exact(monkeypatch):
@@ -49,21 +59,69 @@ def test_without_the_bridge_the_reason_is_exact(monkeypatch):
     assert resolve_name("auto") != "hpu"
 
 
-def test_broken_bridge_wrong_mode_and_no_device_are_reported(fake, monkeypatch):
-    assert get_backend("hpu").availability().ok and resolve_name("auto") == "hpu"
-    assert os.environ["PT_HPU_LAZY_MODE"] == "1"  # set explicitly before the bridge is imported
-    fake.available = False
-    assert "no Gaudi device is visible" in describe(hpu_backend.HPUBackend)["reason"]
+def test_probing_imports_and_sets_nothing_preparing_sets_lazy_mode(fake, models):
+    backend = get_backend("hpu")
+    assert backend.availability().ok and resolve_name("auto") == "hpu"
+    assert "PT_HPU_LAZY_MODE" not in os.environ and not any(n.startswith("habana_frameworks") for n in sys.modules)
+    backend.prepare(models[0], None, small_spec())
+    assert fake.imported_with == {"PT_HPU_LAZY_MODE": "1"} and os.environ["PT_HPU_LAZY_MODE"] == "1"
+
+
+def test_broken_bridge_wrong_mode_and_no_device_are_reported(fake, monkeypatch, models):
+    monkeypatch.setattr(hpu_backend, "gaudi_devices", lambda: [])
+    assert describe(hpu_backend.HPUBackend)["reason"] == ("no Gaudi device is visible (no habanalabs device in "
+                                                          "/sys/class/accel or /sys/class/habanalabs)")
+    monkeypatch.setattr(hpu_backend, "gaudi_devices", lambda: ["accel0"])
+    fake.available = False  # sysfs lists a device the bridge cannot use: found when preparing
+    with pytest.raises(BackendUnavailable, match=r"^hpu: no Gaudi device is visible \(habana_frameworks.torch.hpu"):
+        get_backend("hpu").prepare(models[0], None, small_spec())
     fake.available = True
     monkeypatch.setenv("PT_HPU_LAZY_MODE", "0")
     with pytest.raises(BackendUnavailable, match=r"PT_HPU_LAZY_MODE=0, but HPU graphs run only in lazy mode"):
         get_backend("hpu")
     monkeypatch.setenv("PT_HPU_LAZY_MODE", "1")
-    backend = get_backend("hpu")
-    monkeypatch.setitem(sys.modules, "habana_frameworks.torch.core", None)
-    assert "habana_frameworks failed to import" in describe(hpu_backend.HPUBackend)["reason"]
+    uninstall()
+    monkeypatch.setitem(sys.modules, "habana_frameworks.torch.core", None)  # importing it fails
+    assert describe(hpu_backend.HPUBackend)["available"]  # probing imports nothing, so it cannot tell
     with pytest.raises(BackendUnavailable, match=r"^hpu: habana_frameworks failed to import"):
-        backend.prepare(None, None, None)
+        get_backend("hpu").prepare(models[0], None, small_spec())
+
+
+def test_gaudi_config_autocast_lists_are_declared_before_the_bridge_is_imported(fake, models, tmp_path,
+                                                                                monkeypatch):
+    config = tmp_path / "gaudi_config.json"
+    config.write_text(json.dumps({"use_torch_autocast": True, "autocast_bf16_ops": ["linear", "matmul"],
+                                  "autocast_fp32_ops": ["softmax", "embedding"], "use_fused_adam": True}))
+    monkeypatch.setenv("LANTERN_GAUDI_CONFIG", str(tmp_path))  # a folder holding gaudi_config.json
+    spec = small_spec("fp32")
+    runner = get_backend("hpu").prepare(models[0], None, spec)
+    lists = {env: Path(fake.imported_with[env]).read_text().split() for env in (LOWER_LIST_ENV, FP32_LIST_ENV)}
+    assert lists == {LOWER_LIST_ENV: ["linear", "matmul"], FP32_LIST_ENV: ["softmax", "embedding"]}
+    assert get_backend("hpu").prepare(models[0], None, spec)  # a second runner: the same lists, already declared
+
+    inputs = dummy_step_inputs(spec, 1, "cpu")
+    runner.prefill(runner.dummy_condition(), (torch.arange(32) <= 0).expand(2, 1, 32))
+    out = runner.verify(*inputs)
+    eager = get_backend("cpu").prepare(models[0], None, spec)
+    eager.prefill(eager.dummy_condition(), (torch.arange(32) <= 0).expand(2, 1, 32))
+    ref = eager.verify(*inputs)
+    assert out.logits.dtype == out.hidden.dtype == torch.float32  # the contract's dtypes, autocast or not
+    err = ((out.logits - ref.logits).abs().max() / ref.logits.abs().max()).item()
+    assert 0 < err < 0.05  # the steps ran under bf16 autocast, not in plain fp32
+
+
+def test_gaudi_config_errors_are_named(fake, tmp_path, monkeypatch):
+    config = tmp_path / "gaudi_config.json"
+    config.write_text(json.dumps({"autocast_bf16_ops": "linear"}))
+    with pytest.raises(ValueError, match=r"autocast_bf16_ops must be a list of op names, got 'linear'"):
+        get_backend("hpu", gaudi_config=str(config))
+    with pytest.raises(ValueError, match=r"gaudi config .*missing.json does not exist"):
+        get_backend("hpu", gaudi_config=str(tmp_path / "missing.json"))
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"autocast_bf16_ops": ["mm"], "autocast_fp32_ops": ["add"]}))
+    import habana_frameworks.torch.core  # noqa: F401  imported before any list was declared
+    with pytest.raises(ValueError, match=r"must be declared before habana_frameworks.torch.core is imported"):
+        get_backend("hpu", gaudi_config=str(other)).prepare(None, None, small_spec())
 
 
 def test_bf16_default_and_unsupported_dtype(fake, models):
@@ -120,4 +178,11 @@ def test_whole_generations_use_one_graph_per_static_step(fake, models, tiny, dra
     profile = runner.profile()
     assert profile["graphs"] == runner.graph_keys() and profile["memory_stats"]["fake"]
     assert profile["memory"]["source"] == "habana_frameworks.torch.hpu.max_memory_allocated"
-    assert runner.warmup_seconds > 0
+
+
+def test_conformance_kit_passes_against_the_fake(fake):
+    """The kit's parity, ownership (replays overwrite the graph's outputs: the runner hands out copies), static
+    shapes and memory checks, on the FAKE bridge."""
+    from lantern.backends.conformance import check_backend
+    report = check_backend("hpu", dtypes=["bf16"])
+    assert report.passed and len(report.checks) > 5, report.failures()

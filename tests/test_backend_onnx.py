@@ -353,7 +353,7 @@ def test_greedy_generation_matches_torch(tiny, method, monkeypatch, tmp_path_fac
 
 @needs_ort
 def test_export_onnx_command(models, tmp_path, capsys, monkeypatch):
-    from lantern.onnx_cli import main
+    from lantern.cli import main
 
     target, _ = models
     ckpt = tmp_path / "target.pt"
@@ -370,13 +370,24 @@ def test_export_onnx_command(models, tmp_path, capsys, monkeypatch):
 
     assert main(argv + ["--drafting", "no-such-tree"]) == 2
     assert "neither a preset" in capsys.readouterr().err
-    assert main(["export-onnx", "--preset", "GPT-test", "--checkpoint", str(tmp_path / "none.pt"), "--out",
-                 str(out)]) == 2
-    from lantern.cli import main as lantern_main
-
-    assert lantern_main(argv + ["--json"]) == 0  # wired into `lantern`, same graphs reused
-    assert json.loads(capsys.readouterr().out)["graphs"] == graphs
+    assert main(["export-onnx", "--preset", "GPT-test", "--checkpoint", str(tmp_path / "none.pt"), "--cfg-scale",
+                 "2", "--out", str(out)]) == 2
+    assert main(argv[:-4] + ["--out", str(out)]) == 2  # --preset without --cfg-scale: no defaults to take
+    assert "pass the --cfg-scale" in capsys.readouterr().err
     monkeypatch.setattr(ONNXBackend, "availability", classmethod(lambda cls: Availability(False, "no runtime")))
     assert main(argv) == 3
     assert "onnx: no runtime" in capsys.readouterr().err
-    assert lantern_main(argv) == 3
+
+
+@needs_ort
+def test_export_onnx_defaults_to_the_bundle_generate_loads(tmp_path, capsys):
+    """No --model: the embedded bundle, its weights and its CFG scale (two rows per image), so the graphs are
+    keyed exactly as the ones `lantern generate` prepares."""
+    from lantern.bundle import load_bundle
+    from lantern.cli import main
+
+    bundle = load_bundle()
+    assert main(["export-onnx", "--method", "ar", "--out", str(tmp_path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["cfg_scale"] == bundle.default_sampling["cfg_scale"] > 1 and out["spec"]["batch"] == 2 * 4
+    assert not out["random_weights"] and model_hash(bundle.target)[:16] in out["graphs"]["verify[1]"]

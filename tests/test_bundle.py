@@ -1,6 +1,7 @@
 """The shipped bundle is what its manifest says, and tampered or mismatched bundles are refused."""
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -89,3 +90,21 @@ def test_info_command(capsys, copy):
     (copy / "vq.safetensors").write_bytes(b"broken")
     assert main(["info", "--model", str(copy)]) == 2
     assert main(["eval", "--classes", "11"]) == 2  # class 11 of a 10-class model: bad input
+
+
+def test_package_version_is_the_distribution_version_or_the_pyproject_one(monkeypatch):
+    import importlib
+    import tomllib
+    from importlib import metadata
+
+    import lantern
+    assert lantern.__version__ == metadata.version("lantern")
+
+    def not_installed(name):
+        raise metadata.PackageNotFoundError(name)
+
+    pyproject = tomllib.loads((Path(lantern.__file__).parents[1] / "pyproject.toml").read_text())
+    monkeypatch.setattr(metadata, "version", not_installed)
+    assert importlib.reload(lantern).__version__ == pyproject["project"]["version"]
+    monkeypatch.undo()
+    importlib.reload(lantern)

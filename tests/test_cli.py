@@ -38,10 +38,7 @@ def test_speculative_generate_reports_acceptance(tmp_path):
 
 @pytest.mark.parametrize("args, code, message", [
     (["--classes", "12"], 2, "class id 12 is out of range; allowed: integers 0..9"),
-    (["--lam", "0.5"], 2, "lambda 0.5 must be a finite number >= 1"),
     (["--k", "5000"], 2, "k 5000 exceeds the proximity table"),
-    (["--batch", "0"], 2, "batch 0 must be an integer >= 1"),
-    (["--method", "lantern", "--delta", "1.5"], 2, r"delta 1.5 is outside [0, 1]"),
     (["--drafting", "no-such-tree"], 2, "neither a preset"),
     (["--backend", "tpu"], 2, "unknown backend 'tpu'"),
     (["--dtype", "fp8"], 2, "dtype 'fp8' is not supported"),
@@ -52,6 +49,88 @@ def test_bad_input_exits_2_and_writes_nothing(tmp_path, args, code, message):
     assert r.returncode == code, r.stderr
     assert message in json.loads(r.stdout)["error"]
     assert not out_dir.exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--lam", "0.5"], "argument --lam: 0.5 is not allowed; allowed: a finite number >= 1"),
+    (["--method", "lantern", "--delta", "1.5"], "argument --delta: 1.5 is not allowed; allowed: a finite number in "
+                                                "[0, 1]"),
+    (["--delta", "nan"], "argument --delta: nan is not allowed; allowed: a finite number in [0, 1]"),
+    (["--lam", "inf"], "argument --lam: inf is not allowed; allowed: a finite number >= 1"),
+    (["--cfg-scale", "inf"], "argument --cfg-scale: inf is not allowed; allowed: a finite number >= 1"),
+    (["--cfg-scale", "nan"], "argument --cfg-scale: nan is not allowed"),
+    (["--temperature=-inf"], "argument --temperature: -inf is not allowed; allowed: a finite number > 0"),
+    (["--temperature", "0"], "argument --temperature: 0 is not allowed; allowed: a finite number > 0"),
+    (["--top-p", "nan"], "argument --top-p: nan is not allowed; allowed: a finite number in (0, 1]"),
+    (["--top-k", "-1"], "argument --top-k: -1 is not allowed; allowed: an integer >= 0"),
+    (["--k", "x"], "argument --k: 'x' is not an integer; allowed: an integer >= 0"),
+    (["--scale", "0"], "argument --scale: 0 is not allowed; allowed: an integer >= 1"),
+    (["--scale", "-2"], "argument --scale: -2 is not allowed; allowed: an integer >= 1"),
+    (["--batch", "0"], "argument --batch: 0 is not allowed; allowed: an integer >= 1"),
+])
+def test_bad_numbers_exit_2_before_any_work(tmp_path, capsys, args, message):
+    """In process (the flags are refused while parsing): exit 2, the flag, the value and what is allowed."""
+    from lantern.cli import main
+    out_dir = tmp_path / "out"
+    assert main(["generate", "--out", str(out_dir), "--json", *args]) == 2
+    out = json.loads(capsys.readouterr().out)
+    assert message in out["error"] and out["exit_code"] == 2
+    assert not out_dir.exists()
+
+
+def test_bad_flags_of_other_commands_exit_2_in_process(tmp_path, capsys):
+    """eval, export-onnx and profile tune take the same checked numbers (in process: these exit before any
+    model is loaded)."""
+    from lantern.cli import main
+    cases = [(["eval", "--n-per-class", "0", "--json"], "argument --n-per-class: 0 is not allowed"),
+             (["eval", "--cfg-scale", "nan", "--json"], "argument --cfg-scale: nan is not allowed"),
+             (["export-onnx", "--out", str(tmp_path / "g"), "--cfg-scale", "inf", "--json"],
+              "argument --cfg-scale: inf is not allowed"),
+             (["export-onnx", "--out", str(tmp_path / "g"), "--batch", "0", "--json"],
+              "argument --batch: 0 is not allowed; allowed: an integer >= 1"),
+             (["profile", "tune", "--profile", "cpu", "--max-nodes", "1", "--json"],
+              "argument --max-nodes: 1 is not allowed; allowed: an integer >= 2")]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        out = json.loads(capsys.readouterr().out)
+        assert message in out["error"] and out["exit_code"] == 2
+    assert not (tmp_path / "g").exists()
+
+
+def test_gaudi_config_is_an_hpu_option(tmp_path, capsys):
+    from lantern.cli import main
+    assert main(["generate", "--backend", "cpu", "--gaudi-config", str(tmp_path), "--json"]) == 2
+    assert "--gaudi-config is an option of the hpu backend; the backend here is 'cpu'" in json.loads(
+        capsys.readouterr().out)["error"]
+
+
+def test_unwritable_output_is_found_before_generation(tmp_path):
+    """--out under a file, or on a file system that refuses writes: exit 2 at once (no model is loaded, so this
+    takes well under the seconds a generation would), nothing written."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    r = lantern("generate", "--classes", "1", "--out", str(blocker / "out"), "--json")
+    assert r.returncode == 2 and f"{blocker} is a file, not a folder" in json.loads(r.stdout)["error"]
+    assert blocker.read_text() == "x" and sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+    r = lantern("generate", "--out", str(blocker), "--json")
+    assert r.returncode == 2 and "exists and is not a folder" in json.loads(r.stdout)["error"]
+    read_only = tmp_path / "ro"
+    read_only.mkdir(mode=0o555)
+    unwritable = read_only if os.geteuid() != 0 else "/sys/lantern-out"  # root writes through mode bits
+    r = lantern("generate", "--out", os.path.join(unwritable, "out"), "--json")
+    assert r.returncode == 2 and "is not writable" in json.loads(r.stdout)["error"]
+    assert not any(read_only.iterdir())
+
+
+def test_export_onnx_and_profile_check_their_outputs_first(tmp_path, capsys):
+    from lantern.cli import main
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for argv in (["export-onnx", "--method", "ar", "--out", str(blocker / "graphs"), "--json"],
+                 ["profile", "compare", str(tmp_path / "r.json"), "--out", str(blocker / "report"), "--json"],
+                 ["profile", "run", "--out", str(blocker / "r.json"), "--json"]):
+        assert main(argv) == 2, argv
+        assert f"{blocker} is a file, not a folder" in json.loads(capsys.readouterr().out)["error"]
 
 
 def test_unavailable_backend_exits_3():

@@ -1,6 +1,7 @@
 """The profile suite end to end on the tiny random model: results schema, resumable runs, failed cases,
 compare report with plots, and tree tuning from synthetic and measured numbers."""
 import json
+import os
 
 import pytest
 
@@ -222,3 +223,36 @@ def test_auto_source_prefers_the_embedded_bundle(tmp_path, monkeypatch, tiny):
     assert src.info["kind"] == "bundle" and src.info["name"] == f"bundle:{tmp_path}" and src.default_cfg_scale == 3.0
     assert load_source(src.info["name"]).info == src.info  # the recorded name loads the same source again
     assert src.target is target and src.info["manifest_files"] == {"target.safetensors": "ab12"}
+
+
+def test_sampling_table_is_the_decoders_sampling_config():
+    """[sampling] holds SamplingConfig's fields (validated by it); a missing cfg_scale is the model's default."""
+    from lantern.decoding.sampling import SamplingConfig
+    from lantern.profile.hardware import profile_from_dict
+
+    profile = profile_from_dict({"sampling": {"top_k": 20}})
+    assert profile.sampling_config(model_cfg_scale=5.0) == SamplingConfig(top_k=20, cfg_scale=5.0)
+    assert profile_from_dict({"sampling": {"cfg_scale": 2.0}}).sampling_config(5.0).cfg_scale == 2.0
+    with pytest.raises(ValueError, match=r"profile 'default': \[sampling\] temperature 0 must be > 0"):
+        profile_from_dict({"sampling": {"temperature": 0}})
+    with pytest.raises(ValueError, match=r"unknown keys \['topk'\] in \[sampling\]"):
+        profile_from_dict({"sampling": {"topk": 20}})
+
+
+def test_profiles_are_found_on_the_search_path_then_in_the_shipped_copy(tmp_path, monkeypatch):
+    """$LANTERN_PROFILES (several folders), ./profiles, then the profiles installed with lantern, from any folder;
+    results of a shipped profile go to ./profiles/results, never into the installed package."""
+    from lantern.profile.hardware import shipped_dir
+    from lantern.profile.suite import default_results_path
+
+    monkeypatch.chdir(tmp_path)
+    shipped = load_profile("cpu")
+    assert shipped.path.parent == shipped_dir() and (shipped_dir() / "cpu.tuned.json").is_file()
+    assert default_results_path(shipped) == tmp_path.joinpath("profiles", "results", "cpu.json").relative_to(tmp_path)
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    (second / "cpu.toml").write_text('name = "cpu"\nbackend = "cpu"\n')
+    monkeypatch.setenv("LANTERN_PROFILES", f"{first}{os.pathsep}{second}")
+    mine = load_profile("cpu")
+    assert mine.path == second / "cpu.toml" and default_results_path(mine) == second / "results" / "cpu.json"

@@ -2,10 +2,11 @@
 
     python tools/bench_graph.py [--images 3] [--threads 1] [--dtype fp32] [--compiler inductor]
 
-The model is shaped like the embedded default (GPT-small: dim 384, 8 layers, 8 heads, vocab 1024, 10 classes,
-256 tokens) with RANDOM weights (output head scaled x8 for peaked distributions) and a random drafter: the
-timings are real, the acceptance lengths are not a trained model's. Both backends decode the same classes with the same seeds, interleaved image by image so a
-change of machine load hits both; greedy decoding, so their token ids must agree (checked). Warm-up (for graph
+The model has the GPT-small shape (dim 384, 8 layers, 8 heads, vocab 1024, 10 classes, 256 tokens: larger than
+the embedded model, preset GPT-lantern-digits) with RANDOM weights (output head scaled x8 for peaked
+distributions) and a random drafter: the timings are real, the acceptance lengths are not a trained model's.
+Both backends decode the same classes with the same seeds, interleaved image by image so a change of machine
+load hits both; greedy decoding, so their token ids must agree (checked). Warm-up (for graph
 mode: every compile and capture) is timed apart from generation, and dynamo's own counter says how many graphs
 were compiled in warm-up and after it. Writes <out>.json and <out>.md.
 """

@@ -4,9 +4,9 @@ Reports (1) target verify latency against the tree width N (plus the prefill), w
 every step, and (2) whole-generation wall time, AR and speculative (LANTERN++ tree), greedy with CFG, on
 both backends, checking the token ids are equal. Writes profiles/results/onnx-bench.{json,md}.
 
-The model is shaped like the embedded default (GPT-small: dim 384, 8 layers, 8 heads, vocab 1024,
-10 classes, 256 tokens) with RANDOM weights and a random drafter: fine for timing, but acceptance (tau)
-is not representative of a trained drafter.
+The model has the GPT-small shape (dim 384, 8 layers, 8 heads, vocab 1024, 10 classes, 256 tokens: larger
+than the embedded model, preset GPT-lantern-digits) with RANDOM weights and a random drafter: fine for
+timing, but acceptance (tau) is not representative of a trained drafter.
 
     python tools/bench_onnx.py                 # the full run (several minutes on 2 cores)
     python tools/bench_onnx.py --quick         # a smoke run on GPT-test

@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-EXIT_OK, EXIT_FAILED_CASES, EXIT_UNAVAILABLE = 0, 1, 3
+from lantern.cli_args import check_writable, number
+from lantern.exit_codes import EXIT_FAILED_CASES, EXIT_OK, EXIT_UNAVAILABLE
 
 
 def add_profile_commands(subparsers) -> None:
@@ -40,11 +41,13 @@ def add_profile_commands(subparsers) -> None:
                                     "into the profile")
     t.add_argument("--profile", required=True, help="profile NAME or .toml FILE (its [tuned] table is rewritten)")
     t.add_argument("--results", help="results file (default: profiles/results/<profile>.json)")
-    t.add_argument("--max-nodes", type=int, help="largest tree size N, root included (default: largest measured)")
+    t.add_argument("--max-nodes", type=number(int, 2),
+                   help="largest tree size N, root included, >= 2 (default: largest measured)")
     t.add_argument("--dry-run", action="store_true", help="choose and print, write nothing")
     t.add_argument("--measure", action="store_true", help="then time the tuned tree against the default "
                                                           "lantern++-57 tree side by side, in one run")
-    t.add_argument("--repeats", type=int, help="passes of --measure (default: the profile's generation_repeats)")
+    t.add_argument("--repeats", type=number(int, 1),
+                   help="passes of --measure, >= 1 (default: the profile's generation_repeats)")
     t.add_argument("--json", action="store_true")
     t.set_defaults(func=cmd_tune, show=print_tune)
 
@@ -58,6 +61,7 @@ def cmd_run(args) -> dict:
     from lantern.profile.suite import Suite
     suite = Suite(_profile(args.profile), backend=args.backend, model=args.model,
                   out=Path(args.out) if args.out else None, fresh=args.fresh, progress=not args.no_progress)
+    check_writable(suite.out, "results file", folder=False)
     out = suite.run()
     out["exit_code"] = (EXIT_UNAVAILABLE if not out["available"] else EXIT_FAILED_CASES if out["failed"] else EXIT_OK)
     return out
@@ -76,6 +80,7 @@ def print_run(out: dict) -> None:
 
 def cmd_compare(args) -> dict:
     from lantern.profile.report import compare
+    check_writable(Path(args.out), "--out", folder=True)
     return compare(args.files, args.out, with_plots=not args.no_plots)
 
 

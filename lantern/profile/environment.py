@@ -12,6 +12,8 @@ from typing import Optional
 import psutil
 import torch
 
+import lantern
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -75,6 +77,6 @@ def collect() -> dict:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "onnxruntime": _version("onnxruntime") or _version("onnxruntime-gpu"),
-        "lantern": _version("lantern"),
+        "lantern": lantern.__version__,
         "lantern_git": git_revision(),
     }

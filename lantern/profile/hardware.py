@@ -1,8 +1,10 @@
 """Hardware profiles: one TOML file per target (backend, device, dtype, threads, what to measure, and the
 tree `lantern profile tune` chose for it).
 
-Lookup of `--profile NAME|FILE`: an existing .toml path, else NAME.toml in $LANTERN_PROFILES, ./profiles,
-or the profiles/ folder of the lantern checkout. Every field and its default is in `HardwareProfile`.
+Lookup of `--profile NAME|FILE`: an existing .toml path, else NAME.toml in the first folder of the search path
+that has it: $LANTERN_PROFILES (folders separated by os.pathsep), ./profiles, then the profiles lantern ships
+(the package `lantern.hardware_profiles`: the repository's profiles/ folder, installed with lantern).
+Every field and its default is in `HardwareProfile`.
 The tuned tree lives beside the profile as `<name>.tuned.json` (a list of paths, loadable by
 `load_tree`), and the profile's trailing `[tuned]` table names it; rewriting that table keeps every comment
 above it.
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import os
 import tomllib
@@ -19,20 +22,22 @@ from pathlib import Path
 from typing import Optional
 
 from lantern.decoding.config import METHODS
+from lantern.decoding.sampling import SamplingConfig
 from lantern.decoding.trees import TREE_PRESETS
 
 PROFILES_ENV = "LANTERN_PROFILES"
 TUNED_TREE = "tuned"  # the name a profile's `trees` list uses for its own tuned tree
-REPO_PROFILES = Path(__file__).resolve().parents[2] / "profiles"
+SHIPPED_PACKAGE = "lantern.hardware_profiles"
 
 
-@dataclass(frozen=True)
-class SamplingSettings:
-    cfg_scale: Optional[float] = None  # None: the model's default
-    greedy: bool = False
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
+def sampling_table(table: dict) -> dict:
+    """A profile's [sampling] table with every SamplingConfig field filled in: a missing cfg_scale stays None
+    (the model's default, known once the model is loaded), the others take SamplingConfig's defaults."""
+    unknown = sorted(set(table) - {f.name for f in dataclasses.fields(SamplingConfig)})
+    if unknown:
+        raise ValueError(f"unknown keys {unknown} in [sampling]; allowed: "
+                         f"{[f.name for f in dataclasses.fields(SamplingConfig)]}")
+    return {**dataclasses.asdict(SamplingConfig()), "cfg_scale": None, **table}
 
 
 @dataclass(frozen=True)
@@ -66,7 +71,8 @@ class HardwareProfile:
     repeats: int = 5  # timed calls per step benchmark
     generation_warmup: int = 0  # untimed whole generations per method (the runner's own warm-up always runs)
     generation_repeats: int = 1  # timed passes over `classes` per method
-    sampling: SamplingSettings = field(default_factory=SamplingSettings)
+    sampling: dict = field(default_factory=lambda: sampling_table({}))  # SamplingConfig fields; cfg_scale None:
+    # the model's default
     probe: ProbeSettings = field(default_factory=ProbeSettings)
     tuned: dict = field(default_factory=dict)  # written by `lantern profile tune`
     path: Optional[Path] = field(default=None, compare=False)  # the file it came from
@@ -94,10 +100,19 @@ class HardwareProfile:
                 raise ValueError(f"profile {self.name!r}: {name} must be >= 1, got {getattr(self, name)}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"profile {self.name!r}: threads must be >= 1, got {self.threads}")
+        try:
+            self.sampling_config(model_cfg_scale=1.0)  # SamplingConfig refuses bad values, naming them
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"profile {self.name!r}: [sampling] {e}") from None
         p = self.probe
         if p.depth < 1 or p.fanout < 1 or len(p.expand) != p.depth or min(p.expand) < 1:
             raise ValueError(f"profile {self.name!r}: probe needs depth >= 1, fanout >= 1 and one expand count "
                              f">= 1 per depth, got depth {p.depth}, fanout {p.fanout}, expand {list(p.expand)}")
+
+    def sampling_config(self, model_cfg_scale: float) -> SamplingConfig:
+        """The sampling the profile measures with, given the model's default guidance scale."""
+        cfg_scale = self.sampling["cfg_scale"]
+        return SamplingConfig(**{**self.sampling, "cfg_scale": model_cfg_scale if cfg_scale is None else cfg_scale})
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -118,9 +133,14 @@ class HardwareProfile:
         return self.path.parent / self.tuned["tree_file"]
 
 
+def shipped_dir() -> Path:
+    """The folder of the profiles installed with lantern."""
+    return Path(importlib.util.find_spec(SHIPPED_PACKAGE).origin).parent
+
+
 def search_dirs() -> list[Path]:
-    dirs = [Path(os.environ[PROFILES_ENV])] if os.environ.get(PROFILES_ENV) else []
-    return dirs + [Path("profiles"), REPO_PROFILES]
+    dirs = [Path(d) for d in os.environ.get(PROFILES_ENV, "").split(os.pathsep) if d]
+    return dirs + [Path("profiles"), shipped_dir()]
 
 
 def profile_names() -> list[str]:
@@ -161,12 +181,12 @@ def profile_from_dict(data: dict, path: Optional[Path] = None) -> HardwareProfil
     if unknown:
         raise ValueError(f"{where}: unknown keys {unknown}; allowed: {sorted(known)}")
     try:
-        data["sampling"] = SamplingSettings(**data.get("sampling", {}))
+        data["sampling"] = sampling_table(data.get("sampling", {}))
         probe = dict(data.get("probe", {}))
         if "expand" in probe:
             probe["expand"] = tuple(probe["expand"])
         data["probe"] = ProbeSettings(**probe)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: {e}") from None
     for key in ("batch_sizes", "verify_sizes", "draft_sizes", "methods", "trees", "classes"):
         if key in data:

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from lantern.profile.schema import load_results
+from lantern.profile.schema import load_results, ok_cases, ok_result, seconds_per_step, step_latencies
 
 MIB = 2 ** 20
 MEMORY_PARTS = ("weights_bytes", "kv_cache_bytes", "tree_buffer_bytes", "workspace_bytes")
@@ -18,29 +18,20 @@ def label(data: dict) -> str:
     return f"{p['name']} ({b.get('name')}, {p['dtype']}, {data['environment'].get('hostname', '?')})"
 
 
-def _ok_cases(data: dict, kind: str) -> dict:
-    return {cid: c for cid, c in data["cases"].items() if c["kind"] == kind and c["status"] == "ok"}
-
-
 def verify_curve(data: dict, batch: int = 1) -> dict:
     """{N: (median, p25, p75) seconds} at `batch` images."""
-    out = {}
-    for c in _ok_cases(data, "verify").values():
-        if c["params"]["batch"] == batch:
-            lat = c["result"]["latency"]
-            out[c["params"]["N"]] = (lat["median_s"], lat["p25_s"], lat["p75_s"])
-    return dict(sorted(out.items()))
+    return {n: (lat["median_s"], lat["p25_s"], lat["p75_s"])
+            for n, lat in step_latencies(data, "verify", batch).items()}
 
 
 def draft_curve(data: dict, batch: int = 1) -> dict:
-    return dict(sorted((c["params"]["W"], c["result"]["latency"]["median_s"])
-                       for c in _ok_cases(data, "draft").values() if c["params"]["batch"] == batch))
+    return {w: lat["median_s"] for w, lat in step_latencies(data, "draft", batch).items()}
 
 
 def generation_rows(data: dict) -> list[dict]:
     """One row per generate case: wall median and spread, tau, tokens/s, speed-up over AR (same file)."""
-    ar = data["cases"].get("generate/ar")
-    ar_s = ar["result"]["wall"]["median_s"] if ar and ar["status"] == "ok" else None
+    ar = ok_result(data, "generate/ar")
+    ar_s = ar["wall"]["median_s"] if ar else None
     rows = []
     for cid, c in data["cases"].items():
         if c["kind"] != "generate":
@@ -51,8 +42,7 @@ def generation_rows(data: dict) -> list[dict]:
             r = c["result"]
             w = r["wall"]
             row.update(wall_s=w["median_s"], spread_s=(w["min_s"], w["max_s"]), tau=r["tau"],
-                       tokens_per_s=r["tokens_per_s"], N=r["verify_width"],
-                       step_ms=sum(w["samples_s"]) / max(r["verify_steps"], 1) * 1e3,
+                       tokens_per_s=r["tokens_per_s"], N=r["verify_width"], step_ms=seconds_per_step(r) * 1e3,
                        speedup=ar_s / w["median_s"] if ar_s and w["median_s"] else None,
                        peak_bytes=r["memory"]["peak_bytes"])
         else:
@@ -64,7 +54,7 @@ def generation_rows(data: dict) -> list[dict]:
 def memory_parts(data: dict) -> Optional[dict]:
     """Memory of the widest ok generation (the tree that needs most): peak and its parts."""
     best = None
-    for c in _ok_cases(data, "generate").values():
+    for c in ok_cases(data, "generate").values():
         r = c["result"]
         if best is None or r["verify_width"] > best[0]:
             best = (r["verify_width"], c["params"].get("tree") or c["params"]["method"], r["memory"])

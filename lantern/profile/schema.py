@@ -25,11 +25,13 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 SCHEMA = "lantern-profile-results"
 SCHEMA_VERSION = 1
 CASE_KINDS = ("backend", "verify", "draft", "generate", "acceptance")
 CASE_STATUSES = ("ok", "failed")
+STEP_SIZE = {"verify": "N", "draft": "W"}  # the param that sizes a step case
 TOP_LEVEL = {"schema": str, "schema_version": int, "profile": dict, "backend": dict, "model": dict,
              "environment": dict, "started_at": str, "updated_at": str, "complete": bool, "cases": dict}
 
@@ -99,3 +101,25 @@ def save_results(data: dict, path: str | Path) -> None:
     os.umask(umask)
     os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would hide the results from the other users of a shared box
     os.replace(tmp, path)
+
+
+# -- reading: the one place the tuner and the report take measurements from -------------------------------------
+def ok_cases(data: dict, kind: str) -> dict[str, dict]:
+    return {cid: c for cid, c in data["cases"].items() if c["kind"] == kind and c["status"] == "ok"}
+
+
+def ok_result(data: dict, case_id: str) -> Optional[dict]:
+    case = data["cases"].get(case_id)
+    return case["result"] if case and case["status"] == "ok" else None
+
+
+def step_latencies(data: dict, kind: str, batch: int = 1) -> dict[int, dict]:
+    """{N or W: latency record} of the ok verify or draft cases at `batch` images, by size."""
+    size = STEP_SIZE[kind]
+    return dict(sorted((c["params"][size], c["result"]["latency"]) for c in ok_cases(data, kind).values()
+                       if c["params"]["batch"] == batch))
+
+
+def seconds_per_step(result: dict) -> float:
+    """Wall seconds per target step of a generate case, over all its timed passes."""
+    return sum(result["wall"]["samples_s"]) / max(result["verify_steps"], 1)

@@ -21,12 +21,11 @@ import torch
 
 from lantern.backends import BackendUnavailable, backend_class, get_backend, resolve_name
 from lantern.decoding.config import method_preset
-from lantern.decoding.sampling import SamplingConfig
 from lantern.decoding.trees import load_tree
 from lantern.profile import environment, measure
-from lantern.profile.hardware import TUNED_TREE, HardwareProfile
+from lantern.profile.hardware import TUNED_TREE, HardwareProfile, shipped_dir
 from lantern.profile.schema import SCHEMA, SCHEMA_VERSION, load_results, save_results
-from lantern.profile.source import ModelSource, load_source
+from lantern.profile.source import load_source
 
 STATIC_TREE_METHODS = ("lantern++",)  # methods whose drafting is a static tree (the others draft dynamically)
 
@@ -44,7 +43,11 @@ class Case:
 
 
 def default_results_path(profile: HardwareProfile) -> Path:
+    """results/<name>.json beside the profile's file; ./profiles/results for a profile lantern ships (never
+    inside the installed package) and for one built from defaults."""
     base = profile.path.parent if profile.path else Path("profiles")
+    if base.resolve() == shipped_dir().resolve():
+        base = Path("profiles")
     return base / "results" / f"{profile.name}.json"
 
 
@@ -54,12 +57,6 @@ def backend_options(name: str, profile: HardwareProfile) -> dict:
     if profile.threads and "threads" in inspect.signature(backend_class(name).__init__).parameters:
         options.setdefault("threads", profile.threads)
     return options
-
-
-def sampling_config(profile: HardwareProfile, source: ModelSource) -> SamplingConfig:
-    s = profile.sampling
-    return SamplingConfig(greedy=s.greedy, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                          cfg_scale=source.default_cfg_scale if s.cfg_scale is None else s.cfg_scale)
 
 
 def tree_label(tree: str, profile: HardwareProfile) -> Optional[tuple[str, str]]:
@@ -184,7 +181,7 @@ class Suite:
 
     def setup_models(self) -> None:
         self.source = load_source(self.model_spec)
-        self.sampling = sampling_config(self.profile, self.source)
+        self.sampling = self.profile.sampling_config(self.source.default_cfg_scale)
 
     def run(self) -> dict:
         p = self.profile

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from lantern.decoding.trees import Paths, validate_paths
+from lantern.profile.schema import ok_cases, ok_result, seconds_per_step, step_latencies
 
 
 def interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
@@ -191,21 +192,10 @@ def fit_host_overhead(points: list[tuple[int, float]]) -> tuple[float, float]:
 
 
 # -- from a results file -------------------------------------------------------------------------------------
-def _ok(data: dict, kind: str) -> dict:
-    return {cid: c for cid, c in data["cases"].items() if c["kind"] == kind and c["status"] == "ok"}
-
-
 def step_curves(data: dict, batch: int = 1) -> tuple[dict, dict]:
     """{N: median seconds} of verify and {W: median seconds} of drafter steps at `batch` images."""
-    verify = {c["params"]["N"]: c["result"]["latency"]["median_s"] for c in _ok(data, "verify").values()
-              if c["params"]["batch"] == batch}
-    draft = {c["params"]["W"]: c["result"]["latency"]["median_s"] for c in _ok(data, "draft").values()
-             if c["params"]["batch"] == batch}
-    return verify, draft
-
-
-def per_step_seconds(result: dict) -> float:
-    return sum(result["wall"]["samples_s"]) / max(result["verify_steps"], 1)
+    return tuple({size: lat["median_s"] for size, lat in step_latencies(data, kind, batch).items()}
+                 for kind in ("verify", "draft"))
 
 
 def cost_model(data: dict) -> tuple[CostModel, list[dict]]:
@@ -214,13 +204,13 @@ def cost_model(data: dict) -> tuple[CostModel, list[dict]]:
     verify, draft = step_curves(data)
     bare = CostModel.from_curves(verify, draft)
     points, used = [], []
-    for cid, c in _ok(data, "generate").items():
+    for cid, c in ok_cases(data, "generate").items():
         r = c["result"]
         if c["params"]["method"] == "ar" or c["params"]["decode"]["drafting"] == "dynamic":
             continue
-        residual = per_step_seconds(r) - bare.step_seconds(r["verify_width"], r["tree_depth"], r["draft_width"])
+        residual = seconds_per_step(r) - bare.step_seconds(r["verify_width"], r["tree_depth"], r["draft_width"])
         points.append((r["verify_width"], residual))
-        used.append({"case": cid, "N": r["verify_width"], "step_s": per_step_seconds(r), "residual_s": residual})
+        used.append({"case": cid, "N": r["verify_width"], "step_s": seconds_per_step(r), "residual_s": residual})
     a, b = fit_host_overhead(points)
     return CostModel(bare.verify, bare.draft, a, b), used
 
@@ -234,10 +224,9 @@ def acceptance_model(data: dict) -> AcceptanceRates:
 
 
 def ar_seconds_per_token(data: dict) -> Optional[float]:
-    c = data["cases"].get("generate/ar")
-    if not c or c["status"] != "ok":
+    r = ok_result(data, "generate/ar")
+    if r is None:
         return None
-    r = c["result"]
     return sum(r["wall"]["samples_s"]) / (r["tokens_per_pass"] * r["wall"]["repeats"])
 
 

@@ -7,11 +7,14 @@ It runs everything on the CPU and records what the real bridge would do:
   its inputs into the capture call's input tensors and returns the capture's output tensors, overwritten in
   place (so callers must clone outputs to keep them, and must not reuse tensors they passed to a capture).
 - `core.mark_step()` and `hpu.synchronize()` are recorded in one event list, in call order.
-`install(monkeypatch)` puts the fake modules into sys.modules and returns the `FakeHabana` record.
+`install(monkeypatch)` makes the fake modules importable (found, as a real install is, but only imported when
+something imports them) and returns the `FakeHabana` record; `uninstall()` forgets every import of them.
 """
 from __future__ import annotations
 
 import importlib.abc
+import importlib.util
+import os
 import sys
 import types
 from dataclasses import dataclass, field
@@ -47,6 +50,10 @@ class FakeHabana:
     keys: dict = field(default_factory=dict)  # label -> list of distinct graph keys, in capture order
     events: list = field(default_factory=list)  # ("capture" | "replay", label), ("mark_step",), ("synchronize",)
     peak_bytes: int = 0
+    imported_with: dict = field(default_factory=dict)  # the PT_HPU_* environment core was imported under
+
+    def record_import(self) -> None:
+        self.imported_with = {k: v for k, v in os.environ.items() if k.startswith("PT_HPU_")}
 
     def wrap_in_hpu_graph(self, module, asynchronous=False, disable_tensor_cache=False, dry_run=False,
                           max_graphs=None):
@@ -97,8 +104,26 @@ class FakeHabana:
         return [e for e in self.events if e[0] != "synchronize"]
 
 
+class _FakeFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds the fake modules as an installed package would be found; importing one hands out the fake."""
+
+    def __init__(self, modules: dict[str, types.ModuleType], fake: FakeHabana):
+        self.modules, self.fake = modules, fake
+
+    def find_spec(self, name, path=None, target=None):
+        return importlib.util.spec_from_loader(name, self, is_package=True) if name in self.modules else None
+
+    def create_module(self, spec):
+        if spec.name == "habana_frameworks.torch.core":
+            self.fake.record_import()  # the real bridge reads its environment here
+        return self.modules[spec.name]
+
+    def exec_module(self, module):
+        pass
+
+
 def install(monkeypatch) -> FakeHabana:
-    """Put fake `habana_frameworks`, `.torch`, `.torch.core`, `.torch.hpu` into sys.modules."""
+    """Make fake `habana_frameworks`, `.torch`, `.torch.core`, `.torch.hpu` importable."""
     fake = FakeHabana()
     root = types.ModuleType("habana_frameworks")
     pkg = types.ModuleType("habana_frameworks.torch")
@@ -109,9 +134,15 @@ def install(monkeypatch) -> FakeHabana:
                  "reset_peak_memory_stats", "memory_stats"):
         setattr(hpu, name, getattr(fake, name))
     root.torch, pkg.core, pkg.hpu = pkg, core, hpu
-    for module in (root, pkg, core, hpu):
-        monkeypatch.setitem(sys.modules, module.__name__, module)
+    uninstall()
+    monkeypatch.setattr(sys, "meta_path", [_FakeFinder({m.__name__: m for m in (root, pkg, core, hpu)}, fake),
+                                           *sys.meta_path])
     return fake
+
+
+def uninstall() -> None:
+    for name in [n for n in sys.modules if n.split(".")[0] == "habana_frameworks"]:
+        del sys.modules[name]
 
 
 class _HideHabana(importlib.abc.MetaPathFinder):

@@ -15,3 +15,21 @@ def _version() -> str:
 
 
 __version__ = _version()
+
+# The stable public API, importable from the package itself (loaded on first use, so `import lantern` stays
+# light and no import cycle forms with lantern.backends).
+_PUBLIC = {
+    "Pipeline": "lantern.api", "GenerationResult": "lantern.api",
+    "load_bundle": "lantern.bundle",
+    "DecodeConfig": "lantern.decoding", "SamplingConfig": "lantern.decoding", "method_preset": "lantern.decoding",
+    "METHODS": "lantern.decoding", "GenerationStats": "lantern.decoding",
+    "get_backend": "lantern.backends", "StaticSpec": "lantern.backends",
+}
+__all__ = ["__version__", *_PUBLIC]
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'lantern' has no attribute {name!r}")
+    import importlib
+    return getattr(importlib.import_module(_PUBLIC[name]), name)

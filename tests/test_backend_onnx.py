@@ -331,6 +331,19 @@ METHODS = {  # small trees keep the exports few; each static or dynamic drafting
 
 
 @needs_ort
+@pytest.mark.parametrize("method", ["lantern++", "eagle2"])
+def test_images_batched_equal_each_alone(tiny, method, monkeypatch, tmp_path_factory):
+    """Greedy on onnx: three images in one static batch give each image's tokens exactly as decoded alone."""
+    target, drafter, proximity = tiny
+    monkeypatch.setenv("LANTERN_ONNX_CACHE", str(tmp_path_factory.getbasetemp() / "e2e-cache"))
+    dcfg = method_preset(method, SamplingConfig(greedy=True, cfg_scale=2.0), **METHODS[method])
+    pipe = Pipeline(target, drafter, proximity, backend="onnx", threads=1)
+    together = pipe.generate([0, 1, 2], dcfg, seed=0).tokens
+    alone = torch.cat([pipe.generate([c], dcfg, seed=0).tokens for c in (0, 1, 2)])
+    assert torch.equal(together, alone)
+
+
+@needs_ort
 @pytest.mark.parametrize("method", METHODS)
 def test_greedy_generation_matches_torch(tiny, method, monkeypatch, tmp_path_factory):
     """LANTERN_BACKEND=onnx through the Pipeline (what `lantern generate` runs) gives the torch backend's

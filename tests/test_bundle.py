@@ -108,3 +108,11 @@ def test_package_version_is_the_distribution_version_or_the_pyproject_one(monkey
     assert importlib.reload(lantern).__version__ == pyproject["project"]["version"]
     monkeypatch.undo()
     importlib.reload(lantern)
+
+
+def test_public_api_names_resolve_from_the_package():
+    import lantern
+    from lantern.api import Pipeline
+    assert lantern.Pipeline is Pipeline and set(lantern.__all__) >= {"Pipeline", "method_preset", "load_bundle"}
+    with pytest.raises(AttributeError, match="no attribute 'Pipelin'"):
+        lantern.Pipelin

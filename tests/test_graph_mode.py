@@ -216,3 +216,14 @@ def test_compiling_runners_leave_the_process_recompile_limit_alone(models, monke
         spec = StaticSpec(batch=2, max_len=cfg.seq_len + 4, prefix_len=cfg.cls_token_num, verify_widths=(width,))
         prepare("cpu-graph", models, spec, compiler="eager").warmup()
         assert torch._dynamo.config.cache_size_limit == 2
+
+
+@pytest.mark.parametrize("drafting", ["eagle1-25", "dynamic"])
+def test_images_batched_equal_each_alone(tiny, drafting):
+    """Greedy: three images in one static batch give each image's tokens exactly as decoded alone."""
+    dcfg = method_preset("eagle2" if drafting == "dynamic" else "lantern++", SamplingConfig(greedy=True, cfg_scale=2.0),
+                         **({"dynamic_total": 16} if drafting == "dynamic" else {"drafting": drafting, "k": 4}))
+    pipe = Pipeline(*tiny, backend="cpu-graph", compiler="eager")
+    together = pipe.generate([0, 1, 2], dcfg, seed=0).tokens
+    alone = torch.cat([pipe.generate([c], dcfg, seed=0).tokens for c in (0, 1, 2)])
+    assert torch.equal(together, alone)

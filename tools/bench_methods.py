@@ -70,7 +70,7 @@ def main() -> None:
         tau = (sum(st["mean_accepted_length"] * st["verify_steps"] for st in stats[m]) / steps) if steps else 1.0
         fwd = sum(st["target_forwards"] for st in stats[m])
         tokens = sum(st["tokens"] for st in stats[m])
-        moved = [st["moved_mass_max"] for st in stats[m]]
+        tv = [st["token_tv_max"] for st in stats[m]]
         order = {(c, s): i for i, (c, s) in enumerate((c, s) for c in classes for s in range(args.per_class))}
         by_chunk = sorted(codes[m].items(), key=lambda kv: order[kv[0]])
         quality = evaluate(bundle, lambda _chunk, i, _b=by_chunk: _b[i][1], classes=classes,
@@ -79,7 +79,7 @@ def main() -> None:
             "method": m, "decode": configs[m].to_dict(), "images": len(jobs), "wall_seconds": wall,
             "seconds_per_image": wall / len(jobs), "speedup_vs_ar": (ar_wall / wall) if ar_wall else None,
             "mean_accepted_length": tau, "step_compression": tokens / fwd, "tokens_per_second": tokens / wall,
-            "moved_mass_max": max(moved, default=0.0),
+            "token_tv_max": max(tv, default=0.0),
             "class_accuracy": quality["generated"]["class_accuracy"],
             "frechet_distance": quality["generated"]["frechet_distance"],
         })
@@ -103,12 +103,12 @@ def markdown(rec: dict) -> str:
              f"{rec['torch']}; {len(rec['classes'])} classes x {rec['per_class']} images, "
              f"{'greedy' if rec['greedy'] else 'sampling'}, CFG {rec['cfg_scale']}; {rec['date']}.", "",
              "| method | s / image | speed-up vs AR | tau (mean accepted) | step compression | class acc. | "
-             "Frechet dist. | max moved mass |", "|---|---|---|---|---|---|---|---|"]
+             "Frechet dist. | max token TV (bounded rule) |", "|---|---|---|---|---|---|---|---|"]
     for r in rec["rows"]:
         sp = f"{r['speedup_vs_ar']:.2f}x" if r["speedup_vs_ar"] else "-"
         lines.append(f"| {r['method']} | {r['seconds_per_image']:.2f} | {sp} | {r['mean_accepted_length']:.2f} | "
                      f"{r['step_compression']:.2f} | {r['class_accuracy']:.2f} | {r['frechet_distance']:.2f} | "
-                     f"{r['moved_mass_max']:.3f} |")
+                     f"{r['token_tv_max']:.3f} |")
     ref = rec["real_image_reference"]
     lines.append(f"| real images (floor) | - | - | - | - | {ref['class_accuracy']:.2f} | "
                  f"{ref['frechet_distance']:.2f} | - |")

@@ -28,7 +28,7 @@ import torch
 from lantern.backends import StaticSpec, get_backend
 from lantern.config import gpt_preset
 from lantern.decoding import TREE_PRESETS, SamplingConfig, compile_tree, method_preset
-from lantern.decoding.loop import condition_rows, decode_ar, decode_speculative, static_spec
+from lantern.decoding.loop import condition_rows, decode_ar, decode_speculative, make_generator, static_spec
 from lantern.models.drafter import Drafter
 from lantern.models.gpt import GPT
 from lantern.proximity import build_proximity_table
@@ -105,7 +105,7 @@ def generation(target, drafter, method: str, tree: str, threads: int, cache_dir:
     cfg = target.config
     overrides = {"drafting": tree} if method != "ar" else {}
     dcfg = method_preset(method, SamplingConfig(greedy=True, cfg_scale=4.0), **overrides)
-    spec = static_spec(dcfg, cfg, images=1, dtype="fp32")
+    spec = static_spec(dcfg, cfg, batch=1, dtype="fp32")
     labels = torch.tensor([3])
     out = {"method": method, "tree": tree if method != "ar" else None, "spec": asdict(spec)}
     tokens = {}
@@ -113,11 +113,11 @@ def generation(target, drafter, method: str, tree: str, threads: int, cache_dir:
         runner = backend(name, threads, cache_dir).prepare(target, drafter if dcfg.speculative else None, spec)
         runner.warmup()
         rows = condition_rows(labels, dcfg, target.null_condition(1))
-        g = torch.Generator().manual_seed(0)
+        g, active = make_generator(runner, 0), torch.ones(1, dtype=torch.bool)
         if dcfg.speculative:
-            tokens[name], stats = decode_speculative(runner, rows, dcfg, cfg.block_size, g, proximity)
+            tokens[name], stats = decode_speculative(runner, rows, dcfg, active, cfg.block_size, g, proximity)
         else:
-            tokens[name], stats = decode_ar(runner, rows, dcfg, 1, cfg.block_size, g)
+            tokens[name], stats = decode_ar(runner, rows, dcfg, active, cfg.block_size, g)
         tau = (sum(stats.accepted_lengths) / len(stats.accepted_lengths)) if stats.accepted_lengths else 1.0
         out[name] = {"wall_s": stats.wall_seconds, "target_forwards": stats.target_forwards,
                      "draft_forwards": stats.draft_forwards, "tau": tau,

@@ -56,7 +56,6 @@ def codebook_rule(kind, v=64, form="bounded", **kw):
 
 def flat_pair(v=64, seed=3, alpha=0.3):
     """A flat target p and a different draft q (Dirichlet(alpha)), like image-token distributions."""
-    g = torch.Generator().manual_seed(seed)
     d = torch.distributions.Gamma(torch.full((2, v), alpha), torch.ones(2, v))
     torch.manual_seed(seed)
     pq = d.sample()

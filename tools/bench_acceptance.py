@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from results_io import utc_now, write_results
+
 ROOT = Path(__file__).resolve().parents[1]
 V, TOP_K, CFG, TREE = 16384, 1000, 4.0, "lantern++-57"
 
@@ -105,20 +107,20 @@ def main() -> None:
             row["before_s"] = json.loads(res.stdout)
         rows.append(row)
         print(row, file=sys.stderr)
-    record = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.processor(),
-              "torch": torch.__version__, "threads": 1, "V": V, "top_k": TOP_K, "cfg": CFG, "tree": TREE,
-              "reps": args.reps, "rows": rows}
-    out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(record, indent=2))
+    record = {"date": utc_now(), "machine": platform.processor(), "torch": torch.__version__, "threads": 1, "V": V,
+              "top_k": TOP_K, "cfg": CFG, "tree": TREE, "reps": args.reps, "rows": rows}
+    write_results(args.out, record, markdown)
+
+
+def markdown(rec: dict) -> str:
     lines = [f"Acceptance phase (CFG + warp + acceptance + draws) at LlamaGen scale: V={V}, tree {TREE} (N=58), "
-             f"top-k {TOP_K}, CFG {CFG}; CPU, 1 thread, median of {args.reps}; {record['date']}.", "",
+             f"top-k {TOP_K}, CFG {CFG}; CPU, 1 thread, median of {rec['reps']}; {rec['date']}.", "",
              "| images B | before (host walk, per image), ms | after (tensor program, batch), ms | after per image, ms |",
              "|---|---|---|---|"]
-    for r in rows:
+    for r in rec["rows"]:
         before = f"{1e3 * r['before_s']:.1f}" if "before_s" in r else "-"
         lines.append(f"| {r['images']} | {before} | {1e3 * r['after_s']:.1f} | {1e3 * r['after_s'] / r['images']:.1f} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -24,6 +23,7 @@ import torch
 from lantern.api import Pipeline
 from lantern.bundle import load_bundle
 from lantern.decoding import SamplingConfig, method_preset
+from results_io import utc_now, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = {"ar": dict(method="ar"), "chain-5": dict(method="lantern++", drafting="chain-5", acceptance="exact"),
@@ -99,14 +99,11 @@ def main() -> None:
     ar = {r["images"]: r["wall_s"] for r in rows if r["method"] == "ar" and r["source"] == "this revision"}
     for r in rows:
         r["vs_ar"] = r["wall_s"] / ar[r["images"]]
-    record = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "backend": args.backend, "dtype": args.dtype,
+    record = {"date": utc_now(), "backend": args.backend, "dtype": args.dtype,
               "threads": args.threads, "machine": platform.processor(), "torch": torch.__version__,
               "repeats": args.repeats, "bundle": bundle.manifest.get("name"), "sampling": bundle.default_sampling,
               "rows": rows}
-    out = Path(args.out or ROOT / "profiles" / "results" / f"batched-{args.backend}-{args.dtype}")
-    out.with_suffix(".json").write_text(json.dumps(record, indent=2))
-    out.with_suffix(".md").write_text(markdown(record))
-    print(markdown(record))
+    write_results(args.out or ROOT / "profiles" / "results" / f"batched-{args.backend}-{args.dtype}", record, markdown)
 
 
 def markdown(rec: dict) -> str:

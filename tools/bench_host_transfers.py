@@ -13,8 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import time
+import sys
 from pathlib import Path
+
+from results_io import utc_now, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 COUNTER = ROOT / "lantern" / "profile" / "host_transfers.py"
@@ -47,7 +49,6 @@ def run(python: str) -> dict:
 
 
 def main() -> None:
-    import sys
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--before-python", help="python of an environment with the previous revision installed")
     ap.add_argument("--out", default=str(ROOT / "profiles" / "results" / "host-transfers"))
@@ -55,20 +56,20 @@ def main() -> None:
     rows = {"after": run(sys.executable)}
     if args.before_python:
         rows["before"] = run(args.before_python)
-    record = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows}
-    out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(record, indent=2))
+    write_results(args.out, {"date": utc_now(), "rows": rows}, markdown)
+
+
+def markdown(rec: dict) -> str:
     lines = ["LANTERN++ (57-node tree) on the embedded model, 10 images, one generation; host transfers counted by "
-             f"lantern/profile/host_transfers.py; {record['date']}.", "",
+             f"lantern/profile/host_transfers.py; {rec['date']}.", "",
              "| code | verify calls | host transfers | per verify call | elements moved | per verify call |",
              "|---|---|---|---|---|---|"]
-    for name, r in rows.items():
+    for name, r in rec["rows"].items():
         lines.append(f"| {name} | {r['verify_steps']} | {r['calls']} | {r['calls'] / r['verify_steps']:.1f} | "
                      f"{r['elements']} | {r['elements'] / r['verify_steps']:.0f} |")
-    lines += ["", "Before, each verify call served one image; after, one call serves all 10 images."]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-
+    lines += ["", "Before, each verify call served one image; after, one call serves all 10 images. The totals include "
+              "the one transfer of tokens and statistics at the end of a generation."]
+    return "\n".join(lines) + "\n"
 
 if __name__ == "__main__":
     main()

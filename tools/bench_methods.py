@@ -10,9 +10,7 @@ profiles/results/methods-<backend>-<dtype>.{json,md,png}.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
-import time
 from pathlib import Path
 
 import torch
@@ -22,6 +20,7 @@ from lantern.api import Pipeline
 from lantern.bundle import load_bundle
 from lantern.decoding import METHODS, SamplingConfig, method_preset
 from lantern.evaluate import evaluate
+from results_io import utc_now, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,17 +84,12 @@ def main() -> None:
         })
     reference = quality["real_train_reference"]
     out = Path(args.out or ROOT / "profiles" / "results" / f"methods-{args.backend}-{args.dtype}")
-    out.parent.mkdir(parents=True, exist_ok=True)
     record = {"backend": args.backend, "dtype": args.dtype, "threads": torch.get_num_threads(),
               "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
               "bundle": bundle.manifest.get("name", str(bundle.path)), "greedy": args.greedy,
               "cfg_scale": sampling.cfg_scale, "classes": classes, "per_class": args.per_class,
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows,
-              "real_image_reference": reference}
-    out.with_suffix(".json").write_text(json.dumps(record, indent=2))
-    out.with_suffix(".md").write_text(markdown(record))
-    plot(record, out.with_suffix(".png"))
-    print(markdown(record))
+              "date": utc_now(), "rows": rows, "real_image_reference": reference}
+    write_results(out, record, markdown, plot)
 
 
 def markdown(rec: dict) -> str:

@@ -15,12 +15,12 @@ at the bundle's defaults, the bundle's proximity table, k = 10). Writes profiles
 from __future__ import annotations
 
 import argparse
-import json
-import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
+
+from results_io import utc_now, write_results
 
 from lantern.api import Pipeline
 from lantern.bundle import load_bundle
@@ -121,13 +121,7 @@ def main() -> None:
                 rows.append({"setting": name, "children": children, "rule": label, "kind": rule.kind,
                              "form": rule.form if rule.relaxed else "exact", "delta": rule.delta, "lam": rule.lam,
                              **measure(pairs, rule, children, args.trials, seed=7)})
-    out = Path(args.out)
-    record = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "pairs": args.pairs, "trials": args.trials,
-              "rows": rows}
-    out.with_suffix(".json").write_text(json.dumps(record, indent=2))
-    out.with_suffix(".md").write_text(markdown(record))
-    plot(record, out.with_suffix(".png"))
-    print(markdown(record))
+    write_results(args.out, {"date": utc_now(), "pairs": args.pairs, "trials": args.trials, "rows": rows}, markdown, plot)
 
 
 def markdown(rec: dict) -> str:

@@ -149,6 +149,7 @@ def draft_dynamic(d: Drafter, strategy: DynamicTree, root_token, root: torch.Ten
     committed = d.committed(root)
     frontier_mask = committed[:, None].expand(b, k, -1)  # slots each frontier node's ancestors occupy
     parent_feats = root_feat[:, None].expand(-1, k, -1)
+    prev_feats = parent_feats  # (R*B, k, D) the previous level's predicted features
     base, first_of_level = 1 + k, 1
     for level in range(1, depth):
         span = k if level == 1 else k * k

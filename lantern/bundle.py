@@ -90,6 +90,12 @@ class Bundle:
         return {"cfg_scale": float(s.get("cfg_scale", 1.0)), "temperature": float(s.get("temperature", 1.0)),
                 "top_k": int(s.get("top_k", 0)), "top_p": float(s.get("top_p", 1.0))}
 
+    @property
+    def relaxation_defaults(self) -> dict[str, dict]:
+        """Per method, the relaxation chosen on the quality frontier (tools/quality_frontier.py): the largest
+        tau whose class accuracy and Frechet distance stay within AR's spread over seeds; {} if never chosen."""
+        return {m: dict(v["settings"]) for m, v in self.manifest.get("relaxation_defaults", {}).items()}
+
     @torch.no_grad()
     def decode_images(self, codes: torch.Tensor) -> np.ndarray:
         """codes (B, h*w) int64 -> uint8 images (B, H, W, 3)."""

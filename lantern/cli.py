@@ -64,15 +64,17 @@ def backend_options(args) -> dict:
     return {"gaudi_config": args.gaudi_config}
 
 
-def decode_config_from_args(args, model_defaults: dict):
-    """The decode config of the flags; sampling flags left out take the model's validated defaults."""
+def decode_config_from_args(args, bundle):
+    """The decode config of the flags. Sampling flags left out take the bundle's validated defaults; a relaxed
+    method's k / delta / lambda / form left out take the bundle's quality-validated relaxation, if it has one."""
     from lantern.decoding.config import method_preset
     from lantern.decoding.sampling import SamplingConfig
+    model_defaults = bundle.default_sampling
     chosen = {k: getattr(args, k) for k in ("cfg_scale", "temperature", "top_k", "top_p")}
     sampling = SamplingConfig(greedy=args.greedy, **{k: model_defaults[k] if v is None else v for k, v in chosen.items()})
     overrides = {name: getattr(args, name) for name in ("drafting", "acceptance", "k", "delta", "lam", "form")
                  if getattr(args, name) is not None}
-    return method_preset(args.method, sampling, **overrides)
+    return method_preset(args.method, sampling, **{**bundle.relaxation_defaults.get(args.method, {}), **overrides})
 
 
 def cmd_generate(args) -> dict:
@@ -88,7 +90,7 @@ def cmd_generate(args) -> dict:
     if not args.no_images:
         check_writable(Path(args.out), "--out", folder=True)
     bundle = load_bundle(args.model)
-    dcfg = decode_config_from_args(args, bundle.default_sampling)
+    dcfg = decode_config_from_args(args, bundle)
     pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend=args.backend, dtype=args.dtype,
                     **options)
     pipe.check(dcfg, args.batch)
@@ -122,7 +124,7 @@ def cmd_eval(args) -> dict:
     options = backend_options(args)
     get_backend(args.backend, **options)
     bundle = load_bundle(args.model)
-    dcfg = decode_config_from_args(args, bundle.default_sampling)
+    dcfg = decode_config_from_args(args, bundle)
     pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend=args.backend, dtype=args.dtype,
                     **options)
     pipe.check(dcfg, args.batch)

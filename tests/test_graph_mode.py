@@ -207,15 +207,15 @@ def test_widths_outside_the_spec_are_refused(models):
         runner.commit(torch.zeros(2, 2, dtype=torch.long), torch.zeros(2, 2, dtype=torch.long))
 
 
-def test_compiling_runners_leave_the_process_recompile_limit_alone(models, monkeypatch):
+def test_compiling_runners_leave_the_process_recompile_limit_alone(models):
     """Three runners of other shapes share the step modules' code objects: past a limit of 2 they compile only
     because warm-up raises the limit, and the limit is back where it was afterwards."""
-    monkeypatch.setattr(torch._dynamo.config, "cache_size_limit", 2)
     cfg = models[0].config
-    for width in (2, 3, 4):
-        spec = StaticSpec(batch=2, max_len=cfg.seq_len + 4, prefix_len=cfg.cls_token_num, verify_widths=(width,))
-        prepare("cpu-graph", models, spec, compiler="eager").warmup()
-        assert torch._dynamo.config.cache_size_limit == 2
+    with torch._dynamo.config.patch(cache_size_limit=2):  # dynamo's own patching: its alias survives the test
+        for width in (2, 3, 4):
+            spec = StaticSpec(batch=2, max_len=cfg.seq_len + 4, prefix_len=cfg.cls_token_num, verify_widths=(width,))
+            prepare("cpu-graph", models, spec, compiler="eager").warmup()
+            assert torch._dynamo.config.cache_size_limit == 2
 
 
 @pytest.mark.parametrize("drafting", ["eagle1-25", "dynamic"])

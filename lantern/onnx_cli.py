@@ -48,7 +48,7 @@ def add_export_onnx_command(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def export_models(args: argparse.Namespace, speculative: bool):
+def export_models(args: argparse.Namespace, needs_drafter: bool):
     """(target, drafter or None, default cfg scale or None, whether any weights are random)."""
     if args.preset is None:
         if args.checkpoint or args.drafter_checkpoint:
@@ -56,9 +56,9 @@ def export_models(args: argparse.Namespace, speculative: bool):
                              "its own weights")
         from lantern.bundle import load_bundle
         bundle = load_bundle(args.model)
-        if speculative and bundle.drafter is None:
+        if needs_drafter and bundle.drafter is None:
             raise UsageError(f"bundle {bundle.path} has no drafter; method {args.method!r} needs one")
-        return bundle.target, bundle.drafter if speculative else None, bundle.default_sampling["cfg_scale"], False
+        return bundle.target, bundle.drafter if needs_drafter else None, bundle.default_sampling["cfg_scale"], False
     from lantern.config import gpt_preset
     from lantern.models.checkpoint import load_checkpoint
     from lantern.models.drafter import Drafter
@@ -66,7 +66,7 @@ def export_models(args: argparse.Namespace, speculative: bool):
 
     torch.manual_seed(args.seed)
     target = GPT(gpt_preset(args.preset)).eval()
-    drafter = Drafter(target.config).eval() if speculative else None
+    drafter = Drafter(target.config).eval() if needs_drafter else None
     if args.checkpoint:
         load_checkpoint(target, args.checkpoint)
     if drafter is not None and args.drafter_checkpoint:
@@ -90,9 +90,9 @@ def cmd_export_onnx(args: argparse.Namespace) -> dict:
         raise UsageError("--preset has no sampling defaults: pass the --cfg-scale generate will use")
     ONNXBackend().check_dtype(args.dtype)
     overrides = {"drafting": args.drafting} if args.drafting else {}
-    speculative = method_preset(args.method, SamplingConfig(), **overrides).speculative
+    needs_drafter = method_preset(args.method, SamplingConfig(), **overrides).needs_drafter
     check_writable(Path(args.out), "--out", folder=True)
-    target, drafter, default_cfg, random_weights = export_models(args, speculative)
+    target, drafter, default_cfg, random_weights = export_models(args, needs_drafter)
     cfg_scale = args.cfg_scale if args.cfg_scale is not None else default_cfg
     dcfg = method_preset(args.method, SamplingConfig(cfg_scale=cfg_scale), **overrides)
     spec = static_spec(dcfg, target.config, args.batch, args.dtype)

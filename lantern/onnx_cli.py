@@ -33,6 +33,7 @@ def add_export_onnx_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--drafter-checkpoint", help="with --preset: drafter weights (speculative methods)")
     p.add_argument("--method", default="lantern++", choices=METHODS, help="as for generate (same default)")
     p.add_argument("--drafting", help="override the method's drafting: dynamic, a tree preset or a .json of paths")
+    p.add_argument("--window", type=number(int, 1), help="Jacobi methods: the window generate will use (default 16)")
     p.add_argument("--cfg-scale", type=number(float, 1),
                    help="the scale generate will use, >= 1: > 1 exports the two-row CFG batch (default: the "
                         "bundle's; required with --preset)")
@@ -89,7 +90,7 @@ def cmd_export_onnx(args: argparse.Namespace) -> dict:
     if args.preset is not None and args.cfg_scale is None:
         raise UsageError("--preset has no sampling defaults: pass the --cfg-scale generate will use")
     ONNXBackend().check_dtype(args.dtype)
-    overrides = {"drafting": args.drafting} if args.drafting else {}
+    overrides = {k: getattr(args, k) for k in ("drafting", "window") if getattr(args, k) is not None}
     needs_drafter = method_preset(args.method, SamplingConfig(), **overrides).needs_drafter
     check_writable(Path(args.out), "--out", folder=True)
     target, drafter, default_cfg, random_weights = export_models(args, needs_drafter)

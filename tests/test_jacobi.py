@@ -18,7 +18,8 @@ from lantern.decoding.sampling import Support, warp
 from lantern.models.gpt import GPT
 from lantern.proximity import build_proximity_table
 from test_backend_onnx import needs_ort
-from test_speculative import LEVEL, SAMPLING, HostTransfers, ar_distribution, flat_micro, pvalue, pvalues, sampled_counts
+from lantern.profile.host_transfers import HostTransfers
+from test_speculative import LEVEL, SAMPLING, ar_distribution, flat_micro, pvalue, pvalues, sampled_counts
 
 JACOBI = {"sjd": dict(drafting="jacobi", coupling="none"), "mc-sjd": dict(drafting="jacobi", coupling="gumbel")}
 

@@ -226,3 +226,12 @@ def test_a_bundle_without_a_drafter_runs_jacobi_from_the_cli(tmp_path, capsys):
     assert len(jac["tokens"][0]) == 256 and jac["target_forwards"] < 256 and jac["decode"]["window"] == 8
     assert main(common + ["--method", "lantern++"]) == 2
     assert "needs a drafter" in json.loads(capsys.readouterr().out)["error"]
+
+
+@needs_ort
+def test_export_onnx_of_a_jacobi_method_has_the_window_verify_and_no_drafter(tmp_path, capsys):
+    from lantern.cli import main
+    argv = ["export-onnx", "--preset", "GPT-test", "--method", "mc-sjd", "--window", "4", "--cfg-scale", "1",
+            "--batch", "1", "--out", str(tmp_path), "--json"]
+    assert main(argv) == 0
+    assert sorted(json.loads(capsys.readouterr().out)["graphs"]) == ["commit", "prefill", "verify[5]"]

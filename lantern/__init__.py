@@ -1,5 +1,6 @@
-"""lantern: speculative decoding (EAGLE-2, LANTERN, LANTERN++) for LlamaGen-style visual autoregressive image
-generators, on swappable backends. The Python API is `lantern.api.Pipeline`; the command line is `lantern`."""
+"""lantern: speculative decoding (EAGLE-2, LANTERN, LANTERN++, speculative Jacobi decoding) for LlamaGen-style
+visual autoregressive image generators, on swappable backends. The Python API is `lantern.api.Pipeline`; the
+command line is `lantern`."""
 from importlib import metadata
 from pathlib import Path
 

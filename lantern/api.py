@@ -12,6 +12,7 @@ from tqdm import tqdm
 from lantern.backends import Runner, get_backend
 from lantern.decoding.config import DecodeConfig
 from lantern.decoding.acceptance import Acceptance
+from lantern.decoding.jacobi import decode_jacobi
 from lantern.decoding.loop import condition_rows, decode_ar, decode_speculative, make_generator, static_spec
 from lantern.decoding.stats import GenerationStats
 
@@ -83,11 +84,13 @@ class Pipeline:
         batch = DEFAULT_BATCH if batch is None else batch
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise ValueError(f"batch {batch!r} must be an integer >= 1 (images per static step)")
-        if dcfg.speculative and self.drafter is None:
-            raise ValueError(f"method with drafting {dcfg.drafting!r} needs a drafter, and this pipeline has none")
+        if dcfg.needs_drafter and self.drafter is None:
+            raise ValueError(f"method with drafting {dcfg.drafting!r} needs a drafter, and this pipeline has none "
+                             f"(drafting 'jacobi', e.g. --method mc-sjd, needs none)")
         strategy = dcfg.strategy
         if strategy is not None and strategy.depth >= self.config.block_size:
-            raise ValueError(f"tree depth {strategy.depth} must be below the image's {self.config.block_size} tokens")
+            raise ValueError(f"{strategy.depth_name} {strategy.depth} must be below the image's "
+                             f"{self.config.block_size} tokens")
         if dcfg.acceptance != "exact":
             Acceptance(dcfg.acceptance, k=dcfg.k, delta=dcfg.delta, lam=dcfg.lam, form=dcfg.form,
                        proximity=self.proximity)  # refuses a missing table or k beyond it
@@ -115,7 +118,9 @@ class Pipeline:
             active = torch.arange(width) < real
             part = torch.cat([part, part[:1].expand(width - real, *part.shape[1:])])  # padding images
             rows = condition_rows(part, dcfg, self.target.null_condition(width))
-            if dcfg.speculative:
+            if dcfg.jacobi:
+                toks, st = decode_jacobi(runner, rows, dcfg, active, block, generator, self.proximity)
+            elif dcfg.speculative:
                 toks, st = decode_speculative(runner, rows, dcfg, active, block, generator, self.proximity)
             else:
                 toks, st = decode_ar(runner, rows, dcfg, active, block, generator)

@@ -151,6 +151,13 @@ def load_bundle(path: str | Path | None = None, verify: bool = True) -> Bundle:
     return Bundle(root, manifest, config, target.eval(), drafter, vq.eval(), evaluator, proximity)
 
 
+def bundle_methods(path: str | Path | None = None) -> list[str]:
+    """The decoding methods a bundle folder supports (Jacobi methods need no drafter)."""
+    from lantern.decoding.config import supported_methods
+    root = Path(path) if path is not None else DEFAULT_BUNDLE
+    return supported_methods((root / "drafter.safetensors").exists(), (root / "proximity.safetensors").exists())
+
+
 def describe_bundle(path: str | Path | None = None) -> str:
     """A human-readable account of a bundle: what the models are, how they were made, what they measure."""
     root = Path(path) if path is not None else DEFAULT_BUNDLE
@@ -181,6 +188,7 @@ def describe_bundle(path: str | Path | None = None) -> str:
         f"{fmt('drafter_top1_agreement_cond')} (cond), {fmt('drafter_top1_agreement_uncond')} (uncond)"
         if (root / "drafter.safetensors").exists() else "drafter: none",
         f"evaluator: CNN classifier, held-out accuracy {fmt('evaluator_heldout_accuracy')}",
+        "methods: " + ", ".join(bundle_methods(root)),
         f"AR samples at {sampling_text}: class accuracy "
         f"{fmt('ar_class_accuracy')}, Frechet distance {fmt('ar_frechet')} (real-image floor {fmt('real_frechet')})",
         f"made by: {manifest.get('command', 'unknown')}  (seed {manifest.get('seed', '?')}); training seconds "

@@ -22,12 +22,16 @@ from lantern.train.cli import add_info_command, add_train_commands
 def add_decode_options(p: argparse.ArgumentParser) -> None:
     """Decoding flags shared by generate, eval and profile."""
     from lantern.decoding.acceptance import FORMS, KINDS
-    from lantern.decoding.config import METHODS
+    from lantern.decoding.config import COUPLINGS, METHODS
     g = p.add_argument_group("decoding")
     g.add_argument("--method", choices=METHODS, default="lantern++",
                    help="preset: ar | eagle2 (dynamic tree, exact) | lantern (dynamic, k=1000, delta=0.1) | "
-                        "lantern++ (57-node static tree, k=10, lambda=3)")
-    g.add_argument("--drafting", help="override: none | dynamic | a tree preset | a .json file of paths")
+                        "lantern++ (57-node static tree, k=10, lambda=3) | no drafter needed: sjd (Jacobi window, "
+                        "exact) | mc-sjd (Jacobi, Gumbel-coupled drafts, exact) | mc-sjd-relaxed (mc-sjd with "
+                        "bounded LANTERN++ relaxation, k=10, lambda=3)")
+    g.add_argument("--drafting", help="override: none | dynamic | jacobi | a tree preset | a .json file of paths")
+    g.add_argument("--window", type=int, help="Jacobi: drafts verified after the last accepted token (default 16)")
+    g.add_argument("--coupling", choices=COUPLINGS, help="Jacobi: none (SJD) | gumbel (MC-SJD)")
     g.add_argument("--acceptance", choices=KINDS, help="override the method's acceptance rule")
     g.add_argument("--k", type=number(int, 0), help="proximity neighbours for relaxed acceptance")
     g.add_argument("--delta", type=number(float, 0, 1), help="LANTERN bound, in [0, 1]")
@@ -72,7 +76,8 @@ def decode_config_from_args(args, bundle):
     model_defaults = bundle.default_sampling
     chosen = {k: getattr(args, k) for k in ("cfg_scale", "temperature", "top_k", "top_p")}
     sampling = SamplingConfig(greedy=args.greedy, **{k: model_defaults[k] if v is None else v for k, v in chosen.items()})
-    overrides = {name: getattr(args, name) for name in ("drafting", "acceptance", "k", "delta", "lam", "form")
+    overrides = {name: getattr(args, name) for name in ("drafting", "acceptance", "k", "delta", "lam", "form",
+                                                         "window", "coupling")
                  if getattr(args, name) is not None}
     return method_preset(args.method, sampling, **{**bundle.relaxation_defaults.get(args.method, {}), **overrides})
 

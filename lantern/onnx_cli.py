@@ -33,6 +33,7 @@ def add_export_onnx_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--drafter-checkpoint", help="with --preset: drafter weights (speculative methods)")
     p.add_argument("--method", default="lantern++", choices=METHODS, help="as for generate (same default)")
     p.add_argument("--drafting", help="override the method's drafting: dynamic, a tree preset or a .json of paths")
+    p.add_argument("--window", type=number(int, 1), help="Jacobi methods: the window generate will use (default 16)")
     p.add_argument("--cfg-scale", type=number(float, 1),
                    help="the scale generate will use, >= 1: > 1 exports the two-row CFG batch (default: the "
                         "bundle's; required with --preset)")
@@ -48,7 +49,7 @@ def add_export_onnx_command(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def export_models(args: argparse.Namespace, speculative: bool):
+def export_models(args: argparse.Namespace, needs_drafter: bool):
     """(target, drafter or None, default cfg scale or None, whether any weights are random)."""
     if args.preset is None:
         if args.checkpoint or args.drafter_checkpoint:
@@ -56,9 +57,9 @@ def export_models(args: argparse.Namespace, speculative: bool):
                              "its own weights")
         from lantern.bundle import load_bundle
         bundle = load_bundle(args.model)
-        if speculative and bundle.drafter is None:
+        if needs_drafter and bundle.drafter is None:
             raise UsageError(f"bundle {bundle.path} has no drafter; method {args.method!r} needs one")
-        return bundle.target, bundle.drafter if speculative else None, bundle.default_sampling["cfg_scale"], False
+        return bundle.target, bundle.drafter if needs_drafter else None, bundle.default_sampling["cfg_scale"], False
     from lantern.config import gpt_preset
     from lantern.models.checkpoint import load_checkpoint
     from lantern.models.drafter import Drafter
@@ -66,7 +67,7 @@ def export_models(args: argparse.Namespace, speculative: bool):
 
     torch.manual_seed(args.seed)
     target = GPT(gpt_preset(args.preset)).eval()
-    drafter = Drafter(target.config).eval() if speculative else None
+    drafter = Drafter(target.config).eval() if needs_drafter else None
     if args.checkpoint:
         load_checkpoint(target, args.checkpoint)
     if drafter is not None and args.drafter_checkpoint:
@@ -89,10 +90,10 @@ def cmd_export_onnx(args: argparse.Namespace) -> dict:
     if args.preset is not None and args.cfg_scale is None:
         raise UsageError("--preset has no sampling defaults: pass the --cfg-scale generate will use")
     ONNXBackend().check_dtype(args.dtype)
-    overrides = {"drafting": args.drafting} if args.drafting else {}
-    speculative = method_preset(args.method, SamplingConfig(), **overrides).speculative
+    overrides = {k: getattr(args, k) for k in ("drafting", "window") if getattr(args, k) is not None}
+    needs_drafter = method_preset(args.method, SamplingConfig(), **overrides).needs_drafter
     check_writable(Path(args.out), "--out", folder=True)
-    target, drafter, default_cfg, random_weights = export_models(args, speculative)
+    target, drafter, default_cfg, random_weights = export_models(args, needs_drafter)
     cfg_scale = args.cfg_scale if args.cfg_scale is not None else default_cfg
     dcfg = method_preset(args.method, SamplingConfig(cfg_scale=cfg_scale), **overrides)
     spec = static_spec(dcfg, target.config, args.batch, args.dtype)

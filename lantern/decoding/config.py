@@ -5,14 +5,14 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 from lantern.decoding.acceptance import check_rule
 from lantern.decoding.sampling import SamplingConfig
-from lantern.decoding.strategy import DynamicTree, StaticTree, Strategy
+from lantern.decoding.strategy import DynamicTree, JacobiWindow, StaticTree, Strategy
 from lantern.decoding.trees import compile_tree, load_tree
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    drafting: str = "none"  # "none" (AR) | "dynamic" (EAGLE-2) | a tree preset name | a .json file of paths
+    drafting: str = "none"  # "none" (AR) | "dynamic" (EAGLE-2) | "jacobi" (no drafter) | a tree preset | a .json file
     acceptance: str = "exact"  # exact | lantern | lantern++
     k: int = 0  # proximity neighbours the relaxation may use
     delta: float = 0.0  # LANTERN's additive bound, in [0, 1]
@@ -21,6 +21,8 @@ class DecodeConfig:
     dynamic_depth: int = 5  # EAGLE-2: drafting depth
     dynamic_top_k: int = 10  # EAGLE-2: beams expanded per depth, children per beam
     dynamic_total: int = 60  # EAGLE-2: verified nodes, root included (the static verify width)
+    window: int = 16  # Jacobi: drafts after the root (the verify width is window + 1)
+    coupling: str = "gumbel"  # Jacobi: "none" (SJD: fresh draws) | "gumbel" (MC-SJD: noise fixed per position)
     _strategy: Strategy | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -33,6 +35,12 @@ class DecodeConfig:
             if self.dynamic_total < 2:
                 raise ValueError(f"dynamic_total {self.dynamic_total} must be >= 2 (the root and one node)")
             strategy = DynamicTree(self.dynamic_depth, self.dynamic_top_k, self.dynamic_total)
+        elif self.drafting == "jacobi":
+            if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+                raise ValueError(f"window {self.window!r} must be an integer >= 1")
+            if self.coupling not in COUPLINGS:
+                raise ValueError(f"unknown coupling {self.coupling!r}; allowed: {', '.join(COUPLINGS)}")
+            strategy = JacobiWindow(self.window)
         elif self.drafting != "none":
             # compiled once (fails early, naming the presets)
             strategy = StaticTree(compile_tree(load_tree(self.drafting)))
@@ -45,6 +53,14 @@ class DecodeConfig:
         return self._strategy is not None
 
     @property
+    def needs_drafter(self) -> bool:
+        return self._strategy is not None and bool(self._strategy.draft_widths)
+
+    @property
+    def jacobi(self) -> bool:
+        return isinstance(self._strategy, JacobiWindow)
+
+    @property
     def strategy(self) -> Strategy | None:
         """How drafts are made (None: plain AR): owns the widths, depth and scratch layout."""
         return self._strategy
@@ -54,7 +70,8 @@ class DecodeConfig:
                 for f in fields(self) if f.init}
 
 
-METHODS = ("ar", "eagle2", "lantern", "lantern++")
+COUPLINGS = ("none", "gumbel")
+METHODS = ("ar", "eagle2", "lantern", "lantern++", "sjd", "mc-sjd", "mc-sjd-relaxed")
 
 
 def method_preset(method: str, sampling: SamplingConfig, **overrides) -> DecodeConfig:
@@ -64,7 +81,20 @@ def method_preset(method: str, sampling: SamplingConfig, **overrides) -> DecodeC
         "eagle2": dict(drafting="dynamic", acceptance="exact"),
         "lantern": dict(drafting="dynamic", acceptance="lantern", k=1000, delta=0.1),
         "lantern++": dict(drafting="lantern++-57", acceptance="lantern++", k=10, lam=3.0),
+        "sjd": dict(drafting="jacobi", coupling="none"),
+        "mc-sjd": dict(drafting="jacobi", coupling="gumbel"),
+        "mc-sjd-relaxed": dict(drafting="jacobi", coupling="gumbel", acceptance="lantern++", k=10, lam=3.0),
     }
     if method not in presets:
         raise ValueError(f"unknown method {method!r}; allowed: {', '.join(METHODS)}")
     return replace(DecodeConfig(sampling=sampling, **presets[method]), **overrides)
+
+
+def supported_methods(has_drafter: bool, has_proximity: bool) -> list[str]:
+    """The methods a bundle can run: drafting ones need a drafter, relaxed ones a proximity table."""
+    out = []
+    for method in METHODS:
+        dcfg = method_preset(method, SamplingConfig())
+        if (has_drafter or not dcfg.needs_drafter) and (has_proximity or dcfg.acceptance == "exact"):
+            out.append(method)
+    return out

@@ -46,7 +46,8 @@ def condition_rows(cond: torch.Tensor, dcfg: DecodeConfig, null: torch.Tensor) -
     return torch.cat([cond, null]) if dcfg.sampling.use_cfg else cond
 
 
-def _prefill(runner: Runner, rows: torch.Tensor):
+def prefill(runner: Runner, rows: torch.Tensor):
+    """The prefix of every row (causal over it) -> the last position's logits and features."""
     spec, dev = runner.spec, runner.device
     slots = torch.arange(spec.max_len, device=dev)
     mask = slots[None, :] <= torch.arange(spec.prefix_len, device=dev)[:, None]  # (P, S) causal over the prefix
@@ -68,7 +69,7 @@ def decode_ar(runner: Runner, cond_rows: torch.Tensor, dcfg: DecodeConfig, activ
     b = active.shape[0]
     t0 = time.perf_counter()
     with runner.phase("prefill"):
-        logits, _ = _prefill(runner, cond_rows)
+        logits, _ = prefill(runner, cond_rows)
         tok = draw(target_support(logits, sc), sc.greedy, generator)  # (B,)
     out = torch.empty(b, block, dtype=torch.long, device=dev)
     out[:, 0] = tok
@@ -100,7 +101,7 @@ def decode_speculative(runner: Runner, cond_rows: torch.Tensor, dcfg: DecodeConf
     slots = torch.arange(spec.max_len, device=dev)
     t0 = time.perf_counter()
     with runner.phase("prefill"):
-        logits, feat = _prefill(runner, cond_rows)
+        logits, feat = prefill(runner, cond_rows)
         root_tok = draw(target_support(logits, sc), sc.greedy, generator)  # (B,)
     out = torch.zeros(b, block + depth + 2, dtype=torch.long, device=dev)  # the last column absorbs padding
     out[:, 0] = root_tok

@@ -55,6 +55,16 @@ class Strategy(ABC):
         """Drafter steps per verification (0 without a drafter)."""
         return 0
 
+    @property
+    def level_width(self) -> int:
+        """W: nodes fed per drafter step (0 without a drafter)."""
+        return 0
+
+    @property
+    def depth_name(self) -> str:
+        """What `depth` is called in messages."""
+        return "tree depth"
+
 
 @dataclass(frozen=True)
 class LevelPlan:
@@ -190,3 +200,29 @@ class DynamicTree(Strategy):
     @property
     def scratch(self) -> int:
         return max(self.total, 1 + (self.max_depth - 1) * self.top_k) + self.catchup_width
+
+
+@dataclass(frozen=True)
+class JacobiWindow(Strategy):
+    """Speculative Jacobi decoding: the root and a window of L drafts after it, verified as one causal chain.
+    No drafter: each draft is drawn from the target's own distribution at its position from the previous step.
+    Chain node i sits at slot root + i = its own position, so accepted nodes' cache entries are already where
+    they belong and a step never commits (commit_pairs 1: the runner's commit shape, never called)."""
+
+    window: int
+
+    @property
+    def verify_width(self) -> int:
+        return self.window + 1
+
+    @property
+    def depth(self) -> int:
+        return self.window
+
+    @property
+    def commit_pairs(self) -> int:
+        return 1
+
+    @property
+    def depth_name(self) -> str:
+        return "window"

@@ -206,7 +206,7 @@ def cost_model(data: dict) -> tuple[CostModel, list[dict]]:
     points, used = [], []
     for cid, c in ok_cases(data, "generate").items():
         r = c["result"]
-        if c["params"]["method"] == "ar" or c["params"]["decode"]["drafting"] == "dynamic":
+        if c["params"]["method"] == "ar" or c["params"]["decode"]["drafting"] in ("dynamic", "jacobi"):
             continue
         residual = seconds_per_step(r) - bare.step_seconds(r["verify_width"], r["tree_depth"], r["draft_width"])
         points.append((r["verify_width"], residual))

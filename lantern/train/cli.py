@@ -85,7 +85,7 @@ def add_train_commands(subparsers) -> None:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from lantern.bundle import describe_bundle, verify_bundle
+    from lantern.bundle import bundle_methods, describe_bundle, verify_bundle
     problems = verify_bundle(args.model)
     if args.json:
         from lantern.bundle import DEFAULT_BUNDLE
@@ -93,7 +93,7 @@ def _info(args: argparse.Namespace) -> int:
         manifest = json.loads((root / "manifest.json").read_text())
         print(json.dumps({"path": str(root), "problems": problems, "command": manifest.get("command"),
                           "seed": manifest.get("seed"), "data": manifest.get("data"),
-                          "metrics": manifest.get("metrics")}))
+                          "metrics": manifest.get("metrics"), "methods": bundle_methods(root)}))
     else:
         print(describe_bundle(args.model))
         print("integrity: ok (every file matches its manifest sha256)" if not problems

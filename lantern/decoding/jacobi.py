@@ -1,0 +1,138 @@
+"""Speculative Jacobi decoding (SJD) and its coupled form (MC-SJD) over any backend Runner, B images at once.
+
+No drafter. Each image keeps a window of L drafts after its root (the last accepted token, not yet in the
+cache); per step, for all B images:
+  verify [root; d_1 .. d_L] as one causal chain (width L + 1; node i at position and slot root + i)
+  -> the target's p after every node -> acceptance (lantern.decoding.acceptance, on a chain: each node has one
+  child) tests d_1, d_2, ... against q_j, the distribution d_j was drawn from, with the exact rule (or the
+  bounded relaxation: a fixed p_hat per position) -> the first rejected position gets a token from the residual
+  normalise(max(p - q, 0)) (or from p after the last node when all L are accepted) -> the window slides past
+  the new root and every draft is redrawn from this step's p at its position.
+Node i's cache entry is written at its own position's slot, so the accepted prefix of the chain is already in
+place: a step never commits. Finished images run as padding, as in lantern.decoding.loop.
+
+Initial drafts: a position never predicted yet (the window at the start, then the positions entering at its
+far end) is drawn from the last distribution the step has: p after the last node (at the start: the prefill's
+p). That q is a function of earlier positions only, and the test is against exactly that q.
+
+Coupling "gumbel" (MC-SJD): each (image, position) draws Gumbel noise G over the vocabulary once, when it
+enters the window, and keeps it until the position is decided; its draft is argmax(log q + G), so an unchanged
+q redraws the same token. Still lossless: the model is causal and every test at a position i < j reads only
+drafts, uniforms and p at positions <= i, so nothing a test at j conditions on depends on G_j; given all of
+it, G_j is a fresh Gumbel and d_j ~ q_j exactly. The test's uniforms and the residual draw use fresh noise.
+Coupling "none" (SJD) draws every draft afresh each step.
+"""
+from __future__ import annotations
+
+import time
+from typing import NamedTuple, Optional
+
+import torch
+
+from lantern.backends.base import Runner
+from lantern.decoding.acceptance import Acceptance, DraftedTree, accept
+from lantern.decoding.config import DecodeConfig
+from lantern.decoding.drafting import on_rows, window_mask
+from lantern.decoding.loop import prefill
+from lantern.decoding.sampling import Support, draw, gumbel, target_support
+from lantern.decoding.stats import GenerationStats, StepRecords
+
+
+class Chain(NamedTuple):
+    """The structure of [root; d_1 .. d_L] shared by every image: node i's one child is node i + 1."""
+
+    depth: torch.Tensor  # (1, N) = node index
+    ancestors: torch.Tensor  # (1, N, N) causal
+    parents: torch.Tensor  # (1, L) nodes 0 .. L-1
+    children: torch.Tensor  # (1, L, 1) nodes 1 .. L
+    rank: torch.Tensor  # (1, N) zeros: every node is its parent's only child
+
+
+def chain(window: int, device) -> Chain:
+    n = window + 1
+    nodes = torch.arange(n, device=device)
+    return Chain(depth=nodes[None], ancestors=torch.ones(n, n, dtype=torch.bool, device=device).tril()[None],
+                 parents=nodes[None, :-1], children=nodes[None, 1:, None],
+                 rank=torch.zeros(1, n, dtype=torch.long, device=device))
+
+
+def redraw(q: Support, noise: Optional[torch.Tensor], greedy: bool, generator: torch.Generator) -> torch.Tensor:
+    """(B, L, K) distributions -> (B, L) drafts: the argmax (greedy), argmax(log q + G) with each position's
+    fixed noise G (B, L, V) (coupled), or a fresh draw."""
+    if greedy or noise is None:
+        return draw(q, greedy, generator)
+    pick = (q.probs.log() + noise.gather(2, q.ids)).argmax(-1)  # Gumbel-max on the support: exact
+    return q.ids.gather(2, pick[..., None])[..., 0]
+
+
+def slide_noise(noise: torch.Tensor, advance: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """The window's noise (B, L, V) after each image's window moves `advance` (B,) positions: a position still
+    in the window keeps its noise, one entering it gets fresh noise."""
+    b, window, vocab = noise.shape
+    src = torch.arange(window, device=noise.device)[None] + advance[:, None]  # (B, L) slot it held before
+    kept = noise.gather(1, src.clamp(max=window - 1)[..., None].expand(-1, -1, vocab))
+    return torch.where((src < window)[..., None], kept, gumbel(noise.shape, generator, noise.device))
+
+
+@torch.inference_mode()
+def decode_jacobi(runner: Runner, cond_rows: torch.Tensor, dcfg: DecodeConfig, active: torch.Tensor, block: int,
+                  generator: torch.Generator, proximity: Optional[torch.Tensor]) -> tuple[torch.Tensor, GenerationStats]:
+    """B images, no drafter: one verify of every image's window per step. Returns tokens (B, block) and the
+    stats of the active images (padding images of a short chunk start finished)."""
+    sc, spec, dev = dcfg.sampling, runner.spec, runner.device
+    window, rows = dcfg.strategy.window, sc.rows_per_image
+    near = proximity.to(dev, torch.long) if proximity is not None else None  # placed once, read every step
+    rule = Acceptance(dcfg.acceptance, k=dcfg.k, delta=dcfg.delta, lam=dcfg.lam, form=dcfg.form, proximity=near)
+    vocab = runner.model_config.vocab_size
+    b = active.shape[0]
+    shape = chain(window, dev)
+    nodes = torch.arange(window + 1, device=dev)
+    slots = torch.arange(spec.max_len, device=dev)
+    t0 = time.perf_counter()
+    with runner.phase("prefill"):
+        logits, _ = prefill(runner, cond_rows)
+        first = target_support(logits, sc)  # (B, K)
+        root_tok = draw(first, sc.greedy, generator)  # (B,)
+    coupled = dcfg.coupling == "gumbel" and not sc.greedy
+    noise = gumbel((b, window, vocab), generator, dev) if coupled else None
+    q = Support(*(x[:, None].expand(-1, window, -1) for x in first))  # (B, L, K) never predicted: the last p
+    drafts = redraw(q, noise, sc.greedy, generator)  # (B, L) at positions root + 1 .. root + L
+    out = torch.zeros(b, block + window + 2, dtype=torch.long, device=dev)  # the last column absorbs padding
+    out[:, 0] = root_tok
+    emitted = torch.where(active.to(dev), 1, block)  # (B,) tokens so far; padding images start finished
+    root = torch.full((b,), spec.prefix_len, dtype=torch.long, device=dev)  # the root's position
+    records = StepRecords()
+    while True:
+        running = emitted < block
+        if not bool(running.any()):  # the one host sync of a step
+            break
+        # at most block - emitted - 1 drafts fit in the image; finished images accept none
+        limit = torch.where(running, block - emitted - 1, -1)
+        tokens = torch.cat([root_tok[:, None], drafts], 1)  # (B, L+1)
+        positions = root[:, None] + nodes  # slot = position
+        mask = window_mask(shape.ancestors, root, slots[None] < root[:, None])  # committed cache + causal chain
+        with runner.phase("verify"):
+            o = runner.verify(on_rows(tokens, rows), on_rows(positions, rows), on_rows(positions, rows),
+                              on_rows(mask, rows))
+            p_nodes = target_support(o.logits, sc)  # (B, L+1, K): p after every node
+        tree = DraftedTree(tokens=tokens, valid=nodes[None] <= limit[:, None], depth=shape.depth,
+                           ancestors=shape.ancestors, parents=shape.parents, children=shape.children,
+                           q=None if sc.greedy else q, max_depth=window, rank=shape.rank)
+        with runner.phase("accept"):
+            acc = accept(p_nodes, tree, rule, sc.greedy, generator, vocab)
+        m = torch.where(running, acc.accepted, -1)  # finished images: nothing to emit
+        new_tokens = torch.where(nodes[None] < m[:, None], torch.cat([drafts, acc.bonus[:, None]], 1),
+                                 acc.bonus[:, None])  # (B, L+1): the accepted drafts, then the bonus
+        col = torch.where(nodes[None] <= m[:, None], emitted[:, None] + nodes, out.shape[1] - 1)
+        out.scatter_(1, col, new_tokens)
+        records.add(running, acc, shape.rank.expand(b, -1))
+        advance = torch.where(running, m + 1, 0)
+        # window slot w now holds position root + advance + 1 + w: p after node advance + w predicts it
+        q = p_nodes.index((advance[:, None] + nodes[:-1]).clamp(max=window))
+        if noise is not None:
+            noise = slide_noise(noise, advance, generator)
+        drafts = redraw(q, noise, sc.greedy, generator)
+        root_tok = torch.where(running, acc.bonus, root_tok)
+        root, emitted = root + advance, emitted + advance
+    stats = records.stats(active.cpu(), block, time.perf_counter() - t0)
+    return out[:, :block].cpu(), stats

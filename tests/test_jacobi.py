@@ -1,0 +1,237 @@
+"""Speculative Jacobi decoding (SJD, MC-SJD, relaxed) end to end: lossless, greedy parity, relaxed target,
+host transfers, bad input, a bundle without a drafter."""
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+
+import lantern.decoding.jacobi as jacobi
+import lantern.decoding.loop as loop
+from lantern.api import Pipeline
+from lantern.bundle import DEFAULT_BUNDLE
+from lantern.config import GPTConfig
+from lantern.decoding import DecodeConfig, SamplingConfig, method_preset
+from lantern.decoding.relaxation import bounded_target
+from lantern.decoding.sampling import Support, warp
+from lantern.models.gpt import GPT
+from lantern.proximity import build_proximity_table
+from test_backend_onnx import needs_ort
+from lantern.profile.host_transfers import HostTransfers
+from test_speculative import LEVEL, SAMPLING, ar_distribution, flat_micro, pvalue, pvalues, sampled_counts
+
+JACOBI = {"sjd": dict(drafting="jacobi", coupling="none"), "mc-sjd": dict(drafting="jacobi", coupling="gumbel")}
+
+
+@pytest.fixture(scope="module")
+def flat():
+    target, _ = flat_micro()
+    expected = {c: ar_distribution(target, c, SAMPLING) for c in range(3)}
+    return Pipeline(target, None, None, backend="cpu"), expected
+
+
+def run_lossless(flat, method, batch, window=2):
+    pipe, expected = flat
+    dcfg = DecodeConfig(sampling=SAMPLING, window=window, **JACOBI[method])
+    if batch == 1:  # one image per static step: 600 runs
+        counts = sampled_counts(pipe, dcfg, [1] * 600, calls=1, batch=1)
+    else:  # three classes, 2000 images each, all in one batch
+        counts = sampled_counts(pipe, dcfg, [0, 1, 2] * 2000, calls=1, batch=6000)
+    return [p for c in counts for p in pvalues(counts[c], expected[c])]
+
+
+@pytest.mark.parametrize("method, batch, window", [("sjd", 6000, 2), ("sjd", 6000, 3), ("mc-sjd", 1, 2),
+                                                   ("mc-sjd", 6000, 2), ("mc-sjd", 6000, 3)])
+def test_jacobi_sampling_reproduces_ar_for_every_image(flat, method, batch, window):
+    """Every token of 2x2 images, CFG + temperature + top-k + top-p: each image's joint distribution of its 4
+    tokens and every token's marginal equal AR's exact ones (chi-square), one image per step and batched.
+    Window 2 slides new positions in (drawn from the last p); window 3 covers the image after the root.
+    (B = 1 runs the coupled form only: its window state is the one with more to get wrong.)"""
+    assert min(run_lossless(flat, method, batch, window)) > LEVEL
+
+
+def test_testing_against_the_wrong_distribution_fails_the_lossless_test(flat, monkeypatch):
+    """A broken coupling: drafts drawn from the previous step's q but tested against this step's p (what the
+    draft would be if it were drawn now). Acceptance then always succeeds, and the test must notice."""
+    real = jacobi.accept
+
+    def against_p(p_nodes, tree, *args):
+        current = Support(p_nodes.probs[:, :-1], p_nodes.ids[:, :-1])
+        return real(p_nodes, dataclasses.replace(tree, q=current), *args)
+    monkeypatch.setattr(jacobi, "accept", against_p)
+    assert min(run_lossless(flat, "mc-sjd", 6000)) < LEVEL
+
+
+def test_sticky_drafts_fail_the_lossless_test(flat, monkeypatch):
+    """A broken coupling: the draft keeps last step's token whenever it is still possible under the new q
+    (a "sticky" draft), so it is not distributed as q. The test must notice."""
+    real = jacobi.redraw
+    previous = {}
+
+    def sticky(q, noise, greedy, generator):
+        fresh = real(q, noise, greedy, generator)
+        old = previous.get("drafts")
+        if old is not None and old.shape == fresh.shape:
+            fresh = torch.where(q.prob_of(old) > 0, old, fresh)
+        previous["drafts"] = fresh
+        return fresh
+    monkeypatch.setattr(jacobi, "redraw", sticky)
+    assert min(run_lossless(flat, "sjd", 6000)) < LEVEL
+
+
+# --- greedy: token for token AR --------------------------------------------------------------------------
+
+def sharp_target():
+    cfg = GPTConfig(dim=64, n_layer=1, n_head=4, vocab_size=64, num_classes=4, block_size=16, multiple_of=32)
+    torch.manual_seed(0)
+    target = GPT(cfg).eval()
+    with torch.no_grad():
+        target.output.weight.mul_(8.0)
+    return target
+
+
+@pytest.fixture(scope="module")
+def sharp():
+    return sharp_target()
+
+
+def greedy_parity(pipe, cfg_scale: float) -> int:
+    """Greedy Jacobi (both couplings, windows 3 and 15) equals greedy AR for B = 1 and B = 3; returns the
+    longest accepted run."""
+    sc = SamplingConfig(greedy=True, cfg_scale=cfg_scale)
+    longest = 0
+    for classes in ([1], [1, 3, 0]):
+        ar = pipe.generate(classes, DecodeConfig(sampling=sc), seed=0)
+        for window, coupling in ((3, "gumbel"), (15, "none")):
+            jac = pipe.generate(classes, DecodeConfig(sampling=sc, drafting="jacobi", window=window,
+                                                      coupling=coupling), seed=0)
+            assert torch.equal(ar.tokens, jac.tokens), (classes, window)
+            for image in jac.stats.images:
+                assert sum(image.accepted_lengths) + 1 == image.tokens
+                assert image.target_forwards == 1 + len(image.accepted_lengths)
+            longest = max(longest, *jac.stats.accepted_lengths)
+    return longest
+
+
+@pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
+def test_greedy_jacobi_equals_greedy_ar(sharp, cfg_scale):
+    assert greedy_parity(Pipeline(sharp, None, None, backend="cpu"), cfg_scale) >= 3  # multi-token steps
+
+
+@needs_ort
+def test_greedy_jacobi_equals_greedy_ar_on_onnx(sharp, monkeypatch, tmp_path_factory):
+    monkeypatch.setenv("LANTERN_ONNX_CACHE", str(tmp_path_factory.getbasetemp() / "jacobi-onnx-cache"))
+    assert greedy_parity(Pipeline(sharp, None, None, backend="onnx"), 2.0) >= 3
+
+
+# --- relaxed: the output is p_hat, within the recorded TV --------------------------------------------------
+
+RELAXED = dict(drafting="jacobi", coupling="gumbel", window=2, acceptance="lantern++", k=3, lam=4.0)
+
+
+def first_pair_targets(target, proximity, cls: int, sc: SamplingConfig):
+    """The first two tokens: AR's P(x0, x1) and the relaxed P(x0) p_hat(x1 | x0), where the first step tests
+    token 1 against q = p(x0) (the prefill's distribution: position 1 was never predicted). (6, 6) each,
+    and TV(p_hat, p) per x0 (6,)."""
+    v = target.config.vocab_size
+    x0 = torch.arange(v)[:, None]
+    with torch.no_grad():
+        lc, _ = target.forward_full(x0, torch.full((v,), cls))
+        lu, _ = target.forward_full(x0, torch.full((v,), target.config.num_classes))
+    dist = warp(lu + sc.cfg_scale * (lc - lu), sc)  # (6, 2, K): token 0, token 1 given x0
+    p0, p1 = dist.dense(v)[0, 0], Support(dist.probs[:, 1:], dist.ids[:, 1:])  # (V,), (6, 1, K)
+    p_hat, moved = bounded_target(p1, p0[p1.ids], proximity[:, :RELAXED["k"]], v, None, RELAXED["lam"])
+    relaxed = Support(p_hat, p1.ids).dense(v)[:, 0]  # (6, V)
+    return p0[:, None] * p1.dense(v)[:, 0], p0[:, None] * relaxed, moved[:, 0]
+
+
+def test_relaxed_jacobi_outputs_p_hat_within_the_recorded_tv():
+    target, _ = flat_micro()
+    torch.manual_seed(5)
+    proximity = build_proximity_table(torch.nn.functional.normalize(torch.randn(6, 4), dim=1), 5)
+    pipe = Pipeline(target, None, proximity, backend="cpu")
+    ar, relaxed, moved = first_pair_targets(target, proximity, 1, SAMPLING)
+    assert 0.5 * (relaxed - ar).abs().sum() > 0.05  # p_hat really differs from p
+    result = pipe.generate([1] * 6000, DecodeConfig(sampling=SAMPLING, **RELAXED), seed=0, batch=6000)
+    pairs = result.tokens[:, 0] * 6 + result.tokens[:, 1]
+    counts = torch.bincount(pairs, minlength=36).float()
+    assert pvalue(counts, relaxed.flatten()) > LEVEL
+    assert pvalue(counts, ar.flatten()) < LEVEL
+    recorded = torch.tensor([image.token_tv[0] for image in result.stats.images])  # token 1's TV(p_hat, p)
+    assert torch.allclose(recorded, moved[result.tokens[:, 0]], atol=1e-5)
+    p1 = ar / ar.sum(1, keepdim=True).clamp_min(1e-30)
+    tv = 0.5 * (relaxed / relaxed.sum(1, keepdim=True).clamp_min(1e-30) - p1).abs().sum(1)
+    assert torch.allclose(tv[result.tokens[:, 0]], recorded, atol=1e-5)
+
+
+# --- structure and input --------------------------------------------------------------------------------
+
+def test_each_jacobi_step_moves_only_a_flag_to_the_host(sharp, monkeypatch):
+    """Between two acceptance phases (one whole step): at most 2 host syncs and O(B * L) elements."""
+    pipe = Pipeline(sharp, None, None, backend="cpu")
+    dcfg = DecodeConfig(sampling=SamplingConfig(cfg_scale=2.0, top_k=20), drafting="jacobi", window=4)
+    counter, marks = HostTransfers(), []
+    real = jacobi.accept
+
+    def counting_accept(*args, **kwargs):
+        marks.append((counter.calls, counter.elements))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(jacobi, "accept", counting_accept)
+    b = 3
+    runner = pipe.runner(dcfg, b)
+    rows = loop.condition_rows(torch.tensor([0, 1, 2]), dcfg, sharp.null_condition(b))
+    with counter:
+        jacobi.decode_jacobi(runner, rows, dcfg, torch.ones(b, dtype=torch.bool), pipe.config.block_size,
+                             loop.make_generator(runner, 0), None)
+    calls = [y[0] - x[0] for x, y in zip(marks, marks[1:])]
+    elements = [y[1] - x[1] for x, y in zip(marks, marks[1:])]
+    assert len(marks) > 3 and max(calls) <= 2 and max(elements) <= 2 * b * (dcfg.window + 1)
+
+
+def test_same_seed_same_tokens(flat):
+    pipe, _ = flat
+    dcfg = DecodeConfig(sampling=SAMPLING, drafting="jacobi", window=2)
+    a, b = (pipe.generate([0, 1, 2] * 20, dcfg, seed=3).tokens for _ in range(2))
+    assert torch.equal(a, b)
+
+
+def test_bad_inputs_name_the_value(flat):
+    pipe, _ = flat
+    with pytest.raises(ValueError, match=r"window 0 must be an integer >= 1"):
+        DecodeConfig(drafting="jacobi", window=0)
+    with pytest.raises(ValueError, match=r"unknown coupling 'maximal'; allowed: none, gumbel"):
+        DecodeConfig(drafting="jacobi", coupling="maximal")
+    with pytest.raises(ValueError, match=r"window 4 must be below the image's 4 tokens"):
+        pipe.generate([0], DecodeConfig(drafting="jacobi", window=4))
+    with pytest.raises(ValueError, match="needs a proximity table"):
+        pipe.generate([0], method_preset("mc-sjd-relaxed", SamplingConfig(), window=2))
+
+
+def test_a_bundle_without_a_drafter_runs_jacobi_from_the_cli(tmp_path, capsys):
+    """`lantern info` lists what the bundle supports; mc-sjd runs, a drafting method is refused (exit 2)."""
+    from lantern.cli import main
+    bundle = tmp_path / "bundle"
+    shutil.copytree(DEFAULT_BUNDLE, bundle)
+    (bundle / "drafter.safetensors").unlink()
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    del manifest["files"]["drafter.safetensors"]
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["info", "--model", str(bundle), "--json"]) == 0
+    methods = json.loads(capsys.readouterr().out)["methods"]
+    assert methods == ["ar", "sjd", "mc-sjd", "mc-sjd-relaxed"]
+    common = ["generate", "--model", str(bundle), "--classes", "2", "--greedy", "--no-images", "--json"]
+    assert main(common + ["--method", "mc-sjd", "--window", "8"]) == 0
+    jac = json.loads(capsys.readouterr().out)
+    assert len(jac["tokens"][0]) == 256 and jac["target_forwards"] < 256 and jac["decode"]["window"] == 8
+    assert main(common + ["--method", "lantern++"]) == 2
+    assert "needs a drafter" in json.loads(capsys.readouterr().out)["error"]
+
+
+@needs_ort
+def test_export_onnx_of_a_jacobi_method_has_the_window_verify_and_no_drafter(tmp_path, capsys):
+    from lantern.cli import main
+    argv = ["export-onnx", "--preset", "GPT-test", "--method", "mc-sjd", "--window", "4", "--cfg-scale", "1",
+            "--batch", "1", "--out", str(tmp_path), "--json"]
+    assert main(argv) == 0
+    assert sorted(json.loads(capsys.readouterr().out)["graphs"]) == ["commit", "prefill", "verify[5]"]

@@ -3,7 +3,8 @@ image at a time, and the previous revision's one-at-a-time decoding, side by sid
 
 Every configuration is prepared and warmed up before anything is timed; each is then timed `--repeats` times
 in rotating order and the median wall time (VQ decoding excluded) is reported. "before" runs the previous
-revision's own Pipeline in its own environment (`--before-python`, see tools/bench_acceptance.py).
+revision's own Pipeline in its own environment (`--before-python`, see tools/bench_acceptance.py), on this
+checkout's bundle (the same model).
 Writes profiles/results/batched-<backend>-<dtype>.{json,md}.
 
     python tools/bench_batched.py --before-python /tmp/before/.venv/bin/python
@@ -35,9 +36,9 @@ import json, statistics, sys, time, torch
 from lantern.api import Pipeline
 from lantern.bundle import load_bundle
 from lantern.decoding import SamplingConfig, method_preset
-methods, images, repeats, backend, dtype, threads = json.loads(sys.argv[1])
+methods, images, repeats, backend, dtype, threads, bundle_path = json.loads(sys.argv[1])
 torch.set_num_threads(threads)
-bundle = load_bundle()
+bundle = load_bundle(bundle_path)
 pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend=backend, dtype=dtype)
 sc = SamplingConfig(**bundle.default_sampling)
 configs = {name: method_preset(kw.pop("method"), sc, **kw) for name, kw in methods.items()}
@@ -90,7 +91,8 @@ def main() -> None:
     if args.before_python:
         methods = {name: dict(kw) for name, kw in METHODS.items()}
         res = subprocess.run([args.before_python, "-P", "-c", BEFORE,
-                              json.dumps([methods, args.images, args.repeats, args.backend, args.dtype, args.threads])],
+                              json.dumps([methods, args.images, args.repeats, args.backend, args.dtype, args.threads,
+                                          str(bundle.path)])],
                              capture_output=True, text=True, check=True)
         for key, wall in json.loads(res.stdout.strip().splitlines()[-1]).items():
             name, n = key.split("/")

@@ -20,6 +20,7 @@ from results_io import utc_now, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 COUNTER = ROOT / "lantern" / "profile" / "host_transfers.py"
+BUNDLE = ROOT / "lantern" / "assets" / "default"  # both revisions decode this checkout's model
 
 MEASURE = r"""
 import importlib.util, json, sys, torch
@@ -29,7 +30,7 @@ from lantern.api import Pipeline
 from lantern.bundle import load_bundle
 from lantern.decoding import SamplingConfig, method_preset
 torch.set_num_threads(1)
-bundle = load_bundle()
+bundle = load_bundle(sys.argv[2])
 pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend="cpu")
 dcfg = method_preset("lantern++", SamplingConfig(**bundle.default_sampling))
 classes = list(range(10))
@@ -44,7 +45,8 @@ print(json.dumps({"calls": counter.calls, "elements": counter.elements, "verify_
 
 
 def run(python: str) -> dict:
-    res = subprocess.run([python, "-P", "-c", MEASURE, str(COUNTER)], capture_output=True, text=True, check=True)
+    res = subprocess.run([python, "-P", "-c", MEASURE, str(COUNTER), str(BUNDLE)], capture_output=True, text=True,
+                         check=True)
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 

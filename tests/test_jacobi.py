@@ -18,7 +18,7 @@ from lantern.decoding.sampling import Support, warp
 from lantern.models.gpt import GPT
 from lantern.proximity import build_proximity_table
 from test_backend_onnx import needs_ort
-from lantern.profile.host_transfers import HostTransfers
+from lantern.profile.host_transfers import counted_steps, per_step
 from test_speculative import LEVEL, SAMPLING, ar_distribution, flat_micro, pvalue, pvalues, sampled_counts
 
 JACOBI = {"sjd": dict(drafting="jacobi", coupling="none"), "mc-sjd": dict(drafting="jacobi", coupling="gumbel")}
@@ -167,25 +167,17 @@ def test_relaxed_jacobi_outputs_p_hat_within_the_recorded_tv():
 
 # --- structure and input --------------------------------------------------------------------------------
 
-def test_each_jacobi_step_moves_only_a_flag_to_the_host(sharp, monkeypatch):
+def test_each_jacobi_step_moves_only_a_flag_to_the_host(sharp):
     """Between two acceptance phases (one whole step): at most 2 host syncs and O(B * L) elements."""
     pipe = Pipeline(sharp, None, None, backend="cpu")
     dcfg = DecodeConfig(sampling=SamplingConfig(cfg_scale=2.0, top_k=20), drafting="jacobi", window=4)
-    counter, marks = HostTransfers(), []
-    real = jacobi.accept
-
-    def counting_accept(*args, **kwargs):
-        marks.append((counter.calls, counter.elements))
-        return real(*args, **kwargs)
-    monkeypatch.setattr(jacobi, "accept", counting_accept)
     b = 3
     runner = pipe.runner(dcfg, b)
     rows = loop.condition_rows(torch.tensor([0, 1, 2]), dcfg, sharp.null_condition(b))
-    with counter:
+    with counted_steps(jacobi) as marks:
         jacobi.decode_jacobi(runner, rows, dcfg, torch.ones(b, dtype=torch.bool), pipe.config.block_size,
                              loop.make_generator(runner, 0), None)
-    calls = [y[0] - x[0] for x, y in zip(marks, marks[1:])]
-    elements = [y[1] - x[1] for x, y in zip(marks, marks[1:])]
+    calls, elements = per_step(marks)
     assert len(marks) > 3 and max(calls) <= 2 and max(elements) <= 2 * b * (dcfg.window + 1)
 
 

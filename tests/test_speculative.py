@@ -14,7 +14,7 @@ from lantern.decoding import TREE_PRESETS, DecodeConfig, SamplingConfig, method_
 from lantern.decoding.sampling import SamplingConfig as SC
 from lantern.models.drafter import Drafter
 from lantern.models.gpt import GPT
-from lantern.profile.host_transfers import HostTransfers
+from lantern.profile.host_transfers import counted_steps, per_step
 
 SIGNIFICANCE = 1e-3
 
@@ -229,25 +229,17 @@ def test_verify_guided_with_another_cfg_scale_fails_the_lossless_test(flat, monk
 # --- what crosses to the host ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("drafting", ["lantern++-57", "dynamic"])
-def test_each_speculative_step_moves_only_a_flag_to_the_host(pipe, drafting, monkeypatch):
+def test_each_speculative_step_moves_only_a_flag_to_the_host(pipe, drafting):
     """Structural, not a timing: between two acceptance phases (one whole step) at most 2 host syncs and
     O(B * depth) elements cross to the host; never logits or distributions."""
     dcfg = method_preset("lantern++", SamplingConfig(cfg_scale=2.0, top_k=20), drafting=drafting)
-    counter, marks = HostTransfers(), []
-    real_accept = loop.accept
-
-    def counting_accept(*args, **kwargs):
-        marks.append((counter.calls, counter.elements))
-        return real_accept(*args, **kwargs)
-    monkeypatch.setattr(loop, "accept", counting_accept)
     b = 3
     runner = pipe.runner(dcfg, b)
     rows = loop.condition_rows(torch.tensor([0, 1, 2]), dcfg, pipe.target.null_condition(b))
-    with counter:
+    with counted_steps(loop) as marks:
         loop.decode_speculative(runner, rows, dcfg, torch.ones(b, dtype=torch.bool), pipe.config.block_size,
                                 loop.make_generator(runner, 0), pipe.proximity)
-    calls = [y[0] - x[0] for x, y in zip(marks, marks[1:])]
-    elements = [y[1] - x[1] for x, y in zip(marks, marks[1:])]
+    calls, elements = per_step(marks)
     assert len(marks) > 3 and max(calls) <= 2
     assert max(elements) <= 2 * b * (dcfg.strategy.depth + 1)
 

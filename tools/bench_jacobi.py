@@ -25,6 +25,7 @@ from lantern.api import Pipeline
 from lantern.bundle import load_bundle
 from lantern.decoding import DecodeConfig, SamplingConfig, method_preset
 from lantern.evaluate import evaluate
+from results_io import add_bundle_run_options, real_floor_row
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,15 +74,10 @@ def summarise(bundle, configs: dict, runs: dict, classes: list[int], per_class: 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--backend", default="cpu")
-    ap.add_argument("--dtype", default="fp32")
-    ap.add_argument("--classes", type=int, nargs="+", help="default: all")
-    ap.add_argument("--per-class", type=int, default=2, help="seeds: images per class in each setting")
+    add_bundle_run_options(ap, "profiles/results/jacobi-<backend>")
     ap.add_argument("--windows", type=int, nargs="+", default=[8, 16, 32], help="MC-SJD windows")
     ap.add_argument("--relaxed-window", type=int, default=16, help="window of SJD and relaxed MC-SJD")
     ap.add_argument("--eagle", default="chain-5", help="drafting of the drafter row: a tree preset or dynamic")
-    ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
-    ap.add_argument("--out", help="output stem (default profiles/results/jacobi-<backend>)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -134,9 +130,7 @@ def markdown(rec: dict) -> str:
             lines.append(f"| {r['method']} | {r['seconds_per_image']:.3f} | {r['speedup_vs_ar']:.2f}x | "
                          f"{r['step_compression']:.2f} | {r['class_accuracy']:.2f} | {r['frechet_distance']:.1f} | "
                          f"{r['token_tv_max']:.3f} |")
-        ref = setting["real_image_reference"]
-        lines.append(f"| real images (floor) | - | - | - | {ref['class_accuracy']:.2f} | "
-                     f"{ref['frechet_distance']:.1f} | - |")
+        lines.append(real_floor_row(setting["real_image_reference"], blanks=3))
     return "\n".join(lines) + "\n"
 
 

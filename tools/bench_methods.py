@@ -20,24 +20,19 @@ from lantern.api import Pipeline
 from lantern.bundle import load_bundle
 from lantern.decoding import METHODS, SamplingConfig, method_preset
 from lantern.evaluate import evaluate
-from results_io import utc_now, write_results
+from results_io import add_bundle_run_options, real_floor_row, utc_now, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--backend", default="cpu")
-    ap.add_argument("--dtype", default="fp32")
+    add_bundle_run_options(ap, "profiles/results/methods-<backend>-<dtype>")
     ap.add_argument("--methods", nargs="+", default=list(METHODS))
     ap.add_argument("--variant", action="append", default=[], metavar="LABEL:METHOD[:KEY=VALUE,...]",
                     help="one more row, e.g. 'lantern++ lam1.5:lantern++:lam=1.5' or "
                          "'chain-5 exact:lantern++:drafting=chain-5,lam=1'")
-    ap.add_argument("--per-class", type=int, default=2, help="images per class (and seeds)")
-    ap.add_argument("--classes", type=int, nargs="+", help="default: all")
     ap.add_argument("--greedy", action="store_true")
-    ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
-    ap.add_argument("--out", help="output stem (default profiles/results/methods-<backend>-<dtype>)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -103,9 +98,7 @@ def markdown(rec: dict) -> str:
         lines.append(f"| {r['method']} | {r['seconds_per_image']:.2f} | {sp} | {r['mean_accepted_length']:.2f} | "
                      f"{r['step_compression']:.2f} | {r['class_accuracy']:.2f} | {r['frechet_distance']:.2f} | "
                      f"{r['token_tv_max']:.3f} |")
-    ref = rec["real_image_reference"]
-    lines.append(f"| real images (floor) | - | - | - | - | {ref['class_accuracy']:.2f} | "
-                 f"{ref['frechet_distance']:.2f} | - |")
+    lines.append(real_floor_row(rec["real_image_reference"], blanks=4))
     return "\n".join(lines) + "\n"
 
 

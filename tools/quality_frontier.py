@@ -15,7 +15,6 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from lantern.api import Pipeline

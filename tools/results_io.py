@@ -22,3 +22,20 @@ def write_results(stem: str | Path, record: dict, markdown: Callable[[dict], str
     if plot is not None:
         plot(record, out.with_suffix(".png"))
     print(table)
+
+
+def add_bundle_run_options(ap, out_help: str) -> None:
+    """The flags of every benchmark over the embedded bundle's classes: backend, dtype, classes, images per
+    class, threads, output stem."""
+    ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--classes", type=int, nargs="+", help="default: all")
+    ap.add_argument("--per-class", type=int, default=2, help="images per class (and seeds)")
+    ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--out", help=f"output stem (default {out_help})")
+
+
+def real_floor_row(reference: dict, blanks: int, trailing: int = 1) -> str:
+    """The table row of real images (what a perfect generator would score): `blanks` '-' columns first."""
+    return ("| real images (floor) | " + "- | " * blanks + f"{reference['class_accuracy']:.2f} | "
+            f"{reference['frechet_distance']:.2f} | " + "- | " * trailing).rstrip()

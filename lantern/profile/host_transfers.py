@@ -8,6 +8,8 @@ Standalone on purpose (torch only), so a benchmark can load it into an older rev
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 HOST_CALLS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"}
@@ -26,3 +28,27 @@ class HostTransfers(torch.overrides.TorchFunctionMode):
             self.calls += 1
             self.elements += args[0].numel()
         return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def counted_steps(module, phase: str = "accept"):
+    """Count host transfers while the block runs, marking each call of `module.<phase>` (one per decode step):
+    yields the list of (calls, elements) so far at every mark; `per_step` turns it into per-step figures."""
+    counter, marks = HostTransfers(), []
+    real = getattr(module, phase)
+
+    def marked(*args, **kwargs):
+        marks.append((counter.calls, counter.elements))
+        return real(*args, **kwargs)
+
+    setattr(module, phase, marked)
+    try:
+        with counter:
+            yield marks
+    finally:
+        setattr(module, phase, real)
+
+
+def per_step(marks: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """Host transfers and elements between consecutive marks: what one whole step moved."""
+    return [b[0] - a[0] for a, b in zip(marks, marks[1:])], [b[1] - a[1] for a, b in zip(marks, marks[1:])]

@@ -47,7 +47,7 @@ class Checkpoint:
         """Restore state if a checkpoint exists; returns (step to start from, training seconds so far)."""
         if not self.path.exists():
             return 0, 0.0
-        state = torch.load(self.path, map_location="cpu", weights_only=False)
+        state = torch.load(self.path, map_location="cpu", weights_only=True)  # tensors and plain data only
         if state["config"] != config:
             raise ValueError(f"checkpoint {self.path} was made with config {state['config']}, not {config}; "
                              f"delete it or use another output dir")

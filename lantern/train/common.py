@@ -71,6 +71,15 @@ def save_weights(model: torch.nn.Module, path: str | os.PathLike, metadata: dict
     save_file(sd, str(path), metadata=metadata)
 
 
+def finished_report(out_dir: str | os.PathLike, name: str, start: int, steps: int, weights: str) -> dict | None:
+    """The stored report of a stage whose checkpoint is at its last step and whose outputs were written
+    (a re-run then skips re-measuring); None when the stage still has work to do."""
+    report, weights_path = Path(out_dir) / f"{name}_report.json", Path(out_dir) / weights
+    if start == steps and report.exists() and weights_path.exists():
+        return json.loads(report.read_text())
+    return None
+
+
 def write_json(path: str | os.PathLike, obj: dict) -> None:
     Path(path).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 

@@ -16,8 +16,8 @@ from tqdm import tqdm
 from lantern.bundle import weights_hash
 from lantern.models.drafter import Drafter
 from lantern.models.gpt import GPT
-from lantern.train.common import (Checkpoint, autocast, lr_at, save_weights, seed_everything, set_lr,
-                                  step_generator, write_json)
+from lantern.train.common import (Checkpoint, autocast, finished_report, lr_at, save_weights, seed_everything,
+                                  set_lr, step_generator, write_json)
 from lantern.train.target import drop_classes
 
 
@@ -95,6 +95,9 @@ def train_drafter(out_dir: str, target: GPT, tokens: torch.Tensor, labels: torch
                "weighted": sample_weights is not None}
     ckpt = Checkpoint(out, "drafter")
     start, prior_seconds = ckpt.load(drafter, opt, run_cfg)
+    done = finished_report(out, "drafter", start, steps, "drafter.safetensors")
+    if done is not None:
+        return done
     t0 = time.time()
     bar = tqdm(range(start, steps), desc="drafter", disable=not progress, initial=start, total=steps)
     for step in bar:

@@ -25,7 +25,7 @@ from lantern.config import gpt_preset
 from lantern.train.pipeline import PipelineSettings, build_bundle, run_pipeline
 
 SAMPLING_CANDIDATES = tuple({"cfg_scale": cfg, "temperature": 1.0, "top_k": k}
-                            for cfg, k in ((4.0, 5), (3.0, 5), (2.0, 5), (3.0, 10)))
+                            for cfg, k in ((3.0, 5), (2.0, 5)))
 
 
 def main(argv=None) -> int:
@@ -42,8 +42,8 @@ def main(argv=None) -> int:
         seed=args.seed, gpt=gpt_preset("GPT-lantern-digits"), n_aug=6,
         target_steps=700, target_batch=16, target_lr=6e-4,
         sampling_candidates=SAMPLING_CANDIDATES, selection_seed=100, selection_per_class=10,
-        self_sample_chunks=5, self_sample_heldout_chunks=1, self_sample_per_class=20, self_sample_seed=1000,
-        drafter_steps=250, drafter_batch=16, drafter_lr=1e-3, drafter_self_fraction=0.5,
+        self_sample_chunks=4, self_sample_heldout_chunks=1, self_sample_per_class=10, self_sample_seed=1000,
+        drafter_steps=200, drafter_batch=16, drafter_lr=1e-3, drafter_self_fraction=0.5,
         eval_per_class=20,
     )
     t0 = time.time()

@@ -42,8 +42,7 @@ class PipelineSettings:
     sampling_candidates: tuple  # of {"cfg_scale", "temperature", "top_k"} dicts
     selection_seed: int  # the sweep's seed, apart from the final evaluation's (seed)
     selection_per_class: int
-    self_sample_chunks: int  # AR batches of the target's own samples; the last self_sample_heldout_chunks held out
-    self_sample_heldout_chunks: int
+    self_sample_chunks: int  # AR batches of the target's own samples, for the drafter
     self_sample_per_class: int  # images of each class per chunk
     self_sample_seed: int
     drafter_steps: int
@@ -111,24 +110,25 @@ def run_pipeline(work: str | Path, base: str | Path, s: PipelineSettings, progre
                            "rule": f"lowest Frechet distance among candidates within {ACCURACY_SLACK} of the best "
                                    f"class accuracy", "candidates": [sweep_record(r) for r in sweep]}
 
-    tokens, labels = self_samples(work, bundle.target, sampling, s.self_sample_per_class, s.self_sample_chunks,
-                                  s.self_sample_seed, progress=progress)
-    n_held = s.self_sample_heldout_chunks * s.self_sample_per_class * s.gpt.num_classes
-    self_train, self_held = (tokens[:-n_held], labels[:-n_held]), (tokens[-n_held:], labels[-n_held:])
+    # the final evaluation's samples (seed s.seed) are drawn now: they double as the drafter's held-out self-samples
+    _, eval_codes = cached_evaluation(work, bundle, sampling, s.eval_per_class, seed=s.seed)
+    eval_labels = torch.arange(s.gpt.num_classes).repeat_interleave(s.eval_per_class)
+    self_tokens, self_labels = self_samples(work, bundle.target, sampling, s.self_sample_per_class,
+                                            s.self_sample_chunks, s.self_sample_seed, progress=progress)
     real_tokens, real_labels = data["train"]
     weights = torch.cat([torch.full((len(real_tokens),), (1 - s.drafter_self_fraction) / len(real_tokens)),
-                         torch.full((len(self_train[0]),), s.drafter_self_fraction / len(self_train[0]))])
-    report = train_drafter(str(work), bundle.target, torch.cat([real_tokens, self_train[0]]),
-                           torch.cat([real_labels, self_train[1]]), data["heldout"], steps=s.drafter_steps,
+                         torch.full((len(self_tokens),), s.drafter_self_fraction / len(self_tokens))])
+    report = train_drafter(str(work), bundle.target, torch.cat([real_tokens, self_tokens]),
+                           torch.cat([real_labels, self_labels]), data["heldout"], steps=s.drafter_steps,
                            batch=s.drafter_batch, lr=s.drafter_lr, seed=s.seed, progress=progress,
                            sample_weights=weights)
     drafter = Drafter(s.gpt)
     drafter.load_state_dict(load_file(str(work / "drafter.safetensors")))
-    on_self = drafter_report(drafter, bundle.target, *self_held)
+    on_self = drafter_report(drafter, bundle.target, eval_codes, eval_labels)
     report.update({f"self_samples_{k}": v for k, v in on_self.items()},
-                  data={"real_sequences": len(real_tokens), "self_sample_sequences": len(self_train[0]),
-                        "self_sample_heldout_sequences": n_held, "self_fraction": s.drafter_self_fraction,
-                        "self_sampling": sampling})
+                  data={"real_sequences": len(real_tokens), "self_sample_sequences": len(self_tokens),
+                        "self_sample_heldout": f"the {len(eval_codes)} samples of the final evaluation (seed {s.seed})",
+                        "self_fraction": s.drafter_self_fraction, "self_sampling": sampling})
     reports["drafter"] = report
     return reports
 

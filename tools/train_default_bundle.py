@@ -43,7 +43,7 @@ def main(argv=None) -> int:
         target_steps=700, target_batch=16, target_lr=6e-4,
         sampling_candidates=SAMPLING_CANDIDATES, selection_seed=100, selection_per_class=10,
         self_sample_chunks=4, self_sample_per_class=10, self_sample_seed=1000,
-        drafter_steps=160, drafter_batch=16, drafter_lr=1e-3, drafter_self_fraction=0.5,
+        drafter_steps=250, drafter_batch=16, drafter_lr=1e-3, drafter_self_fraction=0.5,
         eval_per_class=20,
     )
     t0 = time.time()

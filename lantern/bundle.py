@@ -182,16 +182,17 @@ def describe_bundle(path: str | Path | None = None) -> str:
         f"target: LlamaGen c2i GPT, {t['n_layer']} layers x dim {t['dim']} x {t['n_head']} heads, vocab "
         f"{t['vocab_size']}, {t['num_classes']} classes + null; held-out mean top-1 prob "
         f"{fmt('target_mean_top1_prob')} "
-        f"(teacher-forced, true class, no CFG), top-1 acc {fmt('target_heldout_top1_acc')}, "
-        f"decode step {fmt('target_step_ms_batch2', '.1f')} ms at batch 2",
+        f"(teacher-forced, true class, no CFG), top-1 acc {fmt('target_heldout_top1_acc')}",
         f"drafter: EAGLE-1 head (fc + 1 decoder layer); held-out top-1 agreement with the target "
-        f"{fmt('drafter_top1_agreement_cond')} (cond), {fmt('drafter_top1_agreement_uncond')} (uncond)"
+        f"{fmt('drafter_top1_agreement_cond')} (cond), {fmt('drafter_top1_agreement_uncond')} (uncond) on real "
+        f"digits, {fmt('drafter_top1_agreement_self_samples_cond')} (cond), "
+        f"{fmt('drafter_top1_agreement_self_samples_uncond')} (uncond) on the target's own samples"
         if (root / "drafter.safetensors").exists() else "drafter: none",
         f"evaluator: CNN classifier, held-out accuracy {fmt('evaluator_heldout_accuracy')}",
         "methods: " + ", ".join(bundle_methods(root)),
         f"AR samples at {sampling_text}: class accuracy "
         f"{fmt('ar_class_accuracy')}, Frechet distance {fmt('ar_frechet')} (real-image floor {fmt('real_frechet')})",
         f"made by: {manifest.get('command', 'unknown')}  (seed {manifest.get('seed', '?')}); training seconds "
-        + ", ".join(f"{k} {r.get('train_seconds', '?')}" for k, r in manifest.get("stages", {}).items()),
+        + ", ".join(f"{k} {s}" for k, s in manifest.get("train_seconds", {}).items()),
     ]
     return "\n".join(lines)

@@ -97,8 +97,8 @@ GPT_PRESETS: dict[str, dict] = {
     "GPT-L": dict(n_layer=24, n_head=16, dim=1024),
     "GPT-XL": dict(n_layer=36, n_head=20, dim=1280),
     "GPT-small": dict(n_layer=8, n_head=8, dim=384, vocab_size=1024, num_classes=10, multiple_of=64),
-    # the embedded default: 16x16 tokens of 32x32 digit images (lantern/assets/default)
-    "GPT-lantern-digits": dict(n_layer=6, n_head=8, dim=256, vocab_size=1024, num_classes=10, block_size=256,
+    # the embedded default: 16x16 tokens of 32x32 digit images (lantern/assets/default), grown from 6 layers
+    "GPT-lantern-digits": dict(n_layer=12, n_head=8, dim=256, vocab_size=1024, num_classes=10, block_size=256,
                                multiple_of=64),
     "GPT-test": dict(n_layer=2, n_head=4, dim=64, vocab_size=64, num_classes=4, block_size=16, multiple_of=32),
 }

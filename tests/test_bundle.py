@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lantern.bundle import DEFAULT_BUNDLE, load_bundle, verify_bundle, weights_hash
+from lantern.config import gpt_preset
 
 
 @pytest.fixture(scope="module")
@@ -32,13 +33,16 @@ def test_manifest_hashes_match(bundle):
 def test_bundle_contents(bundle):
     cfg, V = bundle.target.config, bundle.vq.config.codebook_size
     assert cfg.vocab_size == V >= 1024 and cfg.block_size >= 256 and bundle.vq.config.codebook_embed_dim == 8
+    assert cfg.n_layer >= 12 and cfg == gpt_preset("GPT-lantern-digits")  # the preset describes the bundle
     assert bundle.proximity.dtype == torch.int64 and bundle.proximity.shape == (V, V - 1)
     assert bundle.drafter is not None and bundle.evaluator is not None
     assert bundle.manifest["drafter"]["target_hash"] == weights_hash(bundle.target.state_dict())
     m = bundle.manifest["metrics"]
     assert m["drafter_top1_agreement_cond"] > 0.4 and 0 < m["target_mean_top1_prob"] < 1
+    assert m["drafter_top1_agreement_self_samples_cond"] > 0.4
+    assert bundle.manifest["growth"]["to_layers"] == cfg.n_layer == 2 * bundle.manifest["growth"]["from_layers"]
     size = sum(f.stat().st_size for f in DEFAULT_BUNDLE.iterdir() if f.is_file())
-    assert size <= 80 * 2**20
+    assert size < 64 * 2**20
 
 
 def test_decode_images(bundle):

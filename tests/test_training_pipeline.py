@@ -10,7 +10,8 @@ from lantern.models.vq import VQConfig
 from lantern.train.drafter import train_drafter
 from lantern.train.evaluator import train_evaluator
 from lantern.train.pipeline import load_target, load_vq
-from lantern.train.sample import sample_ar_simple
+from lantern.train.quality import choose_sampling
+from lantern.train.selfsample import ar_sampler, self_samples
 from lantern.train.target import target_loss, train_target
 from lantern.train.tokenizer import train_tokenizer
 from lantern.train.tokens import token_dataset
@@ -54,12 +55,34 @@ def test_drafter_agrees_with_target_beyond_chance(tiny):
     assert 0 <= r["top1_agreement_uncond"] <= 1
 
 
-def test_reference_sampler_gives_valid_codes(tiny):
-    codes = sample_ar_simple(tiny["target_model"], torch.tensor([0, 3]), cfg_scale=2.0, top_k=8, seed=1)
-    assert codes.shape == (2, TINY_GPT.block_size) and codes.dtype == torch.int64
-    assert 0 <= int(codes.min()) and int(codes.max()) < TINY_GPT.vocab_size
-    again = sample_ar_simple(tiny["target_model"], torch.tensor([0, 3]), cfg_scale=2.0, top_k=8, seed=1)
-    assert torch.equal(codes, again)
+def test_self_samples_are_pipeline_ar_batches_cached_per_chunk(tiny):
+    target, sampling = tiny["target_model"], {"cfg_scale": 2.0, "temperature": 1.0, "top_k": 8}
+    tokens, labels = self_samples(tiny["work"], target, sampling, per_class_per_chunk=1, chunks=2, seed=5,
+                                  progress=False)
+    assert tokens.shape == (20, TINY_GPT.block_size) and tokens.dtype == torch.int64
+    assert 0 <= int(tokens.min()) and int(tokens.max()) < TINY_GPT.vocab_size
+    assert torch.equal(labels, torch.arange(10).repeat(2))  # every class in every chunk
+    assert torch.equal(tokens[10:], ar_sampler(target, sampling)(torch.arange(10), 6))  # chunk 1 = seed 5 + 1
+    chunk = tiny["work"] / "self_samples" / "chunk_001.safetensors"
+    chunk.write_bytes(chunk.read_bytes())  # cached: read back, not resampled
+    mtime = chunk.stat().st_mtime_ns
+    again, _ = self_samples(tiny["work"], target, sampling, 1, 2, 5, progress=False)
+    assert torch.equal(again, tokens) and chunk.stat().st_mtime_ns == mtime
+    other, _ = self_samples(tiny["work"], target, {**sampling, "top_k": 1}, 1, 2, 5, progress=False)
+    assert chunk.stat().st_mtime_ns != mtime and not torch.equal(other, tokens)  # another setting resamples
+
+
+def test_token_cache_and_checkpoints_hold_no_pickled_code(tiny):
+    assert (tiny["work"] / "tokens.safetensors").exists() and not list(tiny["work"].glob("*.pt"))
+    state = torch.load(tiny["work"] / "target.ckpt", weights_only=True)  # plain tensors and data only
+    assert state["step"] == 40
+
+
+def test_sampling_rule_prefers_frechet_among_the_most_accurate():
+    def report(acc, fd, k):
+        return {"generated": {"class_accuracy": acc, "frechet_distance": fd}, "sampling": {"top_k": k}}
+    reports = [report(0.90, 5.0, 1), report(0.97, 9.0, 2), report(0.96, 7.0, 3), report(0.94, 6.0, 4)]
+    assert choose_sampling(reports) == {"top_k": 3}
 
 
 def test_rerun_resumes_from_the_finished_checkpoint(tiny):

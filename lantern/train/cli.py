@@ -73,11 +73,11 @@ def add_train_commands(subparsers) -> None:
     g.add_argument("--preset", default="GPT-lantern-digits", help="a lantern.config.GPT_PRESETS name")
     g.add_argument("--n-aug", type=int, default=6, help="copies of each training image (copy 0 un-augmented)")
     g.add_argument("--init-from", help="continue from these target weights (a second phase) instead of a fresh init")
-    g.add_argument("--name", default="target", help="output name: <work>/<name>.safetensors (phase 2: target2)")
+    g.add_argument("--name", default="target", help="output name: <work>/<name>.safetensors")
     d = stages.add_parser("drafter", help="the EAGLE drafter on the frozen target's features")
     _common(d, steps=250, batch=16, lr=1e-3)
     d.add_argument("--n-aug", type=int, default=6)
-    d.add_argument("--target-name", default="target2", help="the target in --work to draft for")
+    d.add_argument("--target-name", default="target", help="the target in --work to draft for")
     e = stages.add_parser("evaluator", help="the classifier behind `lantern eval`")
     _common(e, steps=300, batch=64, lr=2e-3)
     for sp in (t, g, d, e):

@@ -47,7 +47,7 @@ class Checkpoint:
         """Restore state if a checkpoint exists; returns (step to start from, training seconds so far)."""
         if not self.path.exists():
             return 0, 0.0
-        state = torch.load(self.path, map_location="cpu", weights_only=False)
+        state = torch.load(self.path, map_location="cpu", weights_only=True)  # tensors and plain data only
         if state["config"] != config:
             raise ValueError(f"checkpoint {self.path} was made with config {state['config']}, not {config}; "
                              f"delete it or use another output dir")
@@ -69,6 +69,15 @@ def save_weights(model: torch.nn.Module, path: str | os.PathLike, metadata: dict
     sd = {k: v.detach().float().contiguous() if v.is_floating_point() else v.detach().contiguous()
           for k, v in model.state_dict().items()}
     save_file(sd, str(path), metadata=metadata)
+
+
+def finished_report(out_dir: str | os.PathLike, name: str, start: int, steps: int, weights: str) -> dict | None:
+    """The stored report of a stage whose checkpoint is at its last step and whose outputs were written
+    (a re-run then skips re-measuring); None when the stage still has work to do."""
+    report, weights_path = Path(out_dir) / f"{name}_report.json", Path(out_dir) / weights
+    if start == steps and report.exists() and weights_path.exists():
+        return json.loads(report.read_text())
+    return None
 
 
 def write_json(path: str | os.PathLike, obj: dict) -> None:

@@ -16,8 +16,8 @@ from tqdm import tqdm
 from lantern.bundle import weights_hash
 from lantern.models.drafter import Drafter
 from lantern.models.gpt import GPT
-from lantern.train.common import (Checkpoint, autocast, lr_at, save_weights, seed_everything, set_lr,
-                                  step_generator, write_json)
+from lantern.train.common import (Checkpoint, autocast, finished_report, lr_at, save_weights, seed_everything,
+                                  set_lr, step_generator, write_json)
 from lantern.train.target import drop_classes
 
 
@@ -79,8 +79,9 @@ def drafter_report(drafter: Drafter, target: GPT, tokens: torch.Tensor, labels: 
 def train_drafter(out_dir: str, target: GPT, tokens: torch.Tensor, labels: torch.Tensor,
                   heldout: tuple[torch.Tensor, torch.Tensor], steps: int = 600, batch: int = 32,
                   lr: float = 1e-3, null_prob: float = 0.1, seed: int = 0, bf16: bool = True,
-                  ckpt_every: int = 50, progress: bool = True) -> dict:
-    """-> `<out_dir>/drafter.safetensors`, `drafter_report.json`; resumes from `drafter.ckpt`."""
+                  ckpt_every: int = 50, progress: bool = True, sample_weights: torch.Tensor | None = None) -> dict:
+    """-> `<out_dir>/drafter.safetensors`, `drafter_report.json`; resumes from `drafter.ckpt`.
+    sample_weights (N,): how often each sequence is drawn (default: uniformly), e.g. to mix datasets."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     seed_everything(seed)
@@ -90,15 +91,20 @@ def train_drafter(out_dir: str, target: GPT, tokens: torch.Tensor, labels: torch
     opt = torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     run_cfg = {"steps": steps, "batch": batch, "lr": lr, "null_prob": null_prob, "seed": seed, "bf16": bf16,
                "noise": "U(-0.1, 0.1)", "ce_weight": 0.1, "n_sequences": len(tokens),
-               "target_hash": weights_hash(target.state_dict())}  # a checkpoint for another target is refused
+               "target_hash": weights_hash(target.state_dict()),  # a checkpoint for another target is refused
+               "weighted": sample_weights is not None}
     ckpt = Checkpoint(out, "drafter")
     start, prior_seconds = ckpt.load(drafter, opt, run_cfg)
+    done = finished_report(out, "drafter", start, steps, "drafter.safetensors")
+    if done is not None:
+        return done
     t0 = time.time()
     bar = tqdm(range(start, steps), desc="drafter", disable=not progress, initial=start, total=steps)
     for step in bar:
         drafter.train()
         g = step_generator(seed, step)
-        idx = torch.randint(0, len(tokens), (batch,), generator=g)
+        idx = (torch.randint(0, len(tokens), (batch,), generator=g) if sample_weights is None
+               else torch.multinomial(sample_weights, batch, replacement=True, generator=g))
         cond = drop_classes(labels[idx], null_prob, cfg.null_class, g)
         hidden = target_features(target, tokens[idx], cond, bf16)
         set_lr(opt, lr_at(step, steps, lr, warmup=min(50, steps // 10 + 1)))

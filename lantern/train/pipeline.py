@@ -1,10 +1,10 @@
-"""The whole pipeline behind a bundle: train every stage (resumable), measure, and pack the bundle folder."""
+"""The whole pipeline behind a bundle: start from a base bundle (its tokenizer and evaluator kept), grow and train
+the target, choose the sampling defaults, self-distil the drafter (every stage resumable), then measure and pack."""
 from __future__ import annotations
 
 import json
 import platform
 import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,48 +13,47 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from lantern.bundle import load_bundle, sha256_file, weights_hash
+from lantern.bundle import Bundle, sha256_file, weights_hash
 from lantern.config import GPTConfig
 from lantern.data import HELD_OUT_FRACTION, SOURCE, SPLIT_SEED, load_digits_split
-from lantern.evaluate import evaluate
-from lantern.kv_cache import StaticKVCache
-from lantern.models.classifier import ClassifierConfig
+from lantern.models.classifier import Classifier, ClassifierConfig
+from lantern.models.drafter import Drafter
 from lantern.models.gpt import GPT
 from lantern.models.vq import VQConfig, VQModel
 from lantern.proximity import build_proximity_table
+from lantern.train.base import import_base, write_grown_target
 from lantern.train.common import write_json
-from lantern.train.drafter import train_drafter
-from lantern.train.evaluator import train_evaluator
-from lantern.train.sample import sample_ar_simple
+from lantern.train.drafter import drafter_report, train_drafter
+from lantern.train.grow import RESIDUAL_OUTPUTS
+from lantern.train.quality import ACCURACY_SLACK, cached_evaluation, choose_sampling
+from lantern.train.selfsample import self_samples
 from lantern.train.target import train_target
-from lantern.train.tokenizer import train_tokenizer
 from lantern.train.tokens import token_dataset
 
 
 @dataclass(frozen=True)
 class PipelineSettings:
     seed: int
-    vq: VQConfig
-    vq_steps: int
-    vq_batch: int
-    vq_lr: float
-    gpt: GPTConfig
+    gpt: GPTConfig  # the grown target: the base target's config with every layer doubled
     n_aug: int
     target_steps: int
     target_batch: int
     target_lr: float
-    target2_steps: int  # a second phase continuing from the first one's weights (0 = none)
-    target2_lr: float
+    sampling_candidates: tuple  # of {"cfg_scale", "temperature", "top_k"} dicts
+    selection_seed: int  # the sweep's seed, apart from the final evaluation's (seed)
+    selection_per_class: int
+    self_sample_chunks: int  # AR batches of the target's own samples, for the drafter
+    self_sample_per_class: int  # images of each class per chunk
+    self_sample_seed: int
     drafter_steps: int
     drafter_batch: int
     drafter_lr: float
-    evaluator: ClassifierConfig
-    evaluator_steps: int
-    evaluator_batch: int
-    cfg_scale: float
-    temperature: float
-    top_k: int
+    drafter_self_fraction: float  # share of drafter batches drawn from the self-samples (the rest: real data)
     eval_per_class: int
+
+    @property
+    def target_seed(self) -> int:
+        return self.seed + 2  # the base target's two phases used seed and seed + 1
 
     def to_dict(self) -> dict:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -73,47 +72,65 @@ def load_target(work: Path, name: str = "target") -> GPT:
     return target.eval()
 
 
-def run_pipeline(work: str | Path, s: PipelineSettings, progress: bool = True) -> dict:
-    """Train tokenizer -> target -> drafter, and the evaluator, into `work`; returns each stage's report."""
+def load_evaluator(work: Path) -> Classifier:
+    evaluator = Classifier(ClassifierConfig.from_dict(json.loads((work / "evaluator_config.json").read_text())))
+    evaluator.load_state_dict(load_file(str(work / "evaluator.safetensors")))
+    return evaluator.eval()
+
+
+def work_bundle(work: Path, target_name: str = "target") -> Bundle:
+    """The work dir's tokenizer, target and evaluator as a Bundle (no drafter yet), to measure sample quality."""
+    vq, target, evaluator = load_vq(work), load_target(work, target_name), load_evaluator(work)
+    config = {"vq": vq.config.to_dict(), "target": target.config.to_dict(), "evaluator": evaluator.config.to_dict()}
+    return Bundle(work, {}, config, target, None, vq, evaluator, None)
+
+
+def sweep_record(report: dict) -> dict:
+    g = report["generated"]
+    return {"sampling": report["sampling"], "class_accuracy": g["class_accuracy"],
+            "frechet_distance": g["frechet_distance"], "per_class_accuracy": g["per_class_accuracy"]}
+
+
+def run_pipeline(work: str | Path, base: str | Path, s: PipelineSettings, progress: bool = True) -> dict:
+    """Every training stage into `work`; returns each stage's report plus the chosen sampling defaults."""
     work = Path(work)
-    reports = {"tokenizer": train_tokenizer(work, s.vq, steps=s.vq_steps, batch=s.vq_batch, lr=s.vq_lr,
-                                            seed=s.seed, restart_every=50, ckpt_every=50, progress=progress)}
-    vq = load_vq(work)
-    data = token_dataset(vq, s.n_aug, s.seed, cache_dir=str(work))
-    reports["target"] = train_target(work, s.gpt, *data["train"], data["heldout"], steps=s.target_steps,
-                                     batch=s.target_batch, lr=s.target_lr, seed=s.seed, progress=progress)
-    if s.target2_steps:
-        reports["target_phase1"] = reports["target"]
-        reports["target"] = train_target(work, s.gpt, *data["train"], data["heldout"], steps=s.target2_steps,
-                                         batch=s.target_batch, lr=s.target2_lr, seed=s.seed + 1, progress=progress,
-                                         init_from=str(work / "target.safetensors"), name="target2")
-    target = load_target(work, final_target_name(s))
-    reports["drafter"] = train_drafter(work, target, *data["train"], data["heldout"], steps=s.drafter_steps,
-                                       batch=s.drafter_batch, lr=s.drafter_lr, seed=s.seed, progress=progress)
-    reports["evaluator"] = train_evaluator(work, s.evaluator, steps=s.evaluator_steps, batch=s.evaluator_batch,
-                                           seed=s.seed, progress=progress)
+    reports = {"base": import_base(work, base)}
+    grown = write_grown_target(work)
+    if grown != s.gpt:
+        raise ValueError(f"the base target grows into {grown}, not the configured {s.gpt}")
+    data = token_dataset(load_vq(work), s.n_aug, s.seed, cache_dir=str(work))
+    reports["target"] = train_target(str(work), s.gpt, *data["train"], data["heldout"], steps=s.target_steps,
+                                     batch=s.target_batch, lr=s.target_lr, seed=s.target_seed, progress=progress,
+                                     init_from=str(work / "target_grown.safetensors"), name="target")
+    bundle = work_bundle(work)
+    sweep = [cached_evaluation(work, bundle, dict(c), s.selection_per_class, s.selection_seed)[0]
+             for c in s.sampling_candidates]
+    sampling = choose_sampling(sweep)
+    reports["sampling"] = {"seed": s.selection_seed, "n_per_class": s.selection_per_class, "chosen": sampling,
+                           "rule": f"lowest Frechet distance among candidates within {ACCURACY_SLACK} of the best "
+                                   f"class accuracy", "candidates": [sweep_record(r) for r in sweep]}
+
+    # the final evaluation's samples (seed s.seed) are drawn now: they double as the drafter's held-out self-samples
+    _, eval_codes = cached_evaluation(work, bundle, sampling, s.eval_per_class, seed=s.seed)
+    eval_labels = torch.arange(s.gpt.num_classes).repeat_interleave(s.eval_per_class)
+    self_tokens, self_labels = self_samples(work, bundle.target, sampling, s.self_sample_per_class,
+                                            s.self_sample_chunks, s.self_sample_seed, progress=progress)
+    real_tokens, real_labels = data["train"]
+    weights = torch.cat([torch.full((len(real_tokens),), (1 - s.drafter_self_fraction) / len(real_tokens)),
+                         torch.full((len(self_tokens),), s.drafter_self_fraction / len(self_tokens))])
+    report = train_drafter(str(work), bundle.target, torch.cat([real_tokens, self_tokens]),
+                           torch.cat([real_labels, self_labels]), data["heldout"], steps=s.drafter_steps,
+                           batch=s.drafter_batch, lr=s.drafter_lr, seed=s.seed, progress=progress,
+                           sample_weights=weights)
+    drafter = Drafter(s.gpt)
+    drafter.load_state_dict(load_file(str(work / "drafter.safetensors")))
+    on_self = drafter_report(drafter, bundle.target, eval_codes, eval_labels)
+    report.update({f"self_samples_{k}": v for k, v in on_self.items()},
+                  data={"real_sequences": len(real_tokens), "self_sample_sequences": len(self_tokens),
+                        "self_sample_heldout": f"the {len(eval_codes)} samples of the final evaluation (seed {s.seed})",
+                        "self_fraction": s.drafter_self_fraction, "self_sampling": sampling})
+    reports["drafter"] = report
     return reports
-
-
-def final_target_name(s: PipelineSettings) -> str:
-    return "target2" if s.target2_steps else "target"
-
-
-@torch.no_grad()
-def decode_step_ms(target: GPT, batch: int = 2, reps: int = 30) -> float:
-    """Median wall time of one AR decode step (1 token per row, mid-image, over the static KV cache)."""
-    cfg = target.config
-    S = cfg.seq_len
-    cache = StaticKVCache(cfg.n_layer, batch, S, cfg.kv_heads, cfg.head_dim, torch.float32, "cpu")
-    pos = torch.full((batch, 1), S // 2)
-    mask = (torch.arange(S) <= S // 2).expand(batch, 1, -1)
-    h = target.tok_embeddings(torch.zeros(batch, 1, dtype=torch.long))
-    times = []
-    for _ in range(reps + 5):
-        t = time.perf_counter()
-        target.head(target.forward_cached(h, pos, mask, cache, pos))
-        times.append(time.perf_counter() - t)
-    return 1000 * float(np.median(times[5:]))
 
 
 def sample_grid(rows: list[list[np.ndarray]], scale: int = 2) -> Image.Image:
@@ -123,73 +140,78 @@ def sample_grid(rows: list[list[np.ndarray]], scale: int = 2) -> Image.Image:
     return img.resize((img.width * scale, img.height * scale), Image.NEAREST)
 
 
+def write_samples_png(path: Path, bundle: Bundle, codes: torch.Tensor, n_per_class: int, n_grid: int) -> None:
+    """Per class (row): 2 held-out reals, their 2 reconstructions, then n_grid AR samples."""
+    held = load_digits_split("heldout", bundle.vq.config.image_size)
+    codes = codes.reshape(bundle.target.config.num_classes, n_per_class, -1)
+    real_u8 = ((held.images + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    rows = []
+    for c in range(bundle.target.config.num_classes):
+        idx = torch.nonzero(held.labels == c).flatten()[:2]
+        recon = bundle.decode_images(bundle.vq.encode(held.images[idx]))
+        rows.append(list(real_u8[idx.numpy()]) + list(recon) + list(bundle.decode_images(codes[c, :n_grid])))
+    sample_grid(rows).save(path, optimize=True)
+
+
 def build_bundle(work: str | Path, out: str | Path, s: PipelineSettings, reports: dict, command: str,
                  threads: int, n_grid: int = 6) -> dict:
     """Pack `work`'s stage outputs into the bundle folder `out`, measure it, write config + manifest."""
     work, out = Path(work), Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("vq", "evaluator"):
+    for name in ("vq", "evaluator", "target"):
         shutil.copyfile(work / f"{name}.safetensors", out / f"{name}.safetensors")
-    shutil.copyfile(work / f"{final_target_name(s)}.safetensors", out / "target.safetensors")
-    target = load_target(work, final_target_name(s))
-    target_hash = weights_hash(target.state_dict())
-    drafter_state = load_file(str(work / "drafter.safetensors"))
-    save_file(drafter_state, str(out / "drafter.safetensors"), metadata={"target_hash": target_hash})
-    vq = load_vq(work)
-    prox = build_proximity_table(vq.codebook_vectors(), k_max=vq.config.codebook_size - 1)
+    bundle = work_bundle(work)
+    target_hash = weights_hash(bundle.target.state_dict())
+    save_file(load_file(str(work / "drafter.safetensors")), str(out / "drafter.safetensors"),
+              metadata={"target_hash": target_hash})
+    prox = build_proximity_table(bundle.vq.codebook_vectors(), k_max=bundle.vq.config.codebook_size - 1)
     save_file({"neighbours": prox.to(torch.int32).contiguous()}, str(out / "proximity.safetensors"))
-    sampling = {"cfg_scale": s.cfg_scale, "temperature": s.temperature, "top_k": s.top_k}
-    write_json(out / "config.json", {"vq": s.vq.to_dict(), "target": s.gpt.to_dict(),
-                                     "evaluator": s.evaluator.to_dict(), "sampling": sampling})
-    bundle = load_bundle(out, verify=False)
+    sampling = reports["sampling"]["chosen"]
+    write_json(out / "config.json", {**bundle.config, "sampling": sampling})
 
-    generated: list[torch.Tensor] = []
+    ev, codes = cached_evaluation(work, bundle, sampling, s.eval_per_class, seed=s.seed)
+    write_samples_png(out / "samples.png", bundle, codes, s.eval_per_class, n_grid)
 
-    def generate_fn(class_ids: torch.Tensor, seed: int) -> torch.Tensor:
-        codes = sample_ar_simple(bundle.target, class_ids, s.cfg_scale, s.temperature, s.top_k, seed)
-        generated.append(codes)
-        return codes
-
-    t0 = time.time()
-    ev = evaluate(bundle, generate_fn, n_per_class=s.eval_per_class, seed=s.seed)
-    ar_seconds = time.time() - t0
-
-    # samples.png: per class (row) 2 held-out reals, their 2 reconstructions, then n_grid AR samples
-    held = load_digits_split("heldout", s.vq.image_size)
-    codes = torch.cat(generated).reshape(bundle.target.config.num_classes, s.eval_per_class, -1)
-    real_u8 = ((held.images + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
-    rows = []
-    for c in range(bundle.target.config.num_classes):
-        idx = torch.nonzero(held.labels == c).flatten()[:2]
-        recon = bundle.decode_images(vq.encode(held.images[idx]))
-        samples = bundle.decode_images(codes[c, :n_grid])
-        rows.append(list(real_u8[idx.numpy()]) + list(recon) + list(samples))
-    sample_grid(rows).save(out / "samples.png", optimize=True)
-
-    tok, tgt, dr, evr = (reports[k] for k in ("tokenizer", "target", "drafter", "evaluator"))
+    base = reports["base"]["stages"]
+    tok, tgt, dr = base["tokenizer"], reports["target"], reports["drafter"]
     metrics = {
         "vq_recon_mse": tok["recon_mse"], "vq_recon_l1": tok["recon_l1"], "vq_mean_image_mse": tok["mean_image_mse"],
         "vq_codes_used_heldout": tok["codes_used_heldout"],
         "target_heldout_ce": tgt["heldout_ce"], "target_heldout_top1_acc": tgt["heldout_top1_acc"],
-        "target_mean_top1_prob": tgt["mean_top1_prob"], "target_step_ms_batch2": decode_step_ms(bundle.target),
+        "target_mean_top1_prob": tgt["mean_top1_prob"],
         "drafter_top1_agreement_cond": dr["top1_agreement_cond"],
         "drafter_top1_agreement_uncond": dr["top1_agreement_uncond"],
-        "evaluator_heldout_accuracy": evr["heldout_accuracy"],
+        "drafter_top1_agreement_self_samples_cond": dr["self_samples_top1_agreement_cond"],
+        "drafter_top1_agreement_self_samples_uncond": dr["self_samples_top1_agreement_uncond"],
+        "evaluator_heldout_accuracy": base["evaluator"]["heldout_accuracy"],
         "ar_class_accuracy": ev["generated"]["class_accuracy"], "ar_frechet": ev["generated"]["frechet_distance"],
+        "ar_per_class_accuracy": ev["generated"]["per_class_accuracy"],
         "real_class_accuracy": ev["real_train_reference"]["class_accuracy"],
         "real_frechet": ev["real_train_reference"]["frechet_distance"],
-        "ar_eval_seconds": round(ar_seconds, 1),
     }
-    n_train, n_held = len(load_digits_split("train", 8).labels), len(held.labels)
+    held = load_digits_split("heldout", 8)
     manifest = {
         "name": "lantern default: class-conditional digits",
         "command": command, "seed": s.seed, "torch_threads": threads, "torch": torch.__version__,
         "python": platform.python_version(),
-        "data": {"source": SOURCE, "classes": "digits 0-9 (class id = digit)", "image_size": s.vq.image_size,
+        "data": {"source": SOURCE, "classes": "digits 0-9 (class id = digit)",
+                 "image_size": bundle.vq.config.image_size,
                  "split": f"fixed per-class {HELD_OUT_FRACTION:.0%} held-out, SPLIT_SEED={SPLIT_SEED} "
-                          f"(lantern.data.held_out_indices)", "n_train": n_train, "n_heldout": n_held},
+                          f"(lantern.data.held_out_indices)",
+                 "n_train": len(load_digits_split("train", 8).labels), "n_heldout": len(held.labels)},
+        "base": {"command": reports["base"]["command"], "files": reports["base"]["files"],
+                 "kept": "tokenizer (vq) and evaluator as they are; target grown",
+                 "rebuild": "git archive fe25dc9 lantern/assets/default | tar -x -C BASE"},
+        "growth": {"from_layers": s.gpt.n_layer // 2, "to_layers": s.gpt.n_layer,
+                   "recipe": "base layer i -> layers 2i and 2i+1 (lantern.train.grow); the copy's "
+                             f"{' and '.join(RESIDUAL_OUTPUTS)} zeroed, so training starts from the base function"},
         "settings": s.to_dict(),
-        "stages": reports,
+        "stages": {k: v for k, v in reports.items() if k != "base"},
+        "base_stages": base,
+        "train_seconds": {"tokenizer (base)": tok["train_seconds"],
+                          "evaluator (base)": base["evaluator"]["train_seconds"],
+                          **{f"{k} (base)": v["train_seconds"] for k, v in base["target"].items()},
+                          "target (grown)": tgt["train_seconds"], "drafter": dr["train_seconds"]},
         "drafter": {"target_hash": target_hash, "hash": "lantern.bundle.weights_hash of target.safetensors"},
         "metrics": metrics,
         "evaluation": ev,

@@ -11,8 +11,8 @@ from tqdm import tqdm
 
 from lantern.config import GPTConfig
 from lantern.models.gpt import GPT
-from lantern.train.common import (Checkpoint, autocast, lr_at, save_weights, seed_everything, set_lr,
-                                  step_generator, write_json)
+from lantern.train.common import (Checkpoint, autocast, finished_report, lr_at, save_weights, seed_everything,
+                                  set_lr, step_generator, write_json)
 
 
 def drop_classes(labels: torch.Tensor, prob: float, null_class: int, g: torch.Generator) -> torch.Tensor:
@@ -72,6 +72,9 @@ def train_target(out_dir: str, cfg: GPTConfig, tokens: torch.Tensor, labels: tor
         run_cfg["init_from"] = Path(init_from).name
     ckpt = Checkpoint(out, name)
     start, prior_seconds = ckpt.load(model, opt, run_cfg)
+    done = finished_report(out, name, start, steps, f"{name}.safetensors")
+    if done is not None:
+        return done
     t0, last_loss = time.time(), None
     bar = tqdm(range(start, steps), desc="target", disable=not progress, initial=start, total=steps)
     for step in bar:

@@ -1,0 +1,56 @@
+"""The starting point of a bundle rebuild: an earlier bundle whose tokenizer and evaluator are kept as they
+are, and whose target is grown (lantern.train.grow) into the new, deeper one.
+
+The base's files are checked against its own manifest, then copied into the work dir under the names the
+training stages read (vq.*, evaluator.*, base_target.*); its training reports go to base_reports.json.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+from lantern.bundle import verify_bundle
+from lantern.config import GPTConfig
+from lantern.train.common import write_json
+from lantern.train.grow import grow_by_duplication, grown_config
+
+BASE_REPORTS = "base_reports.json"
+
+
+def import_base(work: str | Path, base: str | Path) -> dict:
+    """Copy the base bundle's tokenizer, evaluator and target into `work` (once); returns
+    {"files": sha256 per base file, "stages": the base's training reports}."""
+    work, base = Path(work), Path(base)
+    if (work / BASE_REPORTS).exists():
+        return json.loads((work / BASE_REPORTS).read_text())
+    problems = verify_bundle(base)
+    if problems:
+        raise ValueError(f"base bundle {base} failed verification: " + "; ".join(problems))
+    work.mkdir(parents=True, exist_ok=True)
+    manifest = json.loads((base / "manifest.json").read_text())
+    config = json.loads((base / "config.json").read_text())
+    for bundle_name, work_name, config_key in (("vq", "vq", "vq"), ("evaluator", "evaluator", "evaluator"),
+                                               ("target", "base_target", "target")):
+        shutil.copyfile(base / f"{bundle_name}.safetensors", work / f"{work_name}.safetensors")
+        write_json(work / f"{work_name}_config.json", config[config_key])
+    stages = manifest["stages"]
+    record = {"files": manifest["files"], "command": manifest["command"],
+              "stages": {"tokenizer": stages["tokenizer"], "evaluator": stages["evaluator"],
+                         "target": {k: v for k, v in stages.items() if k.startswith("target")}}}
+    write_json(work / BASE_REPORTS, record)
+    return record
+
+
+def write_grown_target(work: str | Path, name: str = "target_grown") -> GPTConfig:
+    """`base_target` with every layer doubled -> `<work>/<name>.safetensors` and `<name>_config.json`."""
+    work = Path(work)
+    source = GPTConfig.from_dict(json.loads((work / "base_target_config.json").read_text()))
+    cfg = grown_config(source)
+    if not (work / f"{name}.safetensors").exists():
+        save_file(grow_by_duplication(load_file(str(work / "base_target.safetensors"))),
+                  str(work / f"{name}.safetensors"))
+        write_json(work / f"{name}_config.json", cfg.to_dict())
+    return cfg

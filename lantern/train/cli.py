@@ -9,7 +9,7 @@ import argparse
 import json
 from pathlib import Path
 
-EXIT_OK, EXIT_BAD_INPUT = 0, 2
+from lantern.exit_codes import EXIT_BAD_INPUT, EXIT_OK
 
 
 def _common(p: argparse.ArgumentParser, steps: int, batch: int, lr: float) -> None:

@@ -62,7 +62,10 @@ def test_run_writes_a_valid_results_file(tiny_run):
     assert verify["latency"]["repeats"] == 1 and verify["latency"]["median_s"] > 0
     assert verify["memory"]["weights_bytes"] > 0 and verify["memory"]["kv_cache_bytes"] > 0
     gen = data["cases"]["generate/lantern++/chain-5"]["result"]
-    assert gen["tau"] >= 1 and gen["tokens_per_pass"] == 16 and gen["verify_width"] == 6
+    assert gen["tokens_per_pass"] == 16 and gen["verify_width"] == 6
+    prefills = gen["target_forwards"] - gen["verify_steps"]  # each image's first token comes from its prefill
+    tokens = gen["tau"] * gen["verify_steps"] + prefills  # tau counts accepted drafts + bonus per verify
+    assert gen["step_compression"] == pytest.approx(tokens / gen["target_forwards"])
     probe = data["cases"]["acceptance/probe"]["result"]
     assert len(probe["rates"]) == 3 and all(0 <= r <= 1 for row in probe["rates"] for r in row)
     env = data["environment"]

@@ -218,11 +218,9 @@ def test_broken_residual_fails_the_lossless_test(flat, monkeypatch):
 
 def test_verify_guided_with_another_cfg_scale_fails_the_lossless_test(flat, monkeypatch):
     """Verify rows guided with a different CFG scale than AR's: the test must notice."""
-    real = loop.target_support
-
-    def skewed(logits, sc):
-        return real(logits, SC(**{**sc.__dict__, "cfg_scale": 3.0}) if logits.dim() == 3 else sc)
-    monkeypatch.setattr(loop, "target_support", skewed)
+    real = loop.verify_distributions
+    monkeypatch.setattr(loop, "verify_distributions",
+                        lambda logits, sc: real(logits, SC(**{**sc.__dict__, "cfg_scale": 3.0})))
     assert min(run_lossless(flat, "static", 6000)) < LEVEL
 
 

@@ -62,6 +62,7 @@ def time_after(b: int, reps: int) -> float:
     """Median seconds of this checkout's acceptance phase for B images."""
     from lantern.decoding.acceptance import Acceptance, DraftedTree, accept
     from lantern.decoding.config import DecodeConfig
+    from lantern.decoding.loop import verify_distributions
     from lantern.decoding.sampling import SamplingConfig, candidates, target_support
 
     strategy = DecodeConfig(drafting=TREE).strategy
@@ -85,7 +86,7 @@ def time_after(b: int, reps: int) -> float:
     times = []
     for _ in range(reps + 3):
         t0 = time.perf_counter()
-        accept(target_support(logits, sc), drafted, rule, False, g, V)
+        accept(verify_distributions(logits, sc), drafted, rule, False, g, V)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[3:])
 

@@ -167,9 +167,10 @@ def _acceptance_greedy(target: Support, cand, cvalid, rule: Acceptance, vocab: i
     return acc * cvalid, boost * cvalid
 
 
-def accept(p_nodes: Support, tree: DraftedTree, rule: Acceptance, greedy: bool, generator: torch.Generator,
+def accept(p_nodes, tree: DraftedTree, rule: Acceptance, greedy: bool, generator: torch.Generator,
            vocab: int) -> StepAcceptance:
-    """p_nodes (B, N, K): the target's (guided, warped) distribution after every node."""
+    """p_nodes: the target's (guided, warped) distribution after every node, anything with `.index(idx (B, M))
+    -> Support (B, M, K)`: a Support (B, N, K), or GuidedLogits that warp only the nodes read."""
     b, n = tree.tokens.shape
     dev = tree.tokens.device
     parents = tree.parents.expand(b, -1)

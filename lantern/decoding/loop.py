@@ -19,7 +19,7 @@ from lantern.backends.base import Runner, StaticSpec
 from lantern.decoding.acceptance import Acceptance, DraftedTree, accept
 from lantern.decoding.config import DecodeConfig
 from lantern.decoding.drafting import Drafter, draft_dynamic, draft_static, on_rows, window_mask
-from lantern.decoding.sampling import draw, target_support
+from lantern.decoding.sampling import GuidedLogits, SamplingConfig, combine_cfg, draw, target_support
 from lantern.decoding.stats import GenerationStats, StepRecords
 from lantern.decoding.strategy import StaticTree
 
@@ -126,7 +126,7 @@ def decode_speculative(runner: Runner, cond_rows: torch.Tensor, dcfg: DecodeConf
         tree.valid = tree.valid & (tree.depth <= limit[:, None])
         with runner.phase("verify"):
             out_step = _verify(runner, tree, root, n, slots, sc.rows_per_image)
-            p_nodes = target_support(out_step.logits, sc)
+            p_nodes = verify_distributions(out_step.logits, sc)
         with runner.phase("accept"):
             acc = accept(p_nodes, tree, rule, sc.greedy, generator, vocab)
         m = torch.where(running, acc.accepted, -1)  # finished images: nothing to emit or commit
@@ -148,6 +148,11 @@ def decode_speculative(runner: Runner, cond_rows: torch.Tensor, dcfg: DecodeConf
     stats = records.stats(active.cpu(), block, time.perf_counter() - t0)
     stats.draft_forwards = records.steps * strategy.drafter_calls
     return out[:, :block].cpu(), stats
+
+
+def verify_distributions(logits: torch.Tensor, sc: SamplingConfig) -> GuidedLogits:
+    """(R*B, N, V) verify logits -> each image's guided logits, warped where the acceptance reads them."""
+    return GuidedLogits(combine_cfg(logits, sc.cfg_scale, sc.use_cfg), sc)
 
 
 def _verify(runner: Runner, tree: DraftedTree, root: torch.Tensor, n: int, slots: torch.Tensor, rows: int):

@@ -101,6 +101,19 @@ def warp(logits: torch.Tensor, cfg: SamplingConfig) -> Support:
     return Support(probs, ids)
 
 
+class GuidedLogits(NamedTuple):
+    """A verify step's guided logits (B, N, V), warped only at the nodes the acceptance asks for (its parent
+    nodes and each image's last accepted node): top-k over V is the costly part, and most nodes are leaves."""
+
+    logits: torch.Tensor
+    sampling: SamplingConfig
+
+    def index(self, idx: torch.Tensor) -> Support:
+        """idx (B, M) node ids -> their distributions (B, M, K), like Support.index."""
+        v = self.logits.shape[-1]
+        return warp(self.logits.gather(1, idx[..., None].expand(*idx.shape, v)), self.sampling)
+
+
 def target_support(logits: torch.Tensor, cfg: SamplingConfig) -> Support:
     """(R*B, ..., V) step logits, rows [cond; uncond] -> per image (B, ..., K)."""
     return warp(combine_cfg(logits, cfg.cfg_scale, cfg.use_cfg), cfg)

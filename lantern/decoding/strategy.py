@@ -13,6 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
 from functools import cached_property
+from typing import ClassVar
 
 import torch
 
@@ -20,6 +21,8 @@ from lantern.decoding.trees import CompiledTree
 
 
 class Strategy(ABC):
+    depth_name: ClassVar[str] = "tree depth"  # what `depth` is called in messages
+
     @property
     @abstractmethod
     def verify_width(self) -> int:
@@ -60,10 +63,6 @@ class Strategy(ABC):
         """W: nodes fed per drafter step (0 without a drafter)."""
         return 0
 
-    @property
-    def depth_name(self) -> str:
-        """What `depth` is called in messages."""
-        return "tree depth"
 
 
 @dataclass(frozen=True)
@@ -210,6 +209,7 @@ class JacobiWindow(Strategy):
     they belong and a step never commits (commit_pairs 1: the runner's commit shape, never called)."""
 
     window: int
+    depth_name: ClassVar[str] = "window"
 
     @property
     def verify_width(self) -> int:
@@ -222,7 +222,3 @@ class JacobiWindow(Strategy):
     @property
     def commit_pairs(self) -> int:
         return 1
-
-    @property
-    def depth_name(self) -> str:
-        return "window"

@@ -72,6 +72,7 @@ def main() -> None:
     ap.add_argument("--per-class", type=int, default=10, help="images per class per run")
     ap.add_argument("--ar-seeds", type=int, default=3)
     ap.add_argument("--batch", type=int, default=50, help="images per static step")
+    ap.add_argument("--only", nargs="+", metavar="LABEL", help="run only these rows of the grid (default: all)")
     ap.add_argument("--write-defaults", action="store_true", help="record the chosen defaults in the bundle")
     ap.add_argument("--out", default=str(ROOT / "profiles" / "results" / "frontier"))
     args = ap.parse_args()
@@ -83,7 +84,11 @@ def main() -> None:
     spread = {"accuracy_min": min(r["class_accuracy"] for r in ar), "accuracy_max": max(r["class_accuracy"] for r in ar),
               "frechet_min": min(r["frechet_distance"] for r in ar), "frechet_max": max(r["frechet_distance"] for r in ar)}
     rows = []
-    for label, method, overrides in tqdm(GRID, desc="relaxations"):
+    grid = [g for g in GRID if args.only is None or g[0] in args.only]
+    unknown = set(args.only or ()) - {g[0] for g in GRID}
+    if unknown:
+        raise SystemExit(f"unknown grid rows {sorted(unknown)}; allowed: {[g[0] for g in GRID]}")
+    for label, method, overrides in tqdm(grid, desc="relaxations"):
         dcfg = method_preset(method, sc, **overrides)
         decode = {k: getattr(dcfg, k) for k in ("k", "delta", "lam", "form") if k in ("k", "form") or k in overrides}
         rows.append({"label": label, "method": method, "overrides": overrides, "decode_overrides": decode,

@@ -33,8 +33,11 @@ def one_node_trials(p: torch.Tensor, q: torch.Tensor, n_children: int, rule: Acc
                        ancestors=ancestors[None], parents=torch.tensor([[0]]),
                        children=torch.arange(1, n)[None, None], q=None if deterministic or greedy else qs,
                        max_depth=1, rank=torch.arange(-1, n_children)[None])
-    leaves = torch.full((n_children, v), 1.0 / v)  # irrelevant: only the first output token is read
-    p_nodes = full_support(torch.cat([p[None], leaves]).expand(trials, n, v))
+    top = torch.topk(p, int((p > 0).sum()))  # p's support: the walk never needs more (top-k zeroed the rest)
+    k = top.values.shape[0]
+    leaves = torch.full((n_children, k), 1.0 / k)  # irrelevant: only the first output token is read
+    p_nodes = Support(torch.cat([top.values[None], leaves]).expand(trials, n, k),
+                      top.indices.expand(trials, n, k))
     out = accept(p_nodes, tree, rule, greedy, g, v)
     first = tokens.gather(1, out.path[:, 1:2])[:, 0]
     return torch.where(out.accepted > 0, first, out.bonus), out

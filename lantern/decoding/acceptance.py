@@ -217,7 +217,8 @@ def accept(p_nodes, tree: DraftedTree, rule: Acceptance, greedy: bool, generator
     accepted = torch.where(on_path, depth, 0).max(-1).values  # (B,)
     final = path.gather(1, accepted[:, None])[:, 0]
 
-    row_of = _row_of_node(parents, n)  # (B, N): parent row of each node, -1 if it has none
+    rows = torch.arange(m_rows, device=dev).expand(b, m_rows)
+    row_of = _per_node(parents, rows, n, -1)  # (B, N): parent row of each node, -1 if it has none
     final_row = row_of.gather(1, final[:, None])[:, 0]
     end_sup = Support(end, p.ids).index(final_row.clamp_min(0)[:, None])
     at_final = p_nodes.index(final[:, None])
@@ -232,23 +233,14 @@ def accept(p_nodes, tree: DraftedTree, rule: Acceptance, greedy: bool, generator
     tv_node = _per_node(parents, tv, n, 0.0)
     emitted = torch.arange(max_depth + 1, device=dev)[None] <= accepted[:, None]
     token_tv = torch.where(emitted, tv_node.gather(1, path), 0.0)
-    boost_node = torch.zeros(b, n + 1, device=dev).scatter_(
-        1, torch.where(kids >= 0, kids, n).flatten(1), boost.flatten(1))[:, :n]
+    boost_node = _per_node(kids.flatten(1), boost.flatten(1), n, 0.0)
     boost_path = torch.where(emitted[:, 1:], boost_node.gather(1, path[:, 1:]), 0.0)
     return StepAcceptance(path=path, accepted=accepted, bonus=bonus, tried=tried, token_tv=token_tv,
                           boost=boost_path)
 
 
-def _row_of_node(parents: torch.Tensor, n: int) -> torch.Tensor:
-    """(B, M) parent node ids -> (B, N) the row each node has in that table, -1 if none."""
-    b, m = parents.shape
-    out = torch.full((b, n + 1), -1, dtype=torch.long, device=parents.device)
-    rows = torch.arange(m, device=parents.device).expand(b, m)
-    return out.scatter_(1, torch.where(parents >= 0, parents, n), rows)[:, :n]
-
-
-def _per_node(parents: torch.Tensor, values: torch.Tensor, n: int, fill) -> torch.Tensor:
-    """(B, M) values per parent row -> (B, N) per node (`fill` for nodes without a row)."""
-    b = parents.shape[0]
+def _per_node(nodes: torch.Tensor, values: torch.Tensor, n: int, fill) -> torch.Tensor:
+    """(B, M) values at node ids (-1: none) -> (B, N) per node (`fill` for nodes given no value)."""
+    b = nodes.shape[0]
     out = torch.full((b, n + 1), fill, dtype=values.dtype, device=values.device)
-    return out.scatter_(1, torch.where(parents >= 0, parents, n), values)[:, :n]
+    return out.scatter_(1, torch.where(nodes >= 0, nodes, n), values)[:, :n]

@@ -111,6 +111,7 @@ def decode_speculative(runner: Runner, cond_rows: torch.Tensor, dcfg: DecodeConf
     pend_feats = feat[:, None].repeat(1, a, 1)  # (R*B, A, D) pairs for the next catch-up
     pend_tokens = root_tok[:, None].repeat(1, a)
     pend_count = torch.ones(b, dtype=torch.long, device=dev)
+    draft = draft_static if isinstance(strategy, StaticTree) else draft_dynamic
     records = StepRecords()
     steps = torch.arange(depth + 1, device=dev)
     while True:
@@ -119,7 +120,6 @@ def decode_speculative(runner: Runner, cond_rows: torch.Tensor, dcfg: DecodeConf
             break
         with runner.phase("draft"):
             q_root, root_feat = drafter.catch_up(pend_feats, pend_tokens, pend_count, root)
-            draft = draft_static if isinstance(strategy, StaticTree) else draft_dynamic
             tree = draft(drafter, strategy, root_tok, root, q_root, root_feat)
         # at most block - emitted - 1 drafts fit in the image; finished images accept none
         limit = torch.where(running, block - emitted - 1, -1)

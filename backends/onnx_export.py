@@ -31,7 +31,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from lantern.models.checkpoint import weights_hash
+from lantern.models.checkpoint import model_hash
+from lantern.user_cache import cache_root
 
 FORMAT_VERSION = 4  # bump when the graphs' inputs, outputs or maths change: older cache files become stale
 OPSET = 17
@@ -41,7 +42,7 @@ GRAPH, MANIFEST = "model.onnx", "manifest.json"  # the files of one graph's fold
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "lantern" / "onnx")
+    return Path(os.environ[CACHE_ENV]) if os.environ.get(CACHE_ENV) else cache_root() / "onnx"
 
 
 class FunctionalKV:
@@ -157,17 +158,6 @@ class GraphKey:
     def stem(self) -> str:
         return (f"{self.kind}-w{self.width}-b{self.batch}-s{self.max_len}-p{self.prefix_len}-{self.dtype}"
                 f"-{self.model_hash[:16]}")
-
-
-def model_hash(*modules: Optional[nn.Module]) -> str:
-    """sha256 over the configs and weights (lantern's one `weights_hash`) of the given modules."""
-    h = hashlib.sha256()
-    for m in modules:
-        if m is None:
-            continue
-        h.update(json.dumps(getattr(m, "config").to_dict(), sort_keys=True).encode())
-        h.update(weights_hash(m.state_dict()).encode())
-    return h.hexdigest()
 
 
 def keys_for_spec(spec, model_hash_target: str, model_hash_pair: str) -> dict[str, GraphKey]:

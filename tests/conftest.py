@@ -2,6 +2,8 @@
 import pytest
 import torch
 
+from lantern.user_cache import CACHE_ENV
+
 from lantern.config import GPTConfig, gpt_preset
 from lantern.models.drafter import Drafter
 from lantern.models.gpt import GPT
@@ -34,3 +36,12 @@ def micro():
     """A 6-token vocabulary and 2x2 images: small enough to compute sequence probabilities exactly."""
     cfg = GPTConfig(dim=16, n_layer=1, n_head=2, vocab_size=6, num_classes=2, block_size=4, multiple_of=16)
     return make_models(cfg, seed=1, sharpen=20.0)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def private_cache(tmp_path_factory):
+    """Calibrations, acceptance records and ONNX graphs go to a folder of this test session, never the user's."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("lantern-cache")))
+    yield
+    mp.undo()

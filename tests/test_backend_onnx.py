@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from lantern.backends import Availability, BackendUnavailable, StaticSpec, get_backend
-from lantern.backends.onnx_export import GraphKey, check_cached, ensure_graphs, keys_for_spec, model_hash
+from lantern.backends.onnx_export import GraphKey, check_cached, ensure_graphs, keys_for_spec
+from lantern.models.checkpoint import model_hash
 from lantern.backends.onnx_runtime import ONNXBackend, ONNXCUDABackend
 from lantern.config import gpt_preset
 from lantern.decoding import TREE_PRESETS, SamplingConfig, compile_tree, method_preset

@@ -7,6 +7,7 @@ are stripped; LlamaGen's non-weight `freqs_cis` buffer is ignored.
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import torch
@@ -90,4 +91,16 @@ def weights_hash(state: dict[str, torch.Tensor]) -> str:
         t = t.float().contiguous() if t.is_floating_point() else t.contiguous()
         h.update(f"{k}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+
+def model_hash(*modules) -> str:
+    """sha256 over the configs and weights of the given modules (None entries skipped): the identity of a model
+    for every cache keyed by it (ONNX graphs, latency calibrations, acceptance records)."""
+    h = hashlib.sha256()
+    for m in modules:
+        if m is None:
+            continue
+        h.update(json.dumps(m.config.to_dict(), sort_keys=True).encode())
+        h.update(weights_hash(m.state_dict()).encode())
     return h.hexdigest()

@@ -20,7 +20,8 @@ __version__ = _version()
 # The stable public API, importable from the package itself (loaded on first use, so `import lantern` stays
 # light and no import cycle forms with lantern.backends).
 _PUBLIC = {
-    "Pipeline": "lantern.api", "GenerationResult": "lantern.api",
+    "Pipeline": "lantern.api", "GenerationResult": "lantern.api", "ModelDefaults": "lantern.api",
+    "Choice": "lantern.plan.choose",
     "load_bundle": "lantern.bundle",
     "DecodeConfig": "lantern.decoding", "SamplingConfig": "lantern.decoding", "method_preset": "lantern.decoding",
     "METHODS": "lantern.decoding", "GenerationStats": "lantern.decoding",

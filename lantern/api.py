@@ -14,6 +14,7 @@ from lantern.decoding.config import DecodeConfig
 from lantern.decoding.acceptance import Acceptance
 from lantern.decoding.jacobi import decode_jacobi
 from lantern.decoding.loop import condition_rows, decode_ar, decode_speculative, make_generator, static_spec
+from lantern.decoding.sampling import SamplingConfig
 from lantern.decoding.stats import GenerationStats
 
 
@@ -28,6 +29,7 @@ class GenerationResult:
     decode: DecodeConfig
     seed: int
     profile: dict = field(default_factory=dict)  # the runner's profile record (phases, memory, warm-up)
+    plan: Optional[object] = None  # with "auto": the lantern.plan.choose.Choice it ran
 
 
 def check_classes(classes: Sequence[int], num_classes: int) -> list[int]:
@@ -44,15 +46,50 @@ def check_classes(classes: Sequence[int], num_classes: int) -> list[int]:
 DEFAULT_BATCH = 16  # images per static step unless the caller says otherwise
 
 
+@dataclass(frozen=True)
+class ModelDefaults:
+    """What a bundle says about decoding its model: validated sampling, quality-validated relaxation settings
+    per method, and its acceptance record (`--method auto`)."""
+
+    sampling: Optional[SamplingConfig] = None
+    relaxation: dict = field(default_factory=dict)
+    acceptance_record: Optional[dict] = None
+
+
 class Pipeline:
     def __init__(self, target, drafter=None, proximity: Optional[torch.Tensor] = None, backend: str | None = None,
-                 dtype: str | None = None, **backend_options):
+                 dtype: str | None = None, defaults: Optional[ModelDefaults] = None, **backend_options):
         """dtype None = the backend's preferred one (fp32 on CPU and CUDA, bf16 on HPU)."""
         self.target, self.drafter, self.proximity = target.eval(), drafter, proximity
+        self.defaults = defaults or ModelDefaults()
         self.backend = get_backend(backend, **backend_options)
         self.dtype = dtype or self.backend.capabilities().dtypes[0]
         self.backend.check_dtype(self.dtype)
         self._runners: dict = {}
+
+    @classmethod
+    def from_bundle(cls, bundle, backend: str | None = None, dtype: str | None = None,
+                    **backend_options) -> "Pipeline":
+        """The bundle's models, with its validated sampling, relaxation settings and acceptance record."""
+        defaults = ModelDefaults(SamplingConfig(**bundle.default_sampling), bundle.relaxation_defaults,
+                                 bundle.acceptance_record)
+        return cls(bundle.target, bundle.drafter, bundle.proximity, backend=backend, dtype=dtype, defaults=defaults,
+                   **backend_options)
+
+    def plan(self, n_images: int, sampling: Optional[SamplingConfig] = None, batch: Optional[int] = None,
+             allow_relaxed: bool = False, profile=None, progress: bool = True):
+        """`--method auto`: the plan predicted fastest for n_images on this backend and dtype
+        (lantern.plan.choose.Choice: decode config, batch width, predictions). sampling None: the bundle's.
+        profile: a hardware profile's calibration (lantern.plan.calibration.ProfileCosts), else this machine's
+        cached calibration, measured once where missing."""
+        from lantern.plan.choose import choose
+        sampling = sampling or self.defaults.sampling
+        if sampling is None:
+            raise ValueError("auto needs sampling settings: pass sampling=, or build the pipeline with "
+                             "Pipeline.from_bundle")
+        return choose(self, n_images, sampling, batch=batch, allow_relaxed=allow_relaxed,
+                      validated=self.defaults.relaxation, shipped_record=self.defaults.acceptance_record,
+                      profile=profile, progress=progress)
 
     @property
     def config(self):
@@ -96,14 +133,31 @@ class Pipeline:
                        proximity=self.proximity)  # refuses a missing table or k beyond it
         return batch
 
-    def generate(self, conditions, dcfg: DecodeConfig, seed: int = 0, progress: bool = False,
-                 batch: Optional[int] = None) -> GenerationResult:
-        """conditions: class ids (c2i) or caption embeddings (n, P, C) (t2i). Images are decoded `batch` at a
+    def release(self) -> None:
+        """Free every prepared runner (its KV cache and workspaces); the next generate prepares what it needs."""
+        self._runners.clear()
+
+    def generate(self, conditions, dcfg: DecodeConfig | str, seed: int = 0, progress: bool = False,
+                 batch: Optional[int] = None, tokens: Optional[int] = None) -> GenerationResult:
+        """conditions: class ids (c2i) or caption embeddings (n, P, C) (t2i). dcfg: a DecodeConfig, or "auto"
+        (`plan()` with the bundle's sampling; the result's `plan` says what ran). Images are decoded `batch` at a
         time (default 16; a shorter last chunk runs in the same static shape, padded with finished images).
-        Same seed, same backend -> same tokens. With `progress`, a bar on stderr counts chunks."""
+        Same seed, same backend -> same tokens. With `progress`, a bar on stderr counts chunks.
+        tokens: stop each image after its first `tokens` tokens (default: the whole image; fewer only to time
+        steps, as `--method auto`'s calibration does)."""
         cond = self._cond(conditions)
+        choice = None
+        if isinstance(dcfg, str):
+            if dcfg != "auto":
+                raise ValueError(f"decode {dcfg!r}: pass a DecodeConfig (method_preset) or 'auto'")
+            choice = self.plan(cond.shape[0], batch=batch, progress=progress)
+            dcfg, batch = choice.decode, choice.width
         width = self.check(dcfg, batch)
         n, block = cond.shape[0], self.config.block_size
+        if tokens is not None:
+            if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= block:
+                raise ValueError(f"tokens {tokens!r} must be an integer in 1..{block}")
+            block = tokens
         width = min(width, n)
         runner = self.runner(dcfg, width)
         runner.reset_times()
@@ -132,4 +186,4 @@ class Pipeline:
         conds = cond.tolist() if self.config.model_type == "c2i" else list(range(n))
         return GenerationResult(tokens=torch.cat(outs), conditions=conds, stats=stats, backend=self.backend.name,
                                 device=caps.device, dtype=self.dtype, decode=dcfg, seed=seed,
-                                profile=runner.profile())
+                                profile=runner.profile(), plan=choice)

@@ -96,6 +96,12 @@ class Bundle:
         tau whose class accuracy and Frechet distance stay within AR's spread over seeds; {} if never chosen."""
         return {m: dict(v["settings"]) for m, v in self.manifest.get("relaxation_defaults", {}).items()}
 
+    @property
+    def acceptance_record(self) -> dict | None:
+        """Steps per image of each `--method auto` plan at the default sampling (lantern.plan.records), if the
+        bundle ships one (written by tools/record_acceptance.py)."""
+        return self.manifest.get("acceptance_record")
+
     @torch.no_grad()
     def decode_images(self, codes: torch.Tensor) -> np.ndarray:
         """codes (B, h*w) int64 -> uint8 images (B, H, W, 3)."""

@@ -24,11 +24,15 @@ def add_decode_options(p: argparse.ArgumentParser) -> None:
     from lantern.decoding.acceptance import FORMS, KINDS
     from lantern.decoding.config import COUPLINGS, METHODS
     g = p.add_argument_group("decoding")
-    g.add_argument("--method", choices=METHODS, default="lantern++",
-                   help="preset: ar | eagle2 (dynamic tree, exact) | lantern (dynamic, k=1000, delta=0.1) | "
-                        "lantern++ (57-node static tree, k=10, lambda=3) | no drafter needed: sjd (Jacobi window, "
-                        "exact) | mc-sjd (Jacobi, Gumbel-coupled drafts, exact) | mc-sjd-relaxed (mc-sjd with "
-                        "bounded LANTERN++ relaxation, k=10, lambda=3)")
+    g.add_argument("--method", choices=("auto", *METHODS), default="auto",
+                   help="auto (default: the plan predicted fastest for this device, dtype and number of images, "
+                        "lossless unless relaxation is allowed; see --allow-relaxed) | ar | eagle2 (dynamic tree, "
+                        "exact) | lantern (dynamic, k=1000, delta=0.1) | lantern++ (57-node static tree, k=10, "
+                        "lambda=3) | no drafter needed: sjd (Jacobi window, exact) | mc-sjd (Jacobi, Gumbel-coupled "
+                        "drafts, exact) | mc-sjd-relaxed (mc-sjd with bounded LANTERN++ relaxation, k=10, lambda=3)")
+    g.add_argument("--allow-relaxed", action="store_true",
+                   help="auto may choose relaxed (LANTERN, LANTERN++) plans; without it only the bundle's "
+                        "quality-validated relaxations join the lossless ones")
     g.add_argument("--drafting", help="override: none | dynamic | jacobi | a tree preset | a .json file of paths")
     g.add_argument("--window", type=int, help="Jacobi: drafts verified after the last accepted token (default 16)")
     g.add_argument("--coupling", choices=COUPLINGS, help="Jacobi: none (SJD) | gumbel (MC-SJD)")
@@ -68,38 +72,67 @@ def backend_options(args) -> dict:
     return {"gaudi_config": args.gaudi_config}
 
 
-def decode_config_from_args(args, bundle):
-    """The decode config of the flags. Sampling flags left out take the bundle's validated defaults; a relaxed
-    method's k / delta / lambda / form left out take the bundle's quality-validated relaxation, if it has one."""
-    from lantern.decoding.config import method_preset
+AUTO_CHOOSES = ("drafting", "acceptance", "k", "delta", "lam", "form", "window", "coupling")  # flags auto decides
+
+
+def sampling_from_args(args, bundle):
+    """Sampling flags left out take the bundle's validated defaults."""
     from lantern.decoding.sampling import SamplingConfig
     model_defaults = bundle.default_sampling
     chosen = {k: getattr(args, k) for k in ("cfg_scale", "temperature", "top_k", "top_p")}
-    sampling = SamplingConfig(greedy=args.greedy, **{k: model_defaults[k] if v is None else v for k, v in chosen.items()})
-    overrides = {name: getattr(args, name) for name in ("drafting", "acceptance", "k", "delta", "lam", "form",
-                                                         "window", "coupling")
-                 if getattr(args, name) is not None}
-    return method_preset(args.method, sampling, **{**bundle.relaxation_defaults.get(args.method, {}), **overrides})
+    return SamplingConfig(greedy=args.greedy, **{k: model_defaults[k] if v is None else v for k, v in chosen.items()})
+
+
+def check_method_flags(args) -> None:
+    """Before any work: auto decides the drafting and acceptance itself; --allow-relaxed is auto's alone."""
+    if args.method == "auto":
+        given = [f"--{name.replace('_', '-')}" for name in AUTO_CHOOSES if getattr(args, name) is not None]
+        if given:
+            raise UsageError(f"--method auto chooses {', '.join(given)} itself; drop them or name a method "
+                             f"(--method ar | eagle2 | lantern | lantern++ | sjd | mc-sjd | mc-sjd-relaxed)")
+    elif args.allow_relaxed:
+        raise UsageError(f"--allow-relaxed is an option of --method auto; --method {args.method} already says "
+                         f"which acceptance rule runs")
+
+
+def decode_config_from_args(args, bundle):
+    """The decode config of a named method. A relaxed method's k / delta / lambda / form left out take the
+    bundle's quality-validated relaxation, if it has one."""
+    from lantern.decoding.config import method_preset
+    overrides = {name: getattr(args, name) for name in AUTO_CHOOSES if getattr(args, name) is not None}
+    return method_preset(args.method, sampling_from_args(args, bundle),
+                         **{**bundle.relaxation_defaults.get(args.method, {}), **overrides})
+
+
+def decode_plan(args, bundle, pipe, n_images: int):
+    """(decode config, batch width, the auto choice or None) for this request."""
+    if args.method != "auto":
+        dcfg = decode_config_from_args(args, bundle)
+        return dcfg, pipe.check(dcfg, args.batch), None
+    choice = pipe.plan(n_images, sampling_from_args(args, bundle), batch=args.batch,
+                       allow_relaxed=args.allow_relaxed)
+    print(f"lantern: {choice.summary()}", file=sys.stderr)
+    return choice.decode, choice.width, choice
 
 
 def cmd_generate(args) -> dict:
-    from lantern.api import Pipeline
+    from lantern.api import Pipeline, check_classes
     from lantern.backends import get_backend
     from lantern.bundle import load_bundle
     from lantern.images import save_images
     from lantern.profile.cli import apply_profile
 
+    check_method_flags(args)
     apply_profile(args)  # a --profile supplies backend, dtype, threads and tuned tree
     options = backend_options(args)
     get_backend(args.backend, **options)  # an unknown or unavailable backend fails before any loading or writing
     if not args.no_images:
         check_writable(Path(args.out), "--out", folder=True)
     bundle = load_bundle(args.model)
-    dcfg = decode_config_from_args(args, bundle)
-    pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend=args.backend, dtype=args.dtype,
-                    **options)
-    pipe.check(dcfg, args.batch)
-    result = pipe.generate(args.classes, dcfg, seed=args.seed, progress=not args.json, batch=args.batch)
+    check_classes(args.classes, bundle.target.config.num_classes)  # before auto measures anything
+    pipe = Pipeline.from_bundle(bundle, backend=args.backend, dtype=args.dtype, **options)
+    dcfg, batch, choice = decode_plan(args, bundle, pipe, len(args.classes))
+    result = pipe.generate(args.classes, dcfg, seed=args.seed, progress=not args.json, batch=batch)
     paths, grid = [], None
     if not args.no_images:
         images = bundle.decode_images(result.tokens)
@@ -115,34 +148,40 @@ def cmd_generate(args) -> dict:
         "mean_accepted_length": s["mean_accepted_length"], "phase_seconds": s["phase_seconds"],
         "wall_seconds": s["wall_seconds"], "peak_memory_bytes": result.profile["memory"]["peak_bytes"],
         "memory": result.profile["memory"], "warmup_seconds": result.profile["warmup_s"], "stats": s,
+        "plan": None if choice is None else {**choice.to_dict(), "measured_seconds": s["wall_seconds"]},
     }
+
+
+EVAL_CHUNK = 50  # images per generate call of `eval` (each chunk its own seed)
 
 
 def cmd_eval(args) -> dict:
     """Generate n images per class with the chosen method and backend; accuracy and Frechet distance against
     held-out real images, and the same figures for real images as the floor."""
-    from lantern.api import Pipeline
+    from lantern.api import Pipeline, check_classes
     from lantern.backends import get_backend
     from lantern.bundle import load_bundle
     from lantern.evaluate import evaluate
 
+    check_method_flags(args)
     options = backend_options(args)
     get_backend(args.backend, **options)
     bundle = load_bundle(args.model)
-    dcfg = decode_config_from_args(args, bundle)
-    pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend=args.backend, dtype=args.dtype,
-                    **options)
-    pipe.check(dcfg, args.batch)
+    pipe = Pipeline.from_bundle(bundle, backend=args.backend, dtype=args.dtype, **options)
+    num_classes = bundle.target.config.num_classes
+    n_classes = len(check_classes(args.classes, num_classes)) if args.classes else num_classes
+    dcfg, batch, choice = decode_plan(args, bundle, pipe, min(n_classes * args.n_per_class, EVAL_CHUNK))
     stats = []
 
     def generate_fn(class_ids, seed):
-        result = pipe.generate(class_ids.tolist(), dcfg, seed=seed, batch=args.batch)
+        result = pipe.generate(class_ids.tolist(), dcfg, seed=seed, batch=batch)
         stats.append(result.stats.summary())
         return result.tokens
 
-    out = evaluate(bundle, generate_fn, classes=args.classes, n_per_class=args.n_per_class, seed=args.seed)
+    out = evaluate(bundle, generate_fn, classes=args.classes, n_per_class=args.n_per_class, seed=args.seed,
+                   batch_size=EVAL_CHUNK)
     steps = sum(s["verify_steps"] for s in stats)
-    out.update(mode=args.method, decode=dcfg.to_dict(), backend=pipe.backend.name, dtype=pipe.dtype,
+    out.update(mode=args.method, decode=dcfg.to_dict(), plan=None if choice is None else choice.to_dict(), backend=pipe.backend.name, dtype=pipe.dtype,
                wall_seconds=sum(s["wall_seconds"] for s in stats),
                mean_accepted_length=(sum(s["mean_accepted_length"] * s["verify_steps"] for s in stats) / steps
                                      if steps else 1.0))

@@ -38,8 +38,8 @@ def test_speculative_generate_reports_acceptance(tmp_path):
 
 @pytest.mark.parametrize("args, code, message", [
     (["--classes", "12"], 2, "class id 12 is out of range; allowed: integers 0..9"),
-    (["--k", "5000"], 2, "k 5000 exceeds the proximity table"),
-    (["--drafting", "no-such-tree"], 2, "neither a preset"),
+    (["--method", "lantern++", "--k", "5000"], 2, "k 5000 exceeds the proximity table"),
+    (["--method", "lantern++", "--drafting", "no-such-tree"], 2, "neither a preset"),
     (["--backend", "tpu"], 2, "unknown backend 'tpu'"),
     (["--dtype", "fp8"], 2, "dtype 'fp8' is not supported"),
 ])
@@ -52,7 +52,7 @@ def test_bad_input_exits_2_and_writes_nothing(tmp_path, args, code, message):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--lam", "0.5"], "argument --lam: 0.5 is not allowed; allowed: a finite number >= 1"),
+    (["--method", "lantern++", "--lam", "0.5"], "argument --lam: 0.5 is not allowed; allowed: a finite number >= 1"),
     (["--method", "lantern", "--delta", "1.5"], "argument --delta: 1.5 is not allowed; allowed: a finite number in "
                                                 "[0, 1]"),
     (["--delta", "nan"], "argument --delta: nan is not allowed; allowed: a finite number in [0, 1]"),
@@ -144,5 +144,5 @@ def test_unavailable_backend_exits_3():
 def test_bad_tree_file_is_named(tmp_path):
     tree = tmp_path / "tree.json"
     tree.write_text("[[0], [0, 0, 0]]")
-    r = lantern("generate", "--drafting", str(tree), "--json")
+    r = lantern("generate", "--method", "lantern++", "--drafting", str(tree), "--json")
     assert r.returncode == 2 and "not prefix-closed" in json.loads(r.stdout)["error"]

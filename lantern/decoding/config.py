@@ -85,6 +85,9 @@ def method_preset(method: str, sampling: SamplingConfig, **overrides) -> DecodeC
         "mc-sjd": dict(drafting="jacobi", coupling="gumbel"),
         "mc-sjd-relaxed": dict(drafting="jacobi", coupling="gumbel", acceptance="lantern++", k=10, lam=3.0),
     }
+    if method == "auto":
+        raise ValueError("'auto' is chosen per device, dtype and number of images: Pipeline.plan(n_images) or "
+                         "Pipeline.generate(conditions, 'auto')")
     if method not in presets:
         raise ValueError(f"unknown method {method!r}; allowed: {', '.join(METHODS)}")
     return replace(DecodeConfig(sampling=sampling, **presets[method]), **overrides)

@@ -1,0 +1,143 @@
+"""Latency calibration: what one decode step of each plan costs on this machine, backend and dtype, at a batch
+width, measured with the real decode loop (drafting, verify, acceptance and commit included).
+
+Every step attends over the whole preallocated KV cache, so a step costs the same at any position: a few steps
+at the start of an image time it. Per width w:
+
+    fixed_s            one chunk's prefill, first draw and statistics (AR with a one-token image)
+    plans[name].step_s (wall time of a short generation - fixed_s) / its loop steps
+
+Cached per (machine, backend, dtype, threads, model) in the user cache (calibration/<key>.json), measured once
+per missing (plan, width) and refreshed by `lantern profile run`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from lantern.decoding.sampling import SamplingConfig
+from lantern.plan.candidates import AR, Plan
+from lantern.user_cache import cache_root, read_json, write_json
+
+TIMED_STEPS = 8  # loop steps timed per plan (after an untimed run of WARM_STEPS)
+WARM_STEPS = 2
+FIXED_REPEATS = 3
+
+
+@dataclass(frozen=True)
+class ProfileCosts:
+    """A hardware profile's calibration: its name and entries by width (str(width) -> entry, as cached here)."""
+
+    name: str
+    widths: dict
+
+
+def machine_id() -> dict:
+    from lantern.profile.environment import cpu_model
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"host": socket.gethostname(), "cpu": cpu_model(), "cores": os.cpu_count(), "gpu": gpu,
+            "platform": platform.platform()}
+
+
+def calibration_key(backend: str, dtype: str, model: str) -> dict:
+    return {"machine": machine_id(), "backend": backend, "dtype": dtype, "threads": torch.get_num_threads(),
+            "model": model}
+
+
+def calibration_path(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_root() / "calibration" / f"{key['backend']}-{key['dtype']}-{digest}.json"
+
+
+def load_calibration(key: dict) -> dict:
+    data = read_json(calibration_path(key))
+    return data if data and data.get("key") == key else {"key": key, "widths": {}}
+
+
+def save_calibration(data: dict) -> Path:
+    path = calibration_path(data["key"])
+    write_json(path, data)
+    return path
+
+
+def conditions(config, n: int) -> torch.Tensor | list[int]:
+    """n conditions to time or record with: classes 0, 1, ... (c2i) or zero caption embeddings (t2i)."""
+    if config.model_type == "c2i":
+        return [i % config.num_classes for i in range(n)]
+    return torch.zeros(n, config.cls_token_num, config.caption_dim)
+
+
+def _short_run(pipe, dcfg, width: int, tokens: int) -> tuple[float, int]:
+    """(wall seconds, loop steps) of one chunk of `width` images generating `tokens` tokens each."""
+    result = pipe.generate(conditions(pipe.config, width), dcfg, seed=0, batch=width, tokens=tokens)
+    steps = max(img.target_forwards - 1 for img in result.stats.images)
+    return result.stats.wall_seconds, steps
+
+
+def tokens_for(steps: int, compression: float, block: int) -> int:
+    return max(2, min(block, round(steps * compression)))
+
+
+def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, relaxation: dict, width: int,
+                  compression: dict, entry: dict | None = None, progress: bool = True) -> dict:
+    """Time every plan `entry` lacks at this width. compression: plan name -> tokens per step (from the
+    acceptance record), to size the short generations. Returns the width's entry."""
+    from tqdm import tqdm
+    block = pipe.config.block_size
+    entry = entry or {"plans": {}}
+    t0 = time.perf_counter()
+    if "fixed_s" not in entry:
+        ar = AR.decode(sampling)
+        _short_run(pipe, ar, width, 1)
+        entry["fixed_s"] = statistics.median(_short_run(pipe, ar, width, 1)[0] for _ in range(FIXED_REPEATS))
+    todo = [p for p in plans if p.name not in entry["plans"]]
+    bar = tqdm(todo, desc=f"calibrating {width} image(s) per step", unit="plan", file=sys.stderr,
+               disable=not progress or not todo)
+    for plan in bar:
+        bar.set_postfix_str(plan.name)
+        dcfg = plan.decode(sampling, relaxation.get(plan.method))
+        rate = compression.get(plan.name, 1.0)
+        _short_run(pipe, dcfg, width, tokens_for(WARM_STEPS, rate, block))
+        wall, steps = _short_run(pipe, dcfg, width, tokens_for(TIMED_STEPS, rate, block))
+        entry["plans"][plan.name] = {"step_s": max(wall - entry["fixed_s"], 0.0) / max(steps, 1), "steps": steps,
+                                     "wall_s": wall}
+        pipe.release()
+    entry["seconds"] = entry.get("seconds", 0.0) + time.perf_counter() - t0
+    entry["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return entry
+
+
+def at_width(widths: dict, width: int) -> dict:
+    """The entry for `width` from entries measured at other widths (keys are str(width)): exact if measured,
+    else per plan linear in the width between the two nearest measured ones (extended past the ends)."""
+    if str(width) in widths:
+        return widths[str(width)]
+    have = sorted(int(w) for w in widths)
+    if not have:
+        raise ValueError("no calibration at any batch width")
+    if len(have) == 1:
+        return widths[str(have[0])]
+    lo = max([w for w in have if w < width] or have[:1])
+    hi = min([w for w in have if w > width] or have[-1:])
+    if lo == hi:
+        lo, hi = (have[-2], have[-1]) if width > have[-1] else (have[0], have[1])
+    a, b = widths[str(lo)], widths[str(hi)]
+    f = (width - lo) / (hi - lo)
+
+    def lerp(x: float, y: float) -> float:
+        return max(x + (y - x) * f, 0.0)
+
+    plans = {name: {"step_s": lerp(a["plans"][name]["step_s"], b["plans"][name]["step_s"])}
+             for name in a["plans"] if name in b["plans"]}
+    return {"fixed_s": lerp(a["fixed_s"], b["fixed_s"]), "plans": plans, "interpolated_from": [lo, hi]}

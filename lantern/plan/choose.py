@@ -1,0 +1,182 @@
+"""`--method auto`: predict each candidate plan's wall time for the request, pick the fastest.
+
+For n images decoded `width` at a time (chunks of `width`, the last one padded):
+
+    T(plan) = sum over chunks of  fixed_s + E[max over the chunk's real images of steps] * step_s(plan)
+
+fixed_s and step_s come from the latency calibration at that width (calibration.py, or a hardware profile's
+results), the steps per image from the model's acceptance record (records.py; AR: block - 1). A speculative
+plan must beat AR's prediction by MARGIN, or AR is chosen: a default slower than AR is a bug.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from lantern.decoding.config import DecodeConfig
+from lantern.decoding.sampling import SamplingConfig
+from lantern.plan import calibration, records
+from lantern.plan.candidates import AR, RELAXED_METHODS, Plan, candidate_plans
+
+MARGIN = 0.03  # a speculative plan must be predicted this much faster than AR
+RECORD_IMAGES = 4  # images per plan when an acceptance record must be measured here
+
+
+@dataclass
+class Choice:
+    plan: Plan
+    decode: DecodeConfig
+    width: int  # images per static step
+    predicted_s: float
+    predicted_ar_s: float
+    candidates: list = field(default_factory=list)  # every plan's prediction
+    cost_source: str = ""
+    relaxed: str = ""  # which relaxed methods were allowed, and why
+    calibrated_s: float = 0.0  # seconds spent measuring for this choice (0 when everything was cached)
+
+    @property
+    def predicted_speedup(self) -> float:
+        return self.predicted_ar_s / self.predicted_s if self.predicted_s else 1.0
+
+    def to_dict(self) -> dict:
+        return {"method": self.plan.method, "plan": self.plan.name, **{k: v for k, v in self.plan.describe().items()
+                                                                        if k not in ("name", "method")},
+                "batch": self.width, "predicted_seconds": self.predicted_s, "predicted_ar_seconds":
+                self.predicted_ar_s, "predicted_speedup": self.predicted_speedup, "cost_source": self.cost_source,
+                "relaxation": self.relaxed, "calibration_seconds": self.calibrated_s, "candidates": self.candidates}
+
+    def summary(self) -> str:
+        return (f"auto chose {self.plan.name} at {self.width} image(s) per step: predicted {self.predicted_s:.2f} s, "
+                f"{self.predicted_speedup:.2f}x AR ({self.cost_source}; {self.relaxed})")
+
+
+def predict_seconds(n: int, width: int, fixed_s: float, step_s: float, steps: list[int]) -> float:
+    chunks = math.ceil(n / width)
+    last = n - (chunks - 1) * width
+    per_chunk = [width] * (chunks - 1) + [last]
+    return sum(fixed_s + records.expected_max(steps, k) * step_s for k in per_chunk)
+
+
+def relaxed_methods(allow_relaxed: bool, validated: dict) -> tuple[tuple[str, ...], str]:
+    """The relaxed methods auto may use, and why: all with --allow-relaxed, else those whose bundle default was
+    validated within AR's quality spread, else none (lossless only)."""
+    if allow_relaxed:
+        return RELAXED_METHODS, "relaxed plans allowed (--allow-relaxed)"
+    ok = tuple(m for m in RELAXED_METHODS if m in validated)
+    if ok:
+        return ok, (f"lossless, plus {', '.join(ok)} at the bundle's validated settings (quality within AR's "
+                    f"spread over seeds)")
+    return (), "lossless plans only (no --allow-relaxed, and the bundle validates no relaxation)"
+
+
+def runnable(pipe, plans: list[Plan], sampling: SamplingConfig, settings: dict) -> tuple[list[Plan], list[dict]]:
+    """The plans this pipeline can run (a window or tree as deep as the image cannot), and why the others not."""
+    ok, skipped = [], []
+    for p in plans:
+        try:
+            pipe.check(p.decode(sampling, settings.get(p.method)))
+        except ValueError as e:
+            skipped.append({"plan": p.name, "skipped": str(e)})
+        else:
+            ok.append(p)
+    return ok, skipped
+
+
+def model_key(pipe) -> str:
+    """The model identity records and calibrations are keyed by: target, drafter and proximity table."""
+    import hashlib
+    from lantern.models.checkpoint import model_hash
+    h = hashlib.sha256(model_hash(pipe.target, pipe.drafter).encode())
+    if pipe.proximity is not None:
+        h.update(pipe.proximity.contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] = None, allow_relaxed: bool = False,
+           validated: Optional[dict] = None, shipped_record: Optional[dict] = None,
+           profile: Optional[calibration.ProfileCosts] = None, progress: bool = True) -> Choice:
+    """The plan for `n_images` on this pipeline. validated: the bundle's quality-validated relaxation settings
+    per method; shipped_record: the bundle's acceptance record; profile: a hardware profile's calibration (else
+    this machine's cached one, measured where missing)."""
+    from lantern.api import DEFAULT_BATCH
+    validated = validated or {}
+    width = min(pipe.check(AR.decode(sampling), batch if batch is not None else DEFAULT_BATCH), n_images)
+    allowed, why = relaxed_methods(allow_relaxed, validated)
+    settings = {m: validated.get(m, {}) for m in allowed}
+    plans, skipped = runnable(pipe, candidate_plans(pipe.drafter is not None, pipe.proximity is not None, allowed),
+                              sampling, settings)
+    key = model_key(pipe)
+    steps, spent = steps_by_plan(pipe, plans, sampling, settings, key, shipped_record, progress)
+    if profile is not None:
+        costs = calibration.at_width(profile.widths, width)
+        source = f"hardware profile {profile.name}" + (f" (interpolated between batch widths "
+                                                       f"{costs['interpolated_from']})" if "interpolated_from" in costs
+                                                       else "")
+        missing = [p.name for p in plans if p.name not in costs["plans"]]
+        if AR.name in missing:
+            raise ValueError(f"hardware profile {profile.name} has no calibration of AR; rerun `lantern profile run`")
+        skipped += [{"plan": name, "skipped": f"not calibrated in profile {profile.name}"} for name in missing]
+        plans = [p for p in plans if p.name not in missing]
+    else:
+        costs, source, calibrating = machine_costs(pipe, plans, sampling, settings, key, width, steps, progress)
+        spent += calibrating
+
+    rows = []
+    for p in plans:
+        t = predict_seconds(n_images, width, costs["fixed_s"], costs["plans"][p.name]["step_s"], steps[p.name])
+        rows.append({"plan": p.name, "lossless": p.lossless, "predicted_seconds": t,
+                     "steps_per_image": sum(steps[p.name]) / len(steps[p.name]),
+                     "step_ms": 1e3 * costs["plans"][p.name]["step_s"]})
+    ar_s = rows[0]["predicted_seconds"]  # AR is the first candidate
+    for r in rows:
+        r["predicted_speedup"] = ar_s / r["predicted_seconds"] if r["predicted_seconds"] else 1.0
+    best = min(rows, key=lambda r: r["predicted_seconds"])
+    if best["predicted_speedup"] < 1.0 + MARGIN:
+        best = rows[0]
+    plan = next(p for p in plans if p.name == best["plan"])
+    return Choice(plan=plan, decode=plan.decode(sampling, settings.get(plan.method)), width=width,
+                  predicted_s=best["predicted_seconds"], predicted_ar_s=ar_s, candidates=rows + skipped,
+                  cost_source=source, relaxed=why, calibrated_s=spent)
+
+
+def steps_by_plan(pipe, plans: list[Plan], sampling: SamplingConfig, settings: dict, key: str,
+                  shipped_record: Optional[dict], progress: bool) -> tuple[dict[str, list[int]], float]:
+    """Steps per image of every plan, from the acceptance record; plans it lacks are measured here, once.
+    Returns them and the seconds spent measuring."""
+    block = pipe.config.block_size
+    record = records.load_record(key, sampling, shipped_record)
+    missing = [p for p in plans if records.plan_steps(record, p, block) is None]
+    t0 = time.perf_counter()
+    if missing:
+        print(f"lantern: measuring the acceptance of {len(missing)} plan(s) for this model and sampling, once "
+              f"({RECORD_IMAGES} images each; cached in {records.record_path(key, sampling)})", file=sys.stderr)
+        cond = calibration.conditions(pipe.config, RECORD_IMAGES)
+        records.measure_record(lambda p: pipe.generate(cond, p.decode(sampling, settings.get(p.method)), seed=0,
+                                                       batch=RECORD_IMAGES), missing, record, progress)
+        pipe.release()
+        records.save_record(record)
+    return {p.name: records.plan_steps(record, p, block) for p in plans}, time.perf_counter() - t0 if missing else 0.0
+
+
+def machine_costs(pipe, plans: list[Plan], sampling: SamplingConfig, settings: dict, key: str, width: int,
+                  steps: dict, progress: bool) -> tuple[dict, str, float]:
+    """This machine's calibration at `width` (plans it lacks measured here, once), where it is kept, and the
+    seconds spent measuring."""
+    key_c = calibration.calibration_key(pipe.backend.name, pipe.dtype, key)
+    data = calibration.load_calibration(key_c)
+    entry = data["widths"].get(str(width))
+    lacking = [p for p in plans if not entry or p.name not in entry["plans"]]
+    path = calibration.calibration_path(key_c)
+    t0 = time.perf_counter()
+    if lacking:
+        print(f"lantern: calibrating {len(lacking)} plan(s) on {pipe.backend.name} ({pipe.dtype}) at {width} "
+              f"image(s) per step, once (cached in {path}; `lantern profile run` refreshes it)", file=sys.stderr)
+        block = pipe.config.block_size
+        compression = {p.name: block / (sum(steps[p.name]) / len(steps[p.name])) for p in plans}
+        entry = calibration.measure_width(pipe, lacking, sampling, settings, width, compression, entry, progress)
+        data["widths"][str(width)] = entry
+        calibration.save_calibration(data)
+    return entry, f"calibration cached in {path}", time.perf_counter() - t0 if lacking else 0.0

@@ -1,0 +1,84 @@
+"""Acceptance records: how many steps each image of a model needs under each plan, at given sampling settings.
+
+A plan's steps per image do not depend on the device or on how many images share a step (batched images get
+the tokens they get alone), so one record serves every backend and batch width. It is a model property,
+measured from whole generations:
+
+    {"model": model hash, "sampling": SamplingConfig fields, "seed": first seed, "conditions": [...],
+     "plans": {plan name: {"steps": [steps of image 1, ...], "tau": ..., "step_compression": ...}}}
+
+A bundle may ship one for its default sampling (manifest key "acceptance_record"); records measured on this
+machine live in the user cache (records/<model>-<sampling>.json). AR needs no record: block - 1 steps.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from lantern.decoding.sampling import SamplingConfig
+from lantern.plan.candidates import AR, Plan
+from lantern.user_cache import cache_root, read_json, write_json
+
+
+def sampling_key(sampling: SamplingConfig) -> str:
+    return hashlib.sha256(json.dumps(asdict(sampling), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def record_path(model: str, sampling: SamplingConfig) -> Path:
+    return cache_root() / "records" / f"{model[:16]}-{sampling_key(sampling)}.json"
+
+
+def empty_record(model: str, sampling: SamplingConfig) -> dict:
+    return {"model": model, "sampling": asdict(sampling), "plans": {}}
+
+
+def matches(record: Optional[dict], model: str, sampling: SamplingConfig) -> bool:
+    return bool(record) and record.get("model") == model and record.get("sampling") == asdict(sampling)
+
+
+def load_record(model: str, sampling: SamplingConfig, shipped: Optional[dict] = None) -> dict:
+    """The cached record merged over the bundle's shipped one (each only if it is for this model and sampling)."""
+    out = empty_record(model, sampling)
+    for rec in (shipped, read_json(record_path(model, sampling))):
+        if matches(rec, model, sampling):
+            out["plans"].update(rec["plans"])
+    return out
+
+
+def plan_steps(record: dict, plan: Plan, block: int) -> Optional[list[int]]:
+    if plan == AR:
+        return [block - 1]
+    entry = record["plans"].get(plan.name)
+    return list(entry["steps"]) if entry else None
+
+
+def measure_record(generate: Callable[[Plan], object], plans: Sequence[Plan], record: dict,
+                   progress: bool = True) -> dict:
+    """Fill `record` with every plan it lacks. generate(plan) -> a GenerationResult of whole images (the same
+    conditions and seed for every plan). Returns the record (saved to the cache by the caller)."""
+    from tqdm import tqdm
+    todo = [p for p in plans if p != AR and p.name not in record["plans"]]
+    for plan in tqdm(todo, desc="acceptance record", unit="plan", file=sys.stderr, disable=not progress or not todo):
+        result = generate(plan)
+        s = result.stats
+        record["plans"][plan.name] = {"steps": [img.target_forwards - 1 for img in s.images],
+                                      "tau": s.mean_accepted_length, "step_compression": s.step_compression}
+    return record
+
+
+def save_record(record: dict) -> Path:
+    path = record_path(record["model"], SamplingConfig(**record["sampling"]))
+    write_json(path, record)
+    return path
+
+
+def expected_max(steps: Sequence[int], k: int) -> float:
+    """E[max of k independent draws] from the empirical distribution of `steps`: a chunk of k images runs until
+    its slowest image is done. With sorted x_1 <= ... <= x_m: sum_j x_j ((j/m)^k - ((j-1)/m)^k)."""
+    xs = sorted(steps)
+    m = len(xs)
+    return sum(x * ((j / m) ** k - ((j - 1) / m) ** k) for j, x in enumerate(xs, start=1))

@@ -1,0 +1,156 @@
+"""`--method auto`: the cost model's arithmetic, the choice it makes from calibrations and acceptance records,
+the caches, and the command line (plan in --json, flags auto decides refused)."""
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lantern.api import ModelDefaults, Pipeline
+from lantern.decoding.config import method_preset
+from lantern.decoding.sampling import SamplingConfig
+from lantern.plan import calibration, records
+from lantern.plan.candidates import AR, RELAXED_METHODS, candidate_plans
+from lantern.plan.choose import MARGIN, choose, model_key, predict_seconds
+
+SAMPLING = SamplingConfig(temperature=1.0, top_k=5, cfg_scale=2.0)
+
+
+def test_expected_max_is_the_order_statistic_of_the_empirical_distribution():
+    steps = [3, 5, 5, 9]
+    for k in (1, 2, 3):
+        brute = sum(max(draw) for draw in itertools.product(steps, repeat=k)) / len(steps) ** k
+        assert records.expected_max(steps, k) == pytest.approx(brute)
+    assert records.expected_max(steps, 1) == pytest.approx(sum(steps) / 4)
+    assert records.expected_max(steps, 50) == pytest.approx(9, abs=1e-5)  # many images: the slowest one
+
+
+def test_prediction_counts_chunks_and_the_short_last_one():
+    # 5 images, 2 per step: chunks of 2, 2, 1; every image needs 10 steps
+    assert predict_seconds(5, 2, fixed_s=1.0, step_s=0.5, steps=[10]) == pytest.approx(3 * (1.0 + 5.0))
+    # uneven images: the 1-image chunk waits for one image, the 2-image chunks for the slower of two
+    two = records.expected_max([4, 8], 2)
+    assert predict_seconds(5, 2, 0.0, 1.0, [4, 8]) == pytest.approx(2 * two + 6.0)
+
+
+def test_width_interpolation_is_linear_between_measured_widths():
+    widths = {"1": {"fixed_s": 1.0, "plans": {"ar": {"step_s": 0.01}, "x": {"step_s": 0.1}}},
+              "4": {"fixed_s": 4.0, "plans": {"ar": {"step_s": 0.04}}}}
+    mid = calibration.at_width(widths, 2)
+    assert mid["fixed_s"] == pytest.approx(2.0) and mid["plans"] == {"ar": {"step_s": pytest.approx(0.02)}}
+    assert calibration.at_width(widths, 4) is widths["4"]
+    assert calibration.at_width(widths, 7)["fixed_s"] == pytest.approx(7.0)  # extended past the last
+
+
+def test_relaxed_plans_join_only_when_allowed():
+    lossless = candidate_plans(True, True, ())
+    assert all(p.lossless for p in lossless) and lossless[0] == AR
+    relaxed = candidate_plans(True, True, RELAXED_METHODS)
+    assert {p.name for p in relaxed if not p.lossless} >= {"lantern", "lantern++/chain-5", "mc-sjd-relaxed/L16"}
+    assert not any(p.needs_drafter for p in [p.decode(SAMPLING) for p in candidate_plans(False, True, ())])
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny):
+    target, drafter, proximity = tiny
+    return Pipeline(target, drafter, proximity, backend="cpu")
+
+
+def seed_calibration(pipe, width: int, step_ms: dict, fixed_s: float = 0.01) -> None:
+    """Write a calibration (labelled synthetic by the test) for this pipeline: every plan not named costs 1 s."""
+    key = calibration.calibration_key(pipe.backend.name, pipe.dtype, model_key(pipe))
+    plans = {p.name: {"step_s": step_ms.get(p.name, 1000.0) / 1e3} for p in candidate_plans(True, True, RELAXED_METHODS)}
+    calibration.save_calibration({"key": key, "widths": {str(width): {"fixed_s": fixed_s, "plans": plans}}})
+
+
+def test_choice_follows_the_cost_model(pipe):
+    """Synthetic step costs: cheap Jacobi wins, equal costs favour the plan needing fewest steps, a gain below
+    the margin goes to AR, and a relaxed plan needs permission."""
+    choose(pipe, 2, SAMPLING, batch=2, progress=False)  # measures the acceptance record (and a calibration)
+    record = records.load_record(model_key(pipe), SAMPLING)
+    steps = {name: sum(e["steps"]) / len(e["steps"]) for name, e in record["plans"].items()}
+    assert all(s < pipe.config.block_size - 1 for s in steps.values())  # speculation saves steps on the tiny model
+    seed_calibration(pipe, 2, {"ar": 1.0, "mc-sjd/L4": 1.0})
+    c = choose(pipe, 2, SAMPLING, batch=2, progress=False)
+    assert c.plan.name == "mc-sjd/L4" and c.calibrated_s == 0.0 and c.predicted_speedup > 1.0
+    row = {r["plan"]: r for r in c.candidates}["mc-sjd/L4"]
+    assert row["predicted_seconds"] == pytest.approx(0.01 + records.expected_max(record["plans"]["mc-sjd/L4"]["steps"],
+                                                                                 2) * 1e-3)
+    ratio = (pipe.config.block_size - 1) / records.expected_max(record["plans"]["mc-sjd/L4"]["steps"], 2)
+    seed_calibration(pipe, 2, {"ar": 1.0, "mc-sjd/L4": ratio / (1 + MARGIN / 2)}, fixed_s=0.0)
+    assert choose(pipe, 2, SAMPLING, batch=2, progress=False).plan == AR  # a gain inside the margin: AR
+    seed_calibration(pipe, 2, {"ar": 1.0, "lantern++/chain-5": 0.01})
+    assert choose(pipe, 2, SAMPLING, batch=2, progress=False).plan == AR  # lossless only by default
+    allowed = choose(pipe, 2, SAMPLING, batch=2, allow_relaxed=True, progress=False)
+    assert allowed.plan.name == "lantern++/chain-5" and allowed.decode.acceptance == "lantern++"
+
+
+def test_calibration_is_measured_once_and_cached(pipe, tmp_path, monkeypatch):
+    monkeypatch.setenv("LANTERN_CACHE_DIR", str(tmp_path))
+    first = choose(pipe, 3, SAMPLING, batch=2, progress=False)
+    assert first.calibrated_s > 0 and first.width == 2
+    files = sorted(p.relative_to(tmp_path).parts[0] for p in tmp_path.rglob("*.json"))
+    assert files == ["calibration", "records"]
+    again = choose(pipe, 3, SAMPLING, batch=2, progress=False)
+    assert again.calibrated_s == 0.0 and again.plan == first.plan
+    entry = json.loads(next((tmp_path / "calibration").glob("*.json")).read_text())["widths"]["2"]
+    assert entry["fixed_s"] > 0 and all(v["step_s"] > 0 for v in entry["plans"].values())
+    result = pipe.generate([0, 1, 2], first.decode, batch=first.width)
+    assert result.tokens.shape == (3, pipe.config.block_size)
+
+
+def test_a_corrupt_cache_entry_is_measured_again(pipe, tmp_path, monkeypatch):
+    monkeypatch.setenv("LANTERN_CACHE_DIR", str(tmp_path))
+    choose(pipe, 1, SAMPLING, batch=1, progress=False)
+    for path in tmp_path.rglob("*.json"):
+        path.write_text("{not json")
+    assert choose(pipe, 1, SAMPLING, batch=1, progress=False).calibrated_s > 0
+
+
+def lantern(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "lantern.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--window", "8"], "--method auto chooses --window itself"),
+    (["--method", "ar", "--allow-relaxed"], "--allow-relaxed is an option of --method auto"),
+])
+def test_flags_auto_decides_are_refused_before_any_work(tmp_path, args, message):
+    r = lantern("generate", "--out", str(tmp_path / "o"), *args, "--json")
+    assert r.returncode == 2 and message in json.loads(r.stdout)["error"]
+    assert not (tmp_path / "o").exists()
+
+
+def test_generate_auto_runs_the_plan_it_reports(tiny):
+    target, drafter, proximity = tiny
+    pipe = Pipeline(target, drafter, proximity, backend="cpu", defaults=ModelDefaults(sampling=SAMPLING))
+    result = pipe.generate([1, 2, 3], "auto", seed=5, batch=2)
+    assert result.plan is not None and result.plan.width == 2 and result.decode == result.plan.decode
+    again = pipe.generate([1, 2, 3], result.plan.decode, seed=5, batch=2)
+    assert torch.equal(result.tokens, again.tokens)  # same plan, same seed: the same tokens
+    with pytest.raises(ValueError, match="Pipeline.plan"):
+        method_preset("auto", SAMPLING)
+    with pytest.raises(ValueError, match="needs sampling settings"):
+        Pipeline(target, drafter, proximity, backend="cpu").generate([1], "auto")
+
+
+def test_cli_reports_the_plan_and_says_it_calibrates(tmp_path):
+    """The embedded model (it ships its acceptance record): the first run calibrates, says so on stderr and
+    reports the plan with its prediction and the measured wall time; the second run measures nothing."""
+    env = {"LANTERN_CACHE_DIR": str(tmp_path / "cache")}
+    runs = [lantern("generate", "--classes", "3", "--no-images", "--json", env=env) for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr
+    first, second = (json.loads(r.stdout) for r in runs)
+    assert "calibrating" in runs[0].stderr and "calibrating" not in runs[1].stderr
+    assert "measuring the acceptance" not in runs[0].stderr  # the bundle's record covers its default sampling
+    plan = first["plan"]
+    assert first["mode"] == "auto" and plan["batch"] == 1 and plan["predicted_speedup"] >= 1.0
+    assert plan["measured_seconds"] == first["wall_seconds"] and plan["calibration_seconds"] > 0
+    assert {c["plan"] for c in plan["candidates"]} >= {"ar", "mc-sjd/L16", "eagle2", "exact/chain-5"}
+    assert second["plan"]["plan"] == plan["plan"] and second["plan"]["calibration_seconds"] == 0.0
+    assert first["decode"] == second["decode"]

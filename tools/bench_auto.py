@@ -1,0 +1,132 @@
+"""`--method auto` against AR and every preset method, side by side in one run, per backend and number of images.
+
+For each backend (cpu fp32, cpu bf16, onnx fp32 by default) and each number of images B (1, 4, 10; one image per
+class 0..B-1, decoded together), with every seed: AR, each preset as `lantern generate --method NAME` runs it (the
+bundle's relaxation defaults applied), `auto` (lossless unless the bundle validates a relaxation) and
+`auto --allow-relaxed`, back to back in alternating order. Wall time is the decode loop's (runner preparation,
+warm-up and auto's one-off calibration excluded and reported apart). Reported: median wall per method over seeds;
+auto / the fastest method it could have chosen from (lossless: AR and the lossless presets; relaxed: every
+preset); auto's predicted speed-up over AR vs the measured one. Writes profiles/results/auto-cpu.{json,md,png}.
+Timing wants a quiet machine.
+
+    python tools/bench_auto.py [--backends cpu:fp32 cpu:bf16 onnx:fp32] [--images 1 4 10] [--seeds 0 1 2]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from lantern.api import Pipeline
+from lantern.bundle import load_bundle
+from lantern.decoding.config import METHODS, method_preset
+from lantern.decoding.sampling import SamplingConfig
+from lantern.plan.choose import choose
+from lantern.profile.environment import cpu_model
+from results_io import utc_now, write_results
+
+ROOT = Path(__file__).resolve().parents[1]
+AUTOS = ("auto", "auto --allow-relaxed")
+
+
+def setting(bundle, backend: str, dtype: str, n: int, seeds: list[int]) -> dict:
+    pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend=backend, dtype=dtype)
+    sampling = SamplingConfig(**bundle.default_sampling)
+    classes = list(range(n))
+    t0 = time.perf_counter()
+    choices = {name: choose(pipe, n, sampling, allow_relaxed=name != "auto", validated=bundle.relaxation_defaults,
+                            shipped_record=bundle.acceptance_record, progress=False) for name in AUTOS}
+    planning = time.perf_counter() - t0
+    configs = {m: (method_preset(m, sampling, **bundle.relaxation_defaults.get(m, {})), n) for m in METHODS}
+    configs.update({name: (c.decode, c.width) for name, c in choices.items()})
+    for dcfg, width in configs.values():  # prepare and warm every runner before timing
+        pipe.generate(classes, dcfg, batch=width, tokens=2)
+    walls = {m: [] for m in configs}
+    for i, seed in enumerate(seeds):
+        for m in (list(configs) if i % 2 == 0 else list(configs)[::-1]):
+            dcfg, width = configs[m]
+            walls[m].append(pipe.generate(classes, dcfg, seed=seed, batch=width).stats.wall_seconds)
+    median = {m: statistics.median(w) for m, w in walls.items()}
+    lossless = [m for m in METHODS if configs[m][0].acceptance == "exact"]
+    out = {"backend": backend, "dtype": dtype, "images": n, "walls": walls, "median_s": median,
+           "speedup_vs_ar": {m: median["ar"] / median[m] for m in median}, "planning_s": planning,
+           "lossless_presets": lossless, "choices": {name: c.to_dict() for name, c in choices.items()}}
+    for name, pool in (("auto", lossless), ("auto --allow-relaxed", list(METHODS))):
+        fastest = min(pool, key=median.get)
+        out.setdefault("auto_vs_fastest", {})[name] = {
+            "fastest": fastest, "ratio": median[name] / median[fastest],
+            "predicted_speedup": choices[name].predicted_speedup, "measured_speedup": median["ar"] / median[name],
+            "prediction_error": choices[name].predicted_speedup / (median["ar"] / median[name]) - 1}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--backends", nargs="+", default=["cpu:fp32", "cpu:bf16", "onnx:fp32"], help="BACKEND:DTYPE")
+    ap.add_argument("--images", type=int, nargs="+", default=[1, 4, 10])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(ROOT / "profiles" / "results" / "auto-cpu"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    bundle = load_bundle()
+    rows = []
+    for spec in tqdm(args.backends, desc="backends"):
+        backend, dtype = spec.split(":")
+        for n in args.images:
+            rows.append(setting(bundle, backend, dtype, n, args.seeds))
+            write_results(args.out, record(args, rows), markdown, plot)
+
+
+def record(args, rows: list[dict]) -> dict:
+    return {"date": utc_now(), "cpu": cpu_model(), "threads": args.threads, "seeds": args.seeds, "rows": rows}
+
+
+def markdown(rec: dict) -> str:
+    lines = [f"Embedded model, {rec['cpu']}, {rec['threads']} threads, {rec['date']}; median decode wall time over "
+             f"seeds {rec['seeds']} (one image per class 0..B-1, decoded together). x = speed-up over AR at the same "
+             "B; auto / fastest: auto's wall over the fastest method it could choose from (lossless: AR and the "
+             "lossless presets; --allow-relaxed: every preset).", ""]
+    methods = [m for m in rec["rows"][0]["median_s"]]
+    lines += ["| backend | B | " + " | ".join(methods) + " | auto chose | auto / fastest | predicted vs measured "
+              "speed-up (auto) | auto --allow-relaxed chose | its / fastest | predicted vs measured |",
+              "|---|---|" + "---|" * (len(methods) + 6)]
+    for r in rec["rows"]:
+        cells = [f"{r['median_s'][m]:.2f} s ({r['speedup_vs_ar'][m]:.2f}x)" for m in methods]
+        tail = []
+        for name in AUTOS:
+            c, v = r["choices"][name], r["auto_vs_fastest"][name]
+            tail += [f"{c['plan']} (B={c['batch']})", f"{v['ratio']:.3f} (fastest: {v['fastest']})",
+                     f"{v['predicted_speedup']:.2f} vs {v['measured_speedup']:.2f}"]
+        lines.append(f"| {r['backend']} {r['dtype']} | {r['images']} | " + " | ".join(cells + tail) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rec: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    backends = sorted({(r["backend"], r["dtype"]) for r in rec["rows"]})
+    fig, axes = plt.subplots(1, len(backends), figsize=(4.5 * len(backends), 3.8), squeeze=False)
+    for ax, (backend, dtype) in zip(axes[0], backends):
+        rows = [r for r in rec["rows"] if (r["backend"], r["dtype"]) == (backend, dtype)]
+        xs = [r["images"] for r in rows]
+        for m in rows[0]["median_s"]:
+            style = dict(lw=2.5, color="k") if m == "auto" else dict(lw=1, ls="--" if m.startswith("auto") else "-")
+            ax.plot(xs, [r["speedup_vs_ar"][m] for r in rows], marker="o", label=m, **style)
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_title(f"{backend} {dtype}")
+        ax.set_xlabel("images decoded together (B)")
+        ax.set_ylabel("speed-up over AR")
+        ax.set_xticks(xs)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Measure the embedded bundle's acceptance record (steps per image of every `--method auto` plan, relaxed ones
+included, at the bundle's default sampling) and store it in the bundle's manifest ("acceptance_record"), so that
+`lantern generate` on a fresh machine only calibrates latencies. Device-independent: any backend gives the same
+record up to numerics; run on cpu fp32.
+
+    python tools/record_acceptance.py [--per-class 2] [--dry-run]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from lantern.api import Pipeline
+from lantern.bundle import DEFAULT_BUNDLE, load_bundle
+from lantern.decoding.sampling import SamplingConfig
+from lantern.plan import records
+from lantern.plan.candidates import RELAXED_METHODS, candidate_plans
+from lantern.plan.choose import model_key, runnable
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--per-class", type=int, default=2, help="images per class")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dry-run", action="store_true", help="print the record, do not write the manifest")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    bundle = load_bundle()
+    pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend="cpu", dtype="fp32")
+    sampling = SamplingConfig(**bundle.default_sampling)
+    settings = bundle.relaxation_defaults
+    plans, _ = runnable(pipe, candidate_plans(True, True, RELAXED_METHODS), sampling, settings)
+    classes = [c for c in range(bundle.target.config.num_classes) for _ in range(args.per_class)]
+    record = records.empty_record(model_key(pipe), sampling)
+    t0 = time.perf_counter()
+    records.measure_record(lambda p: pipe.generate(classes, p.decode(sampling, settings.get(p.method)), seed=0,
+                                                   batch=len(classes)), plans, record)
+    record.update(conditions=classes, seed=0, backend="cpu", dtype="fp32", seconds=time.perf_counter() - t0)
+    for name, entry in record["plans"].items():
+        print(f"{name:<24} steps/image {sum(entry['steps']) / len(entry['steps']):6.1f}  max {max(entry['steps'])}"
+              f"  tau {entry['tau']:.2f}")
+    if not args.dry_run:
+        path = DEFAULT_BUNDLE / "manifest.json"
+        manifest = json.loads(path.read_text())
+        manifest["acceptance_record"] = record
+        path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        print(f"wrote acceptance_record into {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -196,7 +196,13 @@ def test_compare_writes_markdown_and_plots(tiny_run, tmp_path, capsys):
                     "Failed cases"):
         assert heading in report
     assert "lantern++/chain-5" in report and "unknown backend 'nope'" in report
-    assert set(out["plots"]) == {"latency vs N", "speed-up", "memory"}
+    assert set(out["plots"]) == {"latency vs N", "speed-up", "speed-up vs batch", "memory"}
+    # speed-up vs batch size: over AR at the same batch size, one column per batch size
+    data = load_results(tiny_run[1])
+    wall = {cid: c["result"]["wall"]["median_s"] for cid, c in data["cases"].items() if c["kind"] == "generate"}
+    speedups = [wall[f"generate/b{b}/ar"] / wall[f"generate/b{b}/lantern++/chain-5"] for b in (1, 2)]
+    assert "## Speed-up vs batch size" in report and "| run | method / tree | B = 1 | B = 2 |" in report
+    assert f"| lantern++/chain-5 | {speedups[0]:.2f} | {speedups[1]:.2f} |" in report
     for png in out["plots"].values():
         with open(png, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -264,6 +270,10 @@ def test_tune_writes_a_tree_per_batch_size_keeping_comments_and_runs_pick_them_u
         label = f"generate/b{b}/lantern++/tuned-N{out['batches'][str(b)]['N']}-"
         assert [k for k in ran if k.startswith(label)] and ran[next(k for k in ran if k.startswith(label))]["params"][
             "decode"]["drafting"] == str(trees[b])
+
+    report = compare([again["results"]], tmp_path / "report", with_plots=False)["report"]
+    for b in (1, 2):  # the report lists each batch size's tuned tree
+        assert f", B = {b}: chose N {out['batches'][str(b)]['N']}, depth" in open(report).read()
 
     args = generate_args(profile, classes=[0, 1, 2, 3])  # 4 images, default --batch 16: width 4, tuned at 2
     assert args.backend == "cpu" and args.dtype == "fp32" and args.drafting == str(trees[2])

@@ -123,7 +123,7 @@ def cmd_generate(args) -> dict:
     from lantern.profile.cli import apply_profile
 
     check_method_flags(args)
-    apply_profile(args)  # a --profile supplies backend, dtype, threads and tuned tree
+    apply_profile(args)  # a --profile supplies backend, dtype, threads and the tree tuned for this batch width
     options = backend_options(args)
     get_backend(args.backend, **options)  # an unknown or unavailable backend fails before any loading or writing
     if not args.no_images:
@@ -252,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--scale", type=number(int, 1), default=4, help="upscale factor of the written PNGs, >= 1")
     g.add_argument("--no-images", action="store_true", help="tokens and stats only")
     g.add_argument("--json", action="store_true", help="print one JSON object")
-    g.add_argument("--profile", help="hardware profile NAME or .toml FILE: its backend, dtype, threads and tuned tree")
+    g.add_argument("--profile", help="hardware profile NAME or .toml FILE: its backend, dtype, threads and the tree "
+                                     "it tuned for this batch width, min(images, --batch)")
     add_decode_options(g)
     add_backend_options(g)
     g.set_defaults(func=cmd_generate, show=print_generate)

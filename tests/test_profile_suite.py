@@ -1,5 +1,6 @@
-"""The profile suite end to end on the tiny random model: results schema, resumable runs, failed cases,
-compare report with plots, and tree tuning from synthetic and measured numbers."""
+"""The profile suite end to end on the tiny random model: results schema, resumable runs, failed cases, the
+batch dimension (step curves, generations and tuned trees per batch size), compare report with plots, and tree
+tuning from synthetic and measured numbers."""
 import json
 import os
 
@@ -21,11 +22,13 @@ backend = "cpu"
 dtype = "fp32"
 threads = 1
 model = "random:GPT-test"
+batch_sizes = [1, 2]
 verify_sizes = [1, 2, 4, 8, 16]
+verify_sizes_by_batch = {2 = [1, 2, 4, 8]}
 draft_sizes = [1, 2, 4]
 methods = ["ar", "eagle2", "lantern++"]
 trees = ["chain-5", "tuned"]
-classes = [0]
+classes = [0, 1]
 warmup = 1
 repeats = 1
 
@@ -61,7 +64,7 @@ def test_run_writes_a_valid_results_file(tiny_run):
     verify = data["cases"]["verify/b1/N8"]["result"]
     assert verify["latency"]["repeats"] == 1 and verify["latency"]["median_s"] > 0
     assert verify["memory"]["weights_bytes"] > 0 and verify["memory"]["kv_cache_bytes"] > 0
-    gen = data["cases"]["generate/lantern++/chain-5"]["result"]
+    gen = data["cases"]["generate/b1/lantern++/chain-5"]["result"]
     assert gen["tokens_per_pass"] == 16 and gen["verify_width"] == 6
     prefills = gen["target_forwards"] - gen["verify_steps"]  # each image's first token comes from its prefill
     tokens = gen["tau"] * gen["verify_steps"] + prefills  # tau counts accepted drafts + bonus per verify
@@ -70,7 +73,61 @@ def test_run_writes_a_valid_results_file(tiny_run):
     assert len(probe["rates"]) == 3 and all(0 <= r <= 1 for row in probe["rates"] for r in row)
     env = data["environment"]
     assert env["torch"] and env["logical_cores"] >= 1 and "cpu_model" in env
-    assert "generate/lantern++/tuned" not in " ".join(data["cases"])  # no tuned tree yet: nothing planned
+    assert not any("tuned" in k for k in data["cases"])  # no tuned tree yet: nothing planned
+
+
+def test_generations_and_step_curves_at_every_batch_size(tiny_run):
+    """At B = 2 the two images are decoded together: every step of the loop advances both, so AR takes the same
+    number of steps as at B = 1, and a speculative loop fewer than the two images' steps added up."""
+    data = load_results(tiny_run[1])
+    cases = data["cases"]
+    assert [k for k in cases if k.startswith("verify/b2/")] == ["verify/b2/N1", "verify/b2/N2", "verify/b2/N4",
+                                                                  "verify/b2/N8"]  # verify_sizes_by_batch
+    assert cases["verify/b2/N8"]["params"] == {"batch": 2, "rows": 4, "N": 8}  # 2 rows per image with CFG
+    assert "draft/b2/W4" in cases and "verify/b1/N16" in cases
+    for b, classes in ((1, [0]), (2, [0, 1])):
+        for method in ("ar", "eagle2", "lantern++/chain-5"):
+            case = cases[f"generate/b{b}/{method}"]
+            assert case["status"] == "ok" and case["params"]["batch"] == b and case["params"]["classes"] == classes
+            r = case["result"]
+            assert r["images"] == b and r["tokens_per_pass"] == 16 * b
+        ar = cases[f"generate/b{b}/ar"]["result"]
+        assert ar["verify_steps"] == 15 and ar["target_forwards"] == 16 * b and ar["tau"] == 1.0
+    two = cases["generate/b2/lantern++/chain-5"]["result"]
+    image_steps = two["target_forwards"] - 2  # each image's steps (its forwards but the prefill), added up
+    assert image_steps / 2 <= two["verify_steps"] < image_steps
+    assert two["tau"] == pytest.approx((32 - 2) / image_steps)  # each image's first token comes from its prefill
+    assert cases["acceptance/probe"]["params"]["classes"] == [0, 1]  # the probe decodes each class, at batch 1
+
+
+def test_classes_are_cycled_to_the_batch_size_and_step_sizes_can_differ_per_batch():
+    from lantern.profile.hardware import profile_from_dict
+
+    profile = profile_from_dict({"classes": [3, 5], "batch_sizes": [1, 4], "verify_sizes": [1, 8],
+                                 "verify_sizes_by_batch": {"4": [1, 2]}})
+    assert profile.classes_at(1) == [3] and profile.classes_at(5) == [3, 5, 3, 5, 3]
+    assert profile.verify_sizes_at(1) == (1, 8) and profile.verify_sizes_at(4) == (1, 2)
+    with pytest.raises(ValueError, match=r"verify_sizes_by_batch has batch size 10, which is not one of "
+                                         r"batch_sizes \[1, 4\]"):
+        profile_from_dict({"batch_sizes": [1, 4], "verify_sizes_by_batch": {"10": [1, 2]}})
+    with pytest.raises(ValueError, match="verify_sizes_by_batch keys are batch sizes"):
+        profile_from_dict({"verify_sizes_by_batch": {"b1": [1, 2]}})
+    with pytest.raises(ValueError, match=r"at batch size 1 must be a non-empty list of integers >= 1, got \[0\]"):
+        profile_from_dict({"verify_sizes_by_batch": {"1": [0]}})
+
+
+def test_version_1_results_are_refused_saying_how_to_measure_again(tiny_run, tmp_path, capsys):
+    data = json.loads(tiny_run[1].read_text())
+    data["schema_version"] = 1
+    old = tmp_path / "tiny.json"
+    old.write_text(json.dumps(data))
+    with pytest.raises(SchemaError, match=r"version 1 is incompatible; this lantern reads version 2 only \(version 1 "
+                                          r"timed whole generations one image at a time.*`lantern profile run "
+                                          r"--profile tiny --fresh`"):
+        load_results(old)
+    code, out = run_cli("profile", "run", "--profile", str(tiny_run[0]), "--out", str(old), "--no-progress",
+                        capsys=capsys)
+    assert code == 2 and "--fresh" in out["error"] and json.loads(old.read_text())["schema_version"] == 1
 
 
 def test_wrong_schema_version_is_refused_with_a_clear_message(tiny_run, tmp_path, capsys):
@@ -139,7 +196,13 @@ def test_compare_writes_markdown_and_plots(tiny_run, tmp_path, capsys):
                     "Failed cases"):
         assert heading in report
     assert "lantern++/chain-5" in report and "unknown backend 'nope'" in report
-    assert set(out["plots"]) == {"latency vs N", "speed-up", "memory"}
+    assert set(out["plots"]) == {"latency vs N", "speed-up", "speed-up vs batch", "memory"}
+    # speed-up vs batch size: over AR at the same batch size, one column per batch size
+    data = load_results(tiny_run[1])
+    wall = {cid: c["result"]["wall"]["median_s"] for cid, c in data["cases"].items() if c["kind"] == "generate"}
+    speedups = [wall[f"generate/b{b}/ar"] / wall[f"generate/b{b}/lantern++/chain-5"] for b in (1, 2)]
+    assert "## Speed-up vs batch size" in report and "| run | method / tree | B = 1 | B = 2 |" in report
+    assert f"| lantern++/chain-5 | {speedups[0]:.2f} | {speedups[1]:.2f} |" in report
     for png in out["plots"].values():
         with open(png, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -166,7 +229,18 @@ def test_flat_verify_latency_gets_a_bigger_tree_than_steep():
             assert chosen["tokens_per_s"] >= evaluate(paths, acc, cost)["tokens_per_s"] - 1e-9
 
 
-def test_tune_writes_the_profile_keeping_comments_and_runs_pick_it_up(tiny_run, tmp_path, capsys):
+def generate_args(profile, classes, batch=None) -> "Namespace":
+    """The flags of `lantern generate --profile` that apply_profile reads, after apply_profile."""
+    from argparse import Namespace
+
+    from lantern.profile.cli import apply_profile
+    args = Namespace(profile=str(profile), backend=None, dtype=None, drafting=None, method="lantern++",
+                     classes=classes, batch=batch)
+    apply_profile(args)
+    return args
+
+
+def test_tune_writes_a_tree_per_batch_size_keeping_comments_and_runs_pick_them_up(tiny_run, tmp_path, capsys):
     path, results, _ = tiny_run
     profile = tmp_path / "tiny.toml"
     profile.write_text(path.read_text())
@@ -174,23 +248,86 @@ def test_tune_writes_the_profile_keeping_comments_and_runs_pick_it_up(tiny_run, 
     (tmp_path / "results" / "tiny.json").write_text(results.read_text())
     for _ in range(2):  # tuning twice replaces the [tuned] table
         code, out = run_cli("profile", "tune", "--profile", str(profile), capsys=capsys)
-        assert code == 0 and out["N"] >= 2
+        assert code == 0 and list(out["batches"]) == ["1", "2"]
     text = profile.read_text()
-    assert text.startswith(TINY_PROFILE) and text.count("[tuned]") == 1 and "# keep this comment" in text
+    assert text.startswith(TINY_PROFILE) and "# keep this comment" in text
+    assert [text.count(t) for t in ("[tuned]", "[tuned.b1]", "[tuned.b2]")] == [1, 1, 1]
     tuned = load_profile(str(profile))
-    assert tuned.tuned["N"] == out["N"] and load_tree(str(tuned.tuned_tree_file())) == tuple(map(tuple, out["tree"]))
-    assert load_results(tmp_path / "results" / "tiny.json")["tune"]["choice"]["N"] == out["N"]
+    trees = {b: tmp_path / f"tiny.tuned.b{b}.json" for b in (1, 2)}
+    assert tuned.tuned_tree_names() == {b: f.name for b, f in trees.items()}
+    saved = load_results(tmp_path / "results" / "tiny.json")["tune"]["batches"]
+    for b, tree_file in trees.items():
+        chosen = out["batches"][str(b)]
+        assert load_tree(str(tree_file)) == tuple(map(tuple, chosen["tree"])) and chosen["N"] == len(chosen["tree"]) + 1
+        assert tuned.tuned[f"b{b}"]["N"] == chosen["N"] and saved[str(b)]["choice"]["N"] == chosen["N"]
+        assert saved[str(b)]["cost_model"]["verify"][-1][0] == (16 if b == 1 else 8)  # the curve measured at b
+        assert out["written"]["tree_files"][str(b)] == str(tree_file)
 
-    again = Suite(tuned, progress=False).run()
-    assert again["ran"] == 1 and again["failed"] == []
-    assert any(k.startswith(f"generate/lantern++/tuned-N{out['N']}-") for k in load_results(again["results"])["cases"])
+    again = Suite(tuned, progress=False).run()  # `tuned` is now a tree at each batch size: two new cases
+    assert again["ran"] == 2 and again["failed"] == []
+    ran = load_results(again["results"])["cases"]
+    for b in (1, 2):
+        label = f"generate/b{b}/lantern++/tuned-N{out['batches'][str(b)]['N']}-"
+        assert [k for k in ran if k.startswith(label)] and ran[next(k for k in ran if k.startswith(label))]["params"][
+            "decode"]["drafting"] == str(trees[b])
 
-    from argparse import Namespace
+    report = compare([again["results"]], tmp_path / "report", with_plots=False)["report"]
+    for b in (1, 2):  # the report lists each batch size's tuned tree
+        assert f", B = {b}: chose N {out['batches'][str(b)]['N']}, depth" in open(report).read()
 
-    from lantern.profile.cli import apply_profile
-    args = Namespace(profile=str(profile), backend=None, dtype=None, drafting=None, method="lantern++")
-    apply_profile(args)
-    assert args.backend == "cpu" and args.dtype == "fp32" and args.drafting == str(tuned.tuned_tree_file())
+    args = generate_args(profile, classes=[0, 1, 2, 3])  # 4 images, default --batch 16: width 4, tuned at 2
+    assert args.backend == "cpu" and args.dtype == "fp32" and args.drafting == str(trees[2])
+    assert generate_args(profile, classes=[0]).drafting == str(trees[1])  # width 1
+    assert generate_args(profile, classes=[0, 1, 2], batch=1).drafting == str(trees[1])  # --batch 1: width 1
+
+
+def test_the_tree_for_a_batch_width_is_the_largest_tuned_one_not_above_it(tmp_path):
+    from lantern.profile.hardware import write_tuned
+    profile = tmp_path / "p.toml"
+    profile.write_text('name = "p"\n# above [tuned]\n')
+    write_tuned(profile, {"results": "p.json"}, {4: ({"N": 3}, ((0,), (1,))), 10: ({"N": 2}, ((0,),))})
+    p = load_profile(str(profile))
+    picked = {b: p.tuned_tree_file(b).name for b in (1, 3, 4, 9, 10, 16)}
+    assert picked == {1: "p.tuned.b4.json", 3: "p.tuned.b4.json", 4: "p.tuned.b4.json", 9: "p.tuned.b4.json",
+                      10: "p.tuned.b10.json", 16: "p.tuned.b10.json"}  # below every tuned size: the smallest
+    assert profile.read_text().startswith('name = "p"\n# above [tuned]\n')
+    # a profile tuned before per-batch tuning: its one tree was tuned at batch 1 and serves every width
+    (tmp_path / "old.tuned.json").write_text("[[0]]\n")
+    (tmp_path / "old.toml").write_text('name = "old"\n[tuned]\ntree_file = "old.tuned.json"\nN = 2\n')
+    old = load_profile(str(tmp_path / "old.toml"))
+    assert old.tuned_tree_names() == {1: "old.tuned.json"}
+    assert generate_args(tmp_path / "old.toml", classes=[0] * 8).drafting == str(tmp_path / "old.tuned.json")
+    (tmp_path / "old.tuned.json").unlink()
+    with pytest.raises(ValueError, match="its tuned tree .*old.tuned.json is missing; rerun `lantern profile tune"):
+        generate_args(tmp_path / "old.toml", classes=[0])
+    (tmp_path / "bad.toml").write_text('name = "bad"\n[tuned]\n[tuned.batch4]\ntree_file = "x.json"\n')
+    with pytest.raises(ValueError, match=r"unknown table \[tuned.batch4\]; the tables under \[tuned\] are named "
+                                         r"b<batch size>"):
+        load_profile(str(tmp_path / "bad.toml"))
+
+
+def test_each_batch_size_gets_the_tree_its_own_curves_call_for():
+    """Tuning from a results file: at B = 1 the verify curve is flat (a big tree is nearly free), at B = 4 steep
+    (every node must pay for itself), so B = 4 gets a much smaller tree; the acceptance rates are shared."""
+    from lantern.profile.tune import tune_results
+
+    def step(kind, b, size, seconds):
+        key = {"verify": "N", "draft": "W"}[kind]
+        return {"kind": kind, "status": "ok", "params": {"batch": b, key: size},
+                "result": {"latency": {"median_s": seconds}}}
+
+    sizes = [1, 2, 4, 8, 16, 32, 64, 128]
+    cases = {f"verify/b1/N{n}": step("verify", 1, n, 10e-3) for n in sizes}
+    cases |= {f"verify/b4/N{n}": step("verify", 4, n, 1e-3 + 1e-3 * n) for n in sizes}
+    cases |= {f"draft/b{b}/W{w}": step("draft", b, w, 1e-3) for b in (1, 4) for w in (1, 4, 8, 16)}
+    cases["acceptance/probe"] = {"kind": "acceptance", "status": "ok", "params": {},
+                                 "result": {"rates": [list(r) for r in synthetic_acceptance().rates]}}
+    tuned = tune_results({"cases": cases}, TREE_PRESETS)["batches"]
+    assert list(tuned) == [1, 4]
+    assert tuned[1]["choice"]["N"] > 57 and tuned[4]["choice"]["N"] < 26
+    assert tuned[4]["choice"]["step_s"] == pytest.approx(1e-3 + 1e-3 * tuned[4]["choice"]["N"]
+                                                         + tuned[4]["choice"]["depth"] * 1e-3)
+    assert tuned[1]["ar_seconds_per_token"] is None  # no AR generation in this file: no predicted speed-up
 
 
 def test_acceptance_counts_per_depth_and_rank():

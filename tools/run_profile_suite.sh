@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The committed profile suite of this repo: measure the CPU profiles, tune the fp32 and bf16 CPU trees (timing
-# each against the default 57-node tree side by side), and regenerate the compare report under profiles/results/.
+# The committed profile suite of this repo: measure the CPU profiles, tune the fp32 and bf16 CPU trees, one per
+# batch size (timing each against the default 57-node tree side by side at its batch size), and regenerate the
+# compare report under profiles/results/.
 #   tools/run_profile_suite.sh            resume the results files (only missing or failed cases run)
 #   tools/run_profile_suite.sh --fresh    start over (needed when the model changed, e.g. a trained bundle landed)
 # Exit code: 0 when every step succeeded or only reported an unavailable backend (3), else the first failure's.

@@ -37,15 +37,16 @@ def add_profile_commands(subparsers) -> None:
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_compare, show=print_compare)
 
-    t = sub.add_parser("tune", help="choose the static tree for a profile from its measurements and write it "
-                                    "into the profile")
+    t = sub.add_parser("tune", help="choose a static tree per batch size for a profile from its measurements and "
+                                    "write them into the profile")
     t.add_argument("--profile", required=True, help="profile NAME or .toml FILE (its [tuned] table is rewritten)")
     t.add_argument("--results", help="results file (default: profiles/results/<profile>.json)")
     t.add_argument("--max-nodes", type=number(int, 2),
-                   help="largest tree size N, root included, >= 2 (default: largest measured)")
+                   help="largest tree size N, root included, >= 2 (default: the largest measured at each batch "
+                        "size)")
     t.add_argument("--dry-run", action="store_true", help="choose and print, write nothing")
-    t.add_argument("--measure", action="store_true", help="then time the tuned tree against the default "
-                                                          "lantern++-57 tree side by side, in one run")
+    t.add_argument("--measure", action="store_true", help="then, at each tuned batch size, time its tree against "
+                                                          "the default lantern++-57 tree side by side, in one run")
     t.add_argument("--repeats", type=number(int, 1),
                    help="passes of --measure, >= 1 (default: the profile's generation_repeats)")
     t.add_argument("--json", action="store_true")
@@ -106,81 +107,99 @@ def cmd_tune(args) -> dict:
         raise ValueError(f"{results} holds no measurements: its backend was unavailable "
                          f"({data['backend'].get('reason')})")
     tuned = tune_results(data, TREE_PRESETS, args.max_nodes)
-    choice = tuned["choice"]
-    out = {"profile": profile.name, "results": str(results), "tree": [list(p) for p in choice["paths"]],
-           "N": choice["N"], "depth": choice["depth"], "predicted_tau": choice["tau"],
-           "predicted_step_ms": choice["step_s"] * 1e3,
-           "predicted_speedup_vs_ar": choice["predicted_speedup_vs_ar"],
-           "presets": {k: {"N": v["N"], "tau": v["tau"], "step_ms": v["step_s"] * 1e3,
-                           "speedup_vs_ar": v["predicted_speedup_vs_ar"]} for k, v in tuned["presets"].items()},
-           "host_overhead_ms": [tuned["cost_model"]["host_a_s"] * 1e3, tuned["cost_model"]["host_b_s_per_node"] * 1e3],
+    out = {"profile": profile.name, "results": str(results),
+           "batches": {b: tuned_summary(t) for b, t in tuned["batches"].items()},
            "written": None, "measured": None, "exit_code": EXIT_OK}
     if args.dry_run:
         return out
     if profile.path is None:
         raise ValueError("tune writes into a profile file: pass --profile NAME or FILE")
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    fields = {"N": choice["N"], "depth": choice["depth"], "predicted_tau": round(choice["tau"], 4),
-              "predicted_step_ms": round(choice["step_s"] * 1e3, 3), "results": results.name,
-              "model": data["model"].get("name"), "backend": data["backend"]["name"], "tuned_at": stamp}
-    tree_file = write_tuned(profile.path, fields, choice["paths"])
-    data["tune"] = {**tuned, "choice": {**choice, "paths": [list(p) for p in choice["paths"]]},
-                    "tree_file": str(tree_file), "tuned_at": stamp}
-    out["written"] = {"profile": str(profile.path), "tree_file": str(tree_file)}
+    common = {"results": results.name, "model": data["model"].get("name"), "backend": data["backend"]["name"],
+              "tuned_at": stamp}
+    trees = {b: ({"N": t["choice"]["N"], "depth": t["choice"]["depth"],
+                  "predicted_tau": round(t["choice"]["tau"], 4),
+                  "predicted_step_ms": round(t["choice"]["step_s"] * 1e3, 3)}, t["choice"]["paths"])
+             for b, t in tuned["batches"].items()}
+    files = write_tuned(profile.path, common, trees)
+    data["tune"] = {"tuned_at": stamp, "acceptance_rates": tuned["acceptance_rates"],
+                    "batches": {b: {**t, "choice": {**t["choice"], "paths": [list(p) for p in t["choice"]["paths"]]},
+                                    "tree_file": str(files[b])} for b, t in tuned["batches"].items()}}
+    out["written"] = {"profile": str(profile.path), "tree_files": {b: str(f) for b, f in files.items()}}
     if args.measure:
-        data["tune"]["measured"] = measure_tuned(profile.path, data, args.repeats)
-        out["measured"] = data["tune"]["measured"]
+        measured = measure_tuned(profile.path, data, args.repeats, list(files))
+        for b, m in measured.items():
+            data["tune"]["batches"][b]["measured"] = m
+        out["measured"] = measured
     save_results(data, results)
     return out
 
 
-def measure_tuned(profile_path: Path, data: dict, repeats) -> dict:
-    """The tuned tree against the default 57-node tree, interleaved in one run on the profile's backend and
-    the results file's model."""
+def tuned_summary(tuned: dict) -> dict:
+    """What `tune` prints of one batch size's choice, and of the presets under the same model."""
+    choice = tuned["choice"]
+    return {"tree": [list(p) for p in choice["paths"]], "N": choice["N"], "depth": choice["depth"],
+            "predicted_tau": choice["tau"], "predicted_step_ms": choice["step_s"] * 1e3,
+            "predicted_speedup_vs_ar": choice["predicted_speedup_vs_ar"],
+            "presets": {k: {"N": v["N"], "tau": v["tau"], "step_ms": v["step_s"] * 1e3,
+                            "speedup_vs_ar": v["predicted_speedup_vs_ar"]} for k, v in tuned["presets"].items()},
+            "host_overhead_ms": [tuned["cost_model"]["host_a_s"] * 1e3,
+                                 tuned["cost_model"]["host_b_s_per_node"] * 1e3]}
+
+
+def measure_tuned(profile_path: Path, data: dict, repeats, batches: list[int]) -> dict[int, dict]:
+    """At each batch size, its tuned tree against the default 57-node tree, interleaved in one run on the
+    profile's backend and the results file's model (the profile's classes cycled to that many images)."""
     from lantern.decoding.config import method_preset
     from lantern.profile import measure
     from lantern.profile.hardware import load_profile
     from lantern.profile.suite import Suite
 
-    profile = load_profile(str(profile_path))  # re-read: it now names the tuned tree
+    profile = load_profile(str(profile_path))  # re-read: it now names the tuned trees
     suite = Suite(profile, backend=data["backend"]["name"], model=data["model"]["name"])
     suite.setup_backend()
     suite.setup_models()
-    dcfgs = {"lantern++-57": method_preset("lantern++", suite.sampling),
-             "tuned": method_preset("lantern++", suite.sampling, drafting=str(profile.tuned_tree_file()))}
+    pipe = suite.make_pipe()
     reps = repeats or profile.generation_repeats
-    runs = measure.side_by_side(suite.make_pipe(), dcfgs, list(profile.classes), profile.seed,
-                                profile.generation_warmup, reps)
-    return {"runs": runs, "classes": list(profile.classes), "repeats": reps,
-            "tuned_over_default": runs["tuned"]["wall"]["median_s"] / runs["lantern++-57"]["wall"]["median_s"]}
+    measured = {}
+    for b in batches:
+        dcfgs = {"lantern++-57": method_preset("lantern++", suite.sampling),
+                 "tuned": method_preset("lantern++", suite.sampling, drafting=str(profile.tuned_tree_file(b)))}
+        classes = profile.classes_at(b)
+        runs = measure.side_by_side(pipe, dcfgs, classes, profile.seed, profile.generation_warmup, reps)
+        ratio = runs["tuned"]["wall"]["median_s"] / runs["lantern++-57"]["wall"]["median_s"]
+        measured[b] = {"runs": runs, "classes": classes, "repeats": reps, "tuned_over_default": ratio}
+    return measured
 
 
 def print_tune(out: dict) -> None:
-    sp = out["predicted_speedup_vs_ar"]
-    print(f"profile {out['profile']}: tree N={out['N']} depth {out['depth']}, "
-          f"predicted tau {out['predicted_tau']:.2f}, "
-          f"step {out['predicted_step_ms']:.1f} ms" + (f", speed-up vs AR {sp:.2f}x" if sp else ""))
-    for name, p in out["presets"].items():
-        sp = p["speedup_vs_ar"]
-        print(f"  preset {name:<14} N={p['N']:<4} tau {p['tau']:.2f}  step {p['step_ms']:.1f} ms"
-              + (f"  speed-up vs AR {sp:.2f}x" if sp else ""))
+    for b, t in out["batches"].items():
+        sp = t["predicted_speedup_vs_ar"]
+        print(f"profile {out['profile']}, batch {b}: tree N={t['N']} depth {t['depth']}, "
+              f"predicted tau {t['predicted_tau']:.2f}, "
+              f"step {t['predicted_step_ms']:.1f} ms" + (f", speed-up vs AR {sp:.2f}x" if sp else ""))
+        for name, p in t["presets"].items():
+            sp = p["speedup_vs_ar"]
+            print(f"  preset {name:<14} N={p['N']:<4} tau {p['tau']:.2f}  step {p['step_ms']:.1f} ms"
+                  + (f"  speed-up vs AR {sp:.2f}x" if sp else ""))
+        m = (out["measured"] or {}).get(b)
+        if m:
+            for name, r in m["runs"].items():
+                print(f"  measured {name:<14} {r['wall']['median_s']:.2f} s (tau {r['tau']:.2f})")
+            print(f"  tuned / default wall time: {m['tuned_over_default']:.2f}")
     if out["written"]:
-        print(f"wrote {out['written']['tree_file']} and [tuned] in {out['written']['profile']}")
-    m = out["measured"]
-    if m:
-        for name, r in m["runs"].items():
-            print(f"  measured {name:<14} {r['wall']['median_s']:.2f} s (tau {r['tau']:.2f})")
-        print(f"  tuned / default wall time: {m['tuned_over_default']:.2f}")
+        print(f"wrote {', '.join(out['written']['tree_files'].values())} and [tuned] in {out['written']['profile']}")
 
 
 def apply_profile(args: argparse.Namespace) -> None:
     """For `lantern generate --profile NAME`: the profile supplies the backend (unless --backend), the dtype
-    (unless --dtype), torch threads, and for static-tree methods its
-    tuned tree (unless --drafting)."""
+    (unless --dtype), torch threads, and for static-tree methods the tree tuned for the batch width the
+    generation runs at, min(images, --batch) (unless --drafting)."""
     if not getattr(args, "profile", None):
         return
     import torch
 
+    from lantern.api import DEFAULT_BATCH
     from lantern.profile.hardware import load_profile
     from lantern.profile.suite import STATIC_TREE_METHODS
     profile = load_profile(args.profile)
@@ -190,7 +209,8 @@ def apply_profile(args: argparse.Namespace) -> None:
         args.dtype = profile.dtype
     if profile.threads:
         torch.set_num_threads(profile.threads)
-    tree_file = profile.tuned_tree_file()
+    width = min(len(args.classes), args.batch or DEFAULT_BATCH)
+    tree_file = profile.tuned_tree_file(width)
     if args.drafting is None and args.method in STATIC_TREE_METHODS and tree_file is not None:
         if not tree_file.is_file():
             raise ValueError(f"profile {profile.name}: its tuned tree {tree_file} is missing; rerun "

@@ -1,13 +1,31 @@
 """Hardware profiles: one TOML file per target (backend, device, dtype, threads, what to measure, and the
-tree `lantern profile tune` chose for it).
+trees `lantern profile tune` chose for it).
 
 Lookup of `--profile NAME|FILE`: an existing .toml path, else NAME.toml in the first folder of the search path
 that has it: $LANTERN_PROFILES (folders separated by os.pathsep), ./profiles, then the profiles lantern ships
 (the package `lantern.hardware_profiles`: the repository's profiles/ folder, installed with lantern).
 Every field and its default is in `HardwareProfile`.
-The tuned tree lives beside the profile as `<name>.tuned.json` (a list of paths, loadable by
-`load_tree`), and the profile's trailing `[tuned]` table names it; rewriting that table keeps every comment
-above it.
+Everything is measured per batch size B (`batch_sizes`: images decoded together, one batched step advancing
+all of them), and `tune` chooses one tree per measured B. Each tuned tree lives beside the profile as
+`<name>.tuned.b{B}.json` (a list of paths, loadable by `load_tree`); the profile's trailing `[tuned]` table
+says what they were tuned from, with one sub-table per batch size naming its tree:
+
+    [tuned]
+    results = "cpu.json"
+    model = "bundle:..."
+    backend = "cpu"
+    tuned_at = "2026-01-01T00:00:00+00:00"
+
+    [tuned.b4]
+    tree_file = "cpu.tuned.b4.json"
+    N = 16
+    depth = 3
+    predicted_tau = 2.1
+    predicted_step_ms = 40.5
+
+Decoding B images per step uses the tree of the largest tuned batch size <= B, else of the smallest tuned one.
+A profile tuned before per-batch tuning has a single `tree_file` in [tuned] itself: that tree was tuned at
+batch 1 and counts as [tuned.b1]. Rewriting these tables keeps every comment above them.
 """
 from __future__ import annotations
 
@@ -16,6 +34,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +47,8 @@ from lantern.decoding.trees import TREE_PRESETS
 PROFILES_ENV = "LANTERN_PROFILES"
 TUNED_TREE = "tuned"  # the name a profile's `trees` list uses for its own tuned tree
 SHIPPED_PACKAGE = "lantern.hardware_profiles"
+TUNED_BATCH_TABLE = re.compile(r"b([1-9][0-9]*)")  # [tuned.b4]: the tree tuned for 4 images per step
+TUNED_BATCH_HEADER = re.compile(r"\[tuned\.b[1-9][0-9]*\]")
 
 
 def sampling_table(table: dict) -> dict:
@@ -60,17 +81,18 @@ class HardwareProfile:
     threads: Optional[int] = None  # torch intra-op threads; also passed to backends that take `threads`
     backend_options: dict = field(default_factory=dict)  # extra keyword arguments of the backend
     model: str = "auto"  # auto | bundle | bundle:PATH | random:PRESET (see source.py)
-    batch_sizes: tuple[int, ...] = (1,)  # images per step in the step benchmarks (x2 rows with CFG)
+    batch_sizes: tuple[int, ...] = (1,)  # images per step (x2 rows with CFG): step curves and generations at each
     verify_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 26, 32, 48, 58, 64, 96, 128)  # tree sizes N, root included
+    verify_sizes_by_batch: dict = field(default_factory=dict)  # {B: its own tree sizes}; others use verify_sizes
     draft_sizes: tuple[int, ...] = (1, 2, 4, 6, 8, 10)  # drafter step widths
     methods: tuple[str, ...] = ("ar", "eagle2", "lantern", "lantern++")
     trees: tuple[str, ...] = ("lantern++-57", "eagle1-25", "chain-5", TUNED_TREE)  # for static-tree methods
-    classes: tuple[int, ...] = (0,)  # one image each, decoded one at a time (batch-1 latency)
+    classes: tuple[int, ...] = (0,)  # a generation of B images decodes the first B of these, cycled; the probe each
     seed: int = 0
     warmup: int = 2  # untimed calls before each step benchmark
     repeats: int = 5  # timed calls per step benchmark
     generation_warmup: int = 0  # untimed whole generations per method (the runner's own warm-up always runs)
-    generation_repeats: int = 1  # timed passes over `classes` per method
+    generation_repeats: int = 1  # timed generations per method and batch size
     sampling: dict = field(default_factory=lambda: sampling_table({}))  # SamplingConfig fields; cfg_scale None:
     # the model's default
     probe: ProbeSettings = field(default_factory=ProbeSettings)
@@ -85,6 +107,13 @@ class HardwareProfile:
                                  f"got {list(values)}")
         if min(self.batch_sizes + self.verify_sizes + self.draft_sizes) < 1:
             raise ValueError(f"profile {self.name!r}: batch, verify and draft sizes must be >= 1")
+        for b, sizes in self.verify_sizes_by_batch.items():
+            if b not in self.batch_sizes:
+                raise ValueError(f"profile {self.name!r}: verify_sizes_by_batch has batch size {b!r}, which is not "
+                                 f"one of batch_sizes {list(self.batch_sizes)}")
+            if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
+                raise ValueError(f"profile {self.name!r}: verify_sizes_by_batch at batch size {b} must be a "
+                                 f"non-empty list of integers >= 1, got {list(sizes)}")
         for m in self.methods:
             if m not in METHODS:
                 raise ValueError(f"profile {self.name!r}: unknown method {m!r}; allowed: {', '.join(METHODS)}")
@@ -108,6 +137,7 @@ class HardwareProfile:
         if p.depth < 1 or p.fanout < 1 or len(p.expand) != p.depth or min(p.expand) < 1:
             raise ValueError(f"profile {self.name!r}: probe needs depth >= 1, fanout >= 1 and one expand count "
                              f">= 1 per depth, got depth {p.depth}, fanout {p.fanout}, expand {list(p.expand)}")
+        self.tuned_tree_names()  # refuses a malformed [tuned] table
 
     def sampling_config(self, model_cfg_scale: float) -> SamplingConfig:
         """The sampling the profile measures with, given the model's default guidance scale."""
@@ -127,10 +157,40 @@ class HardwareProfile:
             d.pop(key)
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
-    def tuned_tree_file(self) -> Optional[Path]:
-        if not self.tuned.get("tree_file") or self.path is None:
+    def verify_sizes_at(self, batch: int) -> tuple[int, ...]:
+        """The tree sizes N of the verify curve at `batch` images per step."""
+        return self.verify_sizes_by_batch.get(batch, self.verify_sizes)
+
+    def classes_at(self, batch: int) -> list[int]:
+        """The class of each image of a whole generation of `batch` images: `classes` cycled to that length."""
+        return [self.classes[i % len(self.classes)] for i in range(batch)]
+
+    def tuned_tree_names(self) -> dict[int, str]:
+        """{batch size: tree file name, relative to the profile's folder} from [tuned] (see the module doc)."""
+        trees = {}
+        if "tree_file" in self.tuned:  # tuned before per-batch tuning, at batch 1
+            trees[1] = self.tuned["tree_file"]
+        for key, table in self.tuned.items():
+            if not isinstance(table, dict):
+                continue
+            match = TUNED_BATCH_TABLE.fullmatch(key)
+            if match is None:
+                raise ValueError(f"profile {self.name!r}: unknown table [tuned.{key}]; the tables under [tuned] are "
+                                 f"named b<batch size>, e.g. [tuned.b4]")
+            if not isinstance(table.get("tree_file"), str):
+                raise ValueError(f"profile {self.name!r}: [tuned.{key}] needs tree_file, the name of its tree's "
+                                 f"file, got {table.get('tree_file')!r}")
+            trees[int(match[1])] = table["tree_file"]
+        return dict(sorted(trees.items()))
+
+    def tuned_tree_file(self, batch: int) -> Optional[Path]:
+        """The tree tuned for decoding `batch` images per step: the one of the largest tuned batch size <= batch,
+        else of the smallest; None before any tuning (or for a profile not read from a file)."""
+        trees = self.tuned_tree_names()
+        if not trees or self.path is None:
             return None
-        return self.path.parent / self.tuned["tree_file"]
+        fitting = [b for b in trees if b <= batch]
+        return self.path.parent / trees[max(fitting) if fitting else min(trees)]
 
 
 def shipped_dir() -> Path:
@@ -191,7 +251,24 @@ def profile_from_dict(data: dict, path: Optional[Path] = None) -> HardwareProfil
     for key in ("batch_sizes", "verify_sizes", "draft_sizes", "methods", "trees", "classes"):
         if key in data:
             data[key] = tuple(data[key])
+    if "verify_sizes_by_batch" in data:
+        data["verify_sizes_by_batch"] = _sizes_by_batch(data["verify_sizes_by_batch"], where)
     return HardwareProfile(**data, path=path)
+
+
+def _sizes_by_batch(table, where: str) -> dict[int, tuple]:
+    """A TOML table {"4" = [sizes]} as {4: (sizes)}."""
+    if not isinstance(table, dict):
+        raise ValueError(f"{where}: verify_sizes_by_batch must be a table of batch size = [N, ...], got {table!r}")
+    out = {}
+    for key, sizes in table.items():
+        if not key.isdigit():
+            raise ValueError(f"{where}: verify_sizes_by_batch keys are batch sizes (integers), got {key!r}")
+        if not isinstance(sizes, list):
+            raise ValueError(f"{where}: verify_sizes_by_batch at batch size {key} must be a list of tree sizes, "
+                             f"got {sizes!r}")
+        out[int(key)] = tuple(sizes)
+    return out
 
 
 def _toml_value(v) -> str:
@@ -206,15 +283,15 @@ def _toml_value(v) -> str:
     raise ValueError(f"cannot write {type(v).__name__} {v!r} into a profile (allowed: bool, int, float, str, list)")
 
 
-def write_tuned(profile_path: Path, tuned: dict, tree_paths) -> Path:
-    """Write the tree to `<name>.tuned.json` and replace (or append) the profile's trailing [tuned] table,
-    keeping everything above it byte for byte. Returns the tree file's path."""
-    tree_file = profile_path.with_suffix(".tuned.json")
-    tree_file.write_text(json.dumps([list(p) for p in tree_paths]) + "\n")
+def write_tuned(profile_path: Path, tuned: dict, trees: dict) -> dict[int, Path]:
+    """Write each batch size's tree, trees = {B: (fields, paths)}, to `<name>.tuned.b{B}.json`, and replace (or
+    append) the profile's trailing [tuned] table: `tuned`'s fields, then a [tuned.b{B}] table per tree naming
+    its file, with its fields. Everything above [tuned] is kept byte for byte. Returns {B: tree file}."""
     lines = profile_path.read_text().splitlines()
     if "[tuned]" in (line.strip() for line in lines):
         start = next(i for i, line in enumerate(lines) if line.strip() == "[tuned]")
-        rest = [i for i in range(start + 1, len(lines)) if lines[i].lstrip().startswith("[")]
+        rest = [i for i in range(start + 1, len(lines)) if lines[i].lstrip().startswith("[")
+                and not TUNED_BATCH_HEADER.match(lines[i].strip())]
         if rest:
             raise ValueError(f"{profile_path}: [tuned] must be the last table (found {lines[rest[0]].strip()} "
                              "after it)")
@@ -223,9 +300,15 @@ def write_tuned(profile_path: Path, tuned: dict, tree_paths) -> Path:
             lines.pop()
     while lines and not lines[-1].strip():
         lines.pop()
-    body = {"tree_file": tree_file.name, **tuned}
-    table = ["", "# written by `lantern profile tune`; `lantern generate --profile NAME` uses tree_file", "[tuned]"]
-    table += [f"{k} = {_toml_value(v)}" for k, v in body.items()]
+    table = ["", "# written by `lantern profile tune`; decoding B images per step uses the tree of the largest "
+             "tuned.bK with K <= B", "[tuned]"]
+    table += [f"{k} = {_toml_value(v)}" for k, v in tuned.items()]
+    files = {}
+    for batch, (fields, paths) in sorted(trees.items()):
+        files[batch] = profile_path.with_suffix(f".tuned.b{batch}.json")
+        files[batch].write_text(json.dumps([list(p) for p in paths]) + "\n")
+        table += ["", f"[tuned.b{batch}]", f"tree_file = {_toml_value(files[batch].name)}"]
+        table += [f"{k} = {_toml_value(v)}" for k, v in fields.items()]
     profile_path.write_text("\n".join(lines + table) + "\n")
     tomllib.loads(profile_path.read_text())  # what we wrote must read back
-    return tree_file
+    return files

@@ -1,5 +1,5 @@
-"""The measurements behind one results file: step latencies on prepared runners, whole generations, and
-acceptance per (depth, rank) from walks over a big probe tree.
+"""The measurements behind one results file: step latencies on prepared runners, whole generations of B images
+decoded together, and acceptance per (depth, rank) from walks over a big probe tree.
 
 Step latencies use the runner's own `phase()` timer (the device synced on both ends), after the runner's
 warm-up plus `warmup` untimed calls; spread is reported as min/max and the inter-quartile range.
@@ -80,38 +80,45 @@ def _memory(runner) -> dict:
     return {**runner.memory().to_dict(), "process_peak_rss_bytes": process_peak_rss()}
 
 
-def generation(pipe, dcfg: DecodeConfig, classes, seed: int, warmup: int, repeats: int) -> dict:
-    """Whole generations, one image per call (batch-1 latency): `repeats` timed passes over `classes`, the
-    same seeds for every method. Wall time is the decode loop's (VQ decode and warm-up excluded)."""
-    return side_by_side(pipe, {"only": dcfg}, classes, seed, warmup, repeats)["only"]
+def generation(pipe, dcfg: DecodeConfig, conditions: list, seed: int, warmup: int, repeats: int) -> dict:
+    """Whole generations of len(conditions) images decoded together (one batched loop, every step advancing
+    all of them): `repeats` timed generations, the same seeds for every method. Wall time is the decode
+    loop's (VQ decode and warm-up excluded)."""
+    return side_by_side(pipe, {"only": dcfg}, conditions, seed, warmup, repeats)["only"]
 
 
-def side_by_side(pipe, dcfgs: dict, classes, seed: int, warmup: int, repeats: int) -> dict:
-    """Several decode configs timed in one run, interleaved image by image (the order alternating between
-    passes), so that drift in the machine's load falls on all of them alike. Returns {name: summary}."""
+def side_by_side(pipe, dcfgs: dict, conditions: list, seed: int, warmup: int, repeats: int) -> dict:
+    """Several decode configs timed in one run, interleaved generation by generation (the order alternating
+    between passes), so that drift in the machine's load falls on all of them alike. Each generation decodes
+    all `conditions` together, in one chunk of that many images. Returns {name: summary}."""
+    batch = len(conditions)
     for dcfg in dcfgs.values():
         for _ in range(warmup):
-            pipe.generate([classes[0]], dcfg, seed=seed)
+            pipe.generate(conditions, dcfg, seed=seed, batch=batch)
     names = list(dcfgs)
-    walls = {name: [0.0] * repeats for name in names}
     results = {name: [] for name in names}
     for r in range(repeats):
-        for c in classes:
-            for name in (names if r % 2 == 0 else names[::-1]):
-                res = pipe.generate([c], dcfgs[name], seed=seed + r)
-                walls[name][r] += res.stats.wall_seconds
-                results[name].append(res)
-    return {name: _summary(dcfgs[name], results[name], walls[name], len(classes)) for name in names}
+        for name in (names if r % 2 == 0 else names[::-1]):
+            results[name].append(pipe.generate(conditions, dcfgs[name], seed=seed + r, batch=batch))
+    return {name: _summary(dcfgs[name], results[name], batch) for name in names}
 
 
-def _summary(dcfg: DecodeConfig, results: list, walls: list[float], images: int) -> dict:
+def loop_steps(stats) -> int:
+    """Steps of one chunk's decode loop (each advances every image of the chunk): the loop runs until its last
+    image is done, and that image took part in every step, its target forwards being its prefill plus one per
+    step (plain AR included: one decode step per token after the first)."""
+    return max(image.target_forwards for image in stats.images) - 1
+
+
+def _summary(dcfg: DecodeConfig, results: list, images: int) -> dict:
     strategy = dcfg.strategy
+    walls = [res.stats.wall_seconds for res in results]
+    steps = sum(loop_steps(res.stats) for res in results)
     stats = results[0].stats
     for res in results[1:]:
         stats.merge(res.stats)
     s = stats.summary()
     last = results[-1].profile
-    steps = s["verify_steps"] if dcfg.speculative else s["target_forwards"] - len(results)
     return {
         "wall": summarize(walls),
         "images": images,

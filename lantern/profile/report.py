@@ -1,5 +1,6 @@
 """`lantern profile compare`: results files from any machines and backends -> one Markdown report and PNG
-plots (verify latency vs N, speed-up per method and tree, memory and its parts)."""
+plots (step latency vs N per batch size, speed-up per method and tree, speed-up vs batch size, memory and its
+parts). Every speed-up is over AR at the same batch size B (images decoded together) in the same file."""
 from __future__ import annotations
 
 import json
@@ -7,10 +8,12 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from lantern.profile.schema import load_results, ok_cases, ok_result, seconds_per_step, step_latencies
+from lantern.profile.schema import (batch_sizes, generation_case_id, load_results, ok_cases, ok_result,
+                                    seconds_per_step, step_latencies)
 
 MIB = 2 ** 20
 MEMORY_PARTS = ("weights_bytes", "kv_cache_bytes", "tree_buffer_bytes", "workspace_bytes")
+TUNED_LABEL = re.compile(r"tuned-N\d+-[0-9a-f]+")  # suite.tree_label's name of a tuned tree
 
 
 def label(data: dict) -> str:
@@ -18,29 +21,40 @@ def label(data: dict) -> str:
     return f"{p['name']} ({b.get('name')}, {p['dtype']}, {data['environment'].get('hostname', '?')})"
 
 
-def verify_curve(data: dict, batch: int = 1) -> dict:
+def verify_curve(data: dict, batch: int) -> dict:
     """{N: (median, p25, p75) seconds} at `batch` images."""
     return {n: (lat["median_s"], lat["p25_s"], lat["p75_s"])
             for n, lat in step_latencies(data, "verify", batch).items()}
 
 
-def draft_curve(data: dict, batch: int = 1) -> dict:
+def draft_curve(data: dict, batch: int) -> dict:
     return {w: lat["median_s"] for w, lat in step_latencies(data, "draft", batch).items()}
 
 
+def variant(params: dict) -> str:
+    """A generate case's method and tree, without its batch size; every tuned tree is `tuned` (each batch
+    size's own)."""
+    tree = params.get("tree")
+    if tree and TUNED_LABEL.fullmatch(tree):
+        tree = "tuned"
+    return params["method"] + (f"/{tree}" if tree else "")
+
+
 def generation_rows(data: dict) -> list[dict]:
-    """One row per generate case: wall median and spread, tau, tokens/s, speed-up over AR (same file)."""
-    ar = ok_result(data, "generate/ar")
-    ar_s = ar["wall"]["median_s"] if ar else None
+    """One row per generate case, by batch size: wall median and spread, tau, tokens/s, speed-up over AR at the
+    same batch size (same file)."""
     rows = []
     for cid, c in data["cases"].items():
         if c["kind"] != "generate":
             continue
-        row = {"case": cid.removeprefix("generate/"), "method": c["params"]["method"], "tree": c["params"].get("tree"),
-               "status": c["status"]}
+        b = c["params"]["batch"]
+        row = {"case": cid.removeprefix("generate/"), "batch": b, "variant": variant(c["params"]),
+               "method": c["params"]["method"], "tree": c["params"].get("tree"), "status": c["status"]}
         if c["status"] == "ok":
             r = c["result"]
             w = r["wall"]
+            ar = ok_result(data, generation_case_id(b, "ar"))
+            ar_s = ar["wall"]["median_s"] if ar else None
             row.update(wall_s=w["median_s"], spread_s=(w["min_s"], w["max_s"]), tau=r["tau"],
                        tokens_per_s=r["tokens_per_s"], N=r["verify_width"], step_ms=seconds_per_step(r) * 1e3,
                        speedup=ar_s / w["median_s"] if ar_s and w["median_s"] else None,
@@ -48,19 +62,30 @@ def generation_rows(data: dict) -> list[dict]:
         else:
             row["error"] = c["error"]
         rows.append(row)
-    return rows
+    return sorted(rows, key=lambda r: r["batch"])  # stable: in run order within a batch size
+
+
+def speedup_by_batch(data: dict) -> dict[str, dict[int, float]]:
+    """{method/tree: {batch size: speed-up over AR at that batch size}} of the ok non-AR generations (with several
+    tunings, the last measured tuned tree)."""
+    out: dict[str, dict[int, float]] = {}
+    for r in generation_rows(data):
+        if r["status"] == "ok" and r["method"] != "ar" and r["speedup"] is not None:
+            out.setdefault(r["variant"], {})[r["batch"]] = r["speedup"]
+    return {v: dict(sorted(by.items())) for v, by in out.items()}
 
 
 def memory_parts(data: dict) -> Optional[dict]:
-    """Memory of the widest ok generation (the tree that needs most): peak and its parts."""
+    """Memory of the widest ok generation (most images per step, then the widest tree): peak and its parts."""
     best = None
     for c in ok_cases(data, "generate").values():
         r = c["result"]
-        if best is None or r["verify_width"] > best[0]:
-            best = (r["verify_width"], c["params"].get("tree") or c["params"]["method"], r["memory"])
+        width = (c["params"]["batch"], r["verify_width"])
+        if best is None or width > best[0]:
+            best = (width, c["params"].get("tree") or c["params"]["method"], r["memory"])
     if best is None:
         return None
-    return {"case": best[1], "N": best[0], **best[2]}
+    return {"case": best[1], "batch": best[0][0], "N": best[0][1], **best[2]}
 
 
 def failures(data: dict) -> list[tuple[str, str]]:
@@ -71,10 +96,46 @@ def _fmt(x, spec: str, none: str = "-") -> str:
     return none if x is None else format(x, spec)
 
 
+def speedup_table(measured: list[tuple[str, dict]]) -> list[str]:
+    """Markdown: speed-up over AR per run and method / tree (rows) and batch size (columns)."""
+    by_run = {n: speedup_by_batch(d) for n, d in measured}
+    sizes = sorted({b for by in by_run.values() for v in by.values() for b in v})
+    if not sizes:
+        return []
+    out = ["## Speed-up vs batch size", "", "Speed-up over AR at the same batch size B (wall time of B images decoded "
+           "together; `tuned` is each B's own tuned tree).", "",
+           "| run | method / tree | " + " | ".join(f"B = {b}" for b in sizes) + " |", "|---|---|" + "---|" * len(sizes)]
+    for n, by in by_run.items():
+        for v, speedups in sorted(by.items()):
+            out.append(f"| {n} | {v} | " + " | ".join(_fmt(speedups.get(b), ".2f") for b in sizes) + " |")
+    return out + [""]
+
+
+def tuned_section(run: str, batch: int, tuned: dict) -> list[str]:
+    """Markdown: one batch size's tuned tree, the presets under the same model, and its side-by-side timing."""
+    ch = tuned["choice"]
+    out = [f"**{run}**, B = {batch}: chose N {ch['N']}, depth {ch['depth']}: `{json.dumps(ch['paths'])}`", "",
+           "| tree | N | predicted tau | predicted step ms | predicted speed-up vs AR |", "|---|---|---|---|---|"]
+    for name, row in [("tuned", ch), *tuned["presets"].items()]:
+        out.append(f"| {name} | {row['N']} | {row['tau']:.2f} | {row['step_s'] * 1e3:.1f} | "
+                   f"{_fmt(row.get('predicted_speedup_vs_ar'), '.2f')}x |")
+    side = tuned.get("measured")
+    if side:
+        out += ["", f"Measured side by side in one run ({side['repeats']} generation(s) of classes {side['classes']} "
+                    "decoded together, interleaved):", ""]
+        out += ["| tree | wall s per generation (min..max) | tau |", "|---|---|---|"]
+        for k, v in side["runs"].items():
+            w = v["wall"]
+            out.append(f"| {k} | {w['median_s']:.2f} ({w['min_s']:.2f}..{w['max_s']:.2f}) | {v['tau']:.2f} |")
+        out += ["", f"Tuned / default wall time: **{side['tuned_over_default']:.2f}**"]
+    return out + [""]
+
+
 def markdown(files: list[tuple[str, dict]], plots: dict) -> str:
     out = ["# lantern profile report", "",
-           f"{len(files)} results file(s). Speed-up = AR wall time / method wall time, same backend, model, classes "
-           "and seeds, from the same file; latencies are medians over repeats (spread: min..max or p25..p75).", ""]
+           f"{len(files)} results file(s). Speed-up = AR wall time / method wall time at the same batch size B "
+           "(images decoded together), same backend, model, classes and seeds, from the same file; latencies are "
+           "medians over repeats (spread: min..max or p25..p75).", ""]
     out += ["## Machines and models", "", "| run | backend | device | CPU | load (1 min, at start) | accelerator | "
             "torch | onnxruntime | lantern | model |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, d in files:
@@ -95,71 +156,60 @@ def markdown(files: list[tuple[str, dict]], plots: dict) -> str:
         out += ["## Unavailable backends", ""] + [f"- **{n}**: {r}" for n, r in unavailable] + [""]
 
     measured = [(n, d) for n, d in files if d["backend"].get("available")]
-    curves = {n: verify_curve(d) for n, d in measured}
-    sizes = sorted({k for c in curves.values() for k in c})
-    if sizes:
-        out += ["## Verify latency vs tree size N (ms, batch 1 image)", "", "AR decode step = N 1.", ""]
+    for b in sorted({b for _, d in measured for b in batch_sizes(d, "verify")}):
+        curves = {n: verify_curve(d, b) for n, d in measured}
+        out += [f"## Verify latency vs tree size N (ms, batch {b} image{'s' if b > 1 else ''})", "",
+                "AR decode step = N 1.", ""]
         out += ["| N | " + " | ".join(curves) + " |", "|---|" + "---|" * len(curves)]
-        for n in sizes:
+        for n in sorted({k for c in curves.values() for k in c}):
             cells = [f"{c[n][0] * 1e3:.2f} ({c[n][1] * 1e3:.1f}..{c[n][2] * 1e3:.1f})" if n in c else "-"
                      for c in curves.values()]
             out.append(f"| {n} | " + " | ".join(cells) + " |")
         out.append("")
-    drafts = {n: draft_curve(d) for n, d in measured}
-    widths = sorted({k for c in drafts.values() for k in c})
-    if widths:
-        out += ["## Drafter step latency vs width W (ms, batch 1 image)", ""]
+    for b in sorted({b for _, d in measured for b in batch_sizes(d, "draft")}):
+        drafts = {n: draft_curve(d, b) for n, d in measured}
+        out += [f"## Drafter step latency vs width W (ms, batch {b} image{'s' if b > 1 else ''})", ""]
         out += ["| W | " + " | ".join(drafts) + " |", "|---|" + "---|" * len(drafts)]
-        for w in widths:
+        for w in sorted({k for c in drafts.values() for k in c}):
             out.append(f"| {w} | " + " | ".join(f"{c[w] * 1e3:.2f}" if w in c else "-" for c in drafts.values()) + " |")
         out.append("")
     if measured:
-        out += ["## Whole generation", "", "Wall time per pass over the classes (one image per class, decoded one at a "
-                "time); step ms = wall / target steps.", "",
-                "| run | method / tree | N | wall s (min..max) | step ms | tau | tokens/s | speed-up vs AR | "
+        out += ["## Whole generation", "", "Wall time of one generation of B images decoded together (the profile's "
+                "classes cycled to B images; every step of the batched loop advances all B); step ms = wall / steps "
+                "of that loop; tokens/s over all B images; speed-up = AR's wall time at the same B / the method's.", "",
+                "| run | B | method / tree | N | wall s (min..max) | step ms | tau | tokens/s | speed-up vs AR | "
                 "peak MiB |",
-                "|---|---|---|---|---|---|---|---|---|"]
+                "|---|---|---|---|---|---|---|---|---|---|"]
         for n, d in measured:
             for r in generation_rows(d):
+                case = r["case"].removeprefix(f"b{r['batch']}/")
                 if r["status"] != "ok":
-                    out.append(f"| {n} | {r['case']} | | failed: {r['error'][:120]} | | | | | |")
+                    out.append(f"| {n} | {r['batch']} | {case} | | failed: {r['error'][:120]} | | | | | |")
                     continue
-                out.append(f"| {n} | {r['case']} | {r['N']} | {r['wall_s']:.2f} ({r['spread_s'][0]:.2f}.."
+                out.append(f"| {n} | {r['batch']} | {case} | {r['N']} | {r['wall_s']:.2f} ({r['spread_s'][0]:.2f}.."
                            f"{r['spread_s'][1]:.2f}) | {r['step_ms']:.1f} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "
                            f"{_fmt(r['speedup'], '.2f')}x | {r['peak_bytes'] / MIB:.0f} |")
         out.append("")
+        out += speedup_table(measured)
         out += ["## Memory (widest generation of each run, MiB)", "",
                 "Where the peak is the process RSS (CPU backends), workspace includes the interpreter and libraries.",
-                "", "| run | case | N | peak | weights | KV cache | "
-                "tree buffers | workspace | source |", "|---|---|---|---|---|---|---|---|---|"]
+                "", "| run | case | B | N | peak | weights | KV cache | "
+                "tree buffers | workspace | source |", "|---|---|---|---|---|---|---|---|---|---|"]
         for n, d in measured:
             m = memory_parts(d)
             if m:
-                out.append(f"| {n} | {m['case']} | {m['N']} | {m['peak_bytes'] / MIB:.1f} | "
+                out.append(f"| {n} | {m['case']} | {m['batch']} | {m['N']} | {m['peak_bytes'] / MIB:.1f} | "
                            + " | ".join(f"{m[k] / MIB:.2f}" for k in MEMORY_PARTS) + f" | {m['source']} |")
         out.append("")
     tuned = [(n, d["tune"]) for n, d in measured if d.get("tune")]
     if tuned:
-        out += ["## Tuned trees", "", "Predicted from the verify and drafter curves, the fitted host overhead and the "
-                "probe's acceptance per (depth, rank); tau is per verify step, speed-up per image.", ""]
+        out += ["## Tuned trees", "", "One tree per batch size B, predicted from the verify and drafter curves at B, "
+                "the host overhead fitted on the generations at B and the batch-1 probe's acceptance per (depth, "
+                "rank); tau is per image and verify step, speed-up per image over AR at the same B (at B > 1 an upper "
+                "bound: the batched loop waits for its slowest image).", ""]
         for n, t in tuned:
-            ch = t["choice"]
-            out += [f"**{n}**: chose N {ch['N']}, depth {ch['depth']}: `{json.dumps(ch['paths'])}`", "",
-                    "| tree | N | predicted tau | predicted step ms | predicted speed-up vs AR |",
-                    "|---|---|---|---|---|"]
-            for name, row in [("tuned", ch), *t["presets"].items()]:
-                out.append(f"| {name} | {row['N']} | {row['tau']:.2f} | {row['step_s'] * 1e3:.1f} | "
-                           f"{_fmt(row.get('predicted_speedup_vs_ar'), '.2f')}x |")
-            side = t.get("measured")
-            if side:
-                out += ["", f"Measured side by side in one run ({side['repeats']} pass(es) over classes "
-                            f"{side['classes']}, interleaved):", ""]
-                out += ["| tree | wall s per pass (min..max) | tau |", "|---|---|---|"]
-                for k, v in side["runs"].items():
-                    w = v["wall"]
-                    out.append(f"| {k} | {w['median_s']:.2f} ({w['min_s']:.2f}..{w['max_s']:.2f}) | {v['tau']:.2f} |")
-                out += ["", f"Tuned / default wall time: **{side['tuned_over_default']:.2f}**"]
-            out.append("")
+            for b, tb in sorted(t["batches"].items(), key=lambda kv: int(kv[0])):
+                out += tuned_section(n, int(b), tb)
     fails = [(n, cid, err) for n, d in files for cid, err in failures(d)]
     if fails:
         out += ["## Failed cases", "", "| run | case | error |", "|---|---|---|"]
@@ -175,81 +225,120 @@ def plot(files: list[tuple[str, dict]], out_dir: Path) -> dict:
     import matplotlib.pyplot as plt
 
     measured = [(n, d) for n, d in files if d["backend"].get("available")]
+    makers = {"latency vs N": (plot_latency, "latency_vs_n.png"), "speed-up": (plot_speedup, "speedup.png"),
+              "speed-up vs batch": (plot_speedup_vs_batch, "speedup_vs_batch.png"),
+              "memory": (plot_memory, "memory.png")}
     plots = {}
-    curves = {n: verify_curve(d) for n, d in measured}
-    if any(curves.values()):
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-        for n, c in curves.items():
-            if c:
-                xs = list(c)
-                below = [(c[x][0] - c[x][1]) * 1e3 for x in xs]  # median - p25
-                above = [(c[x][2] - c[x][0]) * 1e3 for x in xs]  # p75 - median
-                axes[0].errorbar(xs, [c[x][0] * 1e3 for x in xs], yerr=[below, above], marker="o", ms=3, capsize=2,
-                                 label=n)
-        axes[0].set(xlabel="tree size N (nodes verified, root included)", ylabel="verify latency (ms)",
-                    title="Target verify latency vs N (batch 1 image)")
-        for n, d in measured:
-            dc = draft_curve(d)
-            if dc:
-                axes[1].plot(list(dc), [v * 1e3 for v in dc.values()], marker="o", ms=3, label=n)
-        axes[1].set(xlabel="drafter width W", ylabel="drafter step latency (ms)", title="Drafter step latency vs W")
-        for ax in axes:
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
-        fig.tight_layout()
-        plots["latency vs N"] = out_dir / "latency_vs_n.png"
-        fig.savefig(plots["latency vs N"], dpi=110)
-        plt.close(fig)
-    gen = {n: [r for r in generation_rows(d) if r["status"] == "ok" and r["method"] != "ar"] for n, d in measured}
-    for rows in gen.values():
-        for r in rows:  # each profile's own tuned tree in one group (the last tuning when there are several)
-            r["case"] = re.sub(r"/tuned-N\d+-[0-9a-f]+$", "/tuned", r["case"])
-    cases = sorted({r["case"] for rows in gen.values() for r in rows})
-    if cases:
-        fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(cases) + 2), 4.2))
-        width = 0.8 / max(len(gen), 1)
-        for i, (n, rows) in enumerate(gen.items()):
-            by = {r["case"]: r for r in rows}
-            heights = [(by[c]["speedup"] or 0) if c in by else 0 for c in cases]
-            ax.bar([k + i * width for k in range(len(cases))], heights, width, label=n)
-        ax.axhline(1.0, color="k", lw=0.8, ls="--")
-        ax.set_xticks([k + width * (len(gen) - 1) / 2 for k in range(len(cases))], cases, rotation=25, ha="right",
-                      fontsize=8)
-        ax.set(ylabel="speed-up over AR (wall time)", title="Whole-generation speed-up per method and tree")
+    for name, (make, file_name) in makers.items():
+        fig = make(plt, measured)
+        if fig is not None:
+            plots[name] = out_dir / file_name
+            fig.savefig(plots[name], dpi=110)
+            plt.close(fig)
+    return plots
+
+
+def plot_latency(plt, measured: list[tuple[str, dict]]):
+    """Verify latency vs N and drafter latency vs W, one line per run and batch size."""
+    lines = [(f"{n}, B={b}" if len(batch_sizes(d, "verify")) > 1 else n, d, b)
+             for n, d in measured for b in batch_sizes(d, "verify")]
+    if not lines:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, d, b in lines:
+        c = verify_curve(d, b)
+        xs = list(c)
+        below = [(c[x][0] - c[x][1]) * 1e3 for x in xs]  # median - p25
+        above = [(c[x][2] - c[x][0]) * 1e3 for x in xs]  # p75 - median
+        axes[0].errorbar(xs, [c[x][0] * 1e3 for x in xs], yerr=[below, above], marker="o", ms=3, capsize=2,
+                         label=name)
+        dc = draft_curve(d, b)
+        if dc:
+            axes[1].plot(list(dc), [v * 1e3 for v in dc.values()], marker="o", ms=3, label=name)
+    axes[0].set(xlabel="tree size N (nodes verified, root included)", ylabel="verify latency (ms)",
+                title="Target verify latency vs N (B images per step)")
+    axes[1].set(xlabel="drafter width W", ylabel="drafter step latency (ms)", title="Drafter step latency vs W")
+    for ax in axes:
+        ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-        ax.grid(axis="y", alpha=0.3)
-        fig.tight_layout()
-        plots["speed-up"] = out_dir / "speedup.png"
-        fig.savefig(plots["speed-up"], dpi=110)
-        plt.close(fig)
+    fig.tight_layout()
+    return fig
+
+
+def plot_speedup(plt, measured: list[tuple[str, dict]]):
+    """Bars: speed-up per method and tree at batch size 1, one bar per run."""
+    gen = {n: [r for r in generation_rows(d) if r["status"] == "ok" and r["method"] != "ar" and r["batch"] == 1]
+           for n, d in measured}
+    cases = sorted({r["variant"] for rows in gen.values() for r in rows})
+    if not cases:
+        return None
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(cases) + 2), 4.2))
+    width = 0.8 / max(len(gen), 1)
+    for i, (n, rows) in enumerate(gen.items()):
+        by = {r["variant"]: r for r in rows}  # each profile's own tuned tree in one group (the last tuning)
+        heights = [(by[c]["speedup"] or 0) if c in by else 0 for c in cases]
+        ax.bar([k + i * width for k in range(len(cases))], heights, width, label=n)
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_xticks([k + width * (len(gen) - 1) / 2 for k in range(len(cases))], cases, rotation=25, ha="right",
+                  fontsize=8)
+    ax.set(ylabel="speed-up over AR (wall time)", title="Whole-generation speed-up per method and tree (B = 1)")
+    ax.legend(fontsize=7)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def plot_speedup_vs_batch(plt, measured: list[tuple[str, dict]]):
+    """One panel per run: speed-up over AR at the same batch size vs the batch size, one line per method / tree."""
+    runs = [(n, speedup_by_batch(d)) for n, d in measured]
+    runs = [(n, by) for n, by in runs if by]
+    if not runs:
+        return None
+    fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 4.2), sharey=True, squeeze=False)
+    for ax, (n, by) in zip(axes[0], runs):
+        for v, speedups in sorted(by.items()):
+            ax.plot(list(speedups), list(speedups.values()), marker="o", ms=4, label=v)
+        sizes = sorted({b for speedups in by.values() for b in speedups})
+        ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        ax.set_xticks(sizes, [str(b) for b in sizes])
+        ax.set(xlabel="batch size B (images decoded together)", title=n)
+        ax.title.set_fontsize(8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("speed-up over AR at the same B")
+    fig.suptitle("Whole-generation speed-up vs batch size", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_memory(plt, measured: list[tuple[str, dict]]):
+    """Stacked parts of the widest generation's memory, and its peak beyond them, per run."""
     mem = {n: memory_parts(d) for n, d in measured}
     mem = {n: m for n, m in mem.items() if m}
-    if mem:
-        names = list(mem)
-        fig, axes = plt.subplots(1, 2, figsize=(max(9.0, 2.4 * len(mem) + 4), 4.2))
-        bottom = [0.0] * len(names)
-        for part in MEMORY_PARTS[:-1]:  # what the model and its static shapes hold
-            vals = [mem[n][part] / MIB for n in names]
-            axes[0].bar(names, vals, bottom=bottom, label=part.removesuffix("_bytes").replace("_", " "))
-            bottom = [b + v for b, v in zip(bottom, vals)]
-        axes[0].set(ylabel="MiB", title="Weights, KV cache and tree buffers")
-        fixed = [sum(mem[n][p] for p in MEMORY_PARTS[:-1]) / MIB for n in names]
-        work = [mem[n]["workspace_bytes"] / MIB for n in names]
-        # what the backend's peak holds beyond its parts (on CPU: the interpreter and libraries in the RSS)
-        other = [max(mem[n]["peak_bytes"] / MIB - f - w, 0.0) for n, f, w in zip(names, fixed, work)]
-        axes[1].bar(names, fixed, label="weights + KV + tree buffers")
-        axes[1].bar(names, work, bottom=fixed, label="workspace (as the backend reports it)")
-        axes[1].bar(names, other, bottom=[f + w for f, w in zip(fixed, work)], label="rest of the peak")
-        axes[1].set(ylabel="MiB", title="Peak memory (sources: see the report's table)")
-        for ax in axes:
-            ax.tick_params(axis="x", labelsize=7)
-            ax.legend(fontsize=7)
-        fig.suptitle("Memory of the widest generation of each run", fontsize=10)
-        fig.tight_layout()
-        plots["memory"] = out_dir / "memory.png"
-        fig.savefig(plots["memory"], dpi=110)
-        plt.close(fig)
-    return plots
+    if not mem:
+        return None
+    names = list(mem)
+    fig, axes = plt.subplots(1, 2, figsize=(max(9.0, 2.4 * len(mem) + 4), 4.2))
+    bottom = [0.0] * len(names)
+    for part in MEMORY_PARTS[:-1]:  # what the model and its static shapes hold
+        vals = [mem[n][part] / MIB for n in names]
+        axes[0].bar(names, vals, bottom=bottom, label=part.removesuffix("_bytes").replace("_", " "))
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    axes[0].set(ylabel="MiB", title="Weights, KV cache and tree buffers")
+    fixed = [sum(mem[n][p] for p in MEMORY_PARTS[:-1]) / MIB for n in names]
+    work = [mem[n]["workspace_bytes"] / MIB for n in names]
+    # what the backend's peak holds beyond its parts (on CPU: the interpreter and libraries in the RSS)
+    other = [max(mem[n]["peak_bytes"] / MIB - f - w, 0.0) for n, f, w in zip(names, fixed, work)]
+    axes[1].bar(names, fixed, label="weights + KV + tree buffers")
+    axes[1].bar(names, work, bottom=fixed, label="workspace (as the backend reports it)")
+    axes[1].bar(names, other, bottom=[f + w for f, w in zip(fixed, work)], label="rest of the peak")
+    axes[1].set(ylabel="MiB", title="Peak memory (sources: see the report's table)")
+    for ax in axes:
+        ax.tick_params(axis="x", labelsize=7)
+        ax.legend(fontsize=7)
+    fig.suptitle("Memory of the widest generation of each run", fontsize=10)
+    fig.tight_layout()
+    return fig
 
 
 def compare(paths: list[str | Path], out_dir: str | Path, with_plots: bool = True) -> dict:

@@ -1,6 +1,6 @@
 """The results file: one versioned JSON object per (profile, machine) run, validated on every load.
 
-Schema version 1 (`"schema": "lantern-profile-results"`, `"schema_version": 1`):
+Schema version 2 (`"schema": "lantern-profile-results"`, `"schema_version": 2`):
 
     profile        the HardwareProfile as run (every field, defaults included), plus settings_hash
     backend        {"requested", "name", "available", "reason", "capabilities"}
@@ -9,15 +9,32 @@ Schema version 1 (`"schema": "lantern-profile-results"`, `"schema_version": 1`):
                    and git revision, hostname, platform
     started_at, updated_at   ISO-8601 UTC
     complete       true once every planned case has a record
-    cases          {case_id: case}, case ids like "verify/b1/N58", "draft/b1/W10", "generate/ar",
-                   "generate/lantern++/lantern++-57", "acceptance/probe"
-    tune           (optional) the last `lantern profile tune` choice and its side-by-side measurement
+    cases          {case_id: case}; the case ids, B being the images per step (a batch size of the profile):
+                     "verify/b{B}/N{N}"       one target verify step over N tree nodes (root included)
+                     "draft/b{B}/W{W}"        one drafter step of width W
+                     "generate/b{B}/{method}"         B images decoded together (one batched loop), e.g.
+                     "generate/b{B}/{method}/{tree}"  "generate/b4/ar", "generate/b4/lantern++/chain-5"
+                                              (static-tree methods once per tree; a tuned tree is
+                                              "tuned-N{N}-{hash of its paths}")
+                     "acceptance/probe"       acceptance per (depth, rank), always at batch 1
+                   (the second part of a step or generate id is always "b" and the batch size)
+    tune           (optional) the last `lantern profile tune`: {"tuned_at", "acceptance_rates", "batches":
+                   {"B": {"choice", "presets", "ar_seconds_per_token", "cost_model", "tree_file",
+                   "measured" (with --measure)}}}
 
 A case is {"kind": verify | draft | generate | acceptance | backend, "status": ok | failed,
 "params": {...}, "result": {...} (ok) or "error": "..." (failed), "seconds": wall time of the case,
-"measured_at": ISO time, "load_average": the 1/5/15-minute load when the case ended}.
+"measured_at": ISO time, "load_average": the 1/5/15-minute load when the case ended}. Every step and generate
+case has params["batch"] = B.
 Latencies are {"median_s", "min_s", "max_s", "p25_s", "p75_s", "repeats", "samples_s"}; memory is the
 backend's MemoryReport plus the process's peak RSS.
+A generate result holds "wall" (a latency record over the timed passes, each pass decoding the B images once),
+"images" (B), "tokens_per_pass", "tokens_per_s" (all images' tokens over all passes' wall time), "tau" (per
+image and verify step), "step_compression" (per image), "verify_steps" (steps of the batched loop, each
+advancing all B images, summed over the passes), the tree's shape, phase times and memory.
+
+Version 1 measured whole generations one image at a time under ids "generate/{method}[/{tree}]"; it is
+refused with a message saying how to measure again.
 """
 from __future__ import annotations
 
@@ -28,8 +45,11 @@ from pathlib import Path
 from typing import Optional
 
 SCHEMA = "lantern-profile-results"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+RETIRED_VERSIONS = {1: "version 1 timed whole generations one image at a time; version 2 times them per batch "
+                       "size, as B images decoded together"}
 CASE_KINDS = ("backend", "verify", "draft", "generate", "acceptance")
+BATCHED_KINDS = ("verify", "draft", "generate")  # measured per batch size: params["batch"]
 CASE_STATUSES = ("ok", "failed")
 STEP_SIZE = {"verify": "N", "draft": "W"}  # the param that sizes a step case
 TOP_LEVEL = {"schema": str, "schema_version": int, "profile": dict, "backend": dict, "model": dict,
@@ -47,6 +67,12 @@ def validate(data, where: str) -> dict:
         raise SchemaError(f"{where}: not a lantern profile results file (schema {data.get('schema')!r}, "
                           f"expected {SCHEMA!r})")
     version = data.get("schema_version")
+    if version in RETIRED_VERSIONS:
+        name = (data.get("profile") or {}).get("name", "NAME")
+        raise SchemaError(f"{where}: results schema version {version} is incompatible; this lantern reads version "
+                          f"{SCHEMA_VERSION} only ({RETIRED_VERSIONS[version]}). Measure again with "
+                          f"`lantern profile run --profile {name} --fresh` (replaces this file) or with `--out "
+                          f"NEW.json` (keeps it), or read it with the lantern that wrote it")
     if version != SCHEMA_VERSION:
         raise SchemaError(f"{where}: results schema version {version!r} is incompatible; this lantern reads "
                           f"version {SCHEMA_VERSION} only (rerun `lantern profile run` with this lantern, or "
@@ -71,6 +97,10 @@ def _validate_case(case_id: str, case, where: str) -> None:
         raise SchemaError(f"{where}: case {case_id!r} has status {status!r}; allowed: {', '.join(CASE_STATUSES)}")
     if not isinstance(case.get("params"), dict):
         raise SchemaError(f"{where}: case {case_id!r} has no params object")
+    batch = case["params"].get("batch")
+    if case["kind"] in BATCHED_KINDS and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
+        raise SchemaError(f"{where}: {case['kind']} case {case_id!r} needs params.batch, an integer >= 1 (images per "
+                          f"step), got {batch!r}")
     if status == "ok" and not isinstance(case.get("result"), dict):
         raise SchemaError(f"{where}: ok case {case_id!r} has no result object")
     if status == "failed" and not isinstance(case.get("error"), str):
@@ -103,6 +133,15 @@ def save_results(data: dict, path: str | Path) -> None:
     os.replace(tmp, path)
 
 
+# -- case ids (the scheme is in the module doc) -------------------------------------------------------------------
+def step_case_id(kind: str, batch: int, size: int) -> str:
+    return f"{kind}/b{batch}/{STEP_SIZE[kind]}{size}"
+
+
+def generation_case_id(batch: int, method: str, tree: Optional[str] = None) -> str:
+    return f"generate/b{batch}/{method}" + (f"/{tree}" if tree else "")
+
+
 # -- reading: the one place the tuner and the report take measurements from -------------------------------------
 def ok_cases(data: dict, kind: str) -> dict[str, dict]:
     return {cid: c for cid, c in data["cases"].items() if c["kind"] == kind and c["status"] == "ok"}
@@ -113,13 +152,23 @@ def ok_result(data: dict, case_id: str) -> Optional[dict]:
     return case["result"] if case and case["status"] == "ok" else None
 
 
-def step_latencies(data: dict, kind: str, batch: int = 1) -> dict[int, dict]:
+def step_latencies(data: dict, kind: str, batch: int) -> dict[int, dict]:
     """{N or W: latency record} of the ok verify or draft cases at `batch` images, by size."""
     size = STEP_SIZE[kind]
     return dict(sorted((c["params"][size], c["result"]["latency"]) for c in ok_cases(data, kind).values()
                        if c["params"]["batch"] == batch))
 
 
+def batch_sizes(data: dict, kind: str) -> list[int]:
+    """The batch sizes with an ok case of `kind` (verify, draft or generate), ascending."""
+    return sorted({c["params"]["batch"] for c in ok_cases(data, kind).values()})
+
+
+def generations(data: dict, batch: int) -> dict[str, dict]:
+    """{case id: case} of the ok generate cases at `batch` images."""
+    return {cid: c for cid, c in ok_cases(data, "generate").items() if c["params"]["batch"] == batch}
+
+
 def seconds_per_step(result: dict) -> float:
-    """Wall seconds per target step of a generate case, over all its timed passes."""
+    """Wall seconds per step of a generate case's (batched) decode loop, over all its timed passes."""
     return sum(result["wall"]["samples_s"]) / max(result["verify_steps"], 1)

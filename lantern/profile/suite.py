@@ -24,7 +24,8 @@ from lantern.decoding.config import method_preset
 from lantern.decoding.trees import load_tree
 from lantern.profile import environment, measure
 from lantern.profile.hardware import TUNED_TREE, HardwareProfile, shipped_dir
-from lantern.profile.schema import SCHEMA, SCHEMA_VERSION, load_results, save_results
+from lantern.profile.schema import (SCHEMA, SCHEMA_VERSION, generation_case_id, load_results, save_results,
+                                    step_case_id)
 from lantern.profile.source import load_source
 
 STATIC_TREE_METHODS = ("lantern++",)  # methods whose drafting is a static tree (the others draft dynamically)
@@ -59,12 +60,13 @@ def backend_options(name: str, profile: HardwareProfile) -> dict:
     return options
 
 
-def tree_label(tree: str, profile: HardwareProfile) -> Optional[tuple[str, str]]:
-    """(label, drafting spec) of a profile tree; None for `tuned` when the profile has no tuned tree yet.
-    A tuned tree's label carries a hash of its paths, so a new tuning is a new case."""
+def tree_label(tree: str, profile: HardwareProfile, batch: int) -> Optional[tuple[str, str]]:
+    """(label, drafting spec) of a profile tree at `batch` images per step; None for `tuned` when the profile has
+    no tuned tree yet. `tuned` is the tree `generate --profile` would use at that batch width; its label carries
+    a hash of its paths, so a new tuning is a new case."""
     if tree != TUNED_TREE:
         return tree, tree
-    tree_file = profile.tuned_tree_file()
+    tree_file = profile.tuned_tree_file(batch)
     if tree_file is None:
         return None
     paths = load_tree(str(tree_file))
@@ -84,41 +86,64 @@ class Suite:
 
     # -- the cases ---------------------------------------------------------------------------------------
     def plan(self) -> list[Case]:
+        """Every case of the profile, in run order. Each kind of case has its planner; another kind is one more
+        planner in this list (and its kind in schema.CASE_KINDS)."""
+        planners = (self.step_cases, self.generation_cases, self.probe_cases)
+        return [case for planner in planners for case in planner()]
+
+    def step_cases(self) -> list[Case]:
+        """Verify latency per tree size N and drafter latency per width W, at every batch size."""
         p, src = self.profile, self.source
         cfg = src.target.config
         rows = self.sampling.rows_per_image
         cases = []
         for b in p.batch_sizes:
-            for n in p.verify_sizes:
+            for n in p.verify_sizes_at(b):
                 spec = measure.step_spec(cfg, b * rows, p.dtype, verify=n)
-                cases.append(Case(f"verify/b{b}/N{n}", "verify", {"batch": b, "rows": b * rows, "N": n},
+                cases.append(Case(step_case_id("verify", b, n), "verify", {"batch": b, "rows": b * rows, "N": n},
                                   lambda spec=spec: measure.verify_latency(self.backend, src.target, spec,
                                                                            p.warmup, p.repeats)))
             if src.drafter is not None:
                 for w in p.draft_sizes:
                     spec = measure.step_spec(cfg, b * rows, p.dtype, verify=1, draft=w)
-                    cases.append(Case(f"draft/b{b}/W{w}", "draft", {"batch": b, "rows": b * rows, "W": w},
+                    cases.append(Case(step_case_id("draft", b, w), "draft", {"batch": b, "rows": b * rows, "W": w},
                                       lambda spec=spec: measure.draft_latency(self.backend, src.target, src.drafter,
                                                                               spec, p.warmup, p.repeats)))
-        for method in p.methods:
-            trees = [tree_label(t, p) for t in p.trees] if method in STATIC_TREE_METHODS else [None]
-            for tree in trees:
-                if method in STATIC_TREE_METHODS and tree is None:
-                    continue  # `tuned` before any tuning: nothing to measure yet
-                label, drafting = tree if tree else (None, None)
-                overrides = {"drafting": drafting} if drafting else {}
-                dcfg = method_preset(method, self.sampling, **overrides)
-                case_id = f"generate/{method}" + (f"/{label}" if label else "")
-                params = {"method": method, "tree": label, "decode": dcfg.to_dict(), "classes": list(p.classes),
-                          "seed": p.seed, "repeats": p.generation_repeats}
-                cases.append(Case(case_id, "generate", params, lambda dcfg=dcfg: measure.generation(
-                    self.make_pipe(), dcfg, list(p.classes), p.seed, p.generation_warmup, p.generation_repeats)))
-        if src.drafter is not None and src.proximity is not None:
-            pr = p.probe
-            params = {"method": "lantern++", "depth": pr.depth, "fanout": pr.fanout, "expand": list(pr.expand),
-                      "classes": list(p.classes), "seed": p.seed}
-            cases.append(Case("acceptance/probe", "acceptance", params, self._probe))
         return cases
+
+    def generation_cases(self) -> list[Case]:
+        """Whole generations of B images decoded together, per batch size B, method and (static-tree methods)
+        tree; AR at the same B is their baseline."""
+        p = self.profile
+        cases = []
+        for b in p.batch_sizes:
+            classes = p.classes_at(b)
+            for method in p.methods:
+                trees = [tree_label(t, p, b) for t in p.trees] if method in STATIC_TREE_METHODS else [None]
+                for tree in trees:
+                    if method in STATIC_TREE_METHODS and tree is None:
+                        continue  # `tuned` before any tuning: nothing to measure yet
+                    label, drafting = tree if tree else (None, None)
+                    overrides = {"drafting": drafting} if drafting else {}
+                    dcfg = method_preset(method, self.sampling, **overrides)
+                    params = {"batch": b, "method": method, "tree": label, "decode": dcfg.to_dict(),
+                              "classes": classes, "seed": p.seed, "repeats": p.generation_repeats}
+                    cases.append(Case(generation_case_id(b, method, label), "generate", params,
+                                      lambda dcfg=dcfg, classes=classes: measure.generation(
+                                          self.make_pipe(), dcfg, classes, p.seed, p.generation_warmup,
+                                          p.generation_repeats)))
+        return cases
+
+    def probe_cases(self) -> list[Case]:
+        """Acceptance per (depth, rank), at batch 1 (acceptance does not depend on the batch width); needs the
+        drafter and the proximity table."""
+        src, p = self.source, self.profile
+        if src.drafter is None or src.proximity is None:
+            return []
+        pr = p.probe
+        params = {"method": "lantern++", "depth": pr.depth, "fanout": pr.fanout, "expand": list(pr.expand),
+                  "classes": list(p.classes), "seed": p.seed}
+        return [Case("acceptance/probe", "acceptance", params, self._probe)]
 
     def _probe(self) -> dict:
         pr = self.profile.probe

@@ -1,18 +1,22 @@
-"""Choose the static tree for one device from its measurements.
+"""Choose the static tree for one device from its measurements, one tree per batch size B (images decoded
+together: one batched step advances all of them).
 
-Model of one speculative step with a tree T of N nodes (root included), depth D and widest drafting level W:
+Model of one speculative step at B images with a tree T of N nodes (root included), depth D and widest
+drafting level W:
 
     E(T)    = 1 + sum over nodes v of P(v's path accepted),  P = product over the path's edges (depth d,
               rank j) of a[d][j] = P(the rank-j child is the accepted one | its parent was reached)
     cost(T) = verify(N) + draft(D + 1) + (D - 1) * draft(W) + host_a + host_b * N
 
-verify() and draft() are the measured step-latency curves (interpolated), the catch-up is one drafter step
-of width D + 1 and each deeper level one step of width W (the static drafting shapes), and host_a + host_b*N
-is the host-side work per step (sampling, tree walk, commit) fitted from the whole-generation cases.
-The search grows a tree greedily from the single node (0,): each round it adds the candidate node (the next
-child of any node) that gives the highest tokens per second E/cost, up to the largest measured N, takes
-the best tree seen on the way, and prunes the leaves that do not pay for themselves. With a flat verify curve extra nodes are nearly free and the tree
-grows wide; with a steep one every node must pay for itself and the tree stays small.
+verify() and draft() are the step-latency curves measured at B (interpolated), the catch-up is one drafter
+step of width D + 1 and each deeper level one step of width W (the static drafting shapes), and
+host_a + host_b*N is the host-side work per step (sampling, tree walk, commit) fitted from the whole-generation
+cases at B. The acceptance rates a[d][j] are the batch-1 probe's at every B (acceptance does not depend on the
+batch width). The search grows a tree greedily from the single node (0,): each round it adds the candidate
+node (the next child of any node) that gives the highest tokens per second E/cost, up to the largest N
+measured at B, takes the best tree seen on the way, and prunes the leaves that do not pay for themselves.
+With a flat verify curve extra nodes are nearly free and the tree grows wide; with a steep one every node must
+pay for itself and the tree stays small.
 """
 from __future__ import annotations
 
@@ -21,7 +25,8 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from lantern.decoding.trees import Paths, validate_paths
-from lantern.profile.schema import ok_cases, ok_result, seconds_per_step, step_latencies
+from lantern.profile.schema import (batch_sizes, generation_case_id, generations, ok_result, seconds_per_step,
+                                    step_latencies)
 
 
 def interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
@@ -192,19 +197,19 @@ def fit_host_overhead(points: list[tuple[int, float]]) -> tuple[float, float]:
 
 
 # -- from a results file -------------------------------------------------------------------------------------
-def step_curves(data: dict, batch: int = 1) -> tuple[dict, dict]:
+def step_curves(data: dict, batch: int) -> tuple[dict, dict]:
     """{N: median seconds} of verify and {W: median seconds} of drafter steps at `batch` images."""
     return tuple({size: lat["median_s"] for size, lat in step_latencies(data, kind, batch).items()}
                  for kind in ("verify", "draft"))
 
 
-def cost_model(data: dict) -> tuple[CostModel, list[dict]]:
-    """Curves at batch 1 plus host overhead fitted on the static-tree generations (the residual of each
-    one's measured step time over the curves' prediction)."""
-    verify, draft = step_curves(data)
+def cost_model(data: dict, batch: int) -> tuple[CostModel, list[dict]]:
+    """Curves at `batch` images plus host overhead fitted on the static-tree generations at that batch size (the
+    residual of each one's measured step time over the curves' prediction)."""
+    verify, draft = step_curves(data, batch)
     bare = CostModel.from_curves(verify, draft)
     points, used = [], []
-    for cid, c in ok_cases(data, "generate").items():
+    for cid, c in generations(data, batch).items():
         r = c["result"]
         if c["params"]["method"] == "ar" or c["params"]["decode"]["drafting"] in ("dynamic", "jacobi"):
             continue
@@ -223,24 +228,42 @@ def acceptance_model(data: dict) -> AcceptanceRates:
     return AcceptanceRates(tuple(tuple(row) for row in probe["result"]["rates"]))
 
 
-def ar_seconds_per_token(data: dict) -> Optional[float]:
-    r = ok_result(data, "generate/ar")
+def ar_seconds_per_token(data: dict, batch: int) -> Optional[float]:
+    """AR's wall seconds per token of one image at `batch` images per step (each step gives every image one)."""
+    r = ok_result(data, generation_case_id(batch, "ar"))
     if r is None:
         return None
-    return sum(r["wall"]["samples_s"]) / (r["tokens_per_pass"] * r["wall"]["repeats"])
+    tokens_per_image = r["tokens_per_pass"] / r["images"]
+    return sum(r["wall"]["samples_s"]) / (tokens_per_image * r["wall"]["repeats"])
 
 
-def tune_results(data: dict, presets: dict, max_nodes: Optional[int] = None) -> dict:
-    """The chosen tree and, under the same model, every preset (for comparison)."""
-    acc = acceptance_model(data)
-    cost, host_points = cost_model(data)
+def tunable_batches(data: dict) -> list[int]:
+    """The batch sizes with both a verify and a drafter curve."""
+    return sorted(set(batch_sizes(data, "verify")) & set(batch_sizes(data, "draft")))
+
+
+def tune_batch(data: dict, batch: int, acc: AcceptanceRates, presets: dict, max_nodes: Optional[int] = None) -> dict:
+    """The tree chosen for `batch` images per step and, under the same model, every preset (for comparison).
+    Speed-ups are per image against AR at the same batch size. The model counts tau tokens per image and step;
+    the batched loop runs until its slowest image is done, so at B > 1 the predictions are upper bounds."""
+    cost, host_points = cost_model(data, batch)
     choice = choose_tree(acc, cost, max_nodes)
-    ar = ar_seconds_per_token(data)
+    ar = ar_seconds_per_token(data, batch)
     rows = {name: evaluate(tuple(paths), acc, cost) for name, paths in presets.items()
             if len(paths) + 1 <= cost.max_nodes}
     for row in [choice, *rows.values()]:
         row["predicted_speedup_vs_ar"] = row["tokens_per_s"] * ar if ar else None
     return {"choice": choice, "presets": rows, "ar_seconds_per_token": ar,
             "cost_model": {"verify": cost.verify, "draft": cost.draft, "host_a_s": cost.host_a,
-                           "host_b_s_per_node": cost.host_b, "host_fit": host_points},
+                           "host_b_s_per_node": cost.host_b, "host_fit": host_points}}
+
+
+def tune_results(data: dict, presets: dict, max_nodes: Optional[int] = None) -> dict:
+    """One tree per batch size with measured curves (the acceptance rates are the batch-1 probe's)."""
+    acc = acceptance_model(data)
+    batches = tunable_batches(data)
+    if not batches:
+        raise ValueError("tuning needs a measured verify curve and drafter curve at some batch size (run `lantern "
+                         "profile run`)")
+    return {"batches": {b: tune_batch(data, b, acc, presets, max_nodes) for b in batches},
             "acceptance_rates": acc.rates}

@@ -109,8 +109,10 @@ def decode_plan(args, bundle, pipe, n_images: int):
     if args.method != "auto":
         dcfg = decode_config_from_args(args, bundle)
         return dcfg, pipe.check(dcfg, args.batch), None
+    from lantern.profile.cli import profile_costs
+    profile = profile_costs(args.profile) if getattr(args, "profile", None) else None
     choice = pipe.plan(n_images, sampling_from_args(args, bundle), batch=args.batch,
-                       allow_relaxed=args.allow_relaxed)
+                       allow_relaxed=args.allow_relaxed, profile=profile)
     print(f"lantern: {choice.summary()}", file=sys.stderr)
     return choice.decode, choice.width, choice
 
@@ -252,8 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--scale", type=number(int, 1), default=4, help="upscale factor of the written PNGs, >= 1")
     g.add_argument("--no-images", action="store_true", help="tokens and stats only")
     g.add_argument("--json", action="store_true", help="print one JSON object")
-    g.add_argument("--profile", help="hardware profile NAME or .toml FILE: its backend, dtype, threads and the tree "
-                                     "it tuned for this batch width, min(images, --batch)")
+    g.add_argument("--profile", help="hardware profile NAME or .toml FILE: its backend, dtype, threads, the tree "
+                                     "tuned for this batch width, and for --method auto its calibration")
     add_decode_options(g)
     add_backend_options(g)
     g.set_defaults(func=cmd_generate, show=print_generate)

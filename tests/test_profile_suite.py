@@ -60,7 +60,7 @@ def test_run_writes_a_valid_results_file(tiny_run):
     data = load_results(results)
     assert data["schema_version"] == SCHEMA_VERSION and data["model"]["kind"] == "random"
     kinds = {c["kind"] for c in data["cases"].values()}
-    assert kinds == {"verify", "draft", "generate", "acceptance"}
+    assert kinds == {"verify", "draft", "generate", "acceptance", "calibration"}
     verify = data["cases"]["verify/b1/N8"]["result"]
     assert verify["latency"]["repeats"] == 1 and verify["latency"]["median_s"] > 0
     assert verify["memory"]["weights_bytes"] > 0 and verify["memory"]["kv_cache_bytes"] > 0
@@ -356,7 +356,7 @@ def test_auto_source_prefers_the_embedded_bundle(tmp_path, monkeypatch, tiny):
     fake.DEFAULT_BUNDLE = tmp_path
     fake.load_bundle = lambda path=None: types.SimpleNamespace(
         path=tmp_path, target=target, drafter=drafter, proximity=proximity, default_cfg_scale=3.0,
-        manifest={"files": {"target.safetensors": "ab12"}})
+        manifest={"files": {"target.safetensors": "ab12"}}, relaxation_defaults={}, acceptance_record=None)
     monkeypatch.setitem(sys.modules, "lantern.bundle", fake)
     monkeypatch.setattr("importlib.util.find_spec", lambda name: object() if name == "lantern.bundle" else None)
     src = load_source("auto")
@@ -396,3 +396,30 @@ def test_profiles_are_found_on_the_search_path_then_in_the_shipped_copy(tmp_path
     monkeypatch.setenv("LANTERN_PROFILES", f"{first}{os.pathsep}{second}")
     mine = load_profile("cpu")
     assert mine.path == second / "cpu.toml" and default_results_path(mine) == second / "results" / "cpu.json"
+
+
+def test_run_calibrates_auto_per_batch_size_and_generate_auto_reads_it(tiny_run, capsys):
+    """`profile run` times every auto plan at each batch size, refreshes the machine's cached calibration, and
+    `--method auto --profile` takes its cost model from the results (interpolated between batch sizes)."""
+    from lantern.api import ModelDefaults, Pipeline
+    from lantern.plan import calibration
+    from lantern.plan.choose import model_key
+    from lantern.profile.cli import profile_costs
+    from lantern.profile.source import load_source
+    path, results, _ = tiny_run
+    data = load_results(results)
+    entries = {c["params"]["batch"]: c["result"] for c in data["cases"].values() if c["kind"] == "calibration"}
+    assert sorted(entries) == [1, 2]
+    for entry in entries.values():
+        assert entry["fixed_s"] > 0 and {"ar", "mc-sjd/L4", "eagle2", "lantern++/chain-5"} <= set(entry["plans"])
+        assert all(p["step_s"] > 0 for p in entry["plans"].values())
+    src = load_source("random:GPT-test")
+    pipe = Pipeline(src.target, src.drafter, src.proximity, backend="cpu",
+                    defaults=ModelDefaults(sampling=load_profile(str(path)).sampling_config(src.default_cfg_scale)))
+    key = calibration.calibration_key("cpu", "fp32", model_key(pipe))
+    assert calibration.load_calibration(key)["widths"]["2"] == {k: v for k, v in entries[2].items()
+                                                               if k not in ("model", "cache")}
+    costs = profile_costs(str(path))
+    assert costs.name == "tiny" and set(costs.widths) == {"1", "2"}
+    choice = pipe.plan(3, batch=3, profile=costs, progress=False)
+    assert choice.cost_source.startswith("hardware profile tiny (interpolated between batch widths [1, 2])")

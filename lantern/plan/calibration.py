@@ -91,8 +91,8 @@ def tokens_for(steps: int, compression: float, block: int) -> int:
 
 def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, relaxation: dict, width: int,
                   compression: dict, entry: dict | None = None, progress: bool = True) -> dict:
-    """Time every plan `entry` lacks at this width. compression: plan name -> tokens per step (from the
-    acceptance record), to size the short generations. Returns the width's entry."""
+    """Time every plan `entry` lacks at this width. compression: plan name -> tokens per step (from an
+    acceptance record; 1 where unknown), to size the short generations. Returns the width's entry."""
     from tqdm import tqdm
     block = pipe.config.block_size
     entry = entry or {"plans": {}}
@@ -116,6 +116,13 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, relaxat
     entry["seconds"] = entry.get("seconds", 0.0) + time.perf_counter() - t0
     entry["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return entry
+
+
+def refresh_cache(backend: str, dtype: str, model: str, width: int, entry: dict) -> Path:
+    """Store a width's entry (e.g. from `lantern profile run`) as this machine's calibration."""
+    data = load_calibration(calibration_key(backend, dtype, model))
+    data["widths"][str(width)] = entry
+    return save_calibration(data)
 
 
 def at_width(widths: dict, width: int) -> dict:

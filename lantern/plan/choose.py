@@ -110,6 +110,10 @@ def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] =
                               sampling, settings)
     key = model_key(pipe)
     steps, spent = steps_by_plan(pipe, plans, sampling, settings, key, shipped_record, progress)
+    if profile is not None and any(e.get("model") != key for e in profile.widths.values()):
+        print(f"lantern: hardware profile {profile.name} was calibrated with another model; auto uses this "
+              f"machine's calibration", file=sys.stderr)
+        profile = None
     if profile is not None:
         costs = calibration.at_width(profile.widths, width)
         source = f"hardware profile {profile.name}" + (f" (interpolated between batch widths "
@@ -175,7 +179,7 @@ def machine_costs(pipe, plans: list[Plan], sampling: SamplingConfig, settings: d
         print(f"lantern: calibrating {len(lacking)} plan(s) on {pipe.backend.name} ({pipe.dtype}) at {width} "
               f"image(s) per step, once (cached in {path}; `lantern profile run` refreshes it)", file=sys.stderr)
         block = pipe.config.block_size
-        compression = {p.name: block / (sum(steps[p.name]) / len(steps[p.name])) for p in plans}
+        compression = {p.name: block * len(steps[p.name]) / sum(steps[p.name]) for p in plans}
         entry = calibration.measure_width(pipe, lacking, sampling, settings, width, compression, entry, progress)
         data["widths"][str(width)] = entry
         calibration.save_calibration(data)

@@ -56,6 +56,12 @@ def plan_steps(record: dict, plan: Plan, block: int) -> Optional[list[int]]:
     return list(entry["steps"]) if entry else None
 
 
+def compression(record: Optional[dict], block: int) -> dict[str, float]:
+    """Tokens per step of every plan in a record (any sampling: to size short timing runs, nothing more)."""
+    plans = (record or {}).get("plans", {})
+    return {name: block * len(e["steps"]) / max(sum(e["steps"]), 1) for name, e in plans.items()}
+
+
 def measure_record(generate: Callable[[Plan], object], plans: Sequence[Plan], record: dict,
                    progress: bool = True) -> dict:
     """Fill `record` with every plan it lacks. generate(plan) -> a GenerationResult of whole images (the same

@@ -216,3 +216,22 @@ def apply_profile(args: argparse.Namespace) -> None:
             raise ValueError(f"profile {profile.name}: its tuned tree {tree_file} is missing; rerun "
                              f"`lantern profile tune --profile {profile.name}`")
         args.drafting = str(tree_file)
+
+
+def profile_costs(spec: str):
+    """`--method auto --profile NAME`: the profile's calibration from its results file, or None (said on stderr)
+    when it has none, in which case auto uses this machine's cached calibration."""
+    import sys
+
+    from lantern.plan.calibration import ProfileCosts
+    from lantern.profile.hardware import load_profile
+    from lantern.profile.schema import calibration_entries, load_results
+    from lantern.profile.suite import default_results_path
+    profile = load_profile(spec)
+    path = default_results_path(profile)
+    entries = calibration_entries(load_results(path)) if path.is_file() else {}
+    if not entries:
+        print(f"lantern: profile {profile.name} has no calibration in {path} (run `lantern profile run --profile "
+              f"{profile.name}`); auto uses this machine's calibration", file=sys.stderr)
+        return None
+    return ProfileCosts(profile.name, entries)

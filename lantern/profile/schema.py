@@ -17,15 +17,17 @@ Schema version 2 (`"schema": "lantern-profile-results"`, `"schema_version": 2`):
                                               (static-tree methods once per tree; a tuned tree is
                                               "tuned-N{N}-{hash of its paths}")
                      "acceptance/probe"       acceptance per (depth, rank), always at batch 1
+                     "calibration/b{B}"       `--method auto`'s cost model at B: fixed_s and each candidate
+                                              plan's step_s (lantern.plan.calibration), also cached for the machine
                    (the second part of a step or generate id is always "b" and the batch size)
     tune           (optional) the last `lantern profile tune`: {"tuned_at", "acceptance_rates", "batches":
                    {"B": {"choice", "presets", "ar_seconds_per_token", "cost_model", "tree_file",
                    "measured" (with --measure)}}}
 
-A case is {"kind": verify | draft | generate | acceptance | backend, "status": ok | failed,
+A case is {"kind": verify | draft | generate | acceptance | calibration | backend, "status": ok | failed,
 "params": {...}, "result": {...} (ok) or "error": "..." (failed), "seconds": wall time of the case,
-"measured_at": ISO time, "load_average": the 1/5/15-minute load when the case ended}. Every step and generate
-case has params["batch"] = B.
+"measured_at": ISO time, "load_average": the 1/5/15-minute load when the case ended}. Every step, generate and
+calibration case has params["batch"] = B.
 Latencies are {"median_s", "min_s", "max_s", "p25_s", "p75_s", "repeats", "samples_s"}; memory is the
 backend's MemoryReport plus the process's peak RSS.
 A generate result holds "wall" (a latency record over the timed passes, each pass decoding the B images once),
@@ -48,7 +50,7 @@ SCHEMA = "lantern-profile-results"
 SCHEMA_VERSION = 2
 RETIRED_VERSIONS = {1: "version 1 timed whole generations one image at a time; version 2 times them per batch "
                        "size, as B images decoded together"}
-CASE_KINDS = ("backend", "verify", "draft", "generate", "acceptance")
+CASE_KINDS = ("backend", "verify", "draft", "generate", "acceptance", "calibration")
 BATCHED_KINDS = ("verify", "draft", "generate")  # measured per batch size: params["batch"]
 CASE_STATUSES = ("ok", "failed")
 STEP_SIZE = {"verify": "N", "draft": "W"}  # the param that sizes a step case
@@ -172,3 +174,8 @@ def generations(data: dict, batch: int) -> dict[str, dict]:
 def seconds_per_step(result: dict) -> float:
     """Wall seconds per step of a generate case's (batched) decode loop, over all its timed passes."""
     return sum(result["wall"]["samples_s"]) / max(result["verify_steps"], 1)
+
+
+def calibration_entries(data: dict) -> dict[str, dict]:
+    """{str(B): calibration entry} of the ok calibration cases (`--method auto --profile NAME` reads these)."""
+    return {str(c["params"]["batch"]): c["result"] for c in ok_cases(data, "calibration").values()}

@@ -88,7 +88,7 @@ class Suite:
     def plan(self) -> list[Case]:
         """Every case of the profile, in run order. Each kind of case has its planner; another kind is one more
         planner in this list (and its kind in schema.CASE_KINDS)."""
-        planners = (self.step_cases, self.generation_cases, self.probe_cases)
+        planners = (self.step_cases, self.generation_cases, self.probe_cases, self.calibration_cases)
         return [case for planner in planners for case in planner()]
 
     def step_cases(self) -> list[Case]:
@@ -144,6 +144,26 @@ class Suite:
         params = {"method": "lantern++", "depth": pr.depth, "fanout": pr.fanout, "expand": list(pr.expand),
                   "classes": list(p.classes), "seed": p.seed}
         return [Case("acceptance/probe", "acceptance", params, self._probe)]
+
+    def calibration_cases(self) -> list[Case]:
+        """`--method auto`'s cost model at every batch size: one decode step of each candidate plan (relaxed
+        ones included), timed with the real loop; also stored as this machine's cached calibration."""
+        return [Case(f"calibration/b{b}", "calibration", {"batch": b}, lambda b=b: self._calibrate(b))
+                for b in self.profile.batch_sizes]
+
+    def _calibrate(self, width: int) -> dict:
+        from lantern.plan import calibration, records
+        from lantern.plan.candidates import RELAXED_METHODS, candidate_plans
+        from lantern.plan.choose import model_key, runnable
+        src, pipe = self.source, self.make_pipe()
+        plans, _ = runnable(pipe, candidate_plans(src.drafter is not None, src.proximity is not None, RELAXED_METHODS),
+                            self.sampling, src.relaxation)
+        compression = records.compression(src.acceptance_record, src.target.config.block_size)
+        entry = calibration.measure_width(pipe, plans, self.sampling, src.relaxation, width, compression,
+                                          progress=False)
+        model = model_key(pipe)
+        cached = calibration.refresh_cache(pipe.backend.name, pipe.dtype, model, width, entry)
+        return {**entry, "model": model, "cache": str(cached)}
 
     def _probe(self) -> dict:
         pr = self.profile.probe

@@ -195,7 +195,10 @@ def describe_bundle(path: str | Path | None = None) -> str:
         f"{fmt('drafter_top1_agreement_self_samples_uncond')} (uncond) on the target's own samples"
         if (root / "drafter.safetensors").exists() else "drafter: none",
         f"evaluator: CNN classifier, held-out accuracy {fmt('evaluator_heldout_accuracy')}",
-        "methods: " + ", ".join(bundle_methods(root)),
+        "methods: auto (the default: chooses among these per device and request), " + ", ".join(bundle_methods(root)),
+        "acceptance record for --method auto: " + (
+            f"{len(manifest['acceptance_record']['plans'])} plans at the default sampling"
+            if manifest.get("acceptance_record") else "none (auto measures one, once, on first use)"),
         f"AR samples at {sampling_text}: class accuracy "
         f"{fmt('ar_class_accuracy')}, Frechet distance {fmt('ar_frechet')} (real-image floor {fmt('real_frechet')})",
         f"made by: {manifest.get('command', 'unknown')}  (seed {manifest.get('seed', '?')}); training seconds "

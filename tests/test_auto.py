@@ -2,7 +2,6 @@
 the caches, and the command line (plan in --json, flags auto decides refused)."""
 import itertools
 import json
-import math
 import os
 import subprocess
 import sys
@@ -47,11 +46,15 @@ def test_width_interpolation_is_linear_between_measured_widths():
 
 
 def test_relaxed_plans_join_only_when_allowed():
-    lossless = candidate_plans(True, True, ())
+    lossless = candidate_plans(True, True)
     assert all(p.lossless for p in lossless) and lossless[0] == AR
-    relaxed = candidate_plans(True, True, RELAXED_METHODS)
+    relaxed = candidate_plans(True, True, {m: {} for m in RELAXED_METHODS})
     assert {p.name for p in relaxed if not p.lossless} >= {"lantern", "lantern++/chain-5", "mc-sjd-relaxed/L16"}
-    assert not any(p.needs_drafter for p in [p.decode(SAMPLING) for p in candidate_plans(False, True, ())])
+    assert not any(p.decode(SAMPLING).needs_drafter for p in candidate_plans(False, True, {"lantern++": {}}))
+    validated = candidate_plans(True, True, {"lantern++": {"lam": 2.0}})
+    named = {p.name: p for p in validated if not p.lossless}
+    assert set(named) == {"lantern++/chain-5@lam=2.0", "lantern++/lantern++-57@lam=2.0"}  # settings in the name
+    assert named["lantern++/chain-5@lam=2.0"].decode(SAMPLING).lam == 2.0
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +66,8 @@ def pipe(tiny):
 def seed_calibration(pipe, width: int, step_ms: dict, fixed_s: float = 0.01) -> None:
     """Write a calibration (labelled synthetic by the test) for this pipeline: every plan not named costs 1 s."""
     key = calibration.calibration_key(pipe.backend.name, pipe.dtype, model_key(pipe))
-    plans = {p.name: {"step_s": step_ms.get(p.name, 1000.0) / 1e3} for p in candidate_plans(True, True, RELAXED_METHODS)}
+    everything = candidate_plans(True, True, {m: {} for m in RELAXED_METHODS})
+    plans = {p.name: {"step_s": step_ms.get(p.name, 1000.0) / 1e3} for p in everything}
     calibration.save_calibration({"key": key, "widths": {str(width): {"fixed_s": fixed_s, "plans": plans}}})
 
 

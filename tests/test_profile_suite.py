@@ -2,6 +2,7 @@
 batch dimension (step curves, generations and tuned trees per batch size), compare report with plots, and tree
 tuning from synthetic and measured numbers."""
 import json
+from argparse import Namespace
 import os
 
 import pytest
@@ -229,10 +230,8 @@ def test_flat_verify_latency_gets_a_bigger_tree_than_steep():
             assert chosen["tokens_per_s"] >= evaluate(paths, acc, cost)["tokens_per_s"] - 1e-9
 
 
-def generate_args(profile, classes, batch=None) -> "Namespace":
+def generate_args(profile, classes, batch=None) -> Namespace:
     """The flags of `lantern generate --profile` that apply_profile reads, after apply_profile."""
-    from argparse import Namespace
-
     from lantern.profile.cli import apply_profile
     args = Namespace(profile=str(profile), backend=None, dtype=None, drafting=None, method="lantern++",
                      classes=classes, batch=batch)

@@ -17,8 +17,8 @@ from lantern.api import Pipeline
 from lantern.bundle import DEFAULT_BUNDLE, load_bundle
 from lantern.decoding.sampling import SamplingConfig
 from lantern.plan import records
-from lantern.plan.candidates import RELAXED_METHODS, candidate_plans
-from lantern.plan.choose import model_key, runnable
+from lantern.plan.candidates import candidate_plans
+from lantern.plan.choose import allowed_relaxation, model_key, runnable
 
 
 def main() -> None:
@@ -31,13 +31,13 @@ def main() -> None:
     bundle = load_bundle()
     pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend="cpu", dtype="fp32")
     sampling = SamplingConfig(**bundle.default_sampling)
-    settings = bundle.relaxation_defaults
-    plans, _ = runnable(pipe, candidate_plans(True, True, RELAXED_METHODS), sampling, settings)
+    relaxation, _ = allowed_relaxation(True, bundle.relaxation_defaults)
+    plans, _ = runnable(pipe, candidate_plans(True, True, relaxation), sampling)
     classes = [c for c in range(bundle.target.config.num_classes) for _ in range(args.per_class)]
     record = records.empty_record(model_key(pipe), sampling)
     t0 = time.perf_counter()
-    records.measure_record(lambda p: pipe.generate(classes, p.decode(sampling, settings.get(p.method)), seed=0,
-                                                   batch=len(classes)), plans, record)
+    records.measure_record(lambda p: pipe.generate(classes, p.decode(sampling), seed=0, batch=len(classes)), plans,
+                           record)
     record.update(conditions=classes, seed=0, backend="cpu", dtype="fp32", seconds=time.perf_counter() - t0)
     for name, entry in record["plans"].items():
         print(f"{name:<24} steps/image {sum(entry['steps']) / len(entry['steps']):6.1f}  max {max(entry['steps'])}"

@@ -89,8 +89,7 @@ def tokens_for(steps: int, compression: float, block: int) -> int:
     return max(2, min(block, round(steps * compression)))
 
 
-def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, relaxation: dict, width: int,
-                  compression: dict, entry: dict | None = None, progress: bool = True) -> dict:
+def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: int, compression: dict, entry: dict | None = None, progress: bool = True) -> dict:
     """Time every plan `entry` lacks at this width. compression: plan name -> tokens per step (from an
     acceptance record; 1 where unknown), to size the short generations. Returns the width's entry."""
     from tqdm import tqdm
@@ -106,7 +105,7 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, relaxat
                disable=not progress or not todo)
     for plan in bar:
         bar.set_postfix_str(plan.name)
-        dcfg = plan.decode(sampling, relaxation.get(plan.method))
+        dcfg = plan.decode(sampling)
         rate = compression.get(plan.name, 1.0)
         _short_run(pipe, dcfg, width, tokens_for(WARM_STEPS, rate, block))
         wall, steps = _short_run(pipe, dcfg, width, tokens_for(TIMED_STEPS, rate, block))

@@ -24,11 +24,8 @@ class Plan:
     def lossless(self) -> bool:
         return self.decode(SamplingConfig()).acceptance == "exact"
 
-    def decode(self, sampling: SamplingConfig, relaxation: dict | None = None) -> DecodeConfig:
-        """The decode config at these sampling settings; relaxation: the bundle's validated k / delta / lambda
-        for this plan's method (relaxed plans only)."""
-        extra = relaxation or {}
-        return method_preset(self.method, sampling, **{**extra, **dict(self.overrides)})
+    def decode(self, sampling: SamplingConfig) -> DecodeConfig:
+        return method_preset(self.method, sampling, **dict(self.overrides))
 
     def describe(self) -> dict:
         return {"name": self.name, "method": self.method, **dict(self.overrides)}
@@ -37,14 +34,19 @@ class Plan:
 AR = Plan("ar", "ar")
 
 
-def jacobi(window: int, relaxed: bool = False) -> Plan:
-    method = "mc-sjd-relaxed" if relaxed else "mc-sjd"
-    return Plan(f"{method}/L{window}", method, (("window", window),))
+def relaxed(name: str, method: str, overrides: tuple, settings: dict) -> Plan:
+    """A relaxed plan at `settings` (k / delta / lambda / form; {} = the method's preset): settings other than
+    the preset's are part of its name, so records and calibrations never mix two relaxations."""
+    suffix = ",".join(f"{k}={v}" for k, v in sorted(settings.items()))
+    return Plan(name + (f"@{suffix}" if suffix else ""), method, (*sorted(settings.items()), *overrides))
 
 
-def tree(preset: str, relaxed: bool = False) -> Plan:
-    if relaxed:
-        return Plan(f"lantern++/{preset}", "lantern++", (("drafting", preset),))
+def jacobi(window: int) -> Plan:
+    return Plan(f"mc-sjd/L{window}", "mc-sjd", (("window", window),))
+
+
+def tree(preset: str) -> Plan:
+    """A static tree with exact acceptance (lossless)."""
     return Plan(f"exact/{preset}", "lantern++", (("drafting", preset), ("acceptance", "exact"), ("k", 0),
                                                  ("lam", 1.0)))
 
@@ -52,18 +54,20 @@ def tree(preset: str, relaxed: bool = False) -> Plan:
 RELAXED_METHODS = ("mc-sjd-relaxed", "lantern", "lantern++")
 
 
-def candidate_plans(has_drafter: bool, has_proximity: bool, relaxed_methods=()) -> list[Plan]:
-    """Every plan the model can run: lossless ones always, relaxed ones (which need the proximity table) only
-    for the methods in `relaxed_methods`. AR first: on a tie it wins."""
+def candidate_plans(has_drafter: bool, has_proximity: bool, relaxation: dict | None = None) -> list[Plan]:
+    """Every plan the model can run: lossless ones always; relaxed ones (which need the proximity table) for the
+    methods in `relaxation` (method -> its settings, {} for the preset's). AR first: on a tie it wins."""
+    relaxation = relaxation or {}
     plans = [AR, *(jacobi(w) for w in JACOBI_WINDOWS)]
     if has_drafter:
         plans += [Plan("eagle2", "eagle2"), *(tree(t) for t in EXACT_TREES)]
     if not has_proximity:
         return plans
-    if "mc-sjd-relaxed" in relaxed_methods:
-        plans.append(jacobi(16, relaxed=True))
-    if has_drafter and "lantern" in relaxed_methods:
-        plans.append(Plan("lantern", "lantern"))
-    if has_drafter and "lantern++" in relaxed_methods:
-        plans += [tree(t, relaxed=True) for t in RELAXED_TREES]
+    if "mc-sjd-relaxed" in relaxation:
+        plans.append(relaxed("mc-sjd-relaxed/L16", "mc-sjd-relaxed", (("window", 16),), relaxation["mc-sjd-relaxed"]))
+    if has_drafter and "lantern" in relaxation:
+        plans.append(relaxed("lantern", "lantern", (), relaxation["lantern"]))
+    if has_drafter and "lantern++" in relaxation:
+        plans += [relaxed(f"lantern++/{t}", "lantern++", (("drafting", t),), relaxation["lantern++"])
+                  for t in RELAXED_TREES]
     return plans

@@ -60,24 +60,25 @@ def predict_seconds(n: int, width: int, fixed_s: float, step_s: float, steps: li
     return sum(fixed_s + records.expected_max(steps, k) * step_s for k in per_chunk)
 
 
-def relaxed_methods(allow_relaxed: bool, validated: dict) -> tuple[tuple[str, ...], str]:
-    """The relaxed methods auto may use, and why: all with --allow-relaxed, else those whose bundle default was
-    validated within AR's quality spread, else none (lossless only)."""
+def allowed_relaxation(allow_relaxed: bool, validated: dict) -> tuple[dict, str]:
+    """The relaxed methods auto may use (method -> settings) and why: all with --allow-relaxed (at the bundle's
+    validated settings where it has them, else the presets'), else those the bundle validated within AR's
+    quality spread, else none (lossless only)."""
     if allow_relaxed:
-        return RELAXED_METHODS, "relaxed plans allowed (--allow-relaxed)"
-    ok = tuple(m for m in RELAXED_METHODS if m in validated)
+        return {m: validated.get(m, {}) for m in RELAXED_METHODS}, "relaxed plans allowed (--allow-relaxed)"
+    ok = {m: validated[m] for m in RELAXED_METHODS if m in validated}
     if ok:
         return ok, (f"lossless, plus {', '.join(ok)} at the bundle's validated settings (quality within AR's "
                     f"spread over seeds)")
-    return (), "lossless plans only (no --allow-relaxed, and the bundle validates no relaxation)"
+    return {}, "lossless plans only (no --allow-relaxed, and the bundle validates no relaxation)"
 
 
-def runnable(pipe, plans: list[Plan], sampling: SamplingConfig, settings: dict) -> tuple[list[Plan], list[dict]]:
+def runnable(pipe, plans: list[Plan], sampling: SamplingConfig) -> tuple[list[Plan], list[dict]]:
     """The plans this pipeline can run (a window or tree as deep as the image cannot), and why the others not."""
     ok, skipped = [], []
     for p in plans:
         try:
-            pipe.check(p.decode(sampling, settings.get(p.method)))
+            pipe.check(p.decode(sampling))
         except ValueError as e:
             skipped.append({"plan": p.name, "skipped": str(e)})
         else:
@@ -104,12 +105,11 @@ def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] =
     from lantern.api import DEFAULT_BATCH
     validated = validated or {}
     width = min(pipe.check(AR.decode(sampling), batch if batch is not None else DEFAULT_BATCH), n_images)
-    allowed, why = relaxed_methods(allow_relaxed, validated)
-    settings = {m: validated.get(m, {}) for m in allowed}
+    allowed, why = allowed_relaxation(allow_relaxed, validated)
     plans, skipped = runnable(pipe, candidate_plans(pipe.drafter is not None, pipe.proximity is not None, allowed),
-                              sampling, settings)
+                              sampling)
     key = model_key(pipe)
-    steps, spent = steps_by_plan(pipe, plans, sampling, settings, key, shipped_record, progress)
+    steps, spent = steps_by_plan(pipe, plans, sampling, key, shipped_record, progress)
     if profile is not None and any(e.get("model") != key for e in profile.widths.values()):
         print(f"lantern: hardware profile {profile.name} was calibrated with another model; auto uses this "
               f"machine's calibration", file=sys.stderr)
@@ -125,7 +125,7 @@ def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] =
         skipped += [{"plan": name, "skipped": f"not calibrated in profile {profile.name}"} for name in missing]
         plans = [p for p in plans if p.name not in missing]
     else:
-        costs, source, calibrating = machine_costs(pipe, plans, sampling, settings, key, width, steps, progress)
+        costs, source, calibrating = machine_costs(pipe, plans, sampling, key, width, steps, progress)
         spent += calibrating
 
     rows = []
@@ -141,12 +141,12 @@ def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] =
     if best["predicted_speedup"] < 1.0 + MARGIN:
         best = rows[0]
     plan = next(p for p in plans if p.name == best["plan"])
-    return Choice(plan=plan, decode=plan.decode(sampling, settings.get(plan.method)), width=width,
+    return Choice(plan=plan, decode=plan.decode(sampling), width=width,
                   predicted_s=best["predicted_seconds"], predicted_ar_s=ar_s, candidates=rows + skipped,
                   cost_source=source, relaxed=why, calibrated_s=spent)
 
 
-def steps_by_plan(pipe, plans: list[Plan], sampling: SamplingConfig, settings: dict, key: str,
+def steps_by_plan(pipe, plans: list[Plan], sampling: SamplingConfig, key: str,
                   shipped_record: Optional[dict], progress: bool) -> tuple[dict[str, list[int]], float]:
     """Steps per image of every plan, from the acceptance record; plans it lacks are measured here, once.
     Returns them and the seconds spent measuring."""
@@ -158,14 +158,14 @@ def steps_by_plan(pipe, plans: list[Plan], sampling: SamplingConfig, settings: d
         print(f"lantern: measuring the acceptance of {len(missing)} plan(s) for this model and sampling, once "
               f"({RECORD_IMAGES} images each; cached in {records.record_path(key, sampling)})", file=sys.stderr)
         cond = calibration.conditions(pipe.config, RECORD_IMAGES)
-        records.measure_record(lambda p: pipe.generate(cond, p.decode(sampling, settings.get(p.method)), seed=0,
-                                                       batch=RECORD_IMAGES), missing, record, progress)
+        records.measure_record(lambda p: pipe.generate(cond, p.decode(sampling), seed=0, batch=RECORD_IMAGES),
+                               missing, record, progress)
         pipe.release()
         records.save_record(record)
     return {p.name: records.plan_steps(record, p, block) for p in plans}, time.perf_counter() - t0 if missing else 0.0
 
 
-def machine_costs(pipe, plans: list[Plan], sampling: SamplingConfig, settings: dict, key: str, width: int,
+def machine_costs(pipe, plans: list[Plan], sampling: SamplingConfig, key: str, width: int,
                   steps: dict, progress: bool) -> tuple[dict, str, float]:
     """This machine's calibration at `width` (plans it lacks measured here, once), where it is kept, and the
     seconds spent measuring."""
@@ -180,7 +180,7 @@ def machine_costs(pipe, plans: list[Plan], sampling: SamplingConfig, settings: d
               f"image(s) per step, once (cached in {path}; `lantern profile run` refreshes it)", file=sys.stderr)
         block = pipe.config.block_size
         compression = {p.name: block * len(steps[p.name]) / sum(steps[p.name]) for p in plans}
-        entry = calibration.measure_width(pipe, lacking, sampling, settings, width, compression, entry, progress)
+        entry = calibration.measure_width(pipe, lacking, sampling, width, compression, entry, progress)
         data["widths"][str(width)] = entry
         calibration.save_calibration(data)
     return entry, f"calibration cached in {path}", time.perf_counter() - t0 if lacking else 0.0

@@ -183,8 +183,8 @@ def cmd_eval(args) -> dict:
     out = evaluate(bundle, generate_fn, classes=args.classes, n_per_class=args.n_per_class, seed=args.seed,
                    batch_size=EVAL_CHUNK)
     steps = sum(s["verify_steps"] for s in stats)
-    out.update(mode=args.method, decode=dcfg.to_dict(), plan=None if choice is None else choice.to_dict(), backend=pipe.backend.name, dtype=pipe.dtype,
-               wall_seconds=sum(s["wall_seconds"] for s in stats),
+    out.update(mode=args.method, decode=dcfg.to_dict(), plan=None if choice is None else choice.to_dict(),
+               backend=pipe.backend.name, dtype=pipe.dtype, wall_seconds=sum(s["wall_seconds"] for s in stats),
                mean_accepted_length=(sum(s["mean_accepted_length"] * s["verify_steps"] for s in stats) / steps
                                      if steps else 1.0))
     return out
@@ -192,7 +192,8 @@ def cmd_eval(args) -> dict:
 
 def print_eval(out: dict) -> None:
     g, r = out["generated"], out["real_train_reference"]
-    print(f"{out['mode']} on {out['backend']} ({out['dtype']}): class accuracy {g['class_accuracy']:.3f}, Frechet "
+    mode = out["mode"] if out["plan"] is None else f"auto ({out['plan']['plan']})"
+    print(f"{mode} on {out['backend']} ({out['dtype']}): class accuracy {g['class_accuracy']:.3f}, Frechet "
           f"distance {g['frechet_distance']:.2f} over {g['n']} images; mean accepted length "
           f"{out['mean_accepted_length']:.2f}, {out['wall_seconds']:.1f} s")
     print(f"real images (floor): class accuracy {r['class_accuracy']:.3f}, Frechet distance {r['frechet_distance']:.2f}")
@@ -222,6 +223,11 @@ def print_generate(out: dict) -> None:
     print(f"{out['mode']} on {out['backend']} ({out['device']}, {out['dtype']}): {st['tokens']} tokens in "
           f"{st['wall_seconds']:.2f} s, {st['target_forwards']} target forwards, mean accepted length "
           f"{st['mean_accepted_length']:.2f}")
+    if out["plan"]:
+        p = out["plan"]
+        print(f"auto ran {p['plan']} at {p['batch']} image(s) per step: predicted {p['predicted_seconds']:.2f} s "
+              f"({p['predicted_speedup']:.2f}x AR's predicted {p['predicted_ar_seconds']:.2f} s), measured "
+              f"{p['measured_seconds']:.2f} s")
     if out["grid_path"]:
         print(f"images: {len(out['image_paths'])} in {Path(out['grid_path']).parent}  grid: {out['grid_path']}")
 

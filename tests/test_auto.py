@@ -63,11 +63,12 @@ def pipe(tiny):
     return Pipeline(target, drafter, proximity, backend="cpu")
 
 
-def seed_calibration(pipe, width: int, step_ms: dict, fixed_s: float = 0.01) -> None:
-    """Write a calibration (labelled synthetic by the test) for this pipeline: every plan not named costs 1 s."""
+def seed_calibration(pipe, width: int, step_ms: dict, fixed_s: float = 0.01, skip: str = "") -> None:
+    """Write a calibration (synthetic, made by the test) for this pipeline: every plan not named costs 1 s per
+    step; `skip` is left out (to be measured)."""
     key = calibration.calibration_key(pipe.backend.name, pipe.dtype, model_key(pipe))
     everything = candidate_plans(True, True, {m: {} for m in RELAXED_METHODS})
-    plans = {p.name: {"step_s": step_ms.get(p.name, 1000.0) / 1e3} for p in everything}
+    plans = {p.name: {"step_s": step_ms.get(p.name, 1000.0) / 1e3} for p in everything if p.name != skip}
     calibration.save_calibration({"key": key, "widths": {str(width): {"fixed_s": fixed_s, "plans": plans}}})
 
 
@@ -143,18 +144,22 @@ def test_generate_auto_runs_the_plan_it_reports(tiny):
         Pipeline(target, drafter, proximity, backend="cpu").generate([1], "auto")
 
 
-def test_cli_reports_the_plan_and_says_it_calibrates(tmp_path):
-    """The embedded model (it ships its acceptance record): the first run calibrates, says so on stderr and
+def test_cli_reports_the_plan_and_says_it_calibrates(tmp_path, monkeypatch):
+    """The embedded model (it ships its acceptance record), its calibration seeded by the test for every plan but
+    one (AR made cheapest, so the choice is known): the first run calibrates that one plan, says so on stderr and
     reports the plan with its prediction and the measured wall time; the second run measures nothing."""
-    env = {"LANTERN_CACHE_DIR": str(tmp_path / "cache")}
-    runs = [lantern("generate", "--classes", "3", "--no-images", "--json", env=env) for _ in range(2)]
+    from lantern.bundle import load_bundle
+    bundle = load_bundle()
+    monkeypatch.setenv("LANTERN_CACHE_DIR", str(tmp_path / "cache"))  # the subprocesses inherit it
+    seed_calibration(Pipeline.from_bundle(bundle, backend="cpu"), 1, {"ar": 1e-3}, skip="mc-sjd/L4")
+    runs = [lantern("generate", "--classes", "3", "--no-images", "--json") for _ in range(2)]
     assert all(r.returncode == 0 for r in runs), runs[0].stderr
     first, second = (json.loads(r.stdout) for r in runs)
-    assert "calibrating" in runs[0].stderr and "calibrating" not in runs[1].stderr
-    assert "measuring the acceptance" not in runs[0].stderr  # the bundle's record covers its default sampling
+    assert "calibrating 1 plan(s) on cpu (fp32) at 1 image(s) per step" in runs[0].stderr
+    assert "calibrating" not in runs[1].stderr and "measuring the acceptance" not in runs[0].stderr
     plan = first["plan"]
-    assert first["mode"] == "auto" and plan["batch"] == 1 and plan["predicted_speedup"] >= 1.0
-    assert plan["measured_seconds"] == first["wall_seconds"] and plan["calibration_seconds"] > 0
-    assert {c["plan"] for c in plan["candidates"]} >= {"ar", "mc-sjd/L16", "eagle2", "exact/chain-5"}
-    assert second["plan"]["plan"] == plan["plan"] and second["plan"]["calibration_seconds"] == 0.0
-    assert first["decode"] == second["decode"]
+    assert first["mode"] == "auto" and plan["plan"] == "ar" and plan["batch"] == 1 and plan["calibration_seconds"] > 0
+    assert plan["measured_seconds"] == first["wall_seconds"] and plan["predicted_speedup"] == 1.0
+    rows = {c["plan"]: c for c in plan["candidates"]}
+    assert {"ar", "mc-sjd/L16", "eagle2", "exact/chain-5"} <= set(rows) and rows["mc-sjd/L4"]["step_ms"] > 0
+    assert second["plan"]["plan"] == "ar" and second["plan"]["calibration_seconds"] == 0.0

@@ -93,8 +93,8 @@ def markdown(rec: dict) -> str:
              "lossless presets; --allow-relaxed: every preset).", ""]
     methods = [m for m in rec["rows"][0]["median_s"]]
     lines += ["| backend | B | " + " | ".join(methods) + " | auto chose | auto / fastest | predicted vs measured "
-              "speed-up (auto) | auto --allow-relaxed chose | its / fastest | predicted vs measured |",
-              "|---|---|" + "---|" * (len(methods) + 6)]
+              "speed-up (auto) | auto --allow-relaxed chose | its / fastest | predicted vs measured | calibration "
+              "(s, once) |", "|---|---|" + "---|" * (len(methods) + 7)]
     for r in rec["rows"]:
         cells = [f"{r['median_s'][m]:.2f} s ({r['speedup_vs_ar'][m]:.2f}x)" for m in methods]
         tail = []
@@ -102,7 +102,9 @@ def markdown(rec: dict) -> str:
             c, v = r["choices"][name], r["auto_vs_fastest"][name]
             tail += [f"{c['plan']} (B={c['batch']})", f"{v['ratio']:.3f} (fastest: {v['fastest']})",
                      f"{v['predicted_speedup']:.2f} vs {v['measured_speedup']:.2f}"]
-        lines.append(f"| {r['backend']} {r['dtype']} | {r['images']} | " + " | ".join(cells + tail) + " |")
+        spent = sum(r["choices"][name]["calibration_seconds"] for name in AUTOS)
+        lines.append(f"| {r['backend']} {r['dtype']} | {r['images']} | " + " | ".join(cells + tail) +
+                     f" | {spent:.0f} |")
     return "\n".join(lines) + "\n"
 
 

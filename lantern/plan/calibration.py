@@ -5,7 +5,7 @@ Every step attends over the whole preallocated KV cache, so a step costs the sam
 at the start of an image time it. Per width w:
 
     fixed_s            one chunk's prefill, first draw and statistics (AR with a one-token image)
-    plans[name].step_s (wall time of a short generation - fixed_s) / its loop steps
+    plans[name].step_s (wall time of a short generation - fixed_s) / its loop steps, median over rounds
 
 Cached per (machine, backend, dtype, threads, model) in the user cache (calibration/<key>.json), measured once
 per missing (plan, width) and refreshed by `lantern profile run`.
@@ -30,9 +30,11 @@ from lantern.decoding.sampling import SamplingConfig
 from lantern.plan.candidates import AR, Plan
 from lantern.user_cache import cache_root, read_json, write_json
 
-TIMED_STEPS = 8  # loop steps timed per plan (after an untimed run of WARM_STEPS)
+TIMED_STEPS = 8  # loop steps timed per run (after an untimed run of WARM_STEPS on the same runner)
 WARM_STEPS = 2
 FIXED_REPEATS = 3
+ROUNDS = 3  # timed runs of each contending plan (1 for the others)
+CONTENDER = 1.5  # a plan contends when its estimated seconds per image are within this factor of the best
 
 
 @dataclass(frozen=True)
@@ -85,13 +87,20 @@ def _short_run(pipe, dcfg, width: int, tokens: int) -> tuple[float, int]:
     return result.stats.wall_seconds, steps
 
 
-def tokens_for(steps: int, compression: float, block: int) -> int:
-    return max(2, min(block, round(steps * compression)))
+def tokens_for(steps: int, steps_per_image: float, block: int) -> int:
+    """Tokens for about `steps` loop steps at the plan's whole-image rate (the start of an image accepts less,
+    so it takes more)."""
+    return max(2, min(block, round(steps * block / max(steps_per_image, 1.0))))
 
 
-def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: int, compression: dict, entry: dict | None = None, progress: bool = True) -> dict:
-    """Time every plan `entry` lacks at this width. compression: plan name -> tokens per step (from an
-    acceptance record; 1 where unknown), to size the short generations. Returns the width's entry."""
+def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: int, steps_per_image: dict,
+                  entry: dict | None = None, progress: bool = True) -> dict:
+    """Time every plan `entry` lacks at this width. steps_per_image: plan name -> mean steps an image needs
+    (from the acceptance record; the block where unknown), to size the runs and to see which plans contend.
+
+    Round 1 times every plan once; rounds 2..ROUNDS time again, in alternating order, only the contenders (an
+    estimate per image within CONTENDER of the best), so drift in the machine's speed falls on them alike and
+    plans that cannot win cost one round. step_s is the median over a plan's rounds. Returns the width's entry."""
     from tqdm import tqdm
     block = pipe.config.block_size
     entry = entry or {"plans": {}}
@@ -101,17 +110,37 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
         _short_run(pipe, ar, width, 1)
         entry["fixed_s"] = statistics.median(_short_run(pipe, ar, width, 1)[0] for _ in range(FIXED_REPEATS))
     todo = [p for p in plans if p.name not in entry["plans"]]
-    bar = tqdm(todo, desc=f"calibrating {width} image(s) per step", unit="plan", file=sys.stderr,
+    samples: dict[str, list[float]] = {p.name: [] for p in todo}
+
+    def time_plan(plan: Plan, warm: bool) -> None:
+        dcfg, per_image = plan.decode(sampling), steps_per_image.get(plan.name, float(block))
+        if warm:
+            _short_run(pipe, dcfg, width, tokens_for(WARM_STEPS, per_image, block))
+        wall, steps = _short_run(pipe, dcfg, width, tokens_for(TIMED_STEPS, per_image, block))
+        samples[plan.name].append(max(wall - entry["fixed_s"], 0.0) / max(steps, 1))
+
+    bar = tqdm(total=len(todo) * ROUNDS, desc=f"calibrating {width} image(s) per step", unit="run", file=sys.stderr,
                disable=not progress or not todo)
-    for plan in bar:
+    for plan in todo:  # round 1: every plan, each on a fresh runner
         bar.set_postfix_str(plan.name)
-        dcfg = plan.decode(sampling)
-        rate = compression.get(plan.name, 1.0)
-        _short_run(pipe, dcfg, width, tokens_for(WARM_STEPS, rate, block))
-        wall, steps = _short_run(pipe, dcfg, width, tokens_for(TIMED_STEPS, rate, block))
-        entry["plans"][plan.name] = {"step_s": max(wall - entry["fixed_s"], 0.0) / max(steps, 1), "steps": steps,
-                                     "wall_s": wall}
+        time_plan(plan, warm=True)
         pipe.release()
+        bar.update(1)
+    per_image = {p.name: samples[p.name][0] * steps_per_image.get(p.name, block) for p in todo}
+    known = [v["step_s"] * steps_per_image.get(name, block) for name, v in entry["plans"].items()]
+    best = min([*per_image.values(), *known])
+    contenders = [p for p in todo if per_image[p.name] <= CONTENDER * best]
+    for r in range(1, ROUNDS):  # the contenders again, alternating the order
+        for plan in (contenders if r % 2 else contenders[::-1]):
+            bar.set_postfix_str(plan.name)
+            time_plan(plan, warm=True)
+            pipe.release()
+            bar.update(1)
+    bar.update(bar.total - bar.n)
+    bar.close()
+    for plan in todo:
+        entry["plans"][plan.name] = {"step_s": statistics.median(samples[plan.name]),
+                                     "rounds": len(samples[plan.name])}
     entry["seconds"] = entry.get("seconds", 0.0) + time.perf_counter() - t0
     entry["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return entry

@@ -56,10 +56,9 @@ def plan_steps(record: dict, plan: Plan, block: int) -> Optional[list[int]]:
     return list(entry["steps"]) if entry else None
 
 
-def compression(record: Optional[dict], block: int) -> dict[str, float]:
-    """Tokens per step of every plan in a record (any sampling: to size short timing runs, nothing more)."""
-    plans = (record or {}).get("plans", {})
-    return {name: block * len(e["steps"]) / max(sum(e["steps"]), 1) for name, e in plans.items()}
+def mean_steps(record: Optional[dict]) -> dict[str, float]:
+    """Mean steps per image of every plan in a record."""
+    return {name: sum(e["steps"]) / len(e["steps"]) for name, e in (record or {}).get("plans", {}).items()}
 
 
 def measure_record(generate: Callable[[Plan], object], plans: Sequence[Plan], record: dict,

@@ -225,11 +225,15 @@ def profile_costs(spec: str):
 
     from lantern.plan.calibration import ProfileCosts
     from lantern.profile.hardware import load_profile
-    from lantern.profile.schema import calibration_entries, load_results
+    from lantern.profile.schema import SchemaError, calibration_entries, load_results
     from lantern.profile.suite import default_results_path
     profile = load_profile(spec)
     path = default_results_path(profile)
-    entries = calibration_entries(load_results(path)) if path.is_file() else {}
+    try:
+        entries = calibration_entries(load_results(path)) if path.is_file() else {}
+    except SchemaError as e:
+        print(f"lantern: {e}", file=sys.stderr)
+        entries = {}
     if not entries:
         print(f"lantern: profile {profile.name} has no calibration in {path} (run `lantern profile run --profile "
               f"{profile.name}`); auto uses this machine's calibration", file=sys.stderr)

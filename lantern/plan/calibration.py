@@ -5,7 +5,8 @@ Every step attends over the whole preallocated KV cache, so a step costs the sam
 at the start of an image time it. Per width w:
 
     fixed_s            one chunk's prefill, first draw and statistics (AR with a one-token image)
-    plans[name].step_s (wall time of a short generation - fixed_s) / its loop steps, median over rounds
+    plans[name].step_s (wall time of a short generation - fixed_s) / its loop steps, relative to an AR run of
+                       as many steps timed just before it (median ratio x AR's median step)
 
 Cached per (machine, backend, dtype, threads, model) in the user cache (calibration/<key>.json), measured once
 per missing (plan, width) and refreshed by `lantern profile run`.
@@ -30,9 +31,9 @@ from lantern.decoding.sampling import SamplingConfig
 from lantern.plan.candidates import AR, Plan
 from lantern.user_cache import cache_root, read_json, write_json
 
-TIMED_STEPS = 8  # loop steps timed per run (after an untimed run of WARM_STEPS on the same runner)
-WARM_STEPS = 2
 FIXED_REPEATS = 3
+FIRST_STEPS = 6  # loop steps per timed run in round 1 (every plan)
+TIMED_STEPS = 12  # loop steps per timed run in the later rounds (the contenders)
 ROUNDS = 3  # timed runs of each contending plan (1 for the others)
 CONTENDER = 1.5  # a plan contends when its estimated seconds per image are within this factor of the best
 
@@ -98,49 +99,60 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
     """Time every plan `entry` lacks at this width. steps_per_image: plan name -> mean steps an image needs
     (from the acceptance record; the block where unknown), to size the runs and to see which plans contend.
 
-    Round 1 times every plan once; rounds 2..ROUNDS time again, in alternating order, only the contenders (an
-    estimate per image within CONTENDER of the best), so drift in the machine's speed falls on them alike and
-    plans that cannot win cost one round. step_s is the median over a plan's rounds. Returns the width's entry."""
+    A shared machine speeds up and slows down for seconds at a time, so every timed run of a plan is paired
+    with an AR run just before it: the plan's cost is the median of its ratios to that AR step, times AR's
+    median step. Round 1 times every plan (FIRST_STEPS); rounds 2..ROUNDS time again (TIMED_STEPS), in
+    alternating order, the contenders only (estimated seconds per image within CONTENDER of the best, AR
+    always). Returns the width's entry."""
     from tqdm import tqdm
     block = pipe.config.block_size
     entry = entry or {"plans": {}}
     t0 = time.perf_counter()
+    ar = AR.decode(sampling)
     if "fixed_s" not in entry:
-        ar = AR.decode(sampling)
         _short_run(pipe, ar, width, 1)
         entry["fixed_s"] = statistics.median(_short_run(pipe, ar, width, 1)[0] for _ in range(FIXED_REPEATS))
     todo = [p for p in plans if p.name not in entry["plans"]]
-    samples: dict[str, list[float]] = {p.name: [] for p in todo}
+    ar_steps: list[float] = []
+    ratios: dict[str, list[float]] = {p.name: [] for p in todo}
 
-    def time_plan(plan: Plan, warm: bool) -> None:
+    def step_seconds(dcfg, per_image: float, steps: int) -> float:
+        wall, ran = _short_run(pipe, dcfg, width, tokens_for(steps, per_image, block))
+        return max(wall - entry["fixed_s"], 0.0) / max(ran, 1)
+
+    def time_plan(plan: Plan, steps: int) -> None:
         dcfg, per_image = plan.decode(sampling), steps_per_image.get(plan.name, float(block))
-        if warm:
-            _short_run(pipe, dcfg, width, tokens_for(WARM_STEPS, per_image, block))
-        wall, steps = _short_run(pipe, dcfg, width, tokens_for(TIMED_STEPS, per_image, block))
-        samples[plan.name].append(max(wall - entry["fixed_s"], 0.0) / max(steps, 1))
+        _short_run(pipe, dcfg, width, 2)  # warm this runner's first steps
+        reference = step_seconds(ar, float(block - 1), steps)
+        ar_steps.append(reference)
+        ratios[plan.name].append(step_seconds(dcfg, per_image, steps) / max(reference, 1e-9))
 
-    bar = tqdm(total=len(todo) * ROUNDS, desc=f"calibrating {width} image(s) per step", unit="run", file=sys.stderr,
+    runs = len(todo) + (ROUNDS - 1) * len(todo)
+    bar = tqdm(total=runs, desc=f"calibrating {width} image(s) per step", unit="run", file=sys.stderr,
                disable=not progress or not todo)
-    for plan in todo:  # round 1: every plan, each on a fresh runner
+    for plan in todo:  # round 1: every plan, each runner freed after it
         bar.set_postfix_str(plan.name)
-        time_plan(plan, warm=True)
+        time_plan(plan, FIRST_STEPS)
         pipe.release()
         bar.update(1)
-    per_image = {p.name: samples[p.name][0] * steps_per_image.get(p.name, block) for p in todo}
-    known = [v["step_s"] * steps_per_image.get(name, block) for name, v in entry["plans"].items()]
-    best = min([*per_image.values(), *known])
-    contenders = [p for p in todo if per_image[p.name] <= CONTENDER * best]
-    for r in range(1, ROUNDS):  # the contenders again, alternating the order
-        for plan in (contenders if r % 2 else contenders[::-1]):
-            bar.set_postfix_str(plan.name)
-            time_plan(plan, warm=True)
-            pipe.release()
-            bar.update(1)
+    if todo:
+        ar_s = statistics.median(ar_steps)
+        estimate = {p.name: ratios[p.name][0] * ar_s * steps_per_image.get(p.name, block) for p in todo}
+        known = [v["step_s"] * steps_per_image.get(name, block) for name, v in entry["plans"].items()]
+        best = min([*estimate.values(), *known])
+        contenders = [p for p in todo if p == AR or estimate[p.name] <= CONTENDER * best]
+        for r in range(1, ROUNDS):  # the contenders again, alternating the order; their runners kept meanwhile
+            for plan in (contenders if r % 2 else contenders[::-1]):
+                bar.set_postfix_str(plan.name)
+                time_plan(plan, TIMED_STEPS)
+                bar.update(1)
+        pipe.release()
+        ar_s = statistics.median(ar_steps)
+        for plan in todo:
+            entry["plans"][plan.name] = {"step_s": statistics.median(ratios[plan.name]) * ar_s,
+                                         "ratio_to_ar": [round(x, 4) for x in ratios[plan.name]]}
     bar.update(bar.total - bar.n)
     bar.close()
-    for plan in todo:
-        entry["plans"][plan.name] = {"step_s": statistics.median(samples[plan.name]),
-                                     "rounds": len(samples[plan.name])}
     entry["seconds"] = entry.get("seconds", 0.0) + time.perf_counter() - t0
     entry["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return entry

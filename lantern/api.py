@@ -133,9 +133,11 @@ class Pipeline:
                        proximity=self.proximity)  # refuses a missing table or k beyond it
         return batch
 
-    def release(self) -> None:
-        """Free every prepared runner (its KV cache and workspaces); the next generate prepares what it needs."""
-        self._runners.clear()
+    def release(self, keep: Optional[DecodeConfig] = None, batch: int = 0) -> None:
+        """Free every prepared runner (its KV cache and workspaces) but the one for (keep, batch), if given; the
+        next generate prepares what it needs."""
+        kept = static_spec(keep, self.config, batch, self.dtype) if keep is not None else None
+        self._runners = {spec: r for spec, r in self._runners.items() if spec == kept}
 
     def generate(self, conditions, dcfg: DecodeConfig | str, seed: int = 0, progress: bool = False,
                  batch: Optional[int] = None, tokens: Optional[int] = None) -> GenerationResult:

@@ -146,20 +146,21 @@ def test_generate_auto_runs_the_plan_it_reports(tiny):
 
 def test_cli_reports_the_plan_and_says_it_calibrates(tmp_path, monkeypatch):
     """The embedded model (it ships its acceptance record), its calibration seeded by the test for every plan but
-    one (AR made cheapest, so the choice is known): the first run calibrates that one plan, says so on stderr and
-    reports the plan with its prediction and the measured wall time; the second run measures nothing."""
+    one (MC-SJD L=16 made cheapest, so the choice is known): the first run calibrates that one plan, says so on
+    stderr and reports the plan with its prediction and the measured wall time; the second run measures nothing."""
     from lantern.bundle import load_bundle
     bundle = load_bundle()
     monkeypatch.setenv("LANTERN_CACHE_DIR", str(tmp_path / "cache"))  # the subprocesses inherit it
-    seed_calibration(Pipeline.from_bundle(bundle, backend="cpu"), 1, {"ar": 1e-3}, skip="mc-sjd/L4")
+    seed_calibration(Pipeline.from_bundle(bundle, backend="cpu"), 1, {"mc-sjd/L16": 1.0}, skip="mc-sjd/L4")
     runs = [lantern("generate", "--classes", "3", "--no-images", "--json") for _ in range(2)]
     assert all(r.returncode == 0 for r in runs), runs[0].stderr
     first, second = (json.loads(r.stdout) for r in runs)
     assert "calibrating 1 plan(s) on cpu (fp32) at 1 image(s) per step" in runs[0].stderr
     assert "calibrating" not in runs[1].stderr and "measuring the acceptance" not in runs[0].stderr
     plan = first["plan"]
-    assert first["mode"] == "auto" and plan["plan"] == "ar" and plan["batch"] == 1 and plan["calibration_seconds"] > 0
-    assert plan["measured_seconds"] == first["wall_seconds"] and plan["predicted_speedup"] == 1.0
+    assert first["mode"] == "auto" and plan["plan"] == "mc-sjd/L16" and plan["batch"] == 1
+    assert plan["calibration_seconds"] > 0 and plan["measured_seconds"] == first["wall_seconds"]
+    assert plan["predicted_speedup"] > 1.1 and first["decode"]["drafting"] == "jacobi" and first["decode"]["window"] == 16
     rows = {c["plan"]: c for c in plan["candidates"]}
     assert {"ar", "mc-sjd/L16", "eagle2", "exact/chain-5"} <= set(rows) and rows["mc-sjd/L4"]["step_ms"] > 0
-    assert second["plan"]["plan"] == "ar" and second["plan"]["calibration_seconds"] == 0.0
+    assert second["plan"]["plan"] == "mc-sjd/L16" and second["plan"]["calibration_seconds"] == 0.0

@@ -103,7 +103,9 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
     with an AR run just before it: the plan's cost is the median of its ratios to that AR step, times AR's
     median step. Round 1 times every plan (FIRST_STEPS); rounds 2..ROUNDS time again (TIMED_STEPS), in
     alternating order, the contenders only (estimated seconds per image within CONTENDER of the best, AR
-    always). Returns the width's entry."""
+    always). The runners stay prepared: a runner's speed depends on where its buffers landed in memory (up to
+    about 20% on a 2-core EPYC), so the plan chosen runs on the very runner that was timed; the caller frees the
+    others. Returns the width's entry."""
     from tqdm import tqdm
     block = pipe.config.block_size
     entry = entry or {"plans": {}}
@@ -130,10 +132,9 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
     runs = len(todo) + (ROUNDS - 1) * len(todo)
     bar = tqdm(total=runs, desc=f"calibrating {width} image(s) per step", unit="run", file=sys.stderr,
                disable=not progress or not todo)
-    for plan in todo:  # round 1: every plan, each runner freed after it
+    for plan in todo:  # round 1: every plan
         bar.set_postfix_str(plan.name)
         time_plan(plan, FIRST_STEPS)
-        pipe.release()
         bar.update(1)
     if todo:
         ar_s = statistics.median(ar_steps)
@@ -141,12 +142,11 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
         known = [v["step_s"] * steps_per_image.get(name, block) for name, v in entry["plans"].items()]
         best = min([*estimate.values(), *known])
         contenders = [p for p in todo if p == AR or estimate[p.name] <= CONTENDER * best]
-        for r in range(1, ROUNDS):  # the contenders again, alternating the order; their runners kept meanwhile
+        for r in range(1, ROUNDS):  # the contenders again, alternating the order
             for plan in (contenders if r % 2 else contenders[::-1]):
                 bar.set_postfix_str(plan.name)
                 time_plan(plan, TIMED_STEPS)
                 bar.update(1)
-        pipe.release()
         ar_s = statistics.median(ar_steps)
         for plan in todo:
             entry["plans"][plan.name] = {"step_s": statistics.median(ratios[plan.name]) * ar_s,

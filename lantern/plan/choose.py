@@ -142,6 +142,7 @@ def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] =
     if best["predicted_speedup"] < 1.0 + MARGIN:
         best = rows[0]
     plan = next(p for p in plans if p.name == best["plan"])
+    pipe.release(keep=plan.decode(sampling), batch=width)  # the chosen plan keeps the runner it was timed on
     return Choice(plan=plan, decode=plan.decode(sampling), width=width,
                   predicted_s=best["predicted_seconds"], predicted_ar_s=ar_s, candidates=rows + skipped,
                   cost_source=source, relaxed=why, calibrated_s=spent)

@@ -34,7 +34,9 @@ from lantern.user_cache import cache_root, read_json, write_json
 FIXED_REPEATS = 3
 FIRST_STEPS = 6  # loop steps per timed run in round 1 (every plan)
 TIMED_STEPS = 12  # loop steps per timed run in the later rounds (the contenders)
-ROUNDS = 3  # timed runs of each contending plan (1 for the others)
+ROUNDS = 3  # timed runs of each contending plan at least (1 for the others) ...
+MAX_ROUNDS = 9  # ... and more while the calibration of this width has taken less than BUDGET_S
+BUDGET_S = 25.0
 CONTENDER = 1.5  # a plan contends when its estimated seconds per image are within this factor of the best
 
 
@@ -101,8 +103,8 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
 
     A shared machine speeds up and slows down for seconds at a time, so every timed run of a plan is paired
     with an AR run just before it: the plan's cost is the median of its ratios to that AR step, times AR's
-    median step. Round 1 times every plan (FIRST_STEPS); rounds 2..ROUNDS time again (TIMED_STEPS), in
-    alternating order, the contenders only (estimated seconds per image within CONTENDER of the best, AR
+    median step. Round 1 times every plan (FIRST_STEPS); rounds 2..ROUNDS (more, up to MAX_ROUNDS, while the
+    width's calibration is inside BUDGET_S) time again (TIMED_STEPS), in alternating order, the contenders only (estimated seconds per image within CONTENDER of the best, AR
     always). The runners stay prepared: a runner's speed depends on where its buffers landed in memory (up to
     about 20% on a 2-core EPYC), so the plan chosen runs on the very runner that was timed; the caller frees the
     others. Returns the width's entry."""
@@ -129,7 +131,7 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
         ar_steps.append(reference)
         ratios[plan.name].append(step_seconds(dcfg, per_image, steps) / max(reference, 1e-9))
 
-    runs = len(todo) + (ROUNDS - 1) * len(todo)
+    runs = len(todo) * MAX_ROUNDS
     bar = tqdm(total=runs, desc=f"calibrating {width} image(s) per step", unit="run", file=sys.stderr,
                disable=not progress or not todo)
     for plan in todo:  # round 1: every plan
@@ -142,11 +144,13 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
         known = [v["step_s"] * steps_per_image.get(name, block) for name, v in entry["plans"].items()]
         best = min([*estimate.values(), *known])
         contenders = [p for p in todo if p == AR or estimate[p.name] <= CONTENDER * best]
-        for r in range(1, ROUNDS):  # the contenders again, alternating the order
+        r = 1
+        while r < ROUNDS or (r < MAX_ROUNDS and time.perf_counter() - t0 < BUDGET_S):  # contenders, alternating
             for plan in (contenders if r % 2 else contenders[::-1]):
                 bar.set_postfix_str(plan.name)
                 time_plan(plan, TIMED_STEPS)
                 bar.update(1)
+            r += 1
         ar_s = statistics.median(ar_steps)
         for plan in todo:
             entry["plans"][plan.name] = {"step_s": statistics.median(ratios[plan.name]) * ar_s,

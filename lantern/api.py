@@ -2,8 +2,10 @@
 generates images' tokens with any decoding method, returning them with their stats and profile."""
 from __future__ import annotations
 
+import hashlib
 import sys
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Optional, Sequence
 
 import torch
@@ -94,6 +96,16 @@ class Pipeline:
     @property
     def config(self):
         return self.target.config
+
+    @cached_property
+    def model_key(self) -> str:
+        """The identity that acceptance records and calibrations are keyed by: target, drafter and proximity
+        table (hashed once per pipeline)."""
+        from lantern.models.checkpoint import model_hash
+        h = hashlib.sha256(model_hash(self.target, self.drafter).encode())
+        if self.proximity is not None:
+            h.update(self.proximity.contiguous().numpy().tobytes())
+        return h.hexdigest()
 
     def runner(self, dcfg: DecodeConfig, batch: int) -> Runner:
         """The runner for this static shape (`batch` images per step): prepared and warmed up once, then reused."""

@@ -85,11 +85,12 @@ def sampling_from_args(args, bundle):
 
 def check_method_flags(args) -> None:
     """Before any work: auto decides the drafting and acceptance itself; --allow-relaxed is auto's alone."""
+    from lantern.decoding.config import METHODS
     if args.method == "auto":
         given = [f"--{name.replace('_', '-')}" for name in AUTO_CHOOSES if getattr(args, name) is not None]
         if given:
             raise UsageError(f"--method auto chooses {', '.join(given)} itself; drop them or name a method "
-                             f"(--method ar | eagle2 | lantern | lantern++ | sjd | mc-sjd | mc-sjd-relaxed)")
+                             f"(--method {' | '.join(METHODS)})")
     elif args.allow_relaxed:
         raise UsageError(f"--allow-relaxed is an option of --method auto; --method {args.method} already says "
                          f"which acceptance rule runs")
@@ -154,16 +155,13 @@ def cmd_generate(args) -> dict:
     }
 
 
-EVAL_CHUNK = 50  # images per generate call of `eval` (each chunk its own seed)
-
-
 def cmd_eval(args) -> dict:
     """Generate n images per class with the chosen method and backend; accuracy and Frechet distance against
     held-out real images, and the same figures for real images as the floor."""
     from lantern.api import Pipeline, check_classes
     from lantern.backends import get_backend
     from lantern.bundle import load_bundle
-    from lantern.evaluate import evaluate
+    from lantern.evaluate import EVAL_CHUNK, evaluate
 
     check_method_flags(args)
     options = backend_options(args)
@@ -180,8 +178,7 @@ def cmd_eval(args) -> dict:
         stats.append(result.stats.summary())
         return result.tokens
 
-    out = evaluate(bundle, generate_fn, classes=args.classes, n_per_class=args.n_per_class, seed=args.seed,
-                   batch_size=EVAL_CHUNK)
+    out = evaluate(bundle, generate_fn, classes=args.classes, n_per_class=args.n_per_class, seed=args.seed)
     steps = sum(s["verify_steps"] for s in stats)
     out.update(mode=args.method, decode=dcfg.to_dict(), plan=None if choice is None else choice.to_dict(),
                backend=pipe.backend.name, dtype=pipe.dtype, wall_seconds=sum(s["wall_seconds"] for s in stats),

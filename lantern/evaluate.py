@@ -31,8 +31,11 @@ def _figures(bundle: Bundle, images: torch.Tensor, labels: torch.Tensor, ref_fea
             "per_class_accuracy": per_class, "n": len(labels)}
 
 
+EVAL_CHUNK = 50  # images per generate_fn call by default (each chunk its own seed)
+
+
 def evaluate(bundle: Bundle, generate_fn: GenerateFn, classes: Optional[Sequence[int]] = None,
-             n_per_class: int = 10, seed: int = 0, batch_size: int = 50) -> dict:
+             n_per_class: int = 10, seed: int = 0, batch_size: int = EVAL_CHUNK) -> dict:
     """Generate n_per_class images for each class (all classes if None) via generate_fn, in chunks of at
     most batch_size (chunk i gets seed + i), and score them against the held-out real images. JSON-able."""
     if bundle.evaluator is None:

@@ -14,7 +14,7 @@ from lantern.decoding.config import method_preset
 from lantern.decoding.sampling import SamplingConfig
 from lantern.plan import calibration, records
 from lantern.plan.candidates import AR, RELAXED_METHODS, candidate_plans
-from lantern.plan.choose import MARGIN, choose, model_key, predict_seconds
+from lantern.plan.choose import MARGIN, choose, predict_seconds
 
 SAMPLING = SamplingConfig(temperature=1.0, top_k=5, cfg_scale=2.0)
 
@@ -66,7 +66,7 @@ def pipe(tiny):
 def seed_calibration(pipe, width: int, step_ms: dict, fixed_s: float = 0.01, skip: str = "") -> None:
     """Write a calibration (synthetic, made by the test) for this pipeline: every plan not named costs 1 s per
     step; `skip` is left out (to be measured)."""
-    key = calibration.calibration_key(pipe.backend.name, pipe.dtype, model_key(pipe))
+    key = calibration.calibration_key(pipe.backend.name, pipe.dtype, pipe.model_key)
     everything = candidate_plans(True, True, {m: {} for m in RELAXED_METHODS})
     plans = {p.name: {"step_s": step_ms.get(p.name, 1000.0) / 1e3} for p in everything if p.name != skip}
     calibration.save_calibration({"key": key, "widths": {str(width): {"fixed_s": fixed_s, "plans": plans}}})
@@ -76,7 +76,7 @@ def test_choice_follows_the_cost_model(pipe):
     """Synthetic step costs: cheap Jacobi wins, equal costs favour the plan needing fewest steps, a gain below
     the margin goes to AR, and a relaxed plan needs permission."""
     choose(pipe, 2, SAMPLING, batch=2, progress=False)  # measures the acceptance record (and a calibration)
-    record = records.load_record(model_key(pipe), SAMPLING)
+    record = records.load_record(pipe.model_key, SAMPLING)
     steps = {name: sum(e["steps"]) / len(e["steps"]) for name, e in record["plans"].items()}
     assert all(s < pipe.config.block_size - 1 for s in steps.values())  # speculation saves steps on the tiny model
     seed_calibration(pipe, 2, {"ar": 1.0, "mc-sjd/L4": 1.0})

@@ -402,7 +402,6 @@ def test_run_calibrates_auto_per_batch_size_and_generate_auto_reads_it(tiny_run,
     `--method auto --profile` takes its cost model from the results (interpolated between batch sizes)."""
     from lantern.api import ModelDefaults, Pipeline
     from lantern.plan import calibration
-    from lantern.plan.choose import model_key
     from lantern.profile.cli import profile_costs
     from lantern.profile.source import load_source
     path, results, _ = tiny_run
@@ -415,7 +414,7 @@ def test_run_calibrates_auto_per_batch_size_and_generate_auto_reads_it(tiny_run,
     src = load_source("random:GPT-test")
     pipe = Pipeline(src.target, src.drafter, src.proximity, backend="cpu",
                     defaults=ModelDefaults(sampling=load_profile(str(path)).sampling_config(src.default_cfg_scale)))
-    key = calibration.calibration_key("cpu", "fp32", model_key(pipe))
+    key = calibration.calibration_key("cpu", "fp32", pipe.model_key)
     assert calibration.load_calibration(key)["widths"]["2"] == {k: v for k, v in entries[2].items()
                                                                if k not in ("model", "cache")}
     costs = profile_costs(str(path))

@@ -18,7 +18,7 @@ from lantern.bundle import DEFAULT_BUNDLE, load_bundle
 from lantern.decoding.sampling import SamplingConfig
 from lantern.plan import records
 from lantern.plan.candidates import candidate_plans
-from lantern.plan.choose import allowed_relaxation, model_key, runnable
+from lantern.plan.choose import allowed_relaxation, runnable
 
 
 def main() -> None:
@@ -34,7 +34,7 @@ def main() -> None:
     relaxation, _ = allowed_relaxation(True, bundle.relaxation_defaults)
     plans, _ = runnable(pipe, candidate_plans(True, True, relaxation), sampling)
     classes = [c for c in range(bundle.target.config.num_classes) for _ in range(args.per_class)]
-    key, shipped = model_key(pipe), bundle.acceptance_record
+    key, shipped = pipe.model_key, bundle.acceptance_record
     record = shipped if records.matches(shipped, key, sampling) else records.empty_record(key, sampling)
     t0 = time.perf_counter()
     records.measure_record(lambda p: pipe.generate(classes, p.decode(sampling), seed=0, batch=len(classes)), plans,

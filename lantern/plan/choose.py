@@ -87,29 +87,18 @@ def runnable(pipe, plans: list[Plan], sampling: SamplingConfig) -> tuple[list[Pl
     return ok, skipped
 
 
-def model_key(pipe) -> str:
-    """The model identity records and calibrations are keyed by: target, drafter and proximity table."""
-    import hashlib
-    from lantern.models.checkpoint import model_hash
-    h = hashlib.sha256(model_hash(pipe.target, pipe.drafter).encode())
-    if pipe.proximity is not None:
-        h.update(pipe.proximity.contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
 def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] = None, allow_relaxed: bool = False,
            validated: Optional[dict] = None, shipped_record: Optional[dict] = None,
            profile: Optional[calibration.ProfileCosts] = None, progress: bool = True) -> Choice:
     """The plan for `n_images` on this pipeline. validated: the bundle's quality-validated relaxation settings
     per method; shipped_record: the bundle's acceptance record; profile: a hardware profile's calibration (else
     this machine's cached one, measured where missing)."""
-    from lantern.api import DEFAULT_BATCH
     validated = validated or {}
-    width = min(pipe.check(AR.decode(sampling), batch if batch is not None else DEFAULT_BATCH), n_images)
+    width = min(pipe.check(AR.decode(sampling), batch), n_images)
     allowed, why = allowed_relaxation(allow_relaxed, validated)
     plans, skipped = runnable(pipe, candidate_plans(pipe.drafter is not None, pipe.proximity is not None, allowed),
                               sampling)
-    key = model_key(pipe)
+    key = pipe.model_key
     steps, spent = steps_by_plan(pipe, plans, sampling, key, shipped_record, progress)
     if profile is not None and any(e.get("model") != key for e in profile.widths.values()):
         print(f"lantern: hardware profile {profile.name} was calibrated with another model; auto uses this "

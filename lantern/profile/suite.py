@@ -154,14 +154,14 @@ class Suite:
     def _calibrate(self, width: int) -> dict:
         from lantern.plan import calibration, records
         from lantern.plan.candidates import AR, candidate_plans
-        from lantern.plan.choose import allowed_relaxation, model_key, runnable
+        from lantern.plan.choose import allowed_relaxation, runnable
         src, pipe = self.source, self.make_pipe()
         relaxation, _ = allowed_relaxation(True, src.relaxation)
         plans, _ = runnable(pipe, candidate_plans(src.drafter is not None, src.proximity is not None, relaxation),
                             self.sampling)
         per_image = {AR.name: src.target.config.block_size - 1, **records.mean_steps(src.acceptance_record)}
         entry = calibration.measure_width(pipe, plans, self.sampling, width, per_image, progress=False)
-        model = model_key(pipe)
+        model = pipe.model_key
         cached = calibration.refresh_cache(pipe.backend.name, pipe.dtype, model, width, entry)
         return {**entry, "model": model, "cache": str(cached)}
 

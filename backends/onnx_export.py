@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from lantern.kv_cache import slot_rows
 from lantern.models.checkpoint import model_hash
 from lantern.user_cache import cache_root
 
@@ -55,9 +56,7 @@ class FunctionalKV:
 
     def flat(self, slots: torch.Tensor) -> torch.Tensor:
         """(B, T) per-row slots -> (B*H_kv*T,) cache rows, ordered (b, h, t)."""
-        b = torch.arange(self.batch, device=slots.device)[:, None, None]
-        h = torch.arange(self.n_kv_head, device=slots.device)[None, :, None]
-        return ((b * self.n_kv_head + h) * self.max_len + slots[:, None, :]).reshape(-1)
+        return slot_rows(slots, self.n_kv_head, self.max_len)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, flat_slots: torch.Tensor):
         """k, v (B, T, H_kv, hd) -> both whole caches as (B, H_kv, S, hd) views, the new rows scattered in."""
@@ -76,12 +75,6 @@ def cache_rows(batch: int, max_len: int, cfg) -> int:
     return batch * cfg.kv_heads * max_len
 
 
-def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """bool (B, T, S) -> 0 / -inf once per graph: the exporter would otherwise emit a Where and a NaN guard
-    for the boolean mask in every layer. Softmax gives the same probabilities either way (adding 0 is exact)."""
-    return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, float("-inf"))
-
-
 class PrefillGraph(nn.Module):
     def __init__(self, target, batch: int, max_len: int):
         super().__init__()
@@ -94,7 +87,7 @@ class PrefillGraph(nn.Module):
         n = len(kv) // 2
         cache = FunctionalKV(kv[:n], kv[n:], self.batch, self.max_len, self.target.config.kv_heads)
         h = self.target.embed_condition(cond).to(self.target.tok_embeddings.weight.dtype)
-        hidden = self.target.forward_cached(h, self.positions, additive(mask, h.dtype), cache, self.positions)[:, -1:]
+        hidden = self.target.forward_cached(h, self.positions, mask, cache, self.positions)[:, -1:]
         return (self.target.head(hidden), hidden, *cache.outputs())
 
 
@@ -108,7 +101,7 @@ class VerifyGraph(nn.Module):
         n = len(kv) // 2
         cache = FunctionalKV(kv[:n], kv[n:], self.batch, self.max_len, self.target.config.kv_heads)
         h = self.target.tok_embeddings(tokens)
-        hidden = self.target.forward_cached(h, positions, additive(mask, h.dtype), cache, slots)
+        hidden = self.target.forward_cached(h, positions, mask, cache, slots)
         return (self.target.head(hidden), hidden, *cache.outputs())
 
 
@@ -120,7 +113,7 @@ class DraftGraph(nn.Module):
     def forward(self, tokens, features, positions, slots, mask, k0, v0):
         """(feature, token) pairs (B, T) -> logits (B, T, V), predicted features (B, T, D), drafter kv."""
         cache = FunctionalKV([k0], [v0], self.batch, self.max_len, self.target.config.kv_heads)
-        feats = self.drafter(self.target, tokens, features, positions, additive(mask, features.dtype), cache, slots)
+        feats = self.drafter(self.target, tokens, features, positions, mask, cache, slots)
         return (self.target.head(feats), feats, *cache.outputs())
 
 

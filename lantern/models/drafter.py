@@ -14,7 +14,7 @@ from torch import nn
 
 from lantern.config import GPTConfig
 from lantern.kv_cache import StaticKVCache
-from lantern.models.gpt import GPT, TransformerBlock
+from lantern.models.gpt import GPT, TransformerBlock, attention_bias
 
 
 class Drafter(nn.Module):
@@ -32,5 +32,5 @@ class Drafter(nn.Module):
         x = self.fc(torch.cat([target.tok_embeddings(tokens), features.to(self.fc.weight.dtype)], dim=-1))
         rope = target.rope_at(positions)
         flat = cache.flat(slots) if cache is not None else None
-        m = mask[:, None] if mask is not None else None
+        m = attention_bias(mask, x.dtype) if mask is not None else None
         return self.layer(x, rope, m, cache, flat)

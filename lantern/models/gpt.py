@@ -19,6 +19,13 @@ from lantern.kv_cache import StaticKVCache
 from lantern.models.rope import apply_rope, rope_table_2d
 
 
+def attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool (B, T, S), True = attend -> additive (B, 1, T, S) of 0 / -inf in `dtype`, made once per step
+    rather than inside every layer's attention. Softmax gives the same probabilities (adding 0 is exact)."""
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    return bias[:, None]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -157,7 +164,7 @@ class GPT(nn.Module):
         Returns final-normed hidden states (B, T, D) (the drafter's features)."""
         rope = self.rope_at(positions)
         flat = cache.flat(slots)
-        m = mask[:, None]  # (B, 1, T, S)
+        m = attention_bias(mask, h.dtype)  # (B, 1, T, S)
         for layer in self.layers:
             h = layer(h, rope, m, cache, flat)
         return self.norm(h)

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -92,6 +93,54 @@ def test_choice_follows_the_cost_model(pipe):
     assert choose(pipe, 2, SAMPLING, batch=2, progress=False).plan == AR  # lossless only by default
     allowed = choose(pipe, 2, SAMPLING, batch=2, allow_relaxed=True, progress=False)
     assert allowed.plan.name == "lantern++/chain-5" and allowed.decode.acceptance == "lantern++"
+
+
+class SteepCurvePipe:
+    """A fake pipeline (made by this test, no model): a loop step costs its verify width in milliseconds, so
+    wide plans cannot contend. Records which plans were run."""
+
+    def __init__(self, block: int = 64):
+        self.config = SimpleNamespace(block_size=block, model_type="c2i", num_classes=10)
+        self.ran: set[int] = set()
+
+    def runner(self, dcfg, width):
+        return None
+
+    def generate(self, cond, dcfg, seed, batch, tokens):
+        w = calibration.verify_width(next(p for p in candidate_plans(True, False) if p.decode(SAMPLING) == dcfg),
+                                     SAMPLING)
+        self.ran.add(w)
+        steps = tokens if w == 1 else max(1, tokens // 2)  # speculation halves the steps
+        image = SimpleNamespace(target_forwards=steps + 1)
+        return SimpleNamespace(stats=SimpleNamespace(wall_seconds=1e-3 * (1 + steps * w), images=[image] * batch))
+
+
+def test_plans_that_cannot_contend_are_bounded_not_timed():
+    pipe = SteepCurvePipe()
+    plans = candidate_plans(True, False)
+    per_image = {p.name: (63.0 if p == AR else 31.5) for p in plans}
+    entry = calibration.measure_width(pipe, plans, SAMPLING, 1, per_image, progress=False)
+    widths = {p.name: calibration.verify_width(p, SAMPLING) for p in plans}
+    bounded = {name for name, v in entry["plans"].items() if v.get("lower_bound")}
+    # at AR's step cost halving the steps would win, so the narrowest plan (width 5) is timed; its step cost
+    # then rules out every wider plan
+    assert bounded == {p.name for p in plans} - {"ar", "mc-sjd/L4"}
+    assert all(widths[name] not in pipe.ran for name in bounded)  # never run
+    for name in bounded:  # the floor is the widest timed plan not wider than it
+        assert entry["plans"][name]["step_s"] < widths[name] * 1e-3
+    assert entry["prepare_s"] >= 0 and entry["seconds"] > 0
+
+
+def test_a_lower_bound_is_never_chosen(pipe):
+    choose(pipe, 2, SAMPLING, batch=2, progress=False)
+    seed_calibration(pipe, 2, {"ar": 1.0, "mc-sjd/L4": 0.9})
+    key = calibration.calibration_key(pipe.backend.name, pipe.dtype, pipe.model_key)
+    data = calibration.load_calibration(key)
+    data["widths"]["2"]["plans"]["mc-sjd/L8"] = {"step_s": 1e-6, "lower_bound": True}
+    calibration.save_calibration(data)
+    c = choose(pipe, 2, SAMPLING, batch=2, progress=False)
+    assert c.plan.name == "mc-sjd/L4"
+    assert {r["plan"]: r for r in c.candidates}["mc-sjd/L8"]["lower_bound"]
 
 
 def test_calibration_is_measured_once_and_cached(pipe, tmp_path, monkeypatch):

@@ -6,7 +6,9 @@ at the start of an image time it. Per width w:
 
     fixed_s            one chunk's prefill, first draw and statistics (AR with a one-token image)
     plans[name].step_s (wall time of a short generation - fixed_s) / its loop steps, relative to an AR run of
-                       as many steps timed just before it (median ratio x AR's median step)
+                       as many steps timed just before it (median ratio x AR's median step); with
+                       `lower_bound`, only a floor: the plan could not contend, so it was never timed
+    seconds            the timing; prepare_s: preparing runners and exporting graphs, which later runs reuse
 
 Cached per (machine, backend, dtype, threads, model) in the user cache (calibration/<key>.json), measured once
 per missing (plan, width) and refreshed by `lantern profile run`.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import socket
@@ -38,6 +41,7 @@ ROUNDS = 3  # timed runs of each contending plan at least (1 for the others) ...
 MAX_ROUNDS = 9  # ... and more while the calibration of this width has taken less than BUDGET_S
 BUDGET_S = 25.0
 CONTENDER = 1.5  # a plan contends when its estimated seconds per image are within this factor of the best
+WIDER_SLACK = 0.9  # a step with a wider verify costs at least this fraction of a narrower one's (timing noise)
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,12 @@ def _short_run(pipe, dcfg, width: int, tokens: int) -> tuple[float, int]:
     return result.stats.wall_seconds, steps
 
 
+def verify_width(plan: Plan, sampling: SamplingConfig) -> int:
+    """Tokens per image the plan's verify step takes (1 for AR)."""
+    strategy = plan.decode(sampling).strategy
+    return 1 if strategy is None else strategy.verify_width
+
+
 def tokens_for(steps: int, steps_per_image: float, block: int) -> int:
     """Tokens for about `steps` loop steps at the plan's whole-image rate (the start of an image accepts less,
     so it takes more)."""
@@ -103,20 +113,35 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
 
     A shared machine speeds up and slows down for seconds at a time, so every timed run of a plan is paired
     with an AR run just before it: the plan's cost is the median of its ratios to that AR step, times AR's
-    median step. Round 1 times every plan (FIRST_STEPS); rounds 2..ROUNDS (more, up to MAX_ROUNDS, while the
-    width's calibration is inside BUDGET_S) time again (TIMED_STEPS), in alternating order, the contenders only (estimated seconds per image within CONTENDER of the best, AR
-    always). The runners stay prepared: a runner's speed depends on where its buffers landed in memory (up to
-    about 20% on a 2-core EPYC), so the plan chosen runs on the very runner that was timed; the caller frees the
-    others. Returns the width's entry."""
+    median step.
+    - Round 1 goes from the narrowest verify to the widest. A plan is timed (FIRST_STEPS) unless it cannot
+      contend even at the step cost of the widest plan timed so far that is not wider than it (WIDER_SLACK
+      of it): then it is kept as that lower bound (`lower_bound`), never chosen, and never timed.
+    - Rounds 2..ROUNDS (more, up to MAX_ROUNDS, while the timing of this width is inside BUDGET_S) time
+      again (TIMED_STEPS), in alternating order, the contenders only: estimated seconds per image within
+      CONTENDER of the best, AR always.
+    Preparing runners (and exporting graphs, for ONNX) is counted apart (`prepare_s`): every later run
+    reuses what it made. The runners stay prepared: a runner's speed depends on where its buffers landed in
+    memory (up to about 20% on a 2-core EPYC), so the plan chosen runs on the very runner that was timed;
+    the caller frees the others. Returns the width's entry."""
     from tqdm import tqdm
     block = pipe.config.block_size
     entry = entry or {"plans": {}}
     t0 = time.perf_counter()
+    prepare_s = 0.0
     ar = AR.decode(sampling)
+
+    def prepare(dcfg) -> None:
+        nonlocal prepare_s
+        t = time.perf_counter()
+        pipe.runner(dcfg, width)
+        prepare_s += time.perf_counter() - t
+
+    prepare(ar)
     if "fixed_s" not in entry:
         _short_run(pipe, ar, width, 1)
         entry["fixed_s"] = statistics.median(_short_run(pipe, ar, width, 1)[0] for _ in range(FIXED_REPEATS))
-    todo = [p for p in plans if p.name not in entry["plans"]]
+    todo = sorted((p for p in plans if p.name not in entry["plans"]), key=lambda p: verify_width(p, sampling))
     ar_steps: list[float] = []
     ratios: dict[str, list[float]] = {p.name: [] for p in todo}
 
@@ -126,38 +151,54 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
 
     def time_plan(plan: Plan, steps: int) -> None:
         dcfg, per_image = plan.decode(sampling), steps_per_image.get(plan.name, float(block))
-        _short_run(pipe, dcfg, width, 2)  # warm this runner's first steps
+        if not ratios[plan.name]:
+            prepare(dcfg)
+            _short_run(pipe, dcfg, width, 2)  # warm this runner's first steps
         reference = step_seconds(ar, float(block - 1), steps)
         ar_steps.append(reference)
         ratios[plan.name].append(step_seconds(dcfg, per_image, steps) / max(reference, 1e-9))
 
-    runs = len(todo) * MAX_ROUNDS
-    bar = tqdm(total=runs, desc=f"calibrating {width} image(s) per step", unit="run", file=sys.stderr,
-               disable=not progress or not todo)
-    for plan in todo:  # round 1: every plan
+    def per_image_s(name: str, ratio: float) -> float:
+        return ratio * statistics.median(ar_steps) * steps_per_image.get(name, block)
+
+    known = [v["step_s"] * steps_per_image.get(name, block) for name, v in entry["plans"].items()
+             if not v.get("lower_bound")]
+    floors: dict[str, float] = {}  # plan -> the step ratio to AR it costs at least
+    bar = tqdm(total=len(todo) * MAX_ROUNDS, desc=f"calibrating {width} image(s) per step", unit="run",
+               file=sys.stderr, disable=not progress or not todo)
+    for plan in todo:  # round 1, narrowest verify first
         bar.set_postfix_str(plan.name)
-        time_plan(plan, FIRST_STEPS)
+        timed = [p for p in todo if ratios[p.name]]
+        floor = WIDER_SLACK * max((ratios[p.name][0] for p in timed
+                                   if verify_width(p, sampling) <= verify_width(plan, sampling)), default=0.0)
+        best = min([per_image_s(p.name, ratios[p.name][0]) for p in timed] + known, default=math.inf)
+        if plan != AR and timed and per_image_s(plan.name, floor) > CONTENDER * best:
+            floors[plan.name] = floor
+        else:
+            time_plan(plan, FIRST_STEPS)
         bar.update(1)
-    if todo:
-        ar_s = statistics.median(ar_steps)
-        estimate = {p.name: ratios[p.name][0] * ar_s * steps_per_image.get(p.name, block) for p in todo}
-        known = [v["step_s"] * steps_per_image.get(name, block) for name, v in entry["plans"].items()]
+    measured = [p for p in todo if ratios[p.name]]
+    if measured:
+        estimate = {p.name: per_image_s(p.name, ratios[p.name][0]) for p in measured}
         best = min([*estimate.values(), *known])
-        contenders = [p for p in todo if p == AR or estimate[p.name] <= CONTENDER * best]
+        contenders = [p for p in measured if p == AR or estimate[p.name] <= CONTENDER * best]
         r = 1
-        while r < ROUNDS or (r < MAX_ROUNDS and time.perf_counter() - t0 < BUDGET_S):  # contenders, alternating
-            for plan in (contenders if r % 2 else contenders[::-1]):
+        while r < ROUNDS or (r < MAX_ROUNDS and time.perf_counter() - t0 - prepare_s < BUDGET_S):
+            for plan in (contenders if r % 2 else contenders[::-1]):  # alternating order
                 bar.set_postfix_str(plan.name)
                 time_plan(plan, TIMED_STEPS)
                 bar.update(1)
             r += 1
         ar_s = statistics.median(ar_steps)
-        for plan in todo:
+        for plan in measured:
             entry["plans"][plan.name] = {"step_s": statistics.median(ratios[plan.name]) * ar_s,
                                          "ratio_to_ar": [round(x, 4) for x in ratios[plan.name]]}
+        for name, floor in floors.items():
+            entry["plans"][name] = {"step_s": floor * ar_s, "lower_bound": True}
     bar.update(bar.total - bar.n)
     bar.close()
-    entry["seconds"] = entry.get("seconds", 0.0) + time.perf_counter() - t0
+    entry["seconds"] = entry.get("seconds", 0.0) + time.perf_counter() - t0 - prepare_s
+    entry["prepare_s"] = entry.get("prepare_s", 0.0) + prepare_s
     entry["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return entry
 
@@ -189,6 +230,8 @@ def at_width(widths: dict, width: int) -> dict:
     def lerp(x: float, y: float) -> float:
         return max(x + (y - x) * f, 0.0)
 
-    plans = {name: {"step_s": lerp(a["plans"][name]["step_s"], b["plans"][name]["step_s"])}
+    plans = {name: {"step_s": lerp(a["plans"][name]["step_s"], b["plans"][name]["step_s"]),
+                    **({"lower_bound": True} if a["plans"][name].get("lower_bound")
+                       or b["plans"][name].get("lower_bound") else {})}
              for name in a["plans"] if name in b["plans"]}
     return {"fixed_s": lerp(a["fixed_s"], b["fixed_s"]), "plans": plans, "interpolated_from": [lo, hi]}

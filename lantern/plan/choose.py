@@ -37,6 +37,7 @@ class Choice:
     cost_source: str = ""
     relaxed: str = ""  # which relaxed methods were allowed, and why
     calibrated_s: float = 0.0  # seconds spent measuring for this choice (0 when everything was cached)
+    prepared_s: float = 0.0  # seconds preparing runners (exporting graphs) to calibrate: later runs reuse them
 
     @property
     def predicted_speedup(self) -> float:
@@ -47,7 +48,8 @@ class Choice:
                                                                         if k not in ("name", "method")},
                 "batch": self.width, "predicted_seconds": self.predicted_s, "predicted_ar_seconds":
                 self.predicted_ar_s, "predicted_speedup": self.predicted_speedup, "cost_source": self.cost_source,
-                "relaxation": self.relaxed, "calibration_seconds": self.calibrated_s, "candidates": self.candidates}
+                "relaxation": self.relaxed, "calibration_seconds": self.calibrated_s,
+                "calibration_prepare_seconds": self.prepared_s, "candidates": self.candidates}
 
     def summary(self) -> str:
         return (f"auto chose {self.plan.name} at {self.width} image(s) per step: predicted {self.predicted_s:.2f} s, "
@@ -115,26 +117,29 @@ def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] =
         skipped += [{"plan": name, "skipped": f"not calibrated in profile {profile.name}"} for name in missing]
         plans = [p for p in plans if p.name not in missing]
     else:
-        costs, source, calibrating = machine_costs(pipe, plans, sampling, key, width, steps, progress)
+        costs, source, calibrating, prepared = machine_costs(pipe, plans, sampling, key, width, steps, progress)
         spent += calibrating
 
     rows = []
     for p in plans:
-        t = predict_seconds(n_images, width, costs["fixed_s"], costs["plans"][p.name]["step_s"], steps[p.name])
+        cost = costs["plans"][p.name]
+        t = predict_seconds(n_images, width, costs["fixed_s"], cost["step_s"], steps[p.name])
         rows.append({"plan": p.name, "lossless": p.lossless, "predicted_seconds": t,
-                     "steps_per_image": sum(steps[p.name]) / len(steps[p.name]),
-                     "step_ms": 1e3 * costs["plans"][p.name]["step_s"]})
+                     "steps_per_image": sum(steps[p.name]) / len(steps[p.name]), "step_ms": 1e3 * cost["step_s"],
+                     **({"lower_bound": True} if cost.get("lower_bound") else {})})
     ar_s = rows[0]["predicted_seconds"]  # AR is the first candidate
     for r in rows:
         r["predicted_speedup"] = ar_s / r["predicted_seconds"] if r["predicted_seconds"] else 1.0
-    best = min(rows, key=lambda r: r["predicted_seconds"])
+    # a lower bound (a plan too slow to be worth timing) is never chosen
+    best = min((r for r in rows if not r.get("lower_bound")), key=lambda r: r["predicted_seconds"])
     if best["predicted_speedup"] < 1.0 + MARGIN:
         best = rows[0]
     plan = next(p for p in plans if p.name == best["plan"])
     pipe.release(keep=plan.decode(sampling), batch=width)  # the chosen plan keeps the runner it was timed on
     return Choice(plan=plan, decode=plan.decode(sampling), width=width,
                   predicted_s=best["predicted_seconds"], predicted_ar_s=ar_s, candidates=rows + skipped,
-                  cost_source=source, relaxed=why, calibrated_s=spent)
+                  cost_source=source, relaxed=why, calibrated_s=spent,
+                  prepared_s=prepared if profile is None else 0.0)
 
 
 def steps_by_plan(pipe, plans: list[Plan], sampling: SamplingConfig, key: str,
@@ -157,20 +162,22 @@ def steps_by_plan(pipe, plans: list[Plan], sampling: SamplingConfig, key: str,
 
 
 def machine_costs(pipe, plans: list[Plan], sampling: SamplingConfig, key: str, width: int,
-                  steps: dict, progress: bool) -> tuple[dict, str, float]:
+                  steps: dict, progress: bool) -> tuple[dict, str, float, float]:
     """This machine's calibration at `width` (plans it lacks measured here, once), where it is kept, and the
-    seconds spent measuring."""
+    seconds spent timing and preparing runners for it (0, 0 when it was cached)."""
     key_c = calibration.calibration_key(pipe.backend.name, pipe.dtype, key)
     data = calibration.load_calibration(key_c)
     entry = data["widths"].get(str(width))
     lacking = [p for p in plans if not entry or p.name not in entry["plans"]]
     path = calibration.calibration_path(key_c)
-    t0 = time.perf_counter()
-    if lacking:
-        print(f"lantern: calibrating {len(lacking)} plan(s) on {pipe.backend.name} ({pipe.dtype}) at {width} "
-              f"image(s) per step, once (cached in {path}; `lantern profile run` refreshes it)", file=sys.stderr)
-        per_image = {p.name: sum(steps[p.name]) / len(steps[p.name]) for p in plans}
-        entry = calibration.measure_width(pipe, lacking, sampling, width, per_image, entry, progress)
-        data["widths"][str(width)] = entry
-        calibration.save_calibration(data)
-    return entry, f"calibration cached in {path}", time.perf_counter() - t0 if lacking else 0.0
+    if not lacking:
+        return entry, f"calibration cached in {path}", 0.0, 0.0
+    print(f"lantern: calibrating {len(lacking)} plan(s) on {pipe.backend.name} ({pipe.dtype}) at {width} "
+          f"image(s) per step, once (cached in {path}; `lantern profile run` refreshes it)", file=sys.stderr)
+    before = (entry or {}).get("seconds", 0.0), (entry or {}).get("prepare_s", 0.0)
+    per_image = {p.name: sum(steps[p.name]) / len(steps[p.name]) for p in plans}
+    entry = calibration.measure_width(pipe, lacking, sampling, width, per_image, entry, progress)
+    data["widths"][str(width)] = entry
+    calibration.save_calibration(data)
+    return (entry, f"calibration cached in {path}", entry["seconds"] - before[0],
+            entry["prepare_s"] - before[1])

@@ -8,8 +8,11 @@ warm-up and auto's one-off calibration excluded and reported apart). Timing on a
 10-20% over minutes, so every method runs the first seed, and AR, auto and the methods within 1.5x of the fastest (the
 ones a choice can hinge on) run every other seed, in alternating order. Reported: median wall per method over its seeds;
 auto / the fastest method it could have chosen from (lossless: AR and the lossless presets; relaxed: every
-preset); auto's predicted speed-up over AR vs the measured one. Writes profiles/results/auto-cpu.{json,md,png}.
-Timing wants a quiet machine.
+preset), as the median over seeds of the two walls' ratio on the same seed (paired, so a slow spell of the machine
+counts on both); auto's predicted speed-up over AR vs the measured one. The noise floor: AR is timed twice per seed
+as two entries (`ar` and `ar again`, identical work on the same runner); their paired ratio and its spread over
+seeds say how far apart two identical configurations land on this machine. Writes
+profiles/results/auto-cpu.{json,md,png}. Timing wants a quiet machine.
 
     python tools/bench_auto.py [--backends cpu:fp32 cpu:bf16 onnx:fp32] [--images 1 4 10] [--seeds 0 1 2 3 4]
 """
@@ -33,9 +36,8 @@ from results_io import utc_now, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 AUTOS = ("auto", "auto --allow-relaxed")
+AR_AGAIN = "ar again"  # AR timed a second time per seed: the noise floor
 SCREEN = 1.5  # after the first seed, only methods within this factor of the fastest run the other seeds
-PRESET_PLANS = {"ar": "ar", "mc-sjd": "mc-sjd/L16", "mc-sjd-relaxed": "mc-sjd-relaxed/L16", "eagle2": "eagle2",
-                "lantern": "lantern", "lantern++": "lantern++/lantern++-57"}  # the auto plan a preset is
 
 
 def setting(bundle, backend: str, dtype: str, n: int, seeds: list[int]) -> dict:
@@ -48,6 +50,7 @@ def setting(bundle, backend: str, dtype: str, n: int, seeds: list[int]) -> dict:
                             shipped_record=bundle.acceptance_record, progress=False) for name in AUTOS[::-1]}
     planning = time.perf_counter() - t0
     configs = {m: (method_preset(m, sampling, **bundle.relaxation_defaults.get(m, {})), n) for m in METHODS}
+    configs[AR_AGAIN] = configs["ar"]  # the noise floor: identical work, timed as a method of its own
     configs.update({name: (c.decode, c.width) for name, c in choices.items()})
     for dcfg, width in configs.values():  # prepare and warm every runner before timing
         pipe.generate(classes, dcfg, batch=width, tokens=2)
@@ -60,21 +63,30 @@ def setting(bundle, backend: str, dtype: str, n: int, seeds: list[int]) -> dict:
 
     run(list(configs), seeds[0])  # the screen: every method once
     best = min(w[0] for w in walls.values())
-    contenders = [m for m in configs if walls[m][0] <= SCREEN * best or m in ("ar", *AUTOS)]  # AR: the baseline
+    contenders = [m for m in configs if walls[m][0] <= SCREEN * best or m in ("ar", AR_AGAIN, *AUTOS)]
     for i, seed in enumerate(seeds[1:], start=1):
         run(contenders if i % 2 == 0 else contenders[::-1], seed)
     median = {m: statistics.median(w) for m, w in walls.items()}
     lossless = [m for m in METHODS if configs[m][0].acceptance == "exact"]
     out = {"backend": backend, "dtype": dtype, "images": n, "walls": walls, "median_s": median,
            "speedup_vs_ar": {m: median["ar"] / median[m] for m in median}, "planning_s": planning,
-           "lossless_presets": lossless, "choices": {name: c.to_dict() for name, c in choices.items()}}
+           "lossless_presets": lossless, "choices": {name: c.to_dict() for name, c in choices.items()},
+           "noise_floor": paired(walls[AR_AGAIN], walls["ar"])}
     for name, pool in (("auto", lossless), ("auto --allow-relaxed", list(METHODS))):
         fastest = min(pool, key=median.get)
+        same = configs[name] == configs[fastest]
         out.setdefault("auto_vs_fastest", {})[name] = {
-            "fastest": fastest, "ratio": median[name] / median[fastest],
+            "fastest": fastest, "same_configuration": same, "median_ratio": median[name] / median[fastest],
+            **paired(walls[name], walls[fastest]),
             "predicted_speedup": choices[name].predicted_speedup, "measured_speedup": median["ar"] / median[name],
             "prediction_error": choices[name].predicted_speedup / (median["ar"] / median[name]) - 1}
     return out
+
+
+def paired(a: list[float], b: list[float]) -> dict:
+    """Walls of two entries on the same seeds -> the median of their per-seed ratios a/b and its range."""
+    ratios = [x / y for x, y in zip(a, b)]
+    return {"ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)], "seeds": len(ratios)}
 
 
 def main() -> None:
@@ -102,27 +114,36 @@ def record(args, rows: list[dict]) -> dict:
 def markdown(rec: dict) -> str:
     lines = [f"Embedded model, {rec['cpu']}, {rec['threads']} threads, {rec['date']}; median decode wall time over "
              f"seeds {rec['seeds']} (one image per class 0..B-1, decoded together; a method more than {SCREEN}x "
-             f"slower than the fastest on the first seed ran that seed only, marked *). x = speed-up over AR at the same "
-             "B; auto / fastest: auto's wall over the fastest method it could choose from (lossless: AR and the "
-             "lossless presets; --allow-relaxed: every preset). Where auto ran the same configuration as the fastest "
-             "method (same plan, same runner), the ratio is this machine's timing noise.", ""]
+             f"slower than the fastest on the first seed ran that seed only, marked *). x = speed-up over AR at the "
+             "same B. Noise floor: `ar again` / `ar`, identical work on the same runner, median of per-seed ratios "
+             "[range]. auto / fastest: auto's wall over the fastest method it could choose from (lossless: AR and the "
+             "lossless presets; --allow-relaxed: every preset), median of per-seed ratios [range]; 'same config' "
+             "when auto ran exactly that method's configuration (same plan, same runner), where any gap is noise. "
+             "Calibration: seconds timing plans, + seconds preparing runners (exporting graphs), both once per "
+             "machine, backend, dtype and B.", ""]
     methods = [*(m for m in rec["rows"][0]["median_s"] if m not in AUTOS), *AUTOS]
-    lines += ["| backend | B | " + " | ".join(methods) + " | auto chose | auto / fastest | predicted vs measured "
-              "speed-up (auto) | auto --allow-relaxed chose | its / fastest | predicted vs measured | calibration "
-              "(s, once) |", "|---|---|" + "---|" * (len(methods) + 7)]
+    lines += ["| backend | B | " + " | ".join(methods) + " | noise floor | auto chose | auto / fastest | predicted vs "
+              "measured speed-up (auto) | auto --allow-relaxed chose | its / fastest | predicted vs measured | "
+              "calibration (s) |", "|---|---|" + "---|" * (len(methods) + 8)]
     for r in rec["rows"]:
         cells = [f"{r['median_s'][m]:.2f} s ({r['speedup_vs_ar'][m]:.2f}x){'*' if len(r['walls'][m]) == 1 else ''}"
                  for m in methods]
-        tail = []
+        cells.append(ratio_text(r["noise_floor"]))
         for name in AUTOS:
             c, v = r["choices"][name], r["auto_vs_fastest"][name]
-            same = " - the same configuration" if PRESET_PLANS.get(v["fastest"]) == c["plan"] else ""
-            tail += [f"{c['plan']} (B={c['batch']})", f"{v['ratio']:.3f} (fastest: {v['fastest']}{same})",
-                     f"{v['predicted_speedup']:.2f} vs {v['measured_speedup']:.2f}"]
-        spent = sum(r["choices"][name]["calibration_seconds"] for name in AUTOS)
-        lines.append(f"| {r['backend']} {r['dtype']} | {r['images']} | " + " | ".join(cells + tail) +
-                     f" | {spent:.0f} |")
+            same = ", same config" if v["same_configuration"] else ""
+            cells += [f"{c['plan']} (B={c['batch']})", f"{ratio_text(v)} (fastest: {v['fastest']}{same})",
+                      f"{v['predicted_speedup']:.2f} vs {v['measured_speedup']:.2f}"]
+        timing = sum(r["choices"][name]["calibration_seconds"] for name in AUTOS)
+        prepare = sum(r["choices"][name]["calibration_prepare_seconds"] for name in AUTOS)
+        lines.append(f"| {r['backend']} {r['dtype']} | {r['images']} | " + " | ".join(cells) +
+                     f" | {timing:.0f} + {prepare:.0f} |")
     return "\n".join(lines) + "\n"
+
+
+def ratio_text(v: dict) -> str:
+    lo, hi = v["ratio_range"]
+    return f"{v['ratio']:.3f} [{lo:.2f}-{hi:.2f}]"
 
 
 def plot(rec: dict, path: Path) -> None:
@@ -134,7 +155,7 @@ def plot(rec: dict, path: Path) -> None:
     for ax, (backend, dtype) in zip(axes[0], backends):
         rows = [r for r in rec["rows"] if (r["backend"], r["dtype"]) == (backend, dtype)]
         xs = [r["images"] for r in rows]
-        for m in [*(m for m in rows[0]["median_s"] if m not in AUTOS), *AUTOS]:
+        for m in [*(m for m in rows[0]["median_s"] if m not in (*AUTOS, AR_AGAIN)), *AUTOS]:
             style = dict(lw=2.5, color="k") if m == "auto" else dict(lw=1, ls="--" if m.startswith("auto") else "-")
             ax.plot(xs, [r["speedup_vs_ar"][m] for r in rows], marker="o", label=m, **style)
         ax.axhline(1.0, color="gray", lw=0.8)

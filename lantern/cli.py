@@ -22,7 +22,7 @@ from lantern.train.cli import add_info_command, add_train_commands
 def add_decode_options(p: argparse.ArgumentParser) -> None:
     """Decoding flags shared by generate, eval and profile."""
     from lantern.decoding.acceptance import FORMS, KINDS
-    from lantern.decoding.config import COUPLINGS, METHODS
+    from lantern.decoding.config import COUPLINGS, INITIAL_DRAFTS, METHODS
     g = p.add_argument_group("decoding")
     g.add_argument("--method", choices=("auto", *METHODS), default="auto",
                    help="auto (default: the plan predicted fastest for this device, dtype and number of images, "
@@ -36,6 +36,9 @@ def add_decode_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--drafting", help="override: none | dynamic | jacobi | a tree preset | a .json file of paths")
     g.add_argument("--window", type=int, help="Jacobi: drafts verified after the last accepted token (default 16)")
     g.add_argument("--coupling", choices=COUPLINGS, help="Jacobi: none (SJD) | gumbel (MC-SJD)")
+    g.add_argument("--initial", choices=INITIAL_DRAFTS,
+                   help="Jacobi drafts at positions never predicted: above (default: the decided token one grid "
+                        "row up, where there is one) | last (drawn from the last distribution)")
     g.add_argument("--acceptance", choices=KINDS, help="override the method's acceptance rule")
     g.add_argument("--k", type=number(int, 0), help="proximity neighbours for relaxed acceptance")
     g.add_argument("--delta", type=number(float, 0, 1), help="LANTERN bound, in [0, 1]")
@@ -72,7 +75,8 @@ def backend_options(args) -> dict:
     return {"gaudi_config": args.gaudi_config}
 
 
-AUTO_CHOOSES = ("drafting", "acceptance", "k", "delta", "lam", "form", "window", "coupling")  # flags auto decides
+AUTO_CHOOSES = ("drafting", "acceptance", "k", "delta", "lam", "form", "window", "coupling",
+                "initial")  # flags auto decides
 
 
 def sampling_from_args(args, bundle):

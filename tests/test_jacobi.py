@@ -21,7 +21,8 @@ from test_backend_onnx import needs_ort
 from lantern.profile.host_transfers import counted_steps, per_step
 from test_speculative import LEVEL, SAMPLING, ar_distribution, flat_micro, pvalue, pvalues, sampled_counts
 
-JACOBI = {"sjd": dict(drafting="jacobi", coupling="none"), "mc-sjd": dict(drafting="jacobi", coupling="gumbel")}
+JACOBI = {"sjd": dict(drafting="jacobi", coupling="none"), "mc-sjd": dict(drafting="jacobi", coupling="gumbel"),
+          "mc-sjd initial=last": dict(drafting="jacobi", coupling="gumbel", initial="last")}
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +43,13 @@ def run_lossless(flat, method, batch, window=2):
 
 
 @pytest.mark.parametrize("method, batch, window", [("sjd", 6000, 2), ("sjd", 6000, 3), ("mc-sjd", 1, 2),
-                                                   ("mc-sjd", 6000, 2), ("mc-sjd", 6000, 3)])
+                                                   ("mc-sjd", 6000, 2), ("mc-sjd", 6000, 3),
+                                                   ("mc-sjd initial=last", 6000, 2)])
 def test_jacobi_sampling_reproduces_ar_for_every_image(flat, method, batch, window):
     """Every token of 2x2 images, CFG + temperature + top-k + top-p: each image's joint distribution of its 4
     tokens and every token's marginal equal AR's exact ones (chi-square), one image per step and batched.
-    Window 2 slides new positions in (drawn from the last p); window 3 covers the image after the root.
+    Window 2 slides new positions in (the token above where the 2x2 grid has one, else drawn from the last p);
+    window 3 covers the image after the root.
     (B = 1 runs the coupled form only: its window state is the one with more to get wrong.)"""
     assert min(run_lossless(flat, method, batch, window)) > LEVEL
 
@@ -60,6 +63,22 @@ def test_testing_against_the_wrong_distribution_fails_the_lossless_test(flat, mo
         current = Support(p_nodes.probs[:, :-1], p_nodes.ids[:, :-1])
         return real(p_nodes, dataclasses.replace(tree, q=current), *args)
     monkeypatch.setattr(jacobi, "accept", against_p)
+    assert min(run_lossless(flat, "mc-sjd", 6000)) < LEVEL
+
+
+def test_a_prior_tested_against_the_wrong_distribution_fails_the_lossless_test(flat, monkeypatch):
+    """A broken spatial prior: drafts are the token above, but the test is told they came from the last p."""
+    real_prior, real_redraw = jacobi.spatial_prior, jacobi.redraw
+    drawn_from = {}
+
+    def prior_kept_apart(q, *args):
+        drawn_from["q"] = real_prior(q, *args)
+        return q
+
+    def redraw_from_prior(q, noise, greedy, generator):
+        return real_redraw(drawn_from.pop("q", q), noise, greedy, generator)
+    monkeypatch.setattr(jacobi, "spatial_prior", prior_kept_apart)
+    monkeypatch.setattr(jacobi, "redraw", redraw_from_prior)
     assert min(run_lossless(flat, "mc-sjd", 6000)) < LEVEL
 
 

@@ -23,6 +23,8 @@ class DecodeConfig:
     dynamic_total: int = 60  # EAGLE-2: verified nodes, root included (the static verify width)
     window: int = 16  # Jacobi: drafts after the root (the verify width is window + 1)
     coupling: str = "gumbel"  # Jacobi: "none" (SJD: fresh draws) | "gumbel" (MC-SJD: noise fixed per position)
+    initial: str = "above"  # Jacobi drafts at positions never predicted: "above" (the decided token one grid row
+    # up, where there is one; else as "last") | "last" (drawn from the last distribution the step computed)
     _strategy: Strategy | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -40,6 +42,8 @@ class DecodeConfig:
                 raise ValueError(f"window {self.window!r} must be an integer >= 1")
             if self.coupling not in COUPLINGS:
                 raise ValueError(f"unknown coupling {self.coupling!r}; allowed: {', '.join(COUPLINGS)}")
+            if self.initial not in INITIAL_DRAFTS:
+                raise ValueError(f"unknown initial drafts {self.initial!r}; allowed: {', '.join(INITIAL_DRAFTS)}")
             strategy = JacobiWindow(self.window)
         elif self.drafting != "none":
             # compiled once (fails early, naming the presets)
@@ -71,6 +75,7 @@ class DecodeConfig:
 
 
 COUPLINGS = ("none", "gumbel")
+INITIAL_DRAFTS = ("above", "last")
 METHODS = ("ar", "eagle2", "lantern", "lantern++", "sjd", "mc-sjd", "mc-sjd-relaxed")
 
 

@@ -12,8 +12,12 @@ Node i's cache entry is written at its own position's slot, so the accepted pref
 place: a step never commits. Finished images run as padding, as in lantern.decoding.loop.
 
 Initial drafts: a position never predicted yet (the window at the start, then the positions entering at its
-far end) is drawn from the last distribution the step has: p after the last node (at the start: the prefill's
-p). That q is a function of earlier positions only, and the test is against exactly that q.
+far end) gets, with `initial="above"` (the default), the token one row up in the image's token grid when that
+token is decided already (always, for a window no wider than the grid): q is the point mass on it. Otherwise,
+and with `initial="last"`, its draft is drawn from the last distribution the step has: p after the last node
+(at the start: the prefill's p). Either q is a function of earlier positions only, and the test is against
+exactly that q. Images are mostly flat regions, so the token above is often right: on the embedded model the
+prior raises MC-SJD's step compression by about a tenth at L = 8 and 16.
 
 Coupling "gumbel" (MC-SJD): each (image, position) draws Gumbel noise G over the vocabulary once, when it
 enters the window, and keeps it until the position is decided; its draft is argmax(log q + G), so an unchanged
@@ -65,6 +69,22 @@ def redraw(q: Support, noise: Optional[torch.Tensor], greedy: bool, generator: t
     return q.ids.gather(2, pick[..., None])[..., 0]
 
 
+def spatial_prior(q: Support, fresh: torch.Tensor, decided: torch.Tensor, emitted: torch.Tensor, grid: int,
+                  vocab: int) -> Support:
+    """q (B, L, K) of the window, whose slot w holds image token emitted + w -> the same, but where `fresh`
+    (B, L) (never predicted yet) and the token one grid row up is decided (among decided[:, :emitted]), the
+    point mass on that token."""
+    b, window, k = q.ids.shape
+    above = emitted[:, None] + torch.arange(window, device=q.ids.device)[None] - grid  # (B, L)
+    use = (fresh & (above >= 0) & (above < emitted[:, None]))[..., None]
+    token = decided.gather(1, above.clamp(min=0))  # (B, L)
+    # a support holds K distinct tokens in descending order: the token, then K - 1 others at probability 0
+    ids = (token[..., None] + torch.arange(k, device=q.ids.device)) % vocab
+    point = torch.zeros_like(q.probs)
+    point[..., 0] = 1.0
+    return Support(torch.where(use, point, q.probs), torch.where(use, ids, q.ids))
+
+
 def slide_noise(noise: torch.Tensor, advance: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """The window's noise (B, L, V) after each image's window moves `advance` (B,) positions: a position still
     in the window keeps its noise, one entering it gets fresh noise."""
@@ -95,11 +115,15 @@ def decode_jacobi(runner: Runner, cond_rows: torch.Tensor, dcfg: DecodeConfig, a
         root_tok = draw(first, sc.greedy, generator)  # (B,)
     coupled = dcfg.coupling == "gumbel" and not sc.greedy
     noise = gumbel((b, window, vocab), generator, dev) if coupled else None
-    q = Support(*(x[:, None].expand(-1, window, -1) for x in first))  # (B, L, K) never predicted: the last p
-    drafts = redraw(q, noise, sc.greedy, generator)  # (B, L) at positions root + 1 .. root + L
+    above = dcfg.initial == "above"
+    grid = runner.model_config.grid_size
     out = torch.zeros(b, block + window + 2, dtype=torch.long, device=dev)  # the last column absorbs padding
     out[:, 0] = root_tok
     emitted = torch.where(active.to(dev), 1, block)  # (B,) tokens so far; padding images start finished
+    q = Support(*(x[:, None].expand(-1, window, -1) for x in first))  # (B, L, K) never predicted: the last p
+    if above:
+        q = spatial_prior(q, torch.ones(b, window, dtype=torch.bool, device=dev), out, emitted, grid, vocab)
+    drafts = redraw(q, noise, sc.greedy, generator)  # (B, L) at positions root + 1 .. root + L
     root = torch.full((b,), spec.prefix_len, dtype=torch.long, device=dev)  # the root's position
     records = StepRecords()
     while True:
@@ -127,12 +151,15 @@ def decode_jacobi(runner: Runner, cond_rows: torch.Tensor, dcfg: DecodeConfig, a
         out.scatter_(1, col, new_tokens)
         records.add(running, acc, shape.rank.expand(b, -1))
         advance = torch.where(running, m + 1, 0)
-        # window slot w now holds position root + advance + 1 + w: p after node advance + w predicts it
-        q = p_nodes.index((advance[:, None] + nodes[:-1]).clamp(max=window))
+        root_tok = torch.where(running, acc.bonus, root_tok)
+        root, emitted = root + advance, emitted + advance
+        # window slot w now holds position root + 1 + w: p after node advance + w predicts it (if that node exists)
+        predicted_by = advance[:, None] + nodes[:-1]  # (B, L)
+        q = p_nodes.index(predicted_by.clamp(max=window))
+        if above:
+            q = spatial_prior(q, predicted_by > window, out, emitted, grid, vocab)
         if noise is not None:
             noise = slide_noise(noise, advance, generator)
         drafts = redraw(q, noise, sc.greedy, generator)
-        root_tok = torch.where(running, acc.bonus, root_tok)
-        root, emitted = root + advance, emitted + advance
     stats = records.stats(active.cpu(), block, time.perf_counter() - t0)
     return out[:, :block].cpu(), stats

@@ -46,6 +46,17 @@ def test_width_interpolation_is_linear_between_measured_widths():
     assert calibration.at_width(widths, 7)["fixed_s"] == pytest.approx(7.0)  # extended past the last
 
 
+def test_a_record_entry_measured_with_other_decode_settings_is_stale():
+    plan = candidate_plans(False, False)[1]  # mc-sjd/L4
+    record = records.empty_record("model", SAMPLING)
+    record["plans"][plan.name] = {"steps": [3], "decode": records.decode_settings(plan, SAMPLING)}
+    assert records.plan_steps(record, plan, 16) == [3]
+    record["plans"][plan.name]["decode"]["initial"] = "last"  # measured before a default changed
+    assert records.plan_steps(record, plan, 16) is None
+    del record["plans"][plan.name]["decode"]  # a record from before entries said what they measured
+    assert records.plan_steps(record, plan, 16) is None
+
+
 def test_relaxed_plans_join_only_when_allowed():
     lossless = candidate_plans(True, True)
     assert all(p.lossless for p in lossless) and lossless[0] == AR

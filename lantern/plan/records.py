@@ -5,7 +5,11 @@ the tokens they get alone), so one record serves every backend and batch width. 
 measured from whole generations:
 
     {"model": model hash, "sampling": SamplingConfig fields, "seed": first seed, "conditions": [...],
-     "plans": {plan name: {"steps": [steps of image 1, ...], "tau": ..., "step_compression": ...}}}
+     "plans": {plan name: {"steps": [steps of image 1, ...], "tau": ..., "step_compression": ...,
+                           "decode": the plan's decode settings, sampling aside}}}
+
+An entry counts only while its plan still decodes with the settings it was measured with (a changed default,
+e.g. of the Jacobi drafts, makes it stale: it is measured again).
 
 A bundle may ship one for its default sampling (manifest key "acceptance_record"); records measured on this
 machine live in the user cache (records/<model>-<sampling>.json). AR needs no record: block - 1 steps.
@@ -49,11 +53,22 @@ def load_record(model: str, sampling: SamplingConfig, shipped: Optional[dict] = 
     return out
 
 
+def decode_settings(plan: Plan, sampling: SamplingConfig) -> dict:
+    """What an entry of the plan was measured with: its decode config without the sampling (the record's key)."""
+    settings = plan.decode(sampling).to_dict()
+    del settings["sampling"]
+    return settings
+
+
+def current(record: dict, plan: Plan) -> bool:
+    entry = record["plans"].get(plan.name)
+    return bool(entry) and entry.get("decode") == decode_settings(plan, SamplingConfig(**record["sampling"]))
+
+
 def plan_steps(record: dict, plan: Plan, block: int) -> Optional[list[int]]:
     if plan == AR:
         return [block - 1]
-    entry = record["plans"].get(plan.name)
-    return list(entry["steps"]) if entry else None
+    return list(record["plans"][plan.name]["steps"]) if current(record, plan) else None
 
 
 def mean_steps(record: Optional[dict]) -> dict[str, float]:
@@ -63,15 +78,17 @@ def mean_steps(record: Optional[dict]) -> dict[str, float]:
 
 def measure_record(generate: Callable[[Plan], object], plans: Sequence[Plan], record: dict,
                    progress: bool = True) -> dict:
-    """Fill `record` with every plan it lacks. generate(plan) -> a GenerationResult of whole images (the same
-    conditions and seed for every plan). Returns the record (saved to the cache by the caller)."""
+    """Fill `record` with every plan it lacks or holds stale. generate(plan) -> a GenerationResult of whole images
+    (the same conditions and seed for every plan). Returns the record (saved to the cache by the caller)."""
     from tqdm import tqdm
-    todo = [p for p in plans if p != AR and p.name not in record["plans"]]
+    sampling = SamplingConfig(**record["sampling"])
+    todo = [p for p in plans if p != AR and not current(record, p)]
     for plan in tqdm(todo, desc="acceptance record", unit="plan", file=sys.stderr, disable=not progress or not todo):
         result = generate(plan)
         s = result.stats
         record["plans"][plan.name] = {"steps": [img.target_forwards - 1 for img in s.images],
-                                      "tau": s.mean_accepted_length, "step_compression": s.step_compression}
+                                      "tau": s.mean_accepted_length, "step_compression": s.step_compression,
+                                      "decode": decode_settings(plan, sampling)}
     return record
 
 

@@ -106,33 +106,37 @@ def test_choice_follows_the_cost_model(pipe):
     assert allowed.plan.name == "lantern++/chain-5" and allowed.decode.acceptance == "lantern++"
 
 
-class SteepCurvePipe:
-    """A fake pipeline (made by this test, no model): a loop step costs its verify width in milliseconds, so
-    wide plans cannot contend. Records which plans were run."""
+class CostCurvePipe:
+    """A fake pipeline (made by this test, no model): a loop step costs step_ms(verify width, drafts?)
+    milliseconds and speculation halves the steps. Records which verify widths ran."""
 
-    def __init__(self, block: int = 64):
+    def __init__(self, step_ms, block: int = 64):
         self.config = SimpleNamespace(block_size=block, model_type="c2i", num_classes=10)
-        self.ran: set[int] = set()
+        self.step_ms, self.ran = step_ms, set()
 
     def runner(self, dcfg, width):
         return None
 
     def generate(self, cond, dcfg, seed, batch, tokens):
-        w = calibration.verify_width(next(p for p in candidate_plans(True, False) if p.decode(SAMPLING) == dcfg),
-                                     SAMPLING)
+        w = 1 if dcfg.strategy is None else dcfg.strategy.verify_width
         self.ran.add(w)
-        steps = tokens if w == 1 else max(1, tokens // 2)  # speculation halves the steps
+        steps = tokens if w == 1 else max(1, tokens // 2)
         image = SimpleNamespace(target_forwards=steps + 1)
-        return SimpleNamespace(stats=SimpleNamespace(wall_seconds=1e-3 * (1 + steps * w), images=[image] * batch))
+        wall = 1e-3 * (1 + steps * self.step_ms(w, dcfg.needs_drafter))
+        return SimpleNamespace(stats=SimpleNamespace(wall_seconds=wall, images=[image] * batch))
 
 
-def test_plans_that_cannot_contend_are_bounded_not_timed():
-    pipe = SteepCurvePipe()
+def calibrate(pipe):
     plans = candidate_plans(True, False)
     per_image = {p.name: (63.0 if p == AR else 31.5) for p in plans}
     entry = calibration.measure_width(pipe, plans, SAMPLING, 1, per_image, progress=False)
     widths = {p.name: calibration.verify_width(p, SAMPLING) for p in plans}
-    bounded = {name for name, v in entry["plans"].items() if v.get("lower_bound")}
+    return plans, entry, widths, {name for name, v in entry["plans"].items() if v.get("lower_bound")}
+
+
+def test_plans_that_cannot_contend_are_bounded_not_timed():
+    pipe = CostCurvePipe(lambda width, drafts: float(width))  # a steep verify curve
+    plans, entry, widths, bounded = calibrate(pipe)
     # at AR's step cost halving the steps would win, so the narrowest plan (width 5) is timed; its step cost
     # then rules out every wider plan
     assert bounded == {p.name for p in plans} - {"ar", "mc-sjd/L4"}
@@ -140,6 +144,14 @@ def test_plans_that_cannot_contend_are_bounded_not_timed():
     for name in bounded:  # the floor is the widest timed plan not wider than it
         assert entry["plans"][name]["step_s"] < widths[name] * 1e-3
     assert entry["prepare_s"] >= 0 and entry["seconds"] > 0
+
+
+def test_a_costly_drafter_bounds_no_plan_that_drafts_nothing():
+    pipe = CostCurvePipe(lambda width, drafts: 1 + 0.02 * width + (50.0 if drafts else 0.0))  # drafting dominates
+    plans, entry, widths, bounded = calibrate(pipe)
+    assert not any(name.startswith("mc-sjd") for name in bounded)
+    per_image = {name: v["step_s"] * (63.0 if name == "ar" else 31.5) for name, v in entry["plans"].items()}
+    assert min(per_image, key=per_image.get).startswith("mc-sjd")
 
 
 def test_a_lower_bound_is_never_chosen(pipe):

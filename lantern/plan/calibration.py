@@ -115,8 +115,9 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
     with an AR run just before it: the plan's cost is the median of its ratios to that AR step, times AR's
     median step.
     - Round 1 goes from the narrowest verify to the widest. A plan is timed (FIRST_STEPS) unless it cannot
-      contend even at the step cost of the widest plan timed so far that is not wider than it (WIDER_SLACK
-      of it): then it is kept as that lower bound (`lower_bound`), never chosen, and never timed.
+      contend even at the step cost (WIDER_SLACK of it) of a plan timed so far that verifies no wider and
+      drafts nothing (its step is a verify and an acceptance, which every plan's step has at least): then
+      it is kept as that lower bound (`lower_bound`), never chosen, and never timed.
     - Rounds 2..ROUNDS (more, up to MAX_ROUNDS, while the timing of this width is inside BUDGET_S) time
       again (TIMED_STEPS), in alternating order, the contenders only: estimated seconds per image within
       CONTENDER of the best, AR always.
@@ -169,8 +170,8 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
     for plan in todo:  # round 1, narrowest verify first
         bar.set_postfix_str(plan.name)
         timed = [p for p in todo if ratios[p.name]]
-        floor = WIDER_SLACK * max((ratios[p.name][0] for p in timed
-                                   if verify_width(p, sampling) <= verify_width(plan, sampling)), default=0.0)
+        floor = WIDER_SLACK * max((ratios[p.name][0] for p in timed if not p.decode(sampling).needs_drafter
+                                   and verify_width(p, sampling) <= verify_width(plan, sampling)), default=0.0)
         best = min([per_image_s(p.name, ratios[p.name][0]) for p in timed] + known, default=math.inf)
         if plan != AR and timed and per_image_s(plan.name, floor) > CONTENDER * best:
             floors[plan.name] = floor

@@ -143,7 +143,7 @@ def plot(rec: dict, path: Path) -> None:
             ax.scatter([r["step_compression"] for r in sel], [r[key] for r in sel], marker=marker,
                        label=form or "exact")
             for r in sel:
-                ax.annotate(r["label"].split(" ", 1)[-1], (r["step_compression"], r[key]), fontsize=6,
+                ax.annotate(r["label"], (r["step_compression"], r[key]), fontsize=6,
                             textcoords="offset points", xytext=(3, 3))
         ax.set_xlabel("step compression (tokens per target forward)")
         ax.set_ylabel(name)

@@ -199,6 +199,12 @@ def describe_bundle(path: str | Path | None = None) -> str:
         "acceptance record for --method auto: " + (
             f"{len(manifest['acceptance_record']['plans'])} plans at the default sampling"
             if manifest.get("acceptance_record") else "none (auto measures one, once, on first use)"),
+        "relaxation validated within AR's quality spread (auto uses it without --allow-relaxed): " + (
+            "; ".join(f"{method} {', '.join(f'{k}={x}' for k, x in v['settings'].items())} (step compression "
+                      f"{v['evidence']['step_compression']:.2f}, class accuracy {v['evidence']['class_accuracy']:.3f},"
+                      f" Frechet {v['evidence']['frechet_distance']:.2f})"
+                      for method, v in manifest["relaxation_defaults"].items())
+            if manifest.get("relaxation_defaults") else "none (auto stays lossless by default)"),
         f"AR samples at {sampling_text}: class accuracy "
         f"{fmt('ar_class_accuracy')}, Frechet distance {fmt('ar_frechet')} (real-image floor {fmt('real_frechet')})",
         f"made by: {manifest.get('command', 'unknown')}  (seed {manifest.get('seed', '?')}); training seconds "

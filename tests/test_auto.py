@@ -75,11 +75,12 @@ def pipe(tiny):
     return Pipeline(target, drafter, proximity, backend="cpu")
 
 
-def seed_calibration(pipe, width: int, step_ms: dict, fixed_s: float = 0.01, skip: str = "") -> None:
+def seed_calibration(pipe, width: int, step_ms: dict, fixed_s: float = 0.01, skip: str = "",
+                     validated: dict | None = None) -> None:
     """Write a calibration (synthetic, made by the test) for this pipeline: every plan not named costs 1 s per
-    step; `skip` is left out (to be measured)."""
+    step; `skip` is left out (to be measured). validated: a bundle's relaxation settings (its plans' names)."""
     key = calibration.calibration_key(pipe.backend.name, pipe.dtype, pipe.model_key)
-    everything = candidate_plans(True, True, {m: {} for m in RELAXED_METHODS})
+    everything = candidate_plans(True, True, {m: (validated or {}).get(m, {}) for m in RELAXED_METHODS})
     plans = {p.name: {"step_s": step_ms.get(p.name, 1000.0) / 1e3} for p in everything if p.name != skip}
     calibration.save_calibration({"key": key, "widths": {str(width): {"fixed_s": fixed_s, "plans": plans}}})
 
@@ -223,7 +224,8 @@ def test_cli_reports_the_plan_and_says_it_calibrates(tmp_path, monkeypatch):
     from lantern.bundle import load_bundle
     bundle = load_bundle()
     monkeypatch.setenv("LANTERN_CACHE_DIR", str(tmp_path / "cache"))  # the subprocesses inherit it
-    seed_calibration(Pipeline.from_bundle(bundle, backend="cpu"), 1, {"mc-sjd/L16": 1.0}, skip="mc-sjd/L4")
+    seed_calibration(Pipeline.from_bundle(bundle, backend="cpu"), 1, {"mc-sjd/L16": 1.0}, skip="mc-sjd/L4",
+                     validated=bundle.relaxation_defaults)
     runs = [lantern("generate", "--classes", "3", "--no-images", "--json") for _ in range(2)]
     assert all(r.returncode == 0 for r in runs), runs[0].stderr
     first, second = (json.loads(r.stdout) for r in runs)

@@ -176,13 +176,17 @@ def cmd_eval(args) -> dict:
     n_classes = len(check_classes(args.classes, num_classes)) if args.classes else num_classes
     dcfg, batch, choice = decode_plan(args, bundle, pipe, min(n_classes * args.n_per_class, EVAL_CHUNK))
     stats = []
+    from tqdm import tqdm
+    bar = tqdm(total=n_classes * args.n_per_class, desc="eval", unit="image", file=sys.stderr)
 
     def generate_fn(class_ids, seed):
         result = pipe.generate(class_ids.tolist(), dcfg, seed=seed, batch=batch)
         stats.append(result.stats.summary())
+        bar.update(len(class_ids))
         return result.tokens
 
     out = evaluate(bundle, generate_fn, classes=args.classes, n_per_class=args.n_per_class, seed=args.seed)
+    bar.close()
     steps = sum(s["verify_steps"] for s in stats)
     out.update(mode=args.method, decode=dcfg.to_dict(), plan=None if choice is None else choice.to_dict(),
                backend=pipe.backend.name, dtype=pipe.dtype, wall_seconds=sum(s["wall_seconds"] for s in stats),

@@ -74,7 +74,7 @@ def spatial_prior(q: Support, fresh: torch.Tensor, decided: torch.Tensor, emitte
     """q (B, L, K) of the window, whose slot w holds image token emitted + w -> the same, but where `fresh`
     (B, L) (never predicted yet) and the token one grid row up is decided (among decided[:, :emitted]), the
     point mass on that token."""
-    b, window, k = q.ids.shape
+    _, window, k = q.ids.shape
     above = emitted[:, None] + torch.arange(window, device=q.ids.device)[None] - grid  # (B, L)
     use = (fresh & (above >= 0) & (above < emitted[:, None]))[..., None]
     token = decided.gather(1, above.clamp(min=0))  # (B, L)

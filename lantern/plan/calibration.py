@@ -142,7 +142,10 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
     if "fixed_s" not in entry:
         _short_run(pipe, ar, width, 1)
         entry["fixed_s"] = statistics.median(_short_run(pipe, ar, width, 1)[0] for _ in range(FIXED_REPEATS))
-    todo = sorted((p for p in plans if p.name not in entry["plans"]), key=lambda p: verify_width(p, sampling))
+    todo = [p for p in plans if p.name not in entry["plans"]]
+    decoded = {p.name: p.decode(sampling) for p in todo}  # each plan's config, compiled once
+    width_of = {p.name: verify_width(p, sampling) for p in todo}
+    todo.sort(key=lambda p: width_of[p.name])
     ar_steps: list[float] = []
     ratios: dict[str, list[float]] = {p.name: [] for p in todo}
 
@@ -151,7 +154,7 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
         return max(wall - entry["fixed_s"], 0.0) / max(ran, 1)
 
     def time_plan(plan: Plan, steps: int) -> None:
-        dcfg, per_image = plan.decode(sampling), steps_per_image.get(plan.name, float(block))
+        dcfg, per_image = decoded[plan.name], steps_per_image.get(plan.name, float(block))
         if not ratios[plan.name]:
             prepare(dcfg)
             _short_run(pipe, dcfg, width, 2)  # warm this runner's first steps
@@ -170,8 +173,8 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
     for plan in todo:  # round 1, narrowest verify first
         bar.set_postfix_str(plan.name)
         timed = [p for p in todo if ratios[p.name]]
-        floor = WIDER_SLACK * max((ratios[p.name][0] for p in timed if not p.decode(sampling).needs_drafter
-                                   and verify_width(p, sampling) <= verify_width(plan, sampling)), default=0.0)
+        floor = WIDER_SLACK * max((ratios[p.name][0] for p in timed if not decoded[p.name].needs_drafter
+                                   and width_of[p.name] <= width_of[plan.name]), default=0.0)
         best = min([per_image_s(p.name, ratios[p.name][0]) for p in timed] + known, default=math.inf)
         if plan != AR and timed and per_image_s(plan.name, floor) > CONTENDER * best:
             floors[plan.name] = floor

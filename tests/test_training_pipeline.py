@@ -1,4 +1,6 @@
 """Retrain a tiny version of the embedded bundle's pipeline and check that every stage learns."""
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -7,7 +9,7 @@ from lantern.config import gpt_preset
 from lantern.metrics import frechet_distance
 from lantern.models.classifier import ClassifierConfig
 from lantern.models.vq import VQConfig
-from lantern.train.drafter import train_drafter
+from lantern.train.drafter import feature_bank, target_features, train_drafter
 from lantern.train.evaluator import train_evaluator
 from lantern.train.pipeline import load_target, load_vq
 from lantern.train.quality import choose_sampling
@@ -116,3 +118,39 @@ def test_frechet_distance_basics():
     assert frechet_distance(a, rng.normal(size=(500, 4)) + [3, 0, 0, 0]) == pytest.approx(9, abs=0.8)
     with pytest.raises(ValueError, match="shapes"):
         frechet_distance(a, a[:, :3])
+
+
+def test_feature_bank_holds_every_sequence_under_its_class_and_the_null_class(tiny, tmp_path):
+    target = tiny["target_model"]
+    tokens, labels = tiny["data"]["train"]
+    tokens, labels, weights = tokens[:3], labels[:3], torch.tensor([0.5, 0.25, 0.25])
+    bank = feature_bank(target, tokens, labels, weights, null_prob=0.1, bf16=False, cache=tmp_path / "bank.safetensors",
+                        progress=False)
+    assert torch.equal(bank.tokens, torch.cat([tokens, tokens]))
+    null = torch.full_like(labels, TINY_GPT.null_class)
+    for rows, cond in ((slice(0, 3), labels), (slice(3, 6), null)):
+        expect = target_features(target, tokens, cond, bf16=False)
+        torch.testing.assert_close(bank.hidden[rows].float(), expect, atol=2e-2, rtol=2e-2)  # stored in bf16
+    torch.testing.assert_close(bank.weights, torch.cat([weights * 0.9, weights * 0.1]))
+    # read back from its cache; another null share is not the same bank
+    again = feature_bank(target, tokens, labels, weights, 0.1, False, cache=tmp_path / "bank.safetensors",
+                         progress=False)
+    assert torch.equal(again.hidden, bank.hidden)
+    other = feature_bank(target, tokens, labels, weights, 0.2, False, cache=tmp_path / "bank.safetensors",
+                         progress=False)
+    torch.testing.assert_close(other.weights[3:], weights * 0.2)
+
+
+def test_reusing_a_target_built_with_other_settings_is_refused(tmp_path):
+    from dataclasses import replace
+
+    from lantern.bundle import DEFAULT_BUNDLE
+    from lantern.train.pipeline import PipelineSettings, reuse_target
+    manifest = json.loads((DEFAULT_BUNDLE / "manifest.json").read_text())
+    fields = {**manifest["settings"], "gpt": gpt_preset("GPT-lantern-digits"),
+              "sampling_candidates": tuple(manifest["settings"]["sampling_candidates"])}
+    settings = PipelineSettings(**fields)
+    with pytest.raises(ValueError, match="target_steps"):
+        reuse_target(tmp_path, DEFAULT_BUNDLE, replace(settings, target_steps=settings.target_steps + 1))
+    reports = reuse_target(tmp_path, DEFAULT_BUNDLE, settings)
+    assert reports["target"] == manifest["stages"]["target"] and (tmp_path / "target.safetensors").exists()

@@ -3,14 +3,20 @@
 For a sequence x_0..x_{L-1} under condition c, the target gives hidden (B, P+L, D). Drafter input j is the
 pair (hidden[P-1+j], x_j) at x_j's position P+j; its regression target is hidden[P+j] (the feature whose
 logits predict x_{j+1}). The final pair has no target feature unless x_{L-1} is fed, so it is dropped.
+
+The target is frozen, so its features are computed once for every training row (`feature_bank`) rather than in
+every step: a step then costs only the drafter's own forward and backward.
 """
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from lantern.bundle import weights_hash
@@ -18,7 +24,7 @@ from lantern.models.drafter import Drafter
 from lantern.models.gpt import GPT
 from lantern.train.common import (Checkpoint, autocast, finished_report, lr_at, save_weights, seed_everything,
                                   set_lr, step_generator, write_json)
-from lantern.train.target import drop_classes
+from lantern.train.tokens import read_metadata
 
 
 @torch.no_grad()
@@ -27,6 +33,39 @@ def target_features(target: GPT, tokens: torch.Tensor, cond: torch.Tensor, bf16:
     with autocast(bf16):
         _, hidden = target.forward_full(tokens[:, :-1], cond)
     return hidden.float()
+
+
+class FeatureBank(NamedTuple):
+    """The drafter's training rows: each sequence under its class, then again under the null class (the
+    CFG uncond rows), with the frozen target's features; weights are how often a step draws each row."""
+
+    tokens: torch.Tensor  # (N, L) int64
+    hidden: torch.Tensor  # (N, P+L-1, D) bfloat16
+    weights: torch.Tensor  # (N,) float
+
+
+def feature_bank(target: GPT, tokens: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, null_prob: float,
+                 bf16: bool, cache: Path | None = None, batch: int = 64, progress: bool = True) -> FeatureBank:
+    """tokens (M, L), labels (M,), weights (M,) -> 2M rows: every sequence under its class (weight w * (1 -
+    null_prob)) and under the null class (w * null_prob), so a weighted draw sees the null class as often as
+    class dropout would. Cached as `cache` (safetensors, with what made it as JSON metadata)."""
+    key = json.dumps({"target_hash": weights_hash(target.state_dict()), "n": len(tokens), "null_prob": null_prob,
+                      "bf16": bf16, "tokens_sum": int(tokens.sum()), "labels_sum": int(labels.sum()),
+                      "weights_sum": float(weights.double().sum())}, sort_keys=True)
+    if cache is not None and cache.exists() and read_metadata(cache).get("key") == key:
+        stored = load_file(str(cache))
+        return FeatureBank(stored["tokens"], stored["hidden"], stored["weights"])
+    rows_tokens = torch.cat([tokens, tokens])
+    conds = torch.cat([labels, torch.full_like(labels, target.config.null_class)])
+    hidden = torch.empty(len(rows_tokens), target.config.cls_token_num + tokens.shape[1] - 1, target.config.dim,
+                         dtype=torch.bfloat16)  # (2M, P+L-1, D)
+    for i in tqdm(range(0, len(rows_tokens), batch), desc="target features", disable=not progress):
+        hidden[i:i + batch] = target_features(target, rows_tokens[i:i + batch], conds[i:i + batch], bf16)
+    bank = FeatureBank(rows_tokens, hidden, torch.cat([weights * (1 - null_prob), weights * null_prob]))
+    if cache is not None:
+        save_file({"tokens": bank.tokens.contiguous(), "hidden": bank.hidden, "weights": bank.weights.contiguous()},
+                  str(cache), metadata={"key": key})
+    return bank
 
 
 def drafter_pass(drafter: Drafter, target: GPT, tokens: torch.Tensor, hidden: torch.Tensor,
@@ -86,30 +125,29 @@ def train_drafter(out_dir: str, target: GPT, tokens: torch.Tensor, labels: torch
     out.mkdir(parents=True, exist_ok=True)
     seed_everything(seed)
     target.eval().requires_grad_(False)
-    cfg = target.config
-    drafter = Drafter(cfg)
+    drafter = Drafter(target.config)
     opt = torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     run_cfg = {"steps": steps, "batch": batch, "lr": lr, "null_prob": null_prob, "seed": seed, "bf16": bf16,
                "noise": "U(-0.1, 0.1)", "ce_weight": 0.1, "n_sequences": len(tokens),
                "target_hash": weights_hash(target.state_dict()),  # a checkpoint for another target is refused
-               "weighted": sample_weights is not None}
+               "weighted": sample_weights is not None, "features": "computed once (feature_bank), bf16"}
     ckpt = Checkpoint(out, "drafter")
     start, prior_seconds = ckpt.load(drafter, opt, run_cfg)
     done = finished_report(out, "drafter", start, steps, "drafter.safetensors")
     if done is not None:
         return done
     t0 = time.time()
+    weights = torch.ones(len(tokens)) if sample_weights is None else sample_weights
+    bank = feature_bank(target, tokens, labels, weights / weights.sum(), null_prob, bf16,
+                        cache=out / "drafter_features.safetensors", progress=progress)
     bar = tqdm(range(start, steps), desc="drafter", disable=not progress, initial=start, total=steps)
     for step in bar:
         drafter.train()
         g = step_generator(seed, step)
-        idx = (torch.randint(0, len(tokens), (batch,), generator=g) if sample_weights is None
-               else torch.multinomial(sample_weights, batch, replacement=True, generator=g))
-        cond = drop_classes(labels[idx], null_prob, cfg.null_class, g)
-        hidden = target_features(target, tokens[idx], cond, bf16)
+        idx = torch.multinomial(bank.weights, batch, replacement=True, generator=g)
         set_lr(opt, lr_at(step, steps, lr, warmup=min(50, steps // 10 + 1)))
         with autocast(bf16):
-            loss = drafter_loss(drafter, target, tokens[idx], hidden, g)
+            loss = drafter_loss(drafter, target, bank.tokens[idx], bank.hidden[idx].float(), g)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -117,7 +155,7 @@ def train_drafter(out_dir: str, target: GPT, tokens: torch.Tensor, labels: torch
         bar.set_postfix(loss=f"{loss.item():.4f}")
         if (step + 1) % ckpt_every == 0 or step + 1 == steps:
             ckpt.save(drafter, opt, run_cfg, step + 1, prior_seconds + time.time() - t0)
-    seconds = prior_seconds + time.time() - t0  # training wall time, every resumed run included
+    seconds = prior_seconds + time.time() - t0  # training wall time (features included), every resumed run
     report = drafter_report(drafter, target, *heldout, bf16=bf16)
     report.update(train_seconds=round(seconds, 1), run=run_cfg)
     save_weights(drafter, out / "drafter.safetensors")

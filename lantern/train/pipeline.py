@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from lantern.bundle import Bundle, sha256_file, weights_hash
+from lantern.bundle import Bundle, sha256_file, verify_bundle, weights_hash
 from lantern.config import GPTConfig
 from lantern.data import HELD_OUT_FRACTION, SOURCE, SPLIT_SEED, load_digits_split
 from lantern.models.classifier import Classifier, ClassifierConfig
@@ -91,6 +91,10 @@ def sweep_record(report: dict) -> dict:
             "frechet_distance": g["frechet_distance"], "per_class_accuracy": g["per_class_accuracy"]}
 
 
+TARGET_SETTINGS = ("seed", "gpt", "n_aug", "target_steps", "target_batch", "target_lr", "sampling_candidates",
+                   "selection_seed", "selection_per_class")  # everything the stages before the drafter read
+
+
 def run_pipeline(work: str | Path, base: str | Path, s: PipelineSettings, progress: bool = True) -> dict:
     """Every training stage into `work`; returns each stage's report plus the chosen sampling defaults."""
     work = Path(work)
@@ -109,7 +113,39 @@ def run_pipeline(work: str | Path, base: str | Path, s: PipelineSettings, progre
     reports["sampling"] = {"seed": s.selection_seed, "n_per_class": s.selection_per_class, "chosen": sampling,
                            "rule": f"lowest Frechet distance among candidates within {ACCURACY_SLACK} of the best "
                                    f"class accuracy", "candidates": [sweep_record(r) for r in sweep]}
+    reports["drafter"] = distil_drafter(work, s, sampling, progress)
+    return reports
 
+
+def reuse_target(work: str | Path, bundle_dir: str | Path, s: PipelineSettings) -> dict:
+    """The stages before the drafter, taken from a bundle this pipeline built with the same settings for them:
+    its tokenizer, evaluator and target are copied into `work` and its reports returned, so only the drafter
+    stage runs again. Refuses a bundle built with other settings, naming them."""
+    work, bundle_dir = Path(work), Path(bundle_dir)
+    problems = verify_bundle(bundle_dir)
+    if problems:
+        raise ValueError(f"bundle {bundle_dir} failed verification: " + "; ".join(problems))
+    manifest = json.loads((bundle_dir / "manifest.json").read_text())
+    ours = s.to_dict()
+    differ = [k for k in TARGET_SETTINGS if manifest.get("settings", {}).get(k) != json.loads(json.dumps(ours[k]))]
+    if differ:
+        raise ValueError(f"bundle {bundle_dir} was built with other settings for {', '.join(differ)}: "
+                         f"its target cannot be reused")
+    work.mkdir(parents=True, exist_ok=True)
+    config = json.loads((bundle_dir / "config.json").read_text())
+    for name in ("vq", "evaluator", "target"):
+        shutil.copyfile(bundle_dir / f"{name}.safetensors", work / f"{name}.safetensors")
+        write_json(work / f"{name}_config.json", config[name])
+    base = manifest["base"]
+    return {"base": {"files": base["files"], "command": base["command"], "stages": manifest["base_stages"]},
+            "target": manifest["stages"]["target"], "sampling": manifest["stages"]["sampling"],
+            "reused_from": {"command": manifest["command"], "target_sha256": manifest["files"]["target.safetensors"]}}
+
+
+def distil_drafter(work: Path, s: PipelineSettings, sampling: dict, progress: bool = True) -> dict:
+    """The drafter stage: the target's own samples (batched AR) plus the real data, on `work`'s target."""
+    bundle = work_bundle(work)
+    data = token_dataset(load_vq(work), s.n_aug, s.seed, cache_dir=str(work))
     # the final evaluation's samples (seed s.seed) are drawn now: they double as the drafter's held-out self-samples
     _, eval_codes = cached_evaluation(work, bundle, sampling, s.eval_per_class, seed=s.seed)
     eval_labels = torch.arange(s.gpt.num_classes).repeat_interleave(s.eval_per_class)
@@ -129,8 +165,7 @@ def run_pipeline(work: str | Path, base: str | Path, s: PipelineSettings, progre
                   data={"real_sequences": len(real_tokens), "self_sample_sequences": len(self_tokens),
                         "self_sample_heldout": f"the {len(eval_codes)} samples of the final evaluation (seed {s.seed})",
                         "self_fraction": s.drafter_self_fraction, "self_sampling": sampling})
-    reports["drafter"] = report
-    return reports
+    return report
 
 
 def sample_grid(rows: list[list[np.ndarray]], scale: int = 2) -> Image.Image:
@@ -206,7 +241,7 @@ def build_bundle(work: str | Path, out: str | Path, s: PipelineSettings, reports
                    "recipe": "base layer i -> layers 2i and 2i+1 (lantern.train.grow); the copy's "
                              f"{' and '.join(RESIDUAL_OUTPUTS)} zeroed, so training starts from the base function"},
         "settings": s.to_dict(),
-        "stages": {k: v for k, v in reports.items() if k != "base"},
+        "stages": {k: v for k, v in reports.items() if k not in ("base", "reused_from")},
         "base_stages": base,
         "train_seconds": {"tokenizer (base)": tok["train_seconds"],
                           "evaluator (base)": base["evaluator"]["train_seconds"],
@@ -216,6 +251,8 @@ def build_bundle(work: str | Path, out: str | Path, s: PipelineSettings, reports
         "metrics": metrics,
         "evaluation": ev,
     }
+    if "reused_from" in reports:
+        manifest["target_reused_from"] = reports["reused_from"]
     manifest["files"] = {f.name: sha256_file(f) for f in sorted(out.iterdir())
                          if f.is_file() and f.name != "manifest.json"}
     write_json(out / "manifest.json", manifest)

@@ -56,6 +56,7 @@ class TorchRunner(Runner):
 
     backend_name = "cpu"
     threads: int | None = None  # torch intra-op threads inside steps (None: torch's own setting)
+    trims_attention = True  # eager on a CPU: attention reads only the slots some row attends (see `live_slots`)
 
     def __init__(self, target, drafter, spec: StaticSpec, device: torch.device):
         super().__init__(spec, device, target.config)
@@ -93,16 +94,26 @@ class TorchRunner(Runner):
         with torch.inference_mode(), self._threads():
             return self.steps[name](*args)
 
+    def live_slots(self, mask: torch.Tensor) -> torch.Tensor:
+        """mask (B, T, S) -> (B, T, s): the slots up to the last one any row attends. Attention over the rest
+        of the cache adds exactly nothing (softmax weight 0), and early in an image most of it is unused.
+        Eager on a CPU only: finding s reads the mask on the host, free on a CPU but a stall on a GPU, and
+        graph modes keep every shape static."""
+        if not self.trims_attention or is_cuda(self.device):
+            return mask
+        used = mask.flatten(0, 1).any(0).nonzero()  # (n, 1) slots some row attends
+        return mask[..., : int(used[-1]) + 1] if len(used) else mask
+
     def prefill(self, cond, mask):
-        return StepOutput(*self._run("prefill", cond, mask))
+        return StepOutput(*self._run("prefill", cond, self.live_slots(mask)))
 
     def verify(self, tokens, positions, slots, mask):
-        return StepOutput(*self._run("verify", tokens, positions, slots, mask))
+        return StepOutput(*self._run("verify", tokens, positions, slots, self.live_slots(mask)))
 
     def draft(self, tokens, features, positions, slots, mask):
         if self.drafter is None:
             raise RuntimeError("this runner was prepared without a drafter")
-        return StepOutput(*self._run("draft", tokens, features, positions, slots, mask))
+        return StepOutput(*self._run("draft", tokens, features, positions, slots, self.live_slots(mask)))
 
     def commit(self, src, dst):
         self.spec.check_commit(src, dst)

@@ -58,6 +58,8 @@ def as_inference(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 class CapturedRunner(TorchRunner):
     """TorchRunner whose step modules are captured graphs; the eager reference stays untouched."""
 
+    trims_attention = False  # every step keeps its one static shape
+
     clone_outputs = False  # True where a replay returns the same output buffers every time
     capture_kind = ""  # how steps are captured, for the profile record
 

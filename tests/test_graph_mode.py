@@ -158,11 +158,26 @@ def test_every_step_matches_eager(models, dtype, compiler):
     cache writes, as inductor does)."""
     spec = spec_for(models[0].config, speculative=True, dtype=dtype)
     eager = prepare("cpu", models, spec)
+    eager.trims_attention = False  # the graph's own static shapes: capture must change nothing, bit for bit
     graph = prepare("cpu-graph", models, spec, compiler=compiler)
     graph.warmup()
     eager.warmup()
     for a, b in zip(step_loop(eager, rounds=2), step_loop(graph, rounds=2)):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def test_eager_attention_over_the_live_slots_matches_the_whole_cache(models):
+    """Eager on a CPU attends only up to the last slot any row attends: the other slots add exactly nothing,
+    so every output is the whole-cache computation's up to float rounding."""
+    spec = spec_for(models[0].config, speculative=True)
+    trimmed, whole = prepare("cpu", models, spec), prepare("cpu", models, spec)
+    whole.trims_attention = False
+    prefix = torch.zeros(spec.batch, 1, spec.max_len, dtype=torch.bool)
+    prefix[..., : spec.prefix_len] = True
+    assert trimmed.live_slots(prefix).shape == (spec.batch, 1, spec.prefix_len)
+    assert whole.live_slots(prefix).shape == prefix.shape
+    for a, b in zip(step_loop(whole, rounds=2), step_loop(trimmed, rounds=2)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
 
 def test_pipeline_selects_graph_mode_by_name(tiny):

@@ -66,6 +66,8 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv_head, self.head_dim)
         if cache is not None:
             keys, values = cache.update(self.layer_id, k, v, flat_slots)  # (B, Hkv, S, hd)
+            live = mask.shape[-1]  # a mask may cover only the first slots (the rest are never attended)
+            keys, values = keys[:, :, :live], values[:, :, :live]  # (B, Hkv, s, hd)
         else:
             keys, values = k.transpose(1, 2), v.transpose(1, 2)  # (B, Hkv, T, hd)
         rep = self.n_head // self.n_kv_head
@@ -160,8 +162,8 @@ class GPT(nn.Module):
 
     def forward_cached(self, h: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                        cache: StaticKVCache, slots: torch.Tensor) -> torch.Tensor:
-        """h (B, T, D) input embeddings; positions, slots (B, T); mask (B, T, S) bool, True = attend.
-        Returns final-normed hidden states (B, T, D) (the drafter's features)."""
+        """h (B, T, D) input embeddings; positions, slots (B, T); mask (B, T, s) bool, True = attend, over the
+        cache's first s <= S slots (the others are not read). Returns final-normed hidden states (B, T, D) (the drafter's features)."""
         rope = self.rope_at(positions)
         flat = cache.flat(slots)
         m = attention_bias(mask, h.dtype)  # (B, 1, T, S)

@@ -3,7 +3,8 @@
 For LANTERN (k, delta) and LANTERN++ (k, lambda), in lantern's bounded form and the papers' form, and relaxed
 Jacobi (MC-SJD L=16 with the LANTERN++ rule, bounded), measure step
 compression, tau, class accuracy, Frechet distance and the recorded true TV per token, next to AR over several
-seeds (AR's own spread). Not a timing: it can run beside other work. The default relaxation of each method is
+seeds (AR's own spread). Not a timing: it can run beside other work. `--only` runs some rows and keeps the
+other rows of the existing results that were measured on the same target (and drafter, for drafter methods). The default relaxation of each method is
 the bounded setting with the largest step compression whose accuracy and Frechet distance stay within AR's
 spread (accuracy >= AR's lowest, distance <= AR's highest); `--write-defaults` records it in the bundle's
 manifest ("relaxation_defaults"), which `lantern generate` then uses. Writes profiles/results/frontier.{json,md,png}.
@@ -19,7 +20,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from lantern.api import Pipeline
-from lantern.bundle import DEFAULT_BUNDLE, load_bundle
+from lantern.bundle import DEFAULT_BUNDLE, load_bundle, weights_hash
 from lantern.decoding import SamplingConfig, method_preset
 from lantern.evaluate import evaluate
 from results_io import utc_now, write_results
@@ -35,6 +36,8 @@ GRID = [  # (label, method, overrides)
     ("mc-sjd L16 exact", "mc-sjd", dict(window=16)),
     *[(f"mc-sjd-relaxed bounded lam={lam}", "mc-sjd-relaxed", dict(window=16, lam=lam, form="bounded"))
       for lam in (2.0, 3.0)],
+    *[(f"mc-sjd-relaxed lantern bounded delta={d}", "mc-sjd-relaxed",
+       dict(window=16, acceptance="lantern", k=1000, delta=d, form="bounded")) for d in (0.1, 0.2)],
 ]
 RELAXED = ("lantern", "lantern++", "mc-sjd-relaxed")  # the methods that get a default relaxation
 
@@ -72,6 +75,20 @@ def choose(rows: list[dict], spread: dict) -> dict:
     return out
 
 
+def kept_rows(path: Path, models: dict, sampling: dict, rerun: list[str]) -> list[dict]:
+    """The rows of the results at `path` that `--only` does not rerun and that still hold: measured at these
+    sampling settings on this target, and on this drafter if they use one (rows saved before rows said
+    whether they do count as using one)."""
+    if not path.exists():
+        return []
+    old = json.loads(path.read_text())
+    if old.get("target_hash") != models["target_hash"] or old.get("sampling") != sampling:
+        return []
+    same_drafter = old.get("drafter_hash") == models["drafter_hash"]
+    return [r for r in old["rows"] if r["label"] not in rerun and r["label"] in {g[0] for g in GRID}
+            and (same_drafter or not r.get("needs_drafter", True))]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--per-class", type=int, default=10, help="images per class per run")
@@ -88,18 +105,22 @@ def main() -> None:
           for seed in tqdm(range(args.ar_seeds), desc="AR seeds")]
     spread = {"accuracy_min": min(r["class_accuracy"] for r in ar), "accuracy_max": max(r["class_accuracy"] for r in ar),
               "frechet_min": min(r["frechet_distance"] for r in ar), "frechet_max": max(r["frechet_distance"] for r in ar)}
-    rows = []
+    models = {"target_hash": weights_hash(bundle.target.state_dict()),
+              "drafter_hash": weights_hash(bundle.drafter.state_dict()) if bundle.drafter is not None else None}
+    rows = kept_rows(Path(args.out).with_suffix(".json"), models, bundle.default_sampling, args.only) if args.only else []
     grid = [g for g in GRID if args.only is None or g[0] in args.only]
     unknown = set(args.only or ()) - {g[0] for g in GRID}
     if unknown:
         raise SystemExit(f"unknown grid rows {sorted(unknown)}; allowed: {[g[0] for g in GRID]}")
     for label, method, overrides in tqdm(grid, desc="relaxations"):
         dcfg = method_preset(method, sc, **overrides)
-        decode = {k: getattr(dcfg, k) for k in ("k", "delta", "lam", "form") if k in ("k", "form") or k in overrides}
+        decode = {k: getattr(dcfg, k) for k in ("acceptance", "k", "delta", "lam", "form")
+                  if k in ("k", "form") or k in overrides}
         rows.append({"label": label, "method": method, "overrides": overrides, "decode_overrides": decode,
-                     **run(pipe, bundle, dcfg, args.per_class, 0, args.batch)})
+                     "needs_drafter": dcfg.needs_drafter, **run(pipe, bundle, dcfg, args.per_class, 0, args.batch)})
+    rows.sort(key=lambda r: [g[0] for g in GRID].index(r["label"]))
     chosen = choose(rows, spread)
-    record = {"date": utc_now(), "bundle": bundle.manifest.get("name"), "sampling": bundle.default_sampling,
+    record = {"date": utc_now(), "bundle": bundle.manifest.get("name"), **models, "sampling": bundle.default_sampling,
               "per_class": args.per_class, "ar": ar, "ar_spread": spread, "rows": rows, "chosen": chosen}
     write_results(args.out, record, markdown, plot)
     if args.write_defaults:

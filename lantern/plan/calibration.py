@@ -1,8 +1,10 @@
 """Latency calibration: what one decode step of each plan costs on this machine, backend and dtype, at a batch
 width, measured with the real decode loop (drafting, verify, acceptance and commit included).
 
-Every step attends over the whole preallocated KV cache, so a step costs the same at any position: a few steps
-at the start of an image time it. Per width w:
+A step attends over the whole preallocated KV cache, so it costs the same at any position, and a few steps at
+the start of an image time it. (Eager CPU runners attend only the slots in use, which makes early steps cheaper
+than an image's average; calibration times them over the whole cache, the most any position costs, so a
+prediction errs toward AR.) Per width w:
 
     fixed_s            one chunk's prefill, first draw and statistics (AR with a one-token image)
     plans[name].step_s (wall time of a short generation - fixed_s) / its loop steps, relative to an AR run of
@@ -88,8 +90,17 @@ def conditions(config, n: int) -> torch.Tensor | list[int]:
 
 
 def _short_run(pipe, dcfg, width: int, tokens: int) -> tuple[float, int]:
-    """(wall seconds, loop steps) of one chunk of `width` images generating `tokens` tokens each."""
-    result = pipe.generate(conditions(pipe.config, width), dcfg, seed=0, batch=width, tokens=tokens)
+    """(wall seconds, loop steps) of one chunk of `width` images generating `tokens` tokens each, every step
+    attending over the whole cache."""
+    runner = pipe.runner(dcfg, width)
+    trims = getattr(runner, "trims_attention", False)  # eager torch on a CPU (backends.torch_eager)
+    if trims:
+        runner.trims_attention = False
+    try:
+        result = pipe.generate(conditions(pipe.config, width), dcfg, seed=0, batch=width, tokens=tokens)
+    finally:
+        if trims:
+            runner.trims_attention = True
     steps = max(img.target_forwards - 1 for img in result.stats.images)
     return result.stats.wall_seconds, steps
 

@@ -131,7 +131,7 @@ def calibrate(pipe):
     plans = candidate_plans(True, False)
     per_image = {p.name: (63.0 if p == AR else 31.5) for p in plans}
     entry = calibration.measure_width(pipe, plans, SAMPLING, 1, per_image, progress=False)
-    widths = {p.name: calibration.verify_width(p, SAMPLING) for p in plans}
+    widths = {p.name: p.decode(SAMPLING).verify_width for p in plans}
     return plans, entry, widths, {name for name, v in entry["plans"].items() if v.get("lower_bound")}
 
 

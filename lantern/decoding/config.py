@@ -61,6 +61,11 @@ class DecodeConfig:
         return self._strategy is not None and bool(self._strategy.draft_widths)
 
     @property
+    def verify_width(self) -> int:
+        """Tokens per image one target forward of the decode loop takes (1 for AR)."""
+        return 1 if self._strategy is None else self._strategy.verify_width
+
+    @property
     def jacobi(self) -> bool:
         return isinstance(self._strategy, JacobiWindow)
 

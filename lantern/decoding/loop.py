@@ -31,9 +31,9 @@ def static_spec(dcfg: DecodeConfig, model_config, batch: int, dtype: str) -> Sta
     strategy = dcfg.strategy
     if strategy is None:
         return StaticSpec(batch=rows, max_len=_round8(p + model_config.block_size), prefix_len=p,
-                          verify_widths=(1,), dtype=dtype, commit_width=1)
+                          verify_widths=(dcfg.verify_width,), dtype=dtype, commit_width=1)
     return StaticSpec(batch=rows, max_len=_round8(p + model_config.block_size + strategy.scratch), prefix_len=p,
-                      verify_widths=(strategy.verify_width,), draft_widths=strategy.draft_widths, dtype=dtype,
+                      verify_widths=(dcfg.verify_width,), draft_widths=strategy.draft_widths, dtype=dtype,
                       commit_width=strategy.commit_pairs)
 
 

@@ -105,12 +105,6 @@ def _short_run(pipe, dcfg, width: int, tokens: int) -> tuple[float, int]:
     return result.stats.wall_seconds, steps
 
 
-def verify_width(plan: Plan, sampling: SamplingConfig) -> int:
-    """Tokens per image the plan's verify step takes (1 for AR)."""
-    strategy = plan.decode(sampling).strategy
-    return 1 if strategy is None else strategy.verify_width
-
-
 def tokens_for(steps: int, steps_per_image: float, block: int) -> int:
     """Tokens for about `steps` loop steps at the plan's whole-image rate (the start of an image accepts less,
     so it takes more)."""
@@ -155,7 +149,7 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
         entry["fixed_s"] = statistics.median(_short_run(pipe, ar, width, 1)[0] for _ in range(FIXED_REPEATS))
     todo = [p for p in plans if p.name not in entry["plans"]]
     decoded = {p.name: p.decode(sampling) for p in todo}  # each plan's config, compiled once
-    width_of = {p.name: verify_width(p, sampling) for p in todo}
+    width_of = {p.name: decoded[p.name].verify_width for p in todo}
     todo.sort(key=lambda p: width_of[p.name])
     ar_steps: list[float] = []
     ratios: dict[str, list[float]] = {p.name: [] for p in todo}

@@ -30,12 +30,16 @@ from results_io import add_bundle_run_options, real_floor_row
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def methods(sampling: SamplingConfig, windows: list[int], relaxed_window: int, eagle: str) -> dict[str, DecodeConfig]:
+def methods(sampling: SamplingConfig, windows: list[int], relaxed_window: int, eagle: str,
+            relaxation: dict) -> dict[str, DecodeConfig]:
+    """relaxation: the relaxed row's settings (the bundle's validated ones; {} = the preset's)."""
     rows = {"AR": method_preset("ar", sampling), f"SJD L={relaxed_window}": method_preset("sjd", sampling,
                                                                                        window=relaxed_window)}
     rows.update({f"MC-SJD L={w}": method_preset("mc-sjd", sampling, window=w) for w in windows})
-    rows[f"MC-SJD relaxed L={relaxed_window} (k=10, lam=3)"] = method_preset("mc-sjd-relaxed", sampling,
-                                                                            window=relaxed_window)
+    relaxed = method_preset("mc-sjd-relaxed", sampling, window=relaxed_window, **relaxation)
+    rule = (f"delta={relaxed.delta}" if relaxed.acceptance == "lantern" else f"lam={relaxed.lam}")
+    origin = "validated" if relaxation else "preset"
+    rows[f"MC-SJD relaxed L={relaxed_window} ({relaxed.acceptance} k={relaxed.k}, {rule}, {origin})"] = relaxed
     rows[f"EAGLE {eagle}, exact (drafter)"] = DecodeConfig(sampling=sampling, drafting=eagle)
     return rows
 
@@ -84,7 +88,8 @@ def main() -> None:
     bundle = load_bundle()
     classes = args.classes or list(range(bundle.target.config.num_classes))
     sampling = SamplingConfig(**bundle.default_sampling)
-    configs = methods(sampling, args.windows, min(args.relaxed_window, max(args.windows)), args.eagle)
+    configs = methods(sampling, args.windows, min(args.relaxed_window, max(args.windows)), args.eagle,
+                      bundle.relaxation_defaults.get("mc-sjd-relaxed", {}))
     pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend=args.backend, dtype=args.dtype)
     for dcfg in configs.values():  # prepare and warm up every static shape before timing anything
         pipe.check(dcfg)

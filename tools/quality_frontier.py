@@ -1,10 +1,11 @@
 """The quality frontier of the relaxed rules on the embedded model, and the bundle's relaxation defaults.
 
 For LANTERN (k, delta) and LANTERN++ (k, lambda), in lantern's bounded form and the papers' form, and relaxed
-Jacobi (MC-SJD L=16 with the LANTERN++ rule, bounded), measure step
+Jacobi (MC-SJD L=16 with the LANTERN++ or the LANTERN rule, bounded), measure step
 compression, tau, class accuracy, Frechet distance and the recorded true TV per token, next to AR over several
 seeds (AR's own spread). Not a timing: it can run beside other work. `--only` runs some rows and keeps the
-other rows of the existing results that were measured on the same target (and drafter, for drafter methods). The default relaxation of each method is
+other rows of the results file, as it is when the run ends, that were measured on the same target (and drafter,
+for drafter methods): runs of disjoint rows can go side by side. The default relaxation of each method is
 the bounded setting with the largest step compression whose accuracy and Frechet distance stay within AR's
 spread (accuracy >= AR's lowest, distance <= AR's highest); `--write-defaults` records it in the bundle's
 manifest ("relaxation_defaults"), which `lantern generate` then uses. Writes profiles/results/frontier.{json,md,png}.
@@ -107,7 +108,7 @@ def main() -> None:
               "frechet_min": min(r["frechet_distance"] for r in ar), "frechet_max": max(r["frechet_distance"] for r in ar)}
     models = {"target_hash": weights_hash(bundle.target.state_dict()),
               "drafter_hash": weights_hash(bundle.drafter.state_dict()) if bundle.drafter is not None else None}
-    rows = kept_rows(Path(args.out).with_suffix(".json"), models, bundle.default_sampling, args.only) if args.only else []
+    rows = []
     grid = [g for g in GRID if args.only is None or g[0] in args.only]
     unknown = set(args.only or ()) - {g[0] for g in GRID}
     if unknown:
@@ -118,6 +119,8 @@ def main() -> None:
                   if k in ("k", "form") or k in overrides}
         rows.append({"label": label, "method": method, "overrides": overrides, "decode_overrides": decode,
                      "needs_drafter": dcfg.needs_drafter, **run(pipe, bundle, dcfg, args.per_class, 0, args.batch)})
+    if args.only:  # read at the end, so runs of other rows that finished meanwhile are kept too
+        rows += kept_rows(Path(args.out).with_suffix(".json"), models, bundle.default_sampling, args.only)
     rows.sort(key=lambda r: [g[0] for g in GRID].index(r["label"]))
     chosen = choose(rows, spread)
     record = {"date": utc_now(), "bundle": bundle.manifest.get("name"), **models, "sampling": bundle.default_sampling,

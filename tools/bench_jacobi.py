@@ -1,13 +1,13 @@
 """Jacobi decoding (no drafter) against AR and a drafter method on the embedded model, side by side in one run.
 
 Two settings: one image at a time (batch 1), and all the classes in one batch. Rows: AR, SJD, MC-SJD at each
-window, relaxed MC-SJD, and an EAGLE-style method (the trained drafter, exact acceptance). For each image (or
+window, relaxed MC-SJD, and EAGLE-style methods (the trained drafter, exact acceptance). For each image (or
 batch) the methods run back to back, in alternating order, so drift in machine load hits all of them alike;
 speed-up = AR's decode wall time / the method's over the same images. Quality: the bundle's evaluator (class
 accuracy, Frechet distance to held-out real images), per setting and method. Writes
 profiles/results/jacobi-<backend>.{json,md}. Timing wants a quiet machine.
 
-    python tools/bench_jacobi.py [--per-class 2] [--windows 8 16 32] [--eagle chain-5] [--threads 2]
+    python tools/bench_jacobi.py [--per-class 2] [--windows 8 16 32] [--eagle chain-5 lantern++-57] [--threads 2]
     python tools/bench_jacobi.py --classes 0 1 --per-class 1 --windows 4 --out /tmp/jacobi-smoke   # smoke run
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from results_io import add_bundle_run_options, real_floor_row
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def methods(sampling: SamplingConfig, windows: list[int], relaxed_window: int, eagle: str,
+def methods(sampling: SamplingConfig, windows: list[int], relaxed_window: int, eagle: list[str],
             relaxation: dict) -> dict[str, DecodeConfig]:
     """relaxation: the relaxed row's settings (the bundle's validated ones; {} = the preset's)."""
     rows = {"AR": method_preset("ar", sampling), f"SJD L={relaxed_window}": method_preset("sjd", sampling,
@@ -40,7 +40,7 @@ def methods(sampling: SamplingConfig, windows: list[int], relaxed_window: int, e
     rule = (f"delta={relaxed.delta}" if relaxed.acceptance == "lantern" else f"lam={relaxed.lam}")
     origin = "validated" if relaxation else "preset"
     rows[f"MC-SJD relaxed L={relaxed_window} ({relaxed.acceptance} k={relaxed.k}, {rule}, {origin})"] = relaxed
-    rows[f"EAGLE {eagle}, exact (drafter)"] = DecodeConfig(sampling=sampling, drafting=eagle)
+    rows.update({f"EAGLE {tree}, exact (drafter)": DecodeConfig(sampling=sampling, drafting=tree) for tree in eagle})
     return rows
 
 
@@ -81,7 +81,8 @@ def main() -> None:
     add_bundle_run_options(ap, "profiles/results/jacobi-<backend>")
     ap.add_argument("--windows", type=int, nargs="+", default=[8, 16, 32], help="MC-SJD windows")
     ap.add_argument("--relaxed-window", type=int, default=16, help="window of SJD and relaxed MC-SJD")
-    ap.add_argument("--eagle", default="chain-5", help="drafting of the drafter row: a tree preset or dynamic")
+    ap.add_argument("--eagle", nargs="+", default=["chain-5", "lantern++-57"],
+                    help="drafting of the drafter rows (exact acceptance): tree presets or dynamic")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

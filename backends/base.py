@@ -137,6 +137,7 @@ class Runner(ABC):
     """A model prepared for one StaticSpec on one backend."""
 
     backend_name: ClassVar[str] = ""
+    trims_attention = False  # True: a step attends only the cache slots in use (eager CPU), else the whole cache
 
     def __init__(self, spec: StaticSpec, device: torch.device, model_config):
         self.spec = spec
@@ -178,6 +179,15 @@ class Runner(ABC):
         if cfg.model_type == "c2i":
             return torch.zeros(b, dtype=torch.long, device=self.device)
         return torch.zeros(b, cfg.cls_token_num, cfg.caption_dim, device=self.device)
+
+    @contextlib.contextmanager
+    def whole_cache(self) -> Iterator[None]:
+        """Every step inside attends over the whole preallocated cache: the most a step costs at any position."""
+        trims, self.trims_attention = self.trims_attention, False
+        try:
+            yield
+        finally:
+            self.trims_attention = trims
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:

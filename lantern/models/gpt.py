@@ -163,10 +163,11 @@ class GPT(nn.Module):
     def forward_cached(self, h: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                        cache: StaticKVCache, slots: torch.Tensor) -> torch.Tensor:
         """h (B, T, D) input embeddings; positions, slots (B, T); mask (B, T, s) bool, True = attend, over the
-        cache's first s <= S slots (the others are not read). Returns final-normed hidden states (B, T, D) (the drafter's features)."""
+        cache's first s <= S slots (the others are not read). Returns final-normed hidden states (B, T, D)
+        (the drafter's features)."""
         rope = self.rope_at(positions)
         flat = cache.flat(slots)
-        m = attention_bias(mask, h.dtype)  # (B, 1, T, S)
+        m = attention_bias(mask, h.dtype)  # (B, 1, T, s)
         for layer in self.layers:
             h = layer(h, rope, m, cache, flat)
         return self.norm(h)

@@ -92,15 +92,8 @@ def conditions(config, n: int) -> torch.Tensor | list[int]:
 def _short_run(pipe, dcfg, width: int, tokens: int) -> tuple[float, int]:
     """(wall seconds, loop steps) of one chunk of `width` images generating `tokens` tokens each, every step
     attending over the whole cache."""
-    runner = pipe.runner(dcfg, width)
-    trims = getattr(runner, "trims_attention", False)  # eager torch on a CPU (backends.torch_eager)
-    if trims:
-        runner.trims_attention = False
-    try:
+    with pipe.runner(dcfg, width).whole_cache():
         result = pipe.generate(conditions(pipe.config, width), dcfg, seed=0, batch=width, tokens=tokens)
-    finally:
-        if trims:
-            runner.trims_attention = True
     steps = max(img.target_forwards - 1 for img in result.stats.images)
     return result.stats.wall_seconds, steps
 

@@ -20,22 +20,32 @@ from lantern.train.grow import grow_by_duplication, grown_config
 BASE_REPORTS = "base_reports.json"
 
 
+def verified_manifest(bundle: Path) -> dict:
+    """A bundle's manifest, once every file matched its sha256 (else ValueError naming the problems)."""
+    problems = verify_bundle(bundle)
+    if problems:
+        raise ValueError(f"bundle {bundle} failed verification: " + "; ".join(problems))
+    return json.loads((bundle / "manifest.json").read_text())
+
+
+def copy_models(bundle: Path, work: Path, names: dict[str, str]) -> None:
+    """Copy models of `bundle` into `work` under new names (bundle name -> work name, e.g. "target" ->
+    "base_target"): `<work name>.safetensors` and its config as `<work name>_config.json`."""
+    work.mkdir(parents=True, exist_ok=True)
+    config = json.loads((bundle / "config.json").read_text())
+    for bundle_name, work_name in names.items():
+        shutil.copyfile(bundle / f"{bundle_name}.safetensors", work / f"{work_name}.safetensors")
+        write_json(work / f"{work_name}_config.json", config[bundle_name])
+
+
 def import_base(work: str | Path, base: str | Path) -> dict:
     """Copy the base bundle's tokenizer, evaluator and target into `work` (once); returns
     {"files": sha256 per base file, "stages": the base's training reports}."""
     work, base = Path(work), Path(base)
     if (work / BASE_REPORTS).exists():
         return json.loads((work / BASE_REPORTS).read_text())
-    problems = verify_bundle(base)
-    if problems:
-        raise ValueError(f"base bundle {base} failed verification: " + "; ".join(problems))
-    work.mkdir(parents=True, exist_ok=True)
-    manifest = json.loads((base / "manifest.json").read_text())
-    config = json.loads((base / "config.json").read_text())
-    for bundle_name, work_name, config_key in (("vq", "vq", "vq"), ("evaluator", "evaluator", "evaluator"),
-                                               ("target", "base_target", "target")):
-        shutil.copyfile(base / f"{bundle_name}.safetensors", work / f"{work_name}.safetensors")
-        write_json(work / f"{work_name}_config.json", config[config_key])
+    manifest = verified_manifest(base)
+    copy_models(base, work, {"vq": "vq", "evaluator": "evaluator", "target": "base_target"})
     stages = manifest["stages"]
     record = {"files": manifest["files"], "command": manifest["command"],
               "stages": {"tokenizer": stages["tokenizer"], "evaluator": stages["evaluator"],

@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from lantern.bundle import Bundle, sha256_file, verify_bundle, weights_hash
+from lantern.bundle import Bundle, sha256_file, weights_hash
 from lantern.config import GPTConfig
 from lantern.data import HELD_OUT_FRACTION, SOURCE, SPLIT_SEED, load_digits_split
 from lantern.models.classifier import Classifier, ClassifierConfig
@@ -21,7 +21,7 @@ from lantern.models.drafter import Drafter
 from lantern.models.gpt import GPT
 from lantern.models.vq import VQConfig, VQModel
 from lantern.proximity import build_proximity_table
-from lantern.train.base import import_base, write_grown_target
+from lantern.train.base import copy_models, import_base, verified_manifest, write_grown_target
 from lantern.train.common import write_json
 from lantern.train.drafter import drafter_report, train_drafter
 from lantern.train.grow import RESIDUAL_OUTPUTS
@@ -122,20 +122,13 @@ def reuse_target(work: str | Path, bundle_dir: str | Path, s: PipelineSettings) 
     its tokenizer, evaluator and target are copied into `work` and its reports returned, so only the drafter
     stage runs again. Refuses a bundle built with other settings, naming them."""
     work, bundle_dir = Path(work), Path(bundle_dir)
-    problems = verify_bundle(bundle_dir)
-    if problems:
-        raise ValueError(f"bundle {bundle_dir} failed verification: " + "; ".join(problems))
-    manifest = json.loads((bundle_dir / "manifest.json").read_text())
+    manifest = verified_manifest(bundle_dir)
     ours = s.to_dict()
     differ = [k for k in TARGET_SETTINGS if manifest.get("settings", {}).get(k) != json.loads(json.dumps(ours[k]))]
     if differ:
         raise ValueError(f"bundle {bundle_dir} was built with other settings for {', '.join(differ)}: "
                          f"its target cannot be reused")
-    work.mkdir(parents=True, exist_ok=True)
-    config = json.loads((bundle_dir / "config.json").read_text())
-    for name in ("vq", "evaluator", "target"):
-        shutil.copyfile(bundle_dir / f"{name}.safetensors", work / f"{name}.safetensors")
-        write_json(work / f"{name}_config.json", config[name])
+    copy_models(bundle_dir, work, {name: name for name in ("vq", "evaluator", "target")})
     base = manifest["base"]
     return {"base": {"files": base["files"], "command": base["command"], "stages": manifest["base_stages"]},
             "target": manifest["stages"]["target"], "sampling": manifest["stages"]["sampling"],

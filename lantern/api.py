@@ -79,11 +79,13 @@ class Pipeline:
                    **backend_options)
 
     def plan(self, n_images: int, sampling: Optional[SamplingConfig] = None, batch: Optional[int] = None,
-             allow_relaxed: bool = False, profile=None, progress: bool = True):
+             allow_relaxed: bool = False, profile=None, progress: bool = True,
+             classes: Optional[Sequence[int]] = None):
         """`--method auto`: the plan predicted fastest for n_images on this backend and dtype
         (lantern.plan.choose.Choice: decode config, batch width, predictions). sampling None: the bundle's.
         profile: a hardware profile's calibration (lantern.plan.calibration.ProfileCosts), else this machine's
-        cached calibration, measured once where missing."""
+        cached calibration, measured once where missing. classes: the images' class ids in order (c2i), so each
+        is predicted from its class's acceptance."""
         from lantern.plan.choose import choose
         sampling = sampling or self.defaults.sampling
         if sampling is None:
@@ -91,7 +93,7 @@ class Pipeline:
                              "Pipeline.from_bundle")
         return choose(self, n_images, sampling, batch=batch, allow_relaxed=allow_relaxed,
                       validated=self.defaults.relaxation, shipped_record=self.defaults.acceptance_record,
-                      profile=profile, progress=progress)
+                      profile=profile, progress=progress, classes=classes)
 
     @property
     def config(self):
@@ -164,7 +166,8 @@ class Pipeline:
         if isinstance(dcfg, str):
             if dcfg != "auto":
                 raise ValueError(f"decode {dcfg!r}: pass a DecodeConfig (method_preset) or 'auto'")
-            choice = self.plan(cond.shape[0], batch=batch, progress=progress)
+            classes = cond.tolist() if self.config.model_type == "c2i" else None
+            choice = self.plan(cond.shape[0], batch=batch, progress=progress, classes=classes)
             dcfg, batch = choice.decode, choice.width
         width = self.check(dcfg, batch)
         n, block = cond.shape[0], self.config.block_size

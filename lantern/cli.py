@@ -12,6 +12,7 @@ import json
 import sys
 import traceback
 from pathlib import Path
+from typing import Optional
 
 from lantern.cli_args import Parser, UsageError, check_writable, number
 from lantern.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED_CASES, EXIT_INTERNAL, EXIT_OK, EXIT_UNAVAILABLE
@@ -109,15 +110,16 @@ def decode_config_from_args(args, bundle):
                          **{**bundle.relaxation_defaults.get(args.method, {}), **overrides})
 
 
-def decode_plan(args, bundle, pipe, n_images: int):
-    """(decode config, batch width, the auto choice or None) for this request."""
+def decode_plan(args, bundle, pipe, n_images: int, classes: Optional[list[int]] = None):
+    """(decode config, batch width, the auto choice or None) for this request (classes: its images' class ids in
+    order, when known)."""
     if args.method != "auto":
         dcfg = decode_config_from_args(args, bundle)
         return dcfg, pipe.check(dcfg, args.batch), None
     from lantern.profile.cli import profile_costs
     profile = profile_costs(args.profile) if getattr(args, "profile", None) else None
     choice = pipe.plan(n_images, sampling_from_args(args, bundle), batch=args.batch,
-                       allow_relaxed=args.allow_relaxed, profile=profile)
+                       allow_relaxed=args.allow_relaxed, profile=profile, classes=classes)
     print(f"lantern: {choice.summary()}", file=sys.stderr)
     return choice.decode, choice.width, choice
 
@@ -138,7 +140,7 @@ def cmd_generate(args) -> dict:
     bundle = load_bundle(args.model)
     check_classes(args.classes, bundle.target.config.num_classes)  # before auto measures anything
     pipe = Pipeline.from_bundle(bundle, backend=args.backend, dtype=args.dtype, **options)
-    dcfg, batch, choice = decode_plan(args, bundle, pipe, len(args.classes))
+    dcfg, batch, choice = decode_plan(args, bundle, pipe, len(args.classes), list(args.classes))
     result = pipe.generate(args.classes, dcfg, seed=args.seed, progress=not args.json, batch=batch)
     paths, grid = [], None
     if not args.no_images:

@@ -4,8 +4,10 @@ import contextlib
 import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -21,21 +23,62 @@ from lantern.plan.choose import MARGIN, choose, predict_seconds
 SAMPLING = SamplingConfig(temperature=1.0, top_k=5, cfg_scale=2.0)
 
 
-def test_expected_max_is_the_order_statistic_of_the_empirical_distribution():
+def test_expected_max_is_the_order_statistic_of_the_images_distributions():
     steps = [3, 5, 5, 9]
     for k in (1, 2, 3):
         brute = sum(max(draw) for draw in itertools.product(steps, repeat=k)) / len(steps) ** k
-        assert records.expected_max(steps, k) == pytest.approx(brute)
-    assert records.expected_max(steps, 1) == pytest.approx(sum(steps) / 4)
-    assert records.expected_max(steps, 50) == pytest.approx(9, abs=1e-5)  # many images: the slowest one
+        assert records.expected_max([steps] * k) == pytest.approx(brute)
+    assert records.expected_max([steps]) == pytest.approx(sum(steps) / 4)
+    assert records.expected_max([steps] * 50) == pytest.approx(9, abs=1e-5)  # many images: the slowest one
+    easy, hard = [2, 4], [3, 7, 8]  # images with distributions of their own
+    brute = sum(max(a, b) for a in easy for b in hard) / 6
+    assert records.expected_max([easy, hard]) == pytest.approx(brute)
 
 
 def test_prediction_counts_chunks_and_the_short_last_one():
     # 5 images, 2 per step: chunks of 2, 2, 1; every image needs 10 steps
-    assert predict_seconds(5, 2, fixed_s=1.0, step_s=0.5, steps=[10]) == pytest.approx(3 * (1.0 + 5.0))
+    assert predict_seconds(2, fixed_s=1.0, step_s=0.5, images=[[10]] * 5) == pytest.approx(3 * (1.0 + 5.0))
     # uneven images: the 1-image chunk waits for one image, the 2-image chunks for the slower of two
-    two = records.expected_max([4, 8], 2)
-    assert predict_seconds(5, 2, 0.0, 1.0, [4, 8]) == pytest.approx(2 * two + 6.0)
+    two = records.expected_max([[4, 8], [4, 8]])
+    assert predict_seconds(2, 0.0, 1.0, [[4, 8]] * 5) == pytest.approx(2 * two + 6.0)
+    # chunks are consecutive images: two hard images together cost one chunk's wait, not two
+    assert predict_seconds(2, 0.0, 1.0, [[9], [9], [1], [1]]) == pytest.approx(10.0)
+
+
+def test_per_class_steps_are_shrunk_toward_all_images_by_how_much_classes_differ():
+    # classes that really differ (means 10 and 30, little noise): each class keeps about its own mean
+    steps, conds = [9, 11, 10, 29, 31, 30], [0, 0, 0, 1, 1, 1]
+    zero, one, unknown = records.per_image_steps(steps, conds, [0, 1, None])
+    assert statistics.fmean(zero) == pytest.approx(10, abs=0.1) and statistics.fmean(one) == pytest.approx(30, abs=0.1)
+    assert sorted(unknown) == sorted(steps)  # an unknown class: every image of the record
+    assert statistics.pvariance(zero) == pytest.approx(1.0)  # the within-class spread (s2 = 1), not the pooled one
+    # classes whose means differ by no more than their noise: every class gets the overall mean
+    steps, conds = [5, 15, 15, 5, 10, 10], [0, 0, 1, 1, 2, 2]
+    for values in records.per_image_steps(steps, conds, [0, 1, 2]):
+        assert statistics.fmean(values) == pytest.approx(10)
+    # in between, the estimate lies between the class's mean and the overall one
+    steps, conds = [8, 14, 14, 20], [0, 0, 1, 1]
+    (zero,) = records.per_image_steps(steps, conds, [0])
+    assert 11 < statistics.fmean(zero) < 14
+    assert records.per_image_steps([4, 6], None, [0, 0]) == [[4.0, 6.0], [4.0, 6.0]]  # a record without classes
+
+
+def test_shrunk_class_means_beat_raw_and_pooled_ones_on_simulated_records():
+    """Two images per class of ten classes, true class means spread as much as the noise: the shrunk estimate
+    predicts a class's next image better than its own two images' mean or the mean of all (squared error)."""
+    gen = torch.Generator().manual_seed(0)
+    err = {"shrunk": 0.0, "raw": 0.0, "pooled": 0.0}
+    for _ in range(200):
+        truth = 50 + 4 * torch.randn(10, generator=gen)
+        steps = (truth.repeat_interleave(2) + 4 * torch.randn(20, generator=gen)).tolist()
+        conds = [c for c in range(10) for _ in range(2)]
+        shrunk = records.per_image_steps(steps, conds, list(range(10)))
+        for c in range(10):
+            nxt = float(truth[c] + 4 * torch.randn(1, generator=gen))
+            err["shrunk"] += (statistics.fmean(shrunk[c]) - nxt) ** 2
+            err["raw"] += ((steps[2 * c] + steps[2 * c + 1]) / 2 - nxt) ** 2
+            err["pooled"] += (statistics.fmean(steps) - nxt) ** 2
+    assert err["shrunk"] < err["raw"] and err["shrunk"] < err["pooled"]
 
 
 def test_width_interpolation_is_linear_between_measured_widths():
@@ -97,9 +140,9 @@ def test_choice_follows_the_cost_model(pipe):
     c = choose(pipe, 2, SAMPLING, batch=2, progress=False)
     assert c.plan.name == "mc-sjd/L4" and c.calibrated_s == 0.0 and c.predicted_speedup > 1.0
     row = {r["plan"]: r for r in c.candidates}["mc-sjd/L4"]
-    assert row["predicted_seconds"] == pytest.approx(0.01 + records.expected_max(record["plans"]["mc-sjd/L4"]["steps"],
-                                                                                 2) * 1e-3)
-    ratio = (pipe.config.block_size - 1) / records.expected_max(record["plans"]["mc-sjd/L4"]["steps"], 2)
+    pair = [record["plans"]["mc-sjd/L4"]["steps"]] * 2  # no classes named: each image from all of the record
+    assert row["predicted_seconds"] == pytest.approx(0.01 + records.expected_max(pair) * 1e-3)
+    ratio = (pipe.config.block_size - 1) / records.expected_max(pair)
     seed_calibration(pipe, 2, {"ar": 1.0, "mc-sjd/L4": ratio / (1 + MARGIN / 2)}, fixed_s=0.0)
     assert choose(pipe, 2, SAMPLING, batch=2, progress=False).plan == AR  # a gain inside the margin: AR
     seed_calibration(pipe, 2, {"ar": 1.0, "lantern++/chain-5": 0.01})
@@ -114,14 +157,14 @@ class CostCurvePipe:
 
     def __init__(self, step_ms, block: int = 64):
         self.config = SimpleNamespace(block_size=block, model_type="c2i", num_classes=10)
-        self.step_ms, self.ran = step_ms, set()
+        self.step_ms, self.ran = step_ms, Counter()
 
     def runner(self, dcfg, width):
         return SimpleNamespace(whole_cache=contextlib.nullcontext)  # no attention to trim
 
     def generate(self, cond, dcfg, seed, batch, tokens):
         w = 1 if dcfg.strategy is None else dcfg.strategy.verify_width
-        self.ran.add(w)
+        self.ran[w] += 1
         steps = tokens if w == 1 else max(1, tokens // 2)
         image = SimpleNamespace(target_forwards=steps + 1)
         wall = 1e-3 * (1 + steps * self.step_ms(w, dcfg.needs_drafter))
@@ -148,12 +191,38 @@ def test_plans_that_cannot_contend_are_bounded_not_timed():
     assert entry["prepare_s"] >= 0 and entry["seconds"] > 0
 
 
+def test_extra_rounds_go_to_the_close_race():
+    """L4 and L8 within 5% of each other, every other plan 30% behind: rounds past ROUNDS time only L4 and L8."""
+    costs = {1: 1.0, 5: 1.0, 9: 1.05}
+    pipe = CostCurvePipe(lambda width, drafts: costs.get(width, 1.3))
+    plans, entry, widths, bounded = calibrate(pipe)
+    assert len(entry["plans"]["mc-sjd/L4"]["ratio_to_ar"]) == len(entry["plans"]["mc-sjd/L8"]["ratio_to_ar"]) \
+        == calibration.MAX_ROUNDS
+    assert len(entry["plans"]["exact/chain-5"]["ratio_to_ar"]) == calibration.ROUNDS  # a contender, not close
+
+
 def test_a_costly_drafter_bounds_no_plan_that_drafts_nothing():
     pipe = CostCurvePipe(lambda width, drafts: 1 + 0.02 * width + (50.0 if drafts else 0.0))  # drafting dominates
     plans, entry, widths, bounded = calibrate(pipe)
     assert not any(name.startswith("mc-sjd") for name in bounded)
     per_image = {name: v["step_s"] * (63.0 if name == "ar" else 31.5) for name, v in entry["plans"].items()}
     assert min(per_image, key=per_image.get).startswith("mc-sjd")
+
+
+def test_the_choice_follows_the_requested_classes(pipe, tmp_path, monkeypatch):
+    """A record where L4 is fast on class 0 and slow on class 1, L8 the same on both: equal step costs, so
+    class 0 images get L4 and class 1 images L8."""
+    monkeypatch.setenv("LANTERN_CACHE_DIR", str(tmp_path))  # the synthetic record stays in this test
+    choose(pipe, 2, SAMPLING, batch=2, progress=False)
+    record = records.load_record(pipe.model_key, SAMPLING)
+    for name, steps in (("mc-sjd/L4", [4, 5, 4, 5, 40, 41, 40, 41]), ("mc-sjd/L8", [20, 21] * 4)):
+        record["plans"][name].update(steps=steps, conditions=[0, 0, 0, 0, 1, 1, 1, 1])
+    records.save_record(record)
+    seed_calibration(pipe, 2, {"ar": 10.0, "mc-sjd/L4": 1.0, "mc-sjd/L8": 1.0})
+    assert choose(pipe, 2, SAMPLING, batch=2, progress=False, classes=[0, 0]).plan.name == "mc-sjd/L4"
+    assert choose(pipe, 2, SAMPLING, batch=2, progress=False, classes=[1, 1]).plan.name == "mc-sjd/L8"
+    with pytest.raises(ValueError, match="3 class ids given for 2 images"):
+        choose(pipe, 2, SAMPLING, batch=2, progress=False, classes=[0, 1, 2])
 
 
 def test_a_lower_bound_is_never_chosen(pipe):

@@ -39,7 +39,7 @@ def main() -> None:
     record = shipped if records.matches(shipped, key, sampling) else records.empty_record(key, sampling)
     t0 = time.perf_counter()
     records.measure_record(lambda p: pipe.generate(classes, p.decode(sampling), seed=0, batch=len(classes)), plans,
-                           record)
+                           record, classes)
     record["plans"] = {p.name: record["plans"][p.name] for p in plans if p.name in record["plans"]}  # current only
     record.update(conditions=classes, seed=0, backend="cpu", dtype="fp32",
                   seconds=record.get("seconds", 0.0) + time.perf_counter() - t0)

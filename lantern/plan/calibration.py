@@ -43,6 +43,7 @@ ROUNDS = 3  # timed runs of each contending plan at least (1 for the others) ...
 MAX_ROUNDS = 9  # ... and more while the calibration of this width has taken less than BUDGET_S
 BUDGET_S = 25.0
 CONTENDER = 1.5  # a plan contends when its estimated seconds per image are within this factor of the best
+CLOSE = 1.15  # rounds past ROUNDS time only the plans this close to the best: the choice hinges on them
 WIDER_SLACK = 0.9  # a step with a wider verify costs at least this fraction of a narrower one's (timing noise)
 
 
@@ -116,9 +117,11 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
       contend even at the step cost (WIDER_SLACK of it) of a plan timed so far that verifies no wider and
       drafts nothing (its step is a verify and an acceptance, which every plan's step has at least): then
       it is kept as that lower bound (`lower_bound`), never chosen, and never timed.
-    - Rounds 2..ROUNDS (more, up to MAX_ROUNDS, while the timing of this width is inside BUDGET_S) time
-      again (TIMED_STEPS), in alternating order, the contenders only: estimated seconds per image within
-      CONTENDER of the best, AR always.
+    - Rounds 2..ROUNDS time again (TIMED_STEPS), in alternating order, the contenders only: estimated
+      seconds per image within CONTENDER of the best, AR always. More rounds, up to MAX_ROUNDS while the
+      timing of this width is inside BUDGET_S, time only the plans within CLOSE of the best (by their medians
+      so far), while there are two: the winner of a close race is the plan a noisy estimate flatters most, and
+      more runs of the close ones shrink that.
     Preparing runners (and exporting graphs, for ONNX) is counted apart (`prepare_s`): every later run
     reuses what it made. The runners stay prepared: a runner's speed depends on where its buffers landed in
     memory (up to about 20% on a 2-core EPYC), so the plan chosen runs on the very runner that was timed;
@@ -186,6 +189,12 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
         contenders = [p for p in measured if p == AR or estimate[p.name] <= CONTENDER * best]
         r = 1
         while r < ROUNDS or (r < MAX_ROUNDS and time.perf_counter() - t0 - prepare_s < BUDGET_S):
+            if r >= ROUNDS:
+                estimate = {p.name: per_image_s(p.name, statistics.median(ratios[p.name])) for p in measured}
+                best = min([*estimate.values(), *known])
+                contenders = [p for p in contenders if estimate[p.name] <= CLOSE * best]
+                if len(contenders) < 2:
+                    break
             for plan in (contenders if r % 2 else contenders[::-1]):  # alternating order
                 bar.set_postfix_str(plan.name)
                 time_plan(plan, TIMED_STEPS)

@@ -5,16 +5,17 @@ For n images decoded `width` at a time (chunks of `width`, the last one padded):
     T(plan) = sum over chunks of  fixed_s + E[max over the chunk's real images of steps] * step_s(plan)
 
 fixed_s and step_s come from the latency calibration at that width (calibration.py, or a hardware profile's
-results), the steps per image from the model's acceptance record (records.py; AR: block - 1). A speculative
+results), the steps per image from the model's acceptance record (records.py; AR: block - 1), each image's
+from its own class's where the request names classes. A speculative
 plan must beat AR's prediction by MARGIN, or AR is chosen: a default slower than AR is a bug.
 """
 from __future__ import annotations
 
-import math
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 from lantern.decoding.config import DecodeConfig
 from lantern.decoding.sampling import SamplingConfig
@@ -56,11 +57,9 @@ class Choice:
                 f"{self.predicted_speedup:.2f}x AR ({self.cost_source}; {self.relaxed})")
 
 
-def predict_seconds(n: int, width: int, fixed_s: float, step_s: float, steps: list[int]) -> float:
-    chunks = math.ceil(n / width)
-    last = n - (chunks - 1) * width
-    per_chunk = [width] * (chunks - 1) + [last]
-    return sum(fixed_s + records.expected_max(steps, k) * step_s for k in per_chunk)
+def predict_seconds(width: int, fixed_s: float, step_s: float, images: list[list[float]]) -> float:
+    """images: each requested image's steps (equally likely values), in request order: chunks of `width`."""
+    return sum(fixed_s + records.expected_max(images[i:i + width]) * step_s for i in range(0, len(images), width))
 
 
 def allowed_relaxation(allow_relaxed: bool, validated: dict) -> tuple[dict, str]:
@@ -91,17 +90,22 @@ def runnable(pipe, plans: list[Plan], sampling: SamplingConfig) -> tuple[list[Pl
 
 def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] = None, allow_relaxed: bool = False,
            validated: Optional[dict] = None, shipped_record: Optional[dict] = None,
-           profile: Optional[calibration.ProfileCosts] = None, progress: bool = True) -> Choice:
+           profile: Optional[calibration.ProfileCosts] = None, progress: bool = True,
+           classes: Optional[Sequence[int]] = None) -> Choice:
     """The plan for `n_images` on this pipeline. validated: the bundle's quality-validated relaxation settings
     per method; shipped_record: the bundle's acceptance record; profile: a hardware profile's calibration (else
-    this machine's cached one, measured where missing)."""
+    this machine's cached one, measured where missing); classes: the request's class ids in order (c2i), to
+    predict each image from its class's steps (None: every image from all the record's)."""
+    if classes is not None and len(classes) != n_images:
+        raise ValueError(f"{len(classes)} class ids given for {n_images} images")
     validated = validated or {}
     width = min(pipe.check(AR.decode(sampling), batch), n_images)
     allowed, why = allowed_relaxation(allow_relaxed, validated)
     plans, skipped = runnable(pipe, candidate_plans(pipe.drafter is not None, pipe.proximity is not None, allowed),
                               sampling)
     key = pipe.model_key
-    steps, spent = steps_by_plan(pipe, plans, sampling, key, shipped_record, progress)
+    steps, spent = steps_by_plan(pipe, plans, sampling, key, shipped_record, progress,
+                                 list(classes) if classes is not None else [None] * n_images)
     if profile is not None and any(e.get("model") != key for e in profile.widths.values()):
         print(f"lantern: hardware profile {profile.name} was calibrated with another model; auto uses this "
               f"machine's calibration", file=sys.stderr)
@@ -123,9 +127,10 @@ def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] =
     rows = []
     for p in plans:
         cost = costs["plans"][p.name]
-        t = predict_seconds(n_images, width, costs["fixed_s"], cost["step_s"], steps[p.name])
+        t = predict_seconds(width, costs["fixed_s"], cost["step_s"], steps[p.name])
         rows.append({"plan": p.name, "lossless": p.lossless, "predicted_seconds": t,
-                     "steps_per_image": sum(steps[p.name]) / len(steps[p.name]), "step_ms": 1e3 * cost["step_s"],
+                     "steps_per_image": statistics.fmean(statistics.fmean(v) for v in steps[p.name]),
+                     "step_ms": 1e3 * cost["step_s"],
                      **({"lower_bound": True} if cost.get("lower_bound") else {})})
     ar_s = rows[0]["predicted_seconds"]  # AR is the first candidate
     for r in rows:
@@ -142,10 +147,10 @@ def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] =
                   prepared_s=prepared if profile is None else 0.0)
 
 
-def steps_by_plan(pipe, plans: list[Plan], sampling: SamplingConfig, key: str,
-                  shipped_record: Optional[dict], progress: bool) -> tuple[dict[str, list[int]], float]:
-    """Steps per image of every plan, from the acceptance record; plans it lacks are measured here, once.
-    Returns them and the seconds spent measuring."""
+def steps_by_plan(pipe, plans: list[Plan], sampling: SamplingConfig, key: str, shipped_record: Optional[dict],
+                  progress: bool, wanted: list) -> tuple[dict[str, list[list[float]]], float]:
+    """Every plan's steps for each requested image (wanted: its class id, or None), from the acceptance record;
+    plans it lacks are measured here, once. Returns them and the seconds spent measuring."""
     block = pipe.config.block_size
     record = records.load_record(key, sampling, shipped_record)
     missing = [p for p in plans if records.plan_steps(record, p, block) is None]
@@ -155,10 +160,12 @@ def steps_by_plan(pipe, plans: list[Plan], sampling: SamplingConfig, key: str,
               f"({RECORD_IMAGES} images each; cached in {records.record_path(key, sampling)})", file=sys.stderr)
         cond = calibration.conditions(pipe.config, RECORD_IMAGES)
         records.measure_record(lambda p: pipe.generate(cond, p.decode(sampling), seed=0, batch=RECORD_IMAGES),
-                               missing, record, progress)
+                               missing, record, cond if isinstance(cond, list) else None, progress)
         pipe.release()
         records.save_record(record)
-    return {p.name: records.plan_steps(record, p, block) for p in plans}, time.perf_counter() - t0 if missing else 0.0
+    per_image = {p.name: records.per_image_steps(records.plan_steps(record, p, block),
+                                                 records.plan_conditions(record, p), wanted) for p in plans}
+    return per_image, time.perf_counter() - t0 if missing else 0.0
 
 
 def machine_costs(pipe, plans: list[Plan], sampling: SamplingConfig, key: str, width: int,
@@ -175,7 +182,7 @@ def machine_costs(pipe, plans: list[Plan], sampling: SamplingConfig, key: str, w
     print(f"lantern: calibrating {len(lacking)} plan(s) on {pipe.backend.name} ({pipe.dtype}) at {width} "
           f"image(s) per step, once (cached in {path}; `lantern profile run` refreshes it)", file=sys.stderr)
     before = (entry or {}).get("seconds", 0.0), (entry or {}).get("prepare_s", 0.0)
-    per_image = {p.name: sum(steps[p.name]) / len(steps[p.name]) for p in plans}
+    per_image = {p.name: statistics.fmean(statistics.fmean(v) for v in steps[p.name]) for p in plans}
     entry = calibration.measure_width(pipe, lacking, sampling, width, per_image, entry, progress)
     data["widths"][str(width)] = entry
     calibration.save_calibration(data)

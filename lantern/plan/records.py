@@ -5,8 +5,12 @@ the tokens they get alone), so one record serves every backend and batch width. 
 measured from whole generations:
 
     {"model": model hash, "sampling": SamplingConfig fields, "seed": first seed, "conditions": [...],
-     "plans": {plan name: {"steps": [steps of image 1, ...], "tau": ..., "step_compression": ...,
-                           "decode": the plan's decode settings, sampling aside}}}
+     "plans": {plan name: {"steps": [steps of image 1, ...], "conditions": [class id of image 1, ...],
+                           "tau": ..., "step_compression": ..., "decode": the plan's decode settings, sampling
+                           aside}}}
+
+(An entry without its own "conditions" has the record's.) Some classes are easier to speculate on than others,
+so a request's images are predicted from their own classes' steps (`per_image_steps`).
 
 An entry counts only while its plan still decodes with the settings it was measured with (a changed default,
 e.g. of the Jacobi drafts, makes it stale: it is measured again).
@@ -18,6 +22,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import statistics
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -49,7 +55,8 @@ def load_record(model: str, sampling: SamplingConfig, shipped: Optional[dict] = 
     out = empty_record(model, sampling)
     for rec in (shipped, read_json(record_path(model, sampling))):
         if matches(rec, model, sampling):
-            out["plans"].update(rec["plans"])
+            out["plans"].update({name: {"conditions": rec.get("conditions"), **entry}
+                                 for name, entry in rec["plans"].items()})
     return out
 
 
@@ -71,15 +78,56 @@ def plan_steps(record: dict, plan: Plan, block: int) -> Optional[list[int]]:
     return list(record["plans"][plan.name]["steps"]) if current(record, plan) else None
 
 
+def plan_conditions(record: dict, plan: Plan) -> Optional[list]:
+    """The class id of each image of the plan's entry, or None when the record does not say (or is not c2i)."""
+    entry = record["plans"].get(plan.name, {})
+    conds = entry.get("conditions")
+    return list(conds) if conds is not None and len(conds) == len(entry.get("steps", ())) else None
+
+
+def per_image_steps(steps: Sequence[int], conds: Optional[Sequence], wanted: Sequence) -> list[list[float]]:
+    """Each requested image's steps, as equally likely values. steps/conds: a record entry's images and their
+    classes (conds None: unknown); wanted: the request's class ids (None for an image of unknown class).
+
+    A class's mean from a couple of images is mostly noise, so it is shrunk toward the mean of all images by
+    how much classes really differ (empirical Bayes): with within-class variance s2 (pooled), n_c images of
+    class c and between-class variance t2 (the variance of the class means less the noise s2 / n_c they carry),
+    class c's mean is mu + w (mean_c - mu), w = t2 / (t2 + s2 / n_c). Its values are that mean plus the
+    within-class deviations of every class (scaled by sqrt(n / (n - 1)), so their variance is s2). An image
+    of a class the record lacks, or of unknown class, gets all the record's values."""
+    pooled = [float(x) for x in steps]
+    groups: dict = {}
+    for x, c in zip(steps, conds or ()):
+        groups.setdefault(c, []).append(float(x))
+    repeated = {c: g for c, g in groups.items() if len(g) > 1}
+    if len(groups) < 2 or not repeated:
+        return [pooled for _ in wanted]
+    mu = statistics.fmean(pooled)
+    means = {c: statistics.fmean(g) for c, g in groups.items()}
+    s2 = sum((x - means[c]) ** 2 for c, g in repeated.items() for x in g) / sum(len(g) - 1 for g in repeated.values())
+    t2 = max(statistics.variance(means.values()) - statistics.fmean(s2 / len(g) for g in groups.values()), 0.0)
+    deviations = [(x - means[c]) * math.sqrt(len(g) / (len(g) - 1)) for c, g in repeated.items() for x in g]
+    out = []
+    for c in wanted:
+        if c not in groups:
+            out.append(pooled)
+            continue
+        w = t2 / (t2 + s2 / len(groups[c])) if t2 > 0 else 0.0
+        centre = mu + w * (means[c] - mu)
+        out.append([centre + d for d in deviations])
+    return out
+
+
 def mean_steps(record: Optional[dict]) -> dict[str, float]:
     """Mean steps per image of every plan in a record."""
     return {name: sum(e["steps"]) / len(e["steps"]) for name, e in (record or {}).get("plans", {}).items()}
 
 
 def measure_record(generate: Callable[[Plan], object], plans: Sequence[Plan], record: dict,
-                   progress: bool = True) -> dict:
+                   classes: Optional[list[int]] = None, progress: bool = True) -> dict:
     """Fill `record` with every plan it lacks or holds stale. generate(plan) -> a GenerationResult of whole images
-    (the same conditions and seed for every plan). Returns the record (saved to the cache by the caller)."""
+    (the same conditions and seed for every plan); classes: their class ids (c2i; None: t2i), kept with the
+    steps. Returns the record (saved to the cache by the caller)."""
     from tqdm import tqdm
     sampling = SamplingConfig(**record["sampling"])
     todo = [p for p in plans if p != AR and not current(record, p)]
@@ -87,6 +135,7 @@ def measure_record(generate: Callable[[Plan], object], plans: Sequence[Plan], re
         result = generate(plan)
         s = result.stats
         record["plans"][plan.name] = {"steps": [img.target_forwards - 1 for img in s.images],
+                                      "conditions": classes,
                                       "tau": s.mean_accepted_length, "step_compression": s.step_compression,
                                       "decode": decode_settings(plan, sampling)}
     return record
@@ -98,9 +147,12 @@ def save_record(record: dict) -> Path:
     return path
 
 
-def expected_max(steps: Sequence[int], k: int) -> float:
-    """E[max of k independent draws] from the empirical distribution of `steps`: a chunk of k images runs until
-    its slowest image is done. With sorted x_1 <= ... <= x_m: sum_j x_j ((j/m)^k - ((j-1)/m)^k)."""
-    xs = sorted(steps)
-    m = len(xs)
-    return sum(x * ((j / m) ** k - ((j - 1) / m) ** k) for j, x in enumerate(xs, start=1))
+def expected_max(images: Sequence[Sequence[float]]) -> float:
+    """E[max over a chunk's images of their steps], each image's steps an independent draw from its own
+    equally likely values: a chunk runs until its slowest image is done. P(max <= x) = prod_i F_i(x)."""
+    total, below = 0.0, 0.0
+    for x in sorted({v for values in images for v in values}):
+        at_most = math.prod(sum(v <= x for v in values) / len(values) for values in images)
+        total += x * (at_most - below)
+        below = at_most
+    return total

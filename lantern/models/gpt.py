@@ -16,6 +16,7 @@ from torch import nn
 
 from lantern.config import GPTConfig
 from lantern.kv_cache import StaticKVCache
+from lantern.models.kernels import fused_kernels
 from lantern.models.rope import apply_rope, rope_table_2d
 
 
@@ -33,7 +34,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = x.float()  # x / rms(x) in float32
+        if fused_kernels(x):
+            return F.rms_norm(xf, (x.shape[-1],), eps=self.eps).type_as(x) * self.weight
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
@@ -60,9 +63,9 @@ class Attention(nn.Module):
                 cache: Optional[StaticKVCache], flat_slots: Optional[torch.Tensor]) -> torch.Tensor:
         B, T, D = x.shape
         kv = self.n_kv_head * self.head_dim
-        q, k, v = self.wqkv(x).split([D, kv, kv], dim=-1)
-        q = apply_rope(q.view(B, T, self.n_head, self.head_dim), rope)
-        k = apply_rope(k.view(B, T, self.n_kv_head, self.head_dim), rope)
+        qk, v = self.wqkv(x).split([D + kv, kv], dim=-1)
+        qk = apply_rope(qk.view(B, T, self.n_head + self.n_kv_head, self.head_dim), rope)  # q and k heads at once
+        q, k = qk.split([self.n_head, self.n_kv_head], dim=2)
         v = v.view(B, T, self.n_kv_head, self.head_dim)
         if cache is not None:
             keys, values = cache.update(self.layer_id, k, v, flat_slots)  # (B, Hkv, S, hd)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from lantern.models.kernels import fused_kernels
+
 
 def rope_table_2d(grid_size: int, head_dim: int, base: float, prefix_len: int) -> torch.Tensor:
     """(prefix_len + grid_size**2, head_dim // 2, 2) cos/sin rows; prefix rows are all zero.
@@ -22,14 +24,13 @@ def rope_table_2d(grid_size: int, head_dim: int, base: float, prefix_len: int) -
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """x: (B, T, H, hd); rope: (B, T, hd/2, 2). Rotation in float32, result in x's dtype."""
+    """x: (B, T, H, hd); rope: (B, T, hd/2, 2). Rotation in float32, result in x's dtype: each (even, odd) pair
+    of x becomes (x0 cos - x1 sin, x1 cos + x0 sin), the complex product (x0 + i x1)(cos + i sin)."""
     xs = x.float().reshape(*x.shape[:-1], -1, 2)  # (B, T, H, hd/2, 2)
-    r = rope[:, :, None]  # (B, T, 1, hd/2, 2)
-    out = torch.stack(
-        [
-            xs[..., 0] * r[..., 0] - xs[..., 1] * r[..., 1],
-            xs[..., 1] * r[..., 0] + xs[..., 0] * r[..., 1],
-        ],
-        dim=-1,
-    )
+    r = rope.float()[:, :, None]  # (B, T, 1, hd/2, 2)
+    if fused_kernels(x):
+        out = torch.view_as_real(torch.view_as_complex(xs) * torch.view_as_complex(r.contiguous()))
+    else:
+        out = torch.stack([xs[..., 0] * r[..., 0] - xs[..., 1] * r[..., 1],
+                           xs[..., 1] * r[..., 0] + xs[..., 0] * r[..., 1]], dim=-1)
     return out.flatten(3).type_as(x)

@@ -192,13 +192,19 @@ def test_plans_that_cannot_contend_are_bounded_not_timed():
 
 
 def test_extra_rounds_go_to_the_close_race():
-    """L4 and L8 within 5% of each other, every other plan 30% behind: rounds past ROUNDS time only L4 and L8."""
+    """L4 and L8 within 5% of each other, every other plan 30% behind: rounds past ROUNDS time only L4 and L8;
+    with L8 30% behind too, only L4."""
     costs = {1: 1.0, 5: 1.0, 9: 1.05}
     pipe = CostCurvePipe(lambda width, drafts: costs.get(width, 1.3))
     plans, entry, widths, bounded = calibrate(pipe)
     assert len(entry["plans"]["mc-sjd/L4"]["ratio_to_ar"]) == len(entry["plans"]["mc-sjd/L8"]["ratio_to_ar"]) \
         == calibration.MAX_ROUNDS
     assert len(entry["plans"]["exact/chain-5"]["ratio_to_ar"]) == calibration.ROUNDS  # a contender, not close
+    costs[9] = 1.3  # L4 leads alone: its estimate still gets every extra round
+    plans, entry, widths, bounded = calibrate(CostCurvePipe(lambda width, drafts: costs.get(width, 1.3)))
+    rounds = {name: len(v["ratio_to_ar"]) for name, v in entry["plans"].items() if "ratio_to_ar" in v}
+    assert rounds["mc-sjd/L4"] == calibration.MAX_ROUNDS
+    assert rounds["mc-sjd/L8"] == rounds["exact/chain-5"] == calibration.ROUNDS
 
 
 def test_a_costly_drafter_bounds_no_plan_that_drafts_nothing():

@@ -119,9 +119,10 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
       it is kept as that lower bound (`lower_bound`), never chosen, and never timed.
     - Rounds 2..ROUNDS time again (TIMED_STEPS), in alternating order, the contenders only: estimated
       seconds per image within CONTENDER of the best, AR always. More rounds, up to MAX_ROUNDS while the
-      timing of this width is inside BUDGET_S, time only the plans within CLOSE of the best (by their medians
-      so far), while there are two: the winner of a close race is the plan a noisy estimate flatters most, and
-      more runs of the close ones shrink that.
+      timing of this width is inside BUDGET_S, time only the plans within CLOSE of the best contender (by
+      their medians so far; the leader alone if no other is that close): the winner of a close race is the
+      plan a noisy estimate flatters most, and more runs of the close ones shrink that, as they sharpen the
+      leader's predicted speed-up over AR.
     Preparing runners (and exporting graphs, for ONNX) is counted apart (`prepare_s`): every later run
     reuses what it made. The runners stay prepared: a runner's speed depends on where its buffers landed in
     memory (up to about 20% on a 2-core EPYC), so the plan chosen runs on the very runner that was timed;
@@ -188,13 +189,11 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
         best = min([*estimate.values(), *known])
         contenders = [p for p in measured if p == AR or estimate[p.name] <= CONTENDER * best]
         r = 1
-        while r < ROUNDS or (r < MAX_ROUNDS and time.perf_counter() - t0 - prepare_s < BUDGET_S):
+        while contenders and (r < ROUNDS or (r < MAX_ROUNDS and time.perf_counter() - t0 - prepare_s < BUDGET_S)):
             if r >= ROUNDS:
                 estimate = {p.name: per_image_s(p.name, statistics.median(ratios[p.name])) for p in measured}
-                best = min([*estimate.values(), *known])
-                contenders = [p for p in contenders if estimate[p.name] <= CLOSE * best]
-                if len(contenders) < 2:
-                    break
+                best = min(estimate[p.name] for p in contenders)
+                contenders = [p for p in contenders if estimate[p.name] <= CLOSE * best]  # the leader at least
             for plan in (contenders if r % 2 else contenders[::-1]):  # alternating order
                 bar.set_postfix_str(plan.name)
                 time_plan(plan, TIMED_STEPS)

@@ -138,6 +138,7 @@ class Runner(ABC):
 
     backend_name: ClassVar[str] = ""
     trims_attention = False  # True: a step attends only the cache slots in use (eager CPU), else the whole cache
+    attention_floor = 0  # a trimming runner attends at least this many slots (attend_at_least)
 
     def __init__(self, spec: StaticSpec, device: torch.device, model_config):
         self.spec = spec
@@ -181,13 +182,15 @@ class Runner(ABC):
         return torch.zeros(b, cfg.cls_token_num, cfg.caption_dim, device=self.device)
 
     @contextlib.contextmanager
-    def whole_cache(self) -> Iterator[None]:
-        """Every step inside attends over the whole preallocated cache: the most a step costs at any position."""
-        trims, self.trims_attention = self.trims_attention, False
+    def attend_at_least(self, slots: int) -> Iterator[None]:
+        """Every step inside attends over at least the first `slots` cache slots (more where in use), so it
+        costs what it costs once an image is that far along (calibration times an image's first steps at its
+        middle's width). Nothing changes for a runner that attends over the whole cache anyway."""
+        floor, self.attention_floor = self.attention_floor, slots
         try:
             yield
         finally:
-            self.trims_attention = trims
+            self.attention_floor = floor
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:

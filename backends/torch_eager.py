@@ -95,14 +95,15 @@ class TorchRunner(Runner):
             return self.steps[name](*args)
 
     def live_slots(self, mask: torch.Tensor) -> torch.Tensor:
-        """mask (B, T, S) -> (B, T, s): the slots up to the last one any row attends. Attention over the rest
-        of the cache adds exactly nothing (softmax weight 0), and early in an image most of it is unused.
-        Eager on a CPU only: finding s reads the mask on the host, free on a CPU but a stall on a GPU, and
-        graph modes keep every shape static."""
+        """mask (B, T, S) -> (B, T, s): the slots up to the last one any row attends (at least
+        `attention_floor`). Attention over the rest of the cache adds exactly nothing (softmax weight 0), and
+        early in an image most of it is unused. Eager on a CPU only: finding s reads the mask on the host, free
+        on a CPU but a stall on a GPU, and graph modes keep every shape static."""
         if not self.trims_attention or is_cuda(self.device):
             return mask
         used = mask.flatten(0, 1).any(0).nonzero()  # (n, 1) slots some row attends
-        return mask[..., : int(used[-1]) + 1] if len(used) else mask
+        end = max(int(used[-1]) + 1 if len(used) else mask.shape[-1], self.attention_floor)
+        return mask[..., :end]
 
     def prefill(self, cond, mask):
         return StepOutput(*self._run("prefill", cond, self.live_slots(mask)))

@@ -160,7 +160,8 @@ class CostCurvePipe:
         self.step_ms, self.ran = step_ms, Counter()
 
     def runner(self, dcfg, width):
-        return SimpleNamespace(whole_cache=contextlib.nullcontext)  # no attention to trim
+        return SimpleNamespace(spec=SimpleNamespace(prefix_len=1),  # no attention to trim
+                               attend_at_least=lambda slots: contextlib.nullcontext())
 
     def generate(self, cond, dcfg, seed, batch, tokens):
         w = 1 if dcfg.strategy is None else dcfg.strategy.verify_width

@@ -167,17 +167,23 @@ def test_every_step_matches_eager(models, dtype, compiler):
 
 
 def test_eager_attention_over_the_live_slots_matches_the_whole_cache(models):
-    """Eager on a CPU attends only up to the last slot any row attends: the other slots add exactly nothing,
-    so every output is the whole-cache computation's up to float rounding."""
+    """Eager on a CPU attends only up to the last slot any row attends (or a floor, as calibration sets): the
+    other slots add exactly nothing, so every output is the whole-cache computation's up to float rounding."""
     spec = spec_for(models[0].config, speculative=True)
-    trimmed, whole = prepare("cpu", models, spec), prepare("cpu", models, spec)
+    trimmed, whole, floored = (prepare("cpu", models, spec) for _ in range(3))  # fresh caches: same outputs
     whole.trims_attention = False
     prefix = torch.zeros(spec.batch, 1, spec.max_len, dtype=torch.bool)
     prefix[..., : spec.prefix_len] = True
     assert trimmed.live_slots(prefix).shape == (spec.batch, 1, spec.prefix_len)
     assert whole.live_slots(prefix).shape == prefix.shape
-    for a, b in zip(step_loop(whole, rounds=2), step_loop(trimmed, rounds=2)):
+    floor = spec.prefix_len + spec.max_len // 2
+    with floored.attend_at_least(floor):  # what calibration times: a wider floor, same outputs
+        assert floored.live_slots(prefix).shape == (spec.batch, 1, floor)
+        floored_out = step_loop(floored, rounds=2)
+    assert floored.live_slots(prefix).shape == (spec.batch, 1, spec.prefix_len)  # the floor is gone after
+    for a, b, c in zip(step_loop(whole, rounds=2), step_loop(trimmed, rounds=2), floored_out):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-5)
 
 
 def test_pipeline_selects_graph_mode_by_name(tiny):

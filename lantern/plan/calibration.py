@@ -1,10 +1,11 @@
 """Latency calibration: what one decode step of each plan costs on this machine, backend and dtype, at a batch
 width, measured with the real decode loop (drafting, verify, acceptance and commit included).
 
-A step attends over the whole preallocated KV cache, so it costs the same at any position, and a few steps at
-the start of an image time it. (Eager CPU runners attend only the slots in use, which makes early steps cheaper
-than an image's average; calibration times them over the whole cache, the most any position costs, so a
-prediction errs toward AR.) Per width w:
+A step attends over the whole preallocated KV cache on most backends, so it costs the same at any position, and
+a few steps at the start of an image time it. Eager CPU runners attend only the slots in use, which makes an
+image's first steps cheaper than its average (AR's most: its step is mostly attention and per-op overhead);
+calibration times them at the width a step has in the middle of an image (`Runner.attend_at_least`), the
+average over the image, as attention's cost grows with the slots it reads. Per width w:
 
     fixed_s            one chunk's prefill, first draw and statistics (AR with a one-token image)
     plans[name].step_s (wall time of a short generation - fixed_s) / its loop steps, relative to an AR run of
@@ -92,8 +93,10 @@ def conditions(config, n: int) -> torch.Tensor | list[int]:
 
 def _short_run(pipe, dcfg, width: int, tokens: int) -> tuple[float, int]:
     """(wall seconds, loop steps) of one chunk of `width` images generating `tokens` tokens each, every step
-    attending over the whole cache."""
-    with pipe.runner(dcfg, width).whole_cache():
+    attending over as many cache slots as a step in the middle of an image."""
+    spec = pipe.runner(dcfg, width).spec
+    middle = spec.prefix_len + pipe.config.block_size // 2 + dcfg.verify_width
+    with pipe.runner(dcfg, width).attend_at_least(middle):
         result = pipe.generate(conditions(pipe.config, width), dcfg, seed=0, batch=width, tokens=tokens)
     steps = max(img.target_forwards - 1 for img in result.stats.images)
     return result.stats.wall_seconds, steps

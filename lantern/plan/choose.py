@@ -6,8 +6,8 @@ For n images decoded `width` at a time (chunks of `width`, the last one padded):
 
 fixed_s and step_s come from the latency calibration at that width (calibration.py, or a hardware profile's
 results), the steps per image from the model's acceptance record (records.py; AR: block - 1), each image's
-from its own class's where the request names classes. A speculative
-plan must beat AR's prediction by MARGIN, or AR is chosen: a default slower than AR is a bug.
+from its own class's where the request names classes. A speculative plan must beat AR's prediction by MARGIN,
+or AR is chosen: a default slower than AR is a bug.
 """
 from __future__ import annotations
 

@@ -94,9 +94,9 @@ def conditions(config, n: int) -> torch.Tensor | list[int]:
 def _short_run(pipe, dcfg, width: int, tokens: int) -> tuple[float, int]:
     """(wall seconds, loop steps) of one chunk of `width` images generating `tokens` tokens each, every step
     attending over as many cache slots as a step in the middle of an image."""
-    spec = pipe.runner(dcfg, width).spec
-    middle = spec.prefix_len + pipe.config.block_size // 2 + dcfg.verify_width
-    with pipe.runner(dcfg, width).attend_at_least(middle):
+    runner = pipe.runner(dcfg, width)
+    middle = runner.spec.prefix_len + pipe.config.block_size // 2 + dcfg.verify_width
+    with runner.attend_at_least(middle):
         result = pipe.generate(conditions(pipe.config, width), dcfg, seed=0, batch=width, tokens=tokens)
     steps = max(img.target_forwards - 1 for img in result.stats.images)
     return result.stats.wall_seconds, steps

@@ -106,6 +106,7 @@ def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] =
     key = pipe.model_key
     steps, spent = steps_by_plan(pipe, plans, sampling, key, shipped_record, progress,
                                  list(classes) if classes is not None else [None] * n_images)
+    mean_steps = {p.name: statistics.fmean(statistics.fmean(v) for v in steps[p.name]) for p in plans}
     if profile is not None and any(e.get("model") != key for e in profile.widths.values()):
         print(f"lantern: hardware profile {profile.name} was calibrated with another model; auto uses this "
               f"machine's calibration", file=sys.stderr)
@@ -121,7 +122,8 @@ def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] =
         skipped += [{"plan": name, "skipped": f"not calibrated in profile {profile.name}"} for name in missing]
         plans = [p for p in plans if p.name not in missing]
     else:
-        costs, source, calibrating, prepared = machine_costs(pipe, plans, sampling, key, width, steps, progress)
+        costs, source, calibrating, prepared = machine_costs(pipe, plans, sampling, key, width, mean_steps,
+                                                             progress)
         spent += calibrating
 
     rows = []
@@ -129,8 +131,7 @@ def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] =
         cost = costs["plans"][p.name]
         t = predict_seconds(width, costs["fixed_s"], cost["step_s"], steps[p.name])
         rows.append({"plan": p.name, "lossless": p.lossless, "predicted_seconds": t,
-                     "steps_per_image": statistics.fmean(statistics.fmean(v) for v in steps[p.name]),
-                     "step_ms": 1e3 * cost["step_s"],
+                     "steps_per_image": mean_steps[p.name], "step_ms": 1e3 * cost["step_s"],
                      **({"lower_bound": True} if cost.get("lower_bound") else {})})
     ar_s = rows[0]["predicted_seconds"]  # AR is the first candidate
     for r in rows:
@@ -169,9 +170,10 @@ def steps_by_plan(pipe, plans: list[Plan], sampling: SamplingConfig, key: str, s
 
 
 def machine_costs(pipe, plans: list[Plan], sampling: SamplingConfig, key: str, width: int,
-                  steps: dict, progress: bool) -> tuple[dict, str, float, float]:
-    """This machine's calibration at `width` (plans it lacks measured here, once), where it is kept, and the
-    seconds spent timing and preparing runners for it (0, 0 when it was cached)."""
+                  mean_steps: dict[str, float], progress: bool) -> tuple[dict, str, float, float]:
+    """This machine's calibration at `width` (plans it lacks measured here, once; mean_steps: each plan's steps
+    per image, to size the runs), where it is kept, and the seconds spent timing and preparing runners for it
+    (0, 0 when it was cached)."""
     key_c = calibration.calibration_key(pipe.backend.name, pipe.dtype, key)
     data = calibration.load_calibration(key_c)
     entry = data["widths"].get(str(width))
@@ -182,8 +184,7 @@ def machine_costs(pipe, plans: list[Plan], sampling: SamplingConfig, key: str, w
     print(f"lantern: calibrating {len(lacking)} plan(s) on {pipe.backend.name} ({pipe.dtype}) at {width} "
           f"image(s) per step, once (cached in {path}; `lantern profile run` refreshes it)", file=sys.stderr)
     before = (entry or {}).get("seconds", 0.0), (entry or {}).get("prepare_s", 0.0)
-    per_image = {p.name: statistics.fmean(statistics.fmean(v) for v in steps[p.name]) for p in plans}
-    entry = calibration.measure_width(pipe, lacking, sampling, width, per_image, entry, progress)
+    entry = calibration.measure_width(pipe, lacking, sampling, width, mean_steps, entry, progress)
     data["widths"][str(width)] = entry
     calibration.save_calibration(data)
     return (entry, f"calibration cached in {path}", entry["seconds"] - before[0],

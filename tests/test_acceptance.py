@@ -165,3 +165,50 @@ def test_greedy_paper_rule_accepts_a_near_tie_only_within_the_bound():
     assert int(exact.accepted) == 0 and int(exact_tok) == 0  # token 1 is not the argmax
     assert int(loose.accepted) == 1 and float(loose.boost[0, 0]) == pytest.approx(0.45)  # 0.40 + 0.45 >= 0.45
     assert int(tight.accepted) == 0  # neighbour 0 holds 0.45 > delta, so nothing moves
+
+
+def random_chain(b=6, window=7, v=64, k=5, seed=0):
+    """B Jacobi-like chains [root; d_1 .. d_L]: p after every node and q for every draft on top-k supports
+    (near p but for image 0), drafts drawn from q, and limits that cut some chains short (one image finished:
+    nothing valid)."""
+    from lantern.decoding.sampling import Support, draw
+    g = torch.Generator().manual_seed(seed)
+
+    def support(*shape):
+        vals, ids = torch.topk(torch.randn(*shape, v, generator=g) * 2, k, dim=-1)
+        return Support(torch.softmax(vals, -1), ids)
+    p_nodes = support(b, window + 1)
+    # q near p on p's support (a converging window), unrelated for image 0
+    near = torch.softmax(p_nodes.probs[:, :window].log() + 0.3 * torch.randn(b, window, k, generator=g), -1)
+    q = Support(near, p_nodes.ids[:, :window])
+    other = support(1, window)
+    q = Support(torch.cat([other.probs, q.probs[1:]]), torch.cat([other.ids, q.ids[1:]]))
+    drafts = draw(q, False, g)  # (B, L)
+    tokens = torch.cat([torch.randint(0, v, (b, 1), generator=g), drafts], 1)
+    limit = torch.tensor([window, window, 3, 0, -1, window][:b])
+    valid = torch.arange(window + 1)[None] <= limit[:, None]
+    return p_nodes, q, tokens, valid
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+@pytest.mark.parametrize("rule", [Acceptance("exact"), codebook_rule("lantern", k=8, delta=0.2),
+                                  codebook_rule("lantern++", k=8, lam=2.0),
+                                  codebook_rule("lantern", k=8, delta=0.1, form="paper")])
+def test_chain_acceptance_is_the_tree_acceptance_on_a_chain(rule, greedy):
+    """accept_chain skips the tree walk; on a chain it must give accept's result draw for draw."""
+    from lantern.decoding.acceptance import DraftedTree, accept, accept_chain
+    for seed in range(5):
+        p_nodes, q, tokens, valid = random_chain(seed=seed)
+        n = tokens.shape[1]
+        nodes = torch.arange(n)
+        tree = DraftedTree(tokens=tokens, valid=valid, depth=nodes[None],
+                           ancestors=torch.ones(n, n, dtype=torch.bool).tril()[None], parents=nodes[None, :-1],
+                           children=nodes[None, 1:, None], q=None if greedy else q, max_depth=n - 1,
+                           rank=torch.zeros(1, n, dtype=torch.long))
+        want = accept(p_nodes, tree, rule, greedy, torch.Generator().manual_seed(seed), 64)
+        got = accept_chain(p_nodes, tokens, valid, None if greedy else q, rule, greedy,
+                           torch.Generator().manual_seed(seed), 64)
+        for field in ("path", "accepted", "bonus", "tried", "token_tv", "boost"):
+            assert torch.equal(getattr(got, field), getattr(want, field)), (field, seed)
+        if not greedy:
+            assert want.accepted.max() >= 3  # long prefixes were accepted too

@@ -1,6 +1,5 @@
 """Speculative Jacobi decoding (SJD, MC-SJD, relaxed) end to end: lossless, greedy parity, relaxed target,
 host transfers, bad input, a bundle without a drafter."""
-import dataclasses
 import json
 import shutil
 
@@ -57,12 +56,12 @@ def test_jacobi_sampling_reproduces_ar_for_every_image(flat, method, batch, wind
 def test_testing_against_the_wrong_distribution_fails_the_lossless_test(flat, monkeypatch):
     """A broken coupling: drafts drawn from the previous step's q but tested against this step's p (what the
     draft would be if it were drawn now). Acceptance then always succeeds, and the test must notice."""
-    real = jacobi.accept
+    real = jacobi.accept_chain
 
-    def against_p(p_nodes, tree, *args):
+    def against_p(p_nodes, tokens, valid, q, *args):
         current = Support(p_nodes.probs[:, :-1], p_nodes.ids[:, :-1])
-        return real(p_nodes, dataclasses.replace(tree, q=current), *args)
-    monkeypatch.setattr(jacobi, "accept", against_p)
+        return real(p_nodes, tokens, valid, current, *args)
+    monkeypatch.setattr(jacobi, "accept_chain", against_p)
     assert min(run_lossless(flat, "mc-sjd", 6000)) < LEVEL
 
 
@@ -80,6 +79,25 @@ def test_a_prior_tested_against_the_wrong_distribution_fails_the_lossless_test(f
     monkeypatch.setattr(jacobi, "spatial_prior", prior_kept_apart)
     monkeypatch.setattr(jacobi, "redraw", redraw_from_prior)
     assert min(run_lossless(flat, "mc-sjd", 6000)) < LEVEL
+
+
+def test_coupled_noise_is_fixed_per_position_and_token_and_fresh_for_a_new_position():
+    """A (position, token) reads the same Gumbel every step; the position entering the same ring slot later
+    reads fresh ones; the values are Gumbel distributed (Kolmogorov-Smirnov) and independent across tokens."""
+    from scipy.stats import kstest
+    g = torch.Generator().manual_seed(0)
+    window, vocab, k = 3, 50, 4
+    noise = jacobi.CoupledNoise(2000, window, vocab, "cpu")
+    positions = torch.arange(1, window + 1).expand(2000, -1)  # (B, L)
+    ids = torch.stack([torch.randperm(vocab, generator=g)[:k] for _ in range(2000 * window)]).view(2000, window, k)
+    first = noise.at(positions, ids, g)
+    again = noise.at(positions, ids.flip(-1), g).flip(-1)  # same tokens, another order: same values
+    assert torch.equal(first, again)
+    later = noise.at(positions + window, ids, g)  # the same slots, the next positions
+    assert not torch.isclose(later, first).any()
+    values = torch.cat([first.flatten(), later.flatten()]).double()
+    assert kstest(values.numpy(), "gumbel_r").pvalue > 1e-3
+    assert abs(torch.corrcoef(first[..., :2].reshape(-1, 2).T)[0, 1]) < 0.03
 
 
 def test_sticky_drafts_fail_the_lossless_test(flat, monkeypatch):
@@ -195,7 +213,7 @@ def test_each_jacobi_step_moves_only_a_flag_to_the_host(sharp):
     runner = pipe.runner(dcfg, b)
     runner.trims_attention = False
     rows = loop.condition_rows(torch.tensor([0, 1, 2]), dcfg, sharp.null_condition(b))
-    with counted_steps(jacobi) as marks:
+    with counted_steps(jacobi, "accept_chain") as marks:
         jacobi.decode_jacobi(runner, rows, dcfg, torch.ones(b, dtype=torch.bool), pipe.config.block_size,
                              loop.make_generator(runner, 0), None)
     calls, elements = per_step(marks)

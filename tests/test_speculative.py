@@ -135,7 +135,7 @@ def flat_micro():
 
 SAMPLING = SC(temperature=1.3, top_k=5, top_p=0.95, cfg_scale=1.5)
 LEVEL = 1e-4  # per p-value; 15 per run (3 classes x (joint + 4 marginals)): a lossless run fails 1.5e-3 of the time
-DRAFTINGS = {"static": dict(drafting="TREE"),
+DRAFTINGS = {"static": dict(drafting="TREE"), "chain": dict(drafting="CHAIN"),
              "dynamic": dict(drafting="dynamic", dynamic_depth=3, dynamic_top_k=3, dynamic_total=8)}
 
 
@@ -184,16 +184,19 @@ def pvalues(counts, expected):
 
 @pytest.fixture(scope="module")
 def flat(tmp_path_factory):
-    tree = tmp_path_factory.mktemp("tree") / "tree.json"
-    tree.write_text(json.dumps([[0], [1], [2], [3], [4], [0, 0], [0, 1], [1, 0], [0, 0, 0]]))
+    trees = {"TREE": [[0], [1], [2], [3], [4], [0, 0], [0, 1], [1, 0], [0, 0, 0]], "CHAIN": [[0], [0, 0], [0, 0, 0]]}
+    files = {}
+    for name, paths in trees.items():
+        files[name] = tmp_path_factory.mktemp("tree") / f"{name.lower()}.json"
+        files[name].write_text(json.dumps(paths))
     target, drafter = flat_micro()
     expected = {c: ar_distribution(target, c, SAMPLING) for c in range(3)}
-    return Pipeline(target, drafter, None, backend="cpu"), str(tree), expected
+    return Pipeline(target, drafter, None, backend="cpu"), {name: str(f) for name, f in files.items()}, expected
 
 
 def run_lossless(flat, drafting, batch):
-    pipe, tree, expected = flat
-    kw = {k: (tree if v == "TREE" else v) for k, v in DRAFTINGS[drafting].items()}
+    pipe, tree_files, expected = flat
+    kw = {k: tree_files.get(v, v) for k, v in DRAFTINGS[drafting].items()}
     dcfg = DecodeConfig(sampling=SAMPLING, **kw)
     if batch == 1:  # one image per static step: 600 runs
         counts = sampled_counts(pipe, dcfg, [1] * 600, calls=1, batch=1)
@@ -202,11 +205,12 @@ def run_lossless(flat, drafting, batch):
     return [p for c in counts for p in pvalues(counts[c], expected[c])]
 
 
-@pytest.mark.parametrize("drafting", ["static", "dynamic"])
-@pytest.mark.parametrize("batch", [1, 6000])
+@pytest.mark.parametrize("drafting, batch", [("static", 1), ("static", 6000), ("dynamic", 1), ("dynamic", 6000),
+                                             ("chain", 6000)])
 def test_exact_speculative_sampling_reproduces_ar_for_every_image(flat, drafting, batch):
     """Every token of 2x2 images, CFG + temperature + top-k + top-p: each image's joint distribution of its 4
-    tokens and every token's marginal equal AR's exact ones (chi-square), one image per step and batched."""
+    tokens and every token's marginal equal AR's exact ones (chi-square), one image per step and batched
+    (a chain: accepted without the tree walk)."""
     assert min(run_lossless(flat, drafting, batch)) > LEVEL
 
 
@@ -222,6 +226,26 @@ def test_verify_guided_with_another_cfg_scale_fails_the_lossless_test(flat, monk
     monkeypatch.setattr(loop, "verify_distributions",
                         lambda logits, sc: real(logits, SC(**{**sc.__dict__, "cfg_scale": 3.0})))
     assert min(run_lossless(flat, "static", 6000)) < LEVEL
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(acceptance="lantern++", k=10, lam=2.0)])
+def test_a_chain_is_accepted_without_the_tree_walk_token_for_token(pipe, kw, monkeypatch):
+    """chain-5 takes accept_chain; the same generation through the tree walk gives the same tokens and stats."""
+    from lantern.decoding import trees
+    assert trees.compile_tree(TREE_PRESETS["chain-5"]).is_chain
+    assert not trees.compile_tree(TREE_PRESETS["chain-5"], pad_to=8).is_chain
+    assert not trees.compile_tree(TREE_PRESETS["eagle1-25"]).is_chain
+    dcfg = DecodeConfig(sampling=SamplingConfig(cfg_scale=2.0, top_k=20), drafting="chain-5", **kw)
+    calls = []
+    real = loop.accept_chain
+    monkeypatch.setattr(loop, "accept_chain", lambda *a: calls.append(1) or real(*a))
+    fast = pipe.generate([0, 1, 2], dcfg, seed=5)
+    assert calls
+    monkeypatch.setattr(trees.CompiledTree, "is_chain", property(lambda self: False))
+    walked = pipe.generate([0, 1, 2], dcfg, seed=5)
+    assert torch.equal(fast.tokens, walked.tokens)
+    assert fast.stats.token_tv == walked.stats.token_tv
+    assert [i.accepted_lengths for i in fast.stats.images] == [i.accepted_lengths for i in walked.stats.images]
 
 
 # --- what crosses to the host ---------------------------------------------------------------------------

@@ -167,6 +167,30 @@ def _acceptance_greedy(target: Support, cand, cvalid, rule: Acceptance, vocab: i
     return acc * cvalid, boost * cvalid
 
 
+def _rule(p: Support, cand: torch.Tensor, cvalid: torch.Tensor, q: Optional[Support], rule: Acceptance,
+          greedy: bool, vocab: int):
+    """The rule at M parents: p (B, M, K) their distributions, cand/cvalid (B, M, C) their children in rank
+    order, q (B, M, K) what the children were drawn from (None: deterministic drafts). Returns acceptance
+    probabilities (B, M, C), the distributions a bonus is drawn from after every valid child was rejected
+    (B, M, K, on p's support), the papers' boosts (B, M, C) and TV(p_hat, p) (B, M)."""
+    b, m_rows = cand.shape[:2]
+    q_dense = q.dense(vocab) if q is not None else None  # (B, M, V)
+    tv = torch.zeros(b, m_rows, device=cand.device)
+    target = p
+    if rule.relaxed and rule.form == "bounded":
+        if q_dense is not None:
+            q_sup = q_dense.gather(2, p.ids)
+        else:  # deterministic drafts: the fixed candidate set plays q
+            q_sup = ((p.ids[..., None, :] == cand[..., None]) & cvalid[..., None]).any(-2).to(p.probs.dtype)
+        p_hat, tv = bounded_target(p, q_sup, rule.neighbours(cand.device), vocab, *rule.bounds)
+        target = Support(p_hat, p.ids)
+    if greedy:
+        acc, boost = _acceptance_greedy(target, cand, cvalid, rule, vocab)
+        return acc, target.probs, boost, tv
+    acc, end, boost = _acceptance_sampling(target, p, cand, cvalid, q_dense, rule, vocab)
+    return acc, end, boost, tv
+
+
 def accept(p_nodes, tree: DraftedTree, rule: Acceptance, greedy: bool, generator: torch.Generator,
            vocab: int) -> StepAcceptance:
     """p_nodes: the target's (guided, warped) distribution after every node, anything with `.index(idx (B, M))
@@ -181,22 +205,7 @@ def accept(p_nodes, tree: DraftedTree, rule: Acceptance, greedy: bool, generator
     cvalid = (kids >= 0) & has_parent[..., None] & tree.valid.gather(1, kid_ids.flatten(1)).view(b, m_rows, c)
     cand = tree.tokens.gather(1, kid_ids.flatten(1)).view(b, m_rows, c)
     p = p_nodes.index(parents.clamp_min(0))  # (B, M, K)
-    q_dense = tree.q.dense(vocab) if tree.q is not None else None  # (B, M, V)
-
-    tv = torch.zeros(b, m_rows, device=dev)
-    target = p
-    if rule.relaxed and rule.form == "bounded":
-        if q_dense is not None:
-            q_sup = q_dense.gather(2, p.ids)
-        else:  # deterministic drafts: the fixed candidate set plays q
-            q_sup = ((p.ids[..., None, :] == cand[..., None]) & cvalid[..., None]).any(-2).to(p.probs.dtype)
-        p_hat, tv = bounded_target(p, q_sup, rule.neighbours(dev), vocab, *rule.bounds)
-        target = Support(p_hat, p.ids)
-    if greedy:
-        acc, boost = _acceptance_greedy(target, cand, cvalid, rule, vocab)
-        end = target.probs
-    else:
-        acc, end, boost = _acceptance_sampling(target, p, cand, cvalid, q_dense, rule, vocab)
+    acc, end, boost, tv = _rule(p, cand, cvalid, tree.q, rule, greedy, vocab)
 
     u = torch.rand(acc.shape, generator=generator, device=dev)
     ok = (u < acc) & cvalid  # (B, M, C)
@@ -244,3 +253,36 @@ def _per_node(nodes: torch.Tensor, values: torch.Tensor, n: int, fill) -> torch.
     b = nodes.shape[0]
     out = torch.full((b, n + 1), fill, dtype=values.dtype, device=values.device)
     return out.scatter_(1, torch.where(nodes >= 0, nodes, n), values)[:, :n]
+
+
+def accept_chain(p_nodes: Support, tokens: torch.Tensor, valid: torch.Tensor, q: Optional[Support], rule: Acceptance,
+                 greedy: bool, generator: torch.Generator, vocab: int) -> StepAcceptance:
+    """`accept` on a chain [root; d_1 .. d_L] (node i's one child is node i + 1: a Jacobi window, a drafter's
+    chain-5), without the walk over a tree's structure: the accepted path is the chain up to the first
+    rejection. The same rule, the same draws in the same order, the same result as `accept` on the chain.
+    p_nodes (B, L+1, K): p after every node; tokens, valid (B, L+1); q (B, L, Kq): what d_1 .. d_L were drawn
+    from (None: greedy, or deterministic drafts)."""
+    b, n = tokens.shape
+    window = n - 1
+    dev = tokens.device
+    p = Support(p_nodes.probs[:, :window], p_nodes.ids[:, :window])  # the parents: nodes 0 .. L-1
+    cand, cvalid = tokens[:, 1:, None], valid[:, 1:, None]  # (B, L, 1)
+    acc, end, boost, tv = _rule(p, cand, cvalid, q, rule, greedy, vocab)
+    u = torch.rand(acc.shape, generator=generator, device=dev)
+    ok = ((u < acc) & cvalid)[..., 0]  # (B, L)
+    accepted = ok.int().cumprod(-1).sum(-1)  # (B,) drafts before the first rejection
+    depths = torch.arange(n, device=dev)
+    emitted = depths[None] <= accepted[:, None]  # (B, L+1)
+    path = torch.where(emitted, depths[None], 0)  # node i sits at depth i
+    # the bonus: from the final rule distribution at the last accepted node, or from p after node L
+    at = accepted.clamp(max=window - 1)[:, None]  # (B, 1)
+    has_row = (accepted < window)[:, None, None]
+    last = Support(p_nodes.probs[:, window:], p_nodes.ids[:, window:])  # (B, 1, K)
+    end_sup = Support(end, p.ids).index(at)
+    bonus_dist = Support(torch.where(has_row, end_sup.probs, last.probs), torch.where(has_row, end_sup.ids, last.ids))
+    bonus = draw(bonus_dist, greedy, generator)[:, 0]
+    tried = emitted[:, :window] & cvalid[..., 0]
+    token_tv = torch.where(emitted, torch.cat([tv, tv.new_zeros(b, 1)], 1), 0.0)
+    boost_path = torch.where(emitted[:, 1:], boost[..., 0], 0.0)
+    return StepAcceptance(path=path, accepted=accepted, bonus=bonus, tried=tried, token_tv=token_tv,
+                          boost=boost_path)

@@ -19,22 +19,22 @@ and with `initial="last"`, its draft is drawn from the last distribution the ste
 exactly that q. Images are mostly flat regions, so the token above is often right: on the embedded model the
 prior raises MC-SJD's step compression by about a tenth at L = 8 and 16.
 
-Coupling "gumbel" (MC-SJD): each (image, position) draws Gumbel noise G over the vocabulary once, when it
-enters the window, and keeps it until the position is decided; its draft is argmax(log q + G), so an unchanged
-q redraws the same token. Still lossless: the model is causal and every test at a position i < j reads only
-drafts, uniforms and p at positions <= i, so nothing a test at j conditions on depends on G_j; given all of
-it, G_j is a fresh Gumbel and d_j ~ q_j exactly. The test's uniforms and the residual draw use fresh noise.
+Coupling "gumbel" (MC-SJD): each (image, position) has Gumbel noise G over the vocabulary, fixed until the
+position is decided (drawn token by token, as tokens enter the position's support: `CoupledNoise`); its draft
+is argmax(log q + G), so an unchanged q redraws the same token. Still lossless: the model is causal and every
+test at a position i < j reads only drafts, uniforms and p at positions <= i, so nothing a test at j
+conditions on depends on G_j; given all of it, G_j is a fresh Gumbel and d_j ~ q_j exactly. The test's uniforms and the residual draw use fresh noise.
 Coupling "none" (SJD) draws every draft afresh each step.
 """
 from __future__ import annotations
 
 import time
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
 from lantern.backends.base import Runner
-from lantern.decoding.acceptance import Acceptance, DraftedTree, accept
+from lantern.decoding.acceptance import Acceptance, accept_chain
 from lantern.decoding.config import DecodeConfig
 from lantern.decoding.drafting import on_rows, window_mask
 from lantern.decoding.loop import prefill
@@ -42,31 +42,36 @@ from lantern.decoding.sampling import Support, draw, gumbel, target_support
 from lantern.decoding.stats import GenerationStats, StepRecords
 
 
-class Chain(NamedTuple):
-    """The structure of [root; d_1 .. d_L] shared by every image: node i's one child is node i + 1."""
-
-    depth: torch.Tensor  # (1, N) = node index
-    ancestors: torch.Tensor  # (1, N, N) causal
-    parents: torch.Tensor  # (1, L) nodes 0 .. L-1
-    children: torch.Tensor  # (1, L, 1) nodes 1 .. L
-    rank: torch.Tensor  # (1, N) zeros: every node is its parent's only child
-
-
-def chain(window: int, device) -> Chain:
-    n = window + 1
-    nodes = torch.arange(n, device=device)
-    return Chain(depth=nodes[None], ancestors=torch.ones(n, n, dtype=torch.bool, device=device).tril()[None],
-                 parents=nodes[None, :-1], children=nodes[None, 1:, None],
-                 rank=torch.zeros(1, n, dtype=torch.long, device=device))
-
-
 def redraw(q: Support, noise: Optional[torch.Tensor], greedy: bool, generator: torch.Generator) -> torch.Tensor:
-    """(B, L, K) distributions -> (B, L) drafts: the argmax (greedy), argmax(log q + G) with each position's
-    fixed noise G (B, L, V) (coupled), or a fresh draw."""
+    """(B, L, K) distributions -> (B, L) drafts: the argmax (greedy), argmax(log q + G) with G (B, L, K) each
+    position's fixed noise at q's support tokens (coupled), or a fresh draw."""
     if greedy or noise is None:
         return draw(q, greedy, generator)
-    pick = (q.probs.log() + noise.gather(2, q.ids)).argmax(-1)  # Gumbel-max on the support: exact
+    pick = (q.probs.log() + noise).argmax(-1)  # Gumbel-max on the support: exact
     return q.ids.gather(2, pick[..., None])[..., 0]
+
+
+class CoupledNoise:
+    """MC-SJD's noise G(image, position, token), one Gumbel each, fixed while the position is in the window.
+    Only the tokens of a position's support are ever read, so G(., pos, token) is drawn the first time the
+    token is in the support at that position and kept from then on; drawn later or up front, it is the same
+    independent Gumbel. Kept in a ring of L slots (slot = position mod L: a window's L positions are
+    consecutive) with the position each value was drawn for, so a step touches (B, L, K) values, not (B, L, V)."""
+
+    def __init__(self, b: int, window: int, vocab: int, device):
+        self.window, self.vocab = window, vocab
+        self.values = torch.zeros(b, window * vocab, device=device)
+        self.drawn_for = torch.full((b, window * vocab), -1, dtype=torch.long, device=device)
+
+    def at(self, positions: torch.Tensor, ids: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """positions (B, L) of the window, ids (B, L, K) their supports (K distinct tokens each) -> G (B, L, K)."""
+        index = ((positions % self.window)[..., None] * self.vocab + ids).flatten(1)  # (B, L*K)
+        pos = positions[..., None].expand_as(ids).flatten(1)
+        kept = self.drawn_for.gather(1, index) == pos
+        g = torch.where(kept, self.values.gather(1, index), gumbel(index.shape, generator, index.device))
+        self.values.scatter_(1, index, g)
+        self.drawn_for.scatter_(1, index, pos)
+        return g.view(ids.shape)
 
 
 def spatial_prior(q: Support, fresh: torch.Tensor, decided: torch.Tensor, emitted: torch.Tensor, grid: int,
@@ -85,15 +90,6 @@ def spatial_prior(q: Support, fresh: torch.Tensor, decided: torch.Tensor, emitte
     return Support(torch.where(use, point, q.probs), torch.where(use, ids, q.ids))
 
 
-def slide_noise(noise: torch.Tensor, advance: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """The window's noise (B, L, V) after each image's window moves `advance` (B,) positions: a position still
-    in the window keeps its noise, one entering it gets fresh noise."""
-    b, window, vocab = noise.shape
-    src = torch.arange(window, device=noise.device)[None] + advance[:, None]  # (B, L) slot it held before
-    kept = noise.gather(1, src.clamp(max=window - 1)[..., None].expand(-1, -1, vocab))
-    return torch.where((src < window)[..., None], kept, gumbel(noise.shape, generator, noise.device))
-
-
 @torch.inference_mode()
 def decode_jacobi(runner: Runner, cond_rows: torch.Tensor, dcfg: DecodeConfig, active: torch.Tensor, block: int,
                   generator: torch.Generator, proximity: Optional[torch.Tensor]) -> tuple[torch.Tensor, GenerationStats]:
@@ -105,8 +101,9 @@ def decode_jacobi(runner: Runner, cond_rows: torch.Tensor, dcfg: DecodeConfig, a
     rule = Acceptance(dcfg.acceptance, k=dcfg.k, delta=dcfg.delta, lam=dcfg.lam, form=dcfg.form, proximity=near)
     vocab = runner.model_config.vocab_size
     b = active.shape[0]
-    shape = chain(window, dev)
     nodes = torch.arange(window + 1, device=dev)
+    causal = torch.ones(window + 1, window + 1, dtype=torch.bool, device=dev).tril()[None]  # (1, N, N)
+    rank = torch.zeros(b, window + 1, dtype=torch.long, device=dev)  # every node is its parent's only child
     slots = torch.arange(spec.max_len, device=dev)
     t0 = time.perf_counter()
     with runner.phase("prefill"):
@@ -114,7 +111,7 @@ def decode_jacobi(runner: Runner, cond_rows: torch.Tensor, dcfg: DecodeConfig, a
         first = target_support(logits, sc)  # (B, K)
         root_tok = draw(first, sc.greedy, generator)  # (B,)
     coupled = dcfg.coupling == "gumbel" and not sc.greedy
-    noise = gumbel((b, window, vocab), generator, dev) if coupled else None
+    noise = CoupledNoise(b, window, vocab, dev) if coupled else None
     above = dcfg.initial == "above"
     grid = runner.model_config.grid_size
     out = torch.zeros(b, block + window + 2, dtype=torch.long, device=dev)  # the last column absorbs padding
@@ -123,8 +120,13 @@ def decode_jacobi(runner: Runner, cond_rows: torch.Tensor, dcfg: DecodeConfig, a
     q = Support(*(x[:, None].expand(-1, window, -1) for x in first))  # (B, L, K) never predicted: the last p
     if above:
         q = spatial_prior(q, torch.ones(b, window, dtype=torch.bool, device=dev), out, emitted, grid, vocab)
-    drafts = redraw(q, noise, sc.greedy, generator)  # (B, L) at positions root + 1 .. root + L
     root = torch.full((b,), spec.prefix_len, dtype=torch.long, device=dev)  # the root's position
+
+    def window_drafts(q: Support) -> torch.Tensor:
+        """(B, L, K) -> (B, L) drafts at positions root + 1 .. root + L (root as it is at the call)."""
+        g = noise.at(root[:, None] + nodes[1:], q.ids, generator) if noise is not None else None
+        return redraw(q, g, sc.greedy, generator)
+    drafts = window_drafts(q)
     records = StepRecords()
     while True:
         running = emitted < block
@@ -134,22 +136,20 @@ def decode_jacobi(runner: Runner, cond_rows: torch.Tensor, dcfg: DecodeConfig, a
         limit = torch.where(running, block - emitted - 1, -1)
         tokens = torch.cat([root_tok[:, None], drafts], 1)  # (B, L+1)
         positions = root[:, None] + nodes  # slot = position
-        mask = window_mask(shape.ancestors, root, slots[None] < root[:, None])  # committed cache + causal chain
+        mask = window_mask(causal, root, slots[None] < root[:, None])  # committed cache + causal chain
         with runner.phase("verify"):
             o = runner.verify(on_rows(tokens, rows), on_rows(positions, rows), on_rows(positions, rows),
                               on_rows(mask, rows))
             p_nodes = target_support(o.logits, sc)  # (B, L+1, K): p after every node
-        tree = DraftedTree(tokens=tokens, valid=nodes[None] <= limit[:, None], depth=shape.depth,
-                           ancestors=shape.ancestors, parents=shape.parents, children=shape.children,
-                           q=None if sc.greedy else q, max_depth=window, rank=shape.rank)
         with runner.phase("accept"):
-            acc = accept(p_nodes, tree, rule, sc.greedy, generator, vocab)
+            acc = accept_chain(p_nodes, tokens, nodes[None] <= limit[:, None], None if sc.greedy else q, rule,
+                               sc.greedy, generator, vocab)
         m = torch.where(running, acc.accepted, -1)  # finished images: nothing to emit
         new_tokens = torch.where(nodes[None] < m[:, None], torch.cat([drafts, acc.bonus[:, None]], 1),
                                  acc.bonus[:, None])  # (B, L+1): the accepted drafts, then the bonus
         col = torch.where(nodes[None] <= m[:, None], emitted[:, None] + nodes, out.shape[1] - 1)
         out.scatter_(1, col, new_tokens)
-        records.add(running, acc, shape.rank.expand(b, -1))
+        records.add(running, acc, rank)
         advance = torch.where(running, m + 1, 0)
         root_tok = torch.where(running, acc.bonus, root_tok)
         root, emitted = root + advance, emitted + advance
@@ -158,8 +158,6 @@ def decode_jacobi(runner: Runner, cond_rows: torch.Tensor, dcfg: DecodeConfig, a
         q = p_nodes.index(predicted_by.clamp(max=window))
         if above:
             q = spatial_prior(q, predicted_by > window, out, emitted, grid, vocab)
-        if noise is not None:
-            noise = slide_noise(noise, advance, generator)
-        drafts = redraw(q, noise, sc.greedy, generator)
+        drafts = window_drafts(q)
     stats = records.stats(active.cpu(), block, time.perf_counter() - t0)
     return out[:, :block].cpu(), stats

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from lantern.backends.base import Runner, StaticSpec
-from lantern.decoding.acceptance import Acceptance, DraftedTree, accept
+from lantern.decoding.acceptance import Acceptance, DraftedTree, accept, accept_chain
 from lantern.decoding.config import DecodeConfig
 from lantern.decoding.drafting import Drafter, draft_dynamic, draft_static, on_rows, window_mask
 from lantern.decoding.sampling import GuidedLogits, SamplingConfig, combine_cfg, draw, target_support
@@ -112,6 +112,8 @@ def decode_speculative(runner: Runner, cond_rows: torch.Tensor, dcfg: DecodeConf
     pend_tokens = root_tok[:, None].repeat(1, a)
     pend_count = torch.ones(b, dtype=torch.long, device=dev)
     draft = draft_static if isinstance(strategy, StaticTree) else draft_dynamic
+    chain = isinstance(strategy, StaticTree) and strategy.tree.is_chain  # accepted without a tree walk
+    nodes = torch.arange(n, device=dev)[None].expand(b, -1)
     records = StepRecords()
     steps = torch.arange(depth + 1, device=dev)
     while True:
@@ -128,7 +130,11 @@ def decode_speculative(runner: Runner, cond_rows: torch.Tensor, dcfg: DecodeConf
             out_step = _verify(runner, tree, root, n, slots, sc.rows_per_image)
             p_nodes = verify_distributions(out_step.logits, sc)
         with runner.phase("accept"):
-            acc = accept(p_nodes, tree, rule, sc.greedy, generator, vocab)
+            if chain:
+                acc = accept_chain(p_nodes.index(nodes), tree.tokens, tree.valid, tree.q, rule, sc.greedy,
+                                   generator, vocab)
+            else:
+                acc = accept(p_nodes, tree, rule, sc.greedy, generator, vocab)
         m = torch.where(running, acc.accepted, -1)  # finished images: nothing to emit or commit
         with runner.phase("commit"):
             dst = root[:, None] + steps  # (B, D+1)

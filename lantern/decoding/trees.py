@@ -124,6 +124,12 @@ class CompiledTree:
     def max_children(self) -> int:
         return max(len(c) for c in self.children)
 
+    @property
+    def is_chain(self) -> bool:
+        """Node i's one child is node i + 1 and there is no padding (what `accept_chain` takes)."""
+        return self.n_real == self.size and all(c == ((i + 1,) if i + 1 < self.size else ())
+                                                for i, c in enumerate(self.children))
+
 
 def compile_tree(paths: Sequence[Sequence[int]], pad_to: int | None = None) -> CompiledTree:
     """Pure: paths -> buffers. `pad_to` runs a smaller tree in a prepared larger static shape."""

@@ -2,7 +2,8 @@
 included, at the bundle's default sampling) and store it in the bundle's manifest ("acceptance_record"), so that
 `lantern generate` on a fresh machine only calibrates latencies. Device-independent: any backend gives the same
 record up to numerics; run on cpu fp32. Only plans the record lacks, or holds for other decode settings, are
-measured; entries of plans that are no longer candidates are dropped.
+measured (all of them when `--per-class` changes the images); entries of plans that are no longer
+candidates are dropped.
 
     python tools/record_acceptance.py [--per-class 2] [--dry-run]
 """
@@ -36,7 +37,9 @@ def main() -> None:
     plans, _ = runnable(pipe, candidate_plans(True, True, relaxation), sampling)
     classes = [c for c in range(bundle.target.config.num_classes) for _ in range(args.per_class)]
     key, shipped = pipe.model_key, bundle.acceptance_record
-    record = shipped if records.matches(shipped, key, sampling) else records.empty_record(key, sampling)
+    # entries measured on other images would mix two samples: a new image set starts afresh
+    same = records.matches(shipped, key, sampling) and shipped.get("conditions") == classes
+    record = shipped if same else records.empty_record(key, sampling)
     t0 = time.perf_counter()
     records.measure_record(lambda p: pipe.generate(classes, p.decode(sampling), seed=0, batch=len(classes)), plans,
                            record, classes)

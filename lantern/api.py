@@ -51,11 +51,11 @@ DEFAULT_BATCH = 16  # images per static step unless the caller says otherwise
 @dataclass(frozen=True)
 class ModelDefaults:
     """What a bundle says about decoding its model: validated sampling, quality-validated relaxation settings
-    per method, and its acceptance record (`--method auto`)."""
+    per method, and its acceptance records by dtype (`--method auto`)."""
 
     sampling: Optional[SamplingConfig] = None
     relaxation: dict = field(default_factory=dict)
-    acceptance_record: Optional[dict] = None
+    acceptance_records: dict = field(default_factory=dict)
 
 
 class Pipeline:
@@ -72,9 +72,9 @@ class Pipeline:
     @classmethod
     def from_bundle(cls, bundle, backend: str | None = None, dtype: str | None = None,
                     **backend_options) -> "Pipeline":
-        """The bundle's models, with its validated sampling, relaxation settings and acceptance record."""
+        """The bundle's models, with its validated sampling, relaxation settings and acceptance records."""
         defaults = ModelDefaults(SamplingConfig(**bundle.default_sampling), bundle.relaxation_defaults,
-                                 bundle.acceptance_record)
+                                 bundle.acceptance_records)
         return cls(bundle.target, bundle.drafter, bundle.proximity, backend=backend, dtype=dtype, defaults=defaults,
                    **backend_options)
 
@@ -92,7 +92,7 @@ class Pipeline:
             raise ValueError("auto needs sampling settings: pass sampling=, or build the pipeline with "
                              "Pipeline.from_bundle")
         return choose(self, n_images, sampling, batch=batch, allow_relaxed=allow_relaxed,
-                      validated=self.defaults.relaxation, shipped_record=self.defaults.acceptance_record,
+                      validated=self.defaults.relaxation, shipped_records=self.defaults.acceptance_records,
                       profile=profile, progress=progress, classes=classes)
 
     @property

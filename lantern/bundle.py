@@ -97,10 +97,10 @@ class Bundle:
         return {m: dict(v["settings"]) for m, v in self.manifest.get("relaxation_defaults", {}).items()}
 
     @property
-    def acceptance_record(self) -> dict | None:
-        """Steps per image of each `--method auto` plan at the default sampling (lantern.plan.records), if the
-        bundle ships one (written by tools/record_acceptance.py)."""
-        return self.manifest.get("acceptance_record")
+    def acceptance_records(self) -> dict:
+        """By dtype, steps per image of each `--method auto` plan at the default sampling (lantern.plan.records),
+        as far as the bundle ships them (written by tools/record_acceptance.py); {} if none."""
+        return self.manifest.get("acceptance_records", {})
 
     @torch.no_grad()
     def decode_images(self, codes: torch.Tensor) -> np.ndarray:
@@ -196,9 +196,10 @@ def describe_bundle(path: str | Path | None = None) -> str:
         if (root / "drafter.safetensors").exists() else "drafter: none",
         f"evaluator: CNN classifier, held-out accuracy {fmt('evaluator_heldout_accuracy')}",
         "methods: auto (the default: chooses among these per device and request), " + ", ".join(bundle_methods(root)),
-        "acceptance record for --method auto: " + (
-            f"{len(manifest['acceptance_record']['plans'])} plans at the default sampling"
-            if manifest.get("acceptance_record") else "none (auto measures one, once, on first use)"),
+        "acceptance records for --method auto, at the default sampling: " + (
+            ", ".join(f"{dtype} ({len(rec['plans'])} plans, {len(rec['conditions'])} images each)"
+                      for dtype, rec in manifest["acceptance_records"].items())
+            if manifest.get("acceptance_records") else "none (auto measures one, once, on first use)"),
         "relaxation validated within AR's quality spread (auto uses it without --allow-relaxed): " + (
             "; ".join(f"{method} {', '.join(f'{k}={x}' for k, x in v['settings'].items())} (step compression "
                       f"{v['evidence']['step_compression']:.2f}, class accuracy {v['evidence']['class_accuracy']:.3f},"

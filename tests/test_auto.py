@@ -92,13 +92,31 @@ def test_width_interpolation_is_linear_between_measured_widths():
 
 def test_a_record_entry_measured_with_other_decode_settings_is_stale():
     plan = candidate_plans(False, False)[1]  # mc-sjd/L4
-    record = records.empty_record("model", SAMPLING)
+    record = records.empty_record("model", SAMPLING, "fp32")
     record["plans"][plan.name] = {"steps": [3], "decode": records.decode_settings(plan, SAMPLING)}
     assert records.plan_steps(record, plan, 16) == [3]
     record["plans"][plan.name]["decode"]["initial"] = "last"  # measured before a default changed
     assert records.plan_steps(record, plan, 16) is None
     del record["plans"][plan.name]["decode"]  # a record from before entries said what they measured
     assert records.plan_steps(record, plan, 16) is None
+
+
+def test_a_dtype_reads_its_own_shipped_record_else_another_dtypes_and_its_cache_over_both():
+    """Numerics change acceptance a little, so records are per dtype; a bundle shipping only fp32's still serves
+    bf16, and a record measured here for a dtype wins over the shipped one."""
+    plan = candidate_plans(False, False)[1]  # mc-sjd/L4
+
+    def record(dtype, steps):
+        rec = records.empty_record("model", SAMPLING, dtype)
+        rec["plans"][plan.name] = {"steps": steps, "decode": records.decode_settings(plan, SAMPLING)}
+        return rec
+    shipped = {"bf16": record("bf16", [11]), "fp32": record("fp32", [10])}  # sorted, as a manifest keeps them
+    assert records.plan_steps(records.load_record("model", SAMPLING, "bf16", shipped), plan, 16) == [11]
+    assert records.plan_steps(records.load_record("model", SAMPLING, "fp16", shipped), plan, 16) == [10]
+    assert records.plan_steps(records.load_record("model", SAMPLING, "bf16", {}), plan, 16) is None
+    records.save_record(record("bf16", [12]))
+    assert records.plan_steps(records.load_record("model", SAMPLING, "bf16", shipped), plan, 16) == [12]
+    assert records.plan_steps(records.load_record("model", SAMPLING, "fp32", shipped), plan, 16) == [10]
 
 
 def test_relaxed_plans_join_only_when_allowed():
@@ -133,7 +151,7 @@ def test_choice_follows_the_cost_model(pipe):
     """Synthetic step costs: cheap Jacobi wins, a gain below the margin goes to AR, and a relaxed plan needs
     permission."""
     choose(pipe, 2, SAMPLING, batch=2, progress=False)  # measures the acceptance record (and a calibration)
-    record = records.load_record(pipe.model_key, SAMPLING)
+    record = records.load_record(pipe.model_key, SAMPLING, pipe.dtype)
     steps = {name: sum(e["steps"]) / len(e["steps"]) for name, e in record["plans"].items()}
     assert all(s < pipe.config.block_size - 1 for s in steps.values())  # speculation saves steps on the tiny model
     seed_calibration(pipe, 2, {"ar": 1.0, "mc-sjd/L4": 0.5})  # a Jacobi step at half an AR step's cost
@@ -221,7 +239,7 @@ def test_the_choice_follows_the_requested_classes(pipe, tmp_path, monkeypatch):
     class 0 images get L4 and class 1 images L8."""
     monkeypatch.setenv("LANTERN_CACHE_DIR", str(tmp_path))  # the synthetic record stays in this test
     choose(pipe, 2, SAMPLING, batch=2, progress=False)
-    record = records.load_record(pipe.model_key, SAMPLING)
+    record = records.load_record(pipe.model_key, SAMPLING, pipe.dtype)
     for name, steps in (("mc-sjd/L4", [4, 5, 4, 5, 40, 41, 40, 41]), ("mc-sjd/L8", [20, 21] * 4)):
         record["plans"][name].update(steps=steps, conditions=[0, 0, 0, 0, 1, 1, 1, 1])
     records.save_record(record)

@@ -47,7 +47,7 @@ def setting(bundle, backend: str, dtype: str, n: int, seeds: list[int]) -> dict:
     t0 = time.perf_counter()
     # `auto` last: a choice keeps the runner its plan was timed on and frees the others
     choices = {name: choose(pipe, n, sampling, allow_relaxed=name != "auto", validated=bundle.relaxation_defaults,
-                            shipped_record=bundle.acceptance_record, progress=False, classes=classes)
+                            shipped_records=bundle.acceptance_records, progress=False, classes=classes)
                for name in AUTOS[::-1]}
     planning = time.perf_counter() - t0
     configs = {m: (method_preset(m, sampling, **bundle.relaxation_defaults.get(m, {})), n) for m in METHODS}

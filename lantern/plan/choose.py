@@ -89,13 +89,13 @@ def runnable(pipe, plans: list[Plan], sampling: SamplingConfig) -> tuple[list[Pl
 
 
 def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] = None, allow_relaxed: bool = False,
-           validated: Optional[dict] = None, shipped_record: Optional[dict] = None,
+           validated: Optional[dict] = None, shipped_records: Optional[dict] = None,
            profile: Optional[calibration.ProfileCosts] = None, progress: bool = True,
            classes: Optional[Sequence[int]] = None) -> Choice:
     """The plan for `n_images` on this pipeline. validated: the bundle's quality-validated relaxation settings
-    per method; shipped_record: the bundle's acceptance record; profile: a hardware profile's calibration (else
-    this machine's cached one, measured where missing); classes: the request's class ids in order (c2i), to
-    predict each image from its class's steps (None: every image from all the record's)."""
+    per method; shipped_records: the bundle's acceptance records by dtype; profile: a hardware profile's
+    calibration (else this machine's cached one, measured where missing); classes: the request's class ids in
+    order (c2i), to predict each image from its class's steps (None: every image from all the record's)."""
     if classes is not None and len(classes) != n_images:
         raise ValueError(f"{len(classes)} class ids given for {n_images} images")
     validated = validated or {}
@@ -104,7 +104,7 @@ def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] =
     plans, skipped = runnable(pipe, candidate_plans(pipe.drafter is not None, pipe.proximity is not None, allowed),
                               sampling)
     key = pipe.model_key
-    steps, spent = steps_by_plan(pipe, plans, sampling, key, shipped_record, progress,
+    steps, spent = steps_by_plan(pipe, plans, sampling, key, shipped_records, progress,
                                  list(classes) if classes is not None else [None] * n_images)
     mean_steps = {p.name: statistics.fmean(statistics.fmean(v) for v in steps[p.name]) for p in plans}
     if profile is not None and any(e.get("model") != key for e in profile.widths.values()):
@@ -148,17 +148,18 @@ def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] =
                   prepared_s=prepared if profile is None else 0.0)
 
 
-def steps_by_plan(pipe, plans: list[Plan], sampling: SamplingConfig, key: str, shipped_record: Optional[dict],
+def steps_by_plan(pipe, plans: list[Plan], sampling: SamplingConfig, key: str, shipped_records: Optional[dict],
                   progress: bool, wanted: list) -> tuple[dict[str, list[list[float]]], float]:
     """Every plan's steps for each requested image (wanted: its class id, or None), from the acceptance record;
     plans it lacks are measured here, once. Returns them and the seconds spent measuring."""
     block = pipe.config.block_size
-    record = records.load_record(key, sampling, shipped_record)
+    record = records.load_record(key, sampling, pipe.dtype, shipped_records)
     missing = [p for p in plans if records.plan_steps(record, p, block) is None]
     t0 = time.perf_counter()
     if missing:
-        print(f"lantern: measuring the acceptance of {len(missing)} plan(s) for this model and sampling, once "
-              f"({RECORD_IMAGES} images each; cached in {records.record_path(key, sampling)})", file=sys.stderr)
+        print(f"lantern: measuring the acceptance of {len(missing)} plan(s) for this model, sampling and dtype, "
+              f"once ({RECORD_IMAGES} images each; cached in {records.record_path(key, sampling, pipe.dtype)})",
+              file=sys.stderr)
         cond = calibration.conditions(pipe.config, RECORD_IMAGES)
         records.measure_record(lambda p: pipe.generate(cond, p.decode(sampling), seed=0, batch=RECORD_IMAGES),
                                missing, record, cond if isinstance(cond, list) else None, progress)

@@ -31,7 +31,7 @@ class ModelSource:
     default_cfg_scale: float
     info: dict = field(default_factory=dict)  # what the results file records
     relaxation: dict = field(default_factory=dict)  # a bundle's quality-validated relaxation settings per method
-    acceptance_record: Optional[dict] = None  # a bundle's acceptance record (lantern.plan.records)
+    acceptance_records: dict = field(default_factory=dict)  # by dtype (lantern.plan.records)
 
 
 def has_embedded_bundle() -> bool:
@@ -63,7 +63,7 @@ def _bundle_source(path: Optional[str]) -> ModelSource:
             "manifest_files": b.manifest.get("files", {}),
             "note": "trained bundle: acceptance and speed-ups are the model's own"}
     return ModelSource(b.target, b.drafter, b.proximity, b.default_cfg_scale, info, b.relaxation_defaults,
-                       b.acceptance_record)
+                       b.acceptance_records)
 
 
 def random_source(preset: str, seed: int = 0) -> ModelSource:

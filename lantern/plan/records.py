@@ -2,8 +2,8 @@
 
 A plan's steps per image do not depend on how many images share a step (batched images get the tokens they get
 alone), and the device changes them only through numerics: one record serves every backend and batch width of
-a dtype. (On the embedded model bf16 needs about 4% more steps than fp32 with a drafter, 3% with Jacobi.) It is
-a model property, measured from whole generations:
+a dtype. (On the embedded model bf16 needs 1-4% more steps than fp32, Jacobi windows the most.) It is a model
+property, measured from whole generations:
 
     {"model": model hash, "sampling": SamplingConfig fields, "dtype": ..., "seed": first seed, "conditions": [...],
      "plans": {plan name: {"steps": [steps of image 1, ...], "conditions": [class id of image 1, ...],

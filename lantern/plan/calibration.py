@@ -127,9 +127,9 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
       plan a noisy estimate flatters most, and more runs of the close ones shrink that, as they sharpen the
       leader's predicted speed-up over AR.
     Preparing runners (and exporting graphs, for ONNX) is counted apart (`prepare_s`): every later run
-    reuses what it made. The runners stay prepared: a runner's speed depends on where its buffers landed in
-    memory (up to about 20% on a 2-core EPYC), so the plan chosen runs on the very runner that was timed;
-    the caller frees the others. Returns the width's entry."""
+    reuses what it made. The runners stay prepared, so the plan chosen runs on the very runner that was timed
+    (on a 2-core EPYC VM the same plan's step has differed by 10-20% between runners and processes); the
+    caller frees the others. Returns the width's entry."""
     from tqdm import tqdm
     block = pipe.config.block_size
     entry = entry or {"plans": {}}

@@ -113,7 +113,6 @@ def decode_speculative(runner: Runner, cond_rows: torch.Tensor, dcfg: DecodeConf
     pend_count = torch.ones(b, dtype=torch.long, device=dev)
     draft = draft_static if isinstance(strategy, StaticTree) else draft_dynamic
     chain = isinstance(strategy, StaticTree) and strategy.tree.is_chain  # accepted without a tree walk
-    nodes = torch.arange(n, device=dev)[None].expand(b, -1)
     records = StepRecords()
     steps = torch.arange(depth + 1, device=dev)
     while True:
@@ -131,6 +130,7 @@ def decode_speculative(runner: Runner, cond_rows: torch.Tensor, dcfg: DecodeConf
             p_nodes = verify_distributions(out_step.logits, sc)
         with runner.phase("accept"):
             if chain:
+                nodes = steps[None].expand(b, -1)  # a chain's node ids are its depths
                 acc = accept_chain(p_nodes.index(nodes), tree.tokens, tree.valid, tree.q, rule, sc.greedy,
                                    generator, vocab)
             else:

@@ -137,11 +137,11 @@ def markdown(rec: dict) -> str:
     lines = [f"Embedded model, {rec['cpu']}, {rec['threads']} threads, {rec['date']}; median decode wall time over "
              f"seeds {rec['seeds']}, each seed's fastest of {repeats} run(s) (one image per class 0..B-1, decoded "
              f"together; a method more than {SCREEN}x slower than the fastest on the first run ran once, marked *). "
-             "x = speed-up over AR at the "
-             "same B. Noise floor: `ar again` / `ar`, identical work on the same runner, median of per-seed ratios "
-             "[range]. auto / fastest: auto's wall over the fastest method it could choose from (auto: AR, the "
-             "lossless presets and the presets the bundle validated a relaxation for; --allow-relaxed: every preset), median of per-seed ratios [range]; 'same config' "
-             "when auto ran exactly that method's configuration (same plan, same runner), where any gap is noise. "
+             "x = speed-up over AR at the same B. Noise floor: `ar again` / `ar`, identical work on the same runner, "
+             "median of per-seed ratios [range]. auto / fastest: auto's wall over the fastest method it could choose "
+             "from (auto: AR, the lossless presets and the presets the bundle validated a relaxation for; "
+             "--allow-relaxed: every preset), median of per-seed ratios [range]; 'same config' when auto ran exactly "
+             "that method's configuration (same plan, same runner), where any gap is noise. "
              "Calibration: seconds timing plans, + seconds preparing runners (exporting graphs), both once per "
              "machine, backend, dtype and B.", ""]
     methods = [*(m for m in rec["rows"][0]["median_s"] if m not in AUTOS), *AUTOS]

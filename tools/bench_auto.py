@@ -115,8 +115,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "profiles" / "results" / "auto-cpu"))
     args = ap.parse_args()
-    if args.repeats < 1:
-        ap.error(f"--repeats {args.repeats} must be >= 1")
+    for name in ("repeats", "threads"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} {getattr(args, name)} must be >= 1")
+    if min(args.images) < 1:
+        ap.error(f"--images {min(args.images)} must be >= 1")
+    for spec in args.backends:
+        if spec.count(":") != 1:
+            ap.error(f"--backends {spec!r} must be BACKEND:DTYPE, e.g. cpu:fp32")
     torch.set_num_threads(args.threads)
     bundle = load_bundle()
     rows = []

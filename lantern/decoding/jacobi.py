@@ -23,7 +23,8 @@ Coupling "gumbel" (MC-SJD): each (image, position) has Gumbel noise G over the v
 position is decided (drawn token by token, as tokens enter the position's support: `CoupledNoise`); its draft
 is argmax(log q + G), so an unchanged q redraws the same token. Still lossless: the model is causal and every
 test at a position i < j reads only drafts, uniforms and p at positions <= i, so nothing a test at j
-conditions on depends on G_j; given all of it, G_j is a fresh Gumbel and d_j ~ q_j exactly. The test's uniforms and the residual draw use fresh noise.
+conditions on depends on G_j; given all of it, G_j is a fresh Gumbel and d_j ~ q_j exactly. The test's
+uniforms and the residual draw use fresh noise.
 Coupling "none" (SJD) draws every draft afresh each step.
 """
 from __future__ import annotations

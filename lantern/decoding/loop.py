@@ -115,6 +115,7 @@ def decode_speculative(runner: Runner, cond_rows: torch.Tensor, dcfg: DecodeConf
     chain = isinstance(strategy, StaticTree) and strategy.tree.is_chain  # accepted without a tree walk
     records = StepRecords()
     steps = torch.arange(depth + 1, device=dev)
+    chain_nodes = steps[None].expand(b, -1)  # a chain's node ids are its depths
     while True:
         running = emitted < block
         if not bool(running.any()):  # the one host sync of a step
@@ -130,8 +131,7 @@ def decode_speculative(runner: Runner, cond_rows: torch.Tensor, dcfg: DecodeConf
             p_nodes = verify_distributions(out_step.logits, sc)
         with runner.phase("accept"):
             if chain:
-                nodes = steps[None].expand(b, -1)  # a chain's node ids are its depths
-                acc = accept_chain(p_nodes.index(nodes), tree.tokens, tree.valid, tree.q, rule, sc.greedy,
+                acc = accept_chain(p_nodes.index(chain_nodes), tree.tokens, tree.valid, tree.q, rule, sc.greedy,
                                    generator, vocab)
             else:
                 acc = accept(p_nodes, tree, rule, sc.greedy, generator, vocab)

@@ -9,7 +9,9 @@ from scipy.stats import chisquare
 import lantern.decoding.acceptance as acc
 from lantern.decoding.acceptance import Acceptance
 from lantern.decoding.node_trials import full_support, one_node_trials
-from lantern.decoding.relaxation import bounded_target
+import lantern.decoding.relaxation as relaxation
+from lantern.decoding.relaxation import Neighbourhood, bounded_target
+from lantern.decoding.sampling import Support, draw
 
 SIGNIFICANCE = 1e-3  # a lossless rule fails a test at this level once in a thousand seeds
 
@@ -73,7 +75,7 @@ def test_bounded_relaxation_outputs_exactly_p_hat_and_not_p(rule, deterministic)
         q_sup = torch.zeros(64).scatter_(0, torch.topk(q, 3).indices, 1.0)
     else:
         q_sup = q
-    p_hat, tv = bounded_target(full_support(p[None, None]), q_sup[None, None], rule.neighbours("cpu"), 64,
+    p_hat, tv = bounded_target(full_support(p[None, None]), q_sup[None, None], rule.neighbourhood("cpu"), 64,
                                *rule.bounds)
     p_hat, tv = p_hat[0, 0], float(tv[0, 0])
     counts = counts_of(first, 64)
@@ -126,6 +128,33 @@ def test_relaxation_accepts_more_than_exact(form):
     assert relaxed.accepted.float().mean() > exact.accepted.float().mean() + 0.05
 
 
+@pytest.mark.parametrize("v, k", [(64, 8), (100, 99)])
+def test_neighbourhood_membership_is_the_neighbour_list(v, k):
+    near = Neighbourhood(codebook_rule("lantern", v=v, k=k, delta=0.1).neighbours("cpu"))
+    listed = torch.zeros(v, v, dtype=torch.bool).scatter_(1, near.ordered, True)
+    assert torch.equal(near.contains(torch.arange(v)[:, None], torch.arange(v)[None, :]), listed)
+
+
+@pytest.mark.parametrize("kw", [dict(kind="lantern", delta=0.3), dict(kind="lantern++", lam=3.0)])
+@pytest.mark.parametrize("k", [8, 30])
+def test_pairs_among_the_support_move_the_same_mass_as_neighbour_lists(kw, k, monkeypatch):
+    """A 5-token support (no wider than k) reads its sources as pairs; through the neighbour lists (the
+    layout of wider supports) every node gets the same p_hat and moved mass."""
+    rule = codebook_rule(v=64, k=k, **kw)
+    torch.manual_seed(7)
+    ids = torch.rand(3, 9, 64).argsort(-1)[..., :5]  # (B, M, K) distinct tokens per node
+    probs = torch.distributions.Dirichlet(torch.full((5,), 0.5)).sample((3, 9))
+    probs[0, 0, 4] = 0.0  # a token the target cannot emit never receives
+    q_sup = torch.distributions.Dirichlet(torch.full((5,), 0.5)).sample((3, 9)) * 0.9
+    p = Support(probs, ids)
+    pairs = bounded_target(p, q_sup, rule.neighbourhood("cpu"), 64, *rule.bounds)
+    monkeypatch.setattr(relaxation, "_SupportSources", lambda ids, near: relaxation._CodeSources(ids, near, 64))
+    lists = bounded_target(p, q_sup, rule.neighbourhood("cpu"), 64, *rule.bounds)
+    assert float(pairs[1].max()) > 0.05  # mass really moved
+    for a, b in zip(pairs, lists):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
 def test_paper_boost_is_the_neighbours_mass_within_the_bound():
     rule = codebook_rule("lantern", form="paper", k=10, delta=0.1)
     p, q = flat_pair()
@@ -171,7 +200,6 @@ def random_chain(b=6, window=7, v=64, k=5, seed=0):
     """B Jacobi-like chains [root; d_1 .. d_L]: p after every node and q for every draft on top-k supports
     (near p but for image 0), drafts drawn from q, and limits that cut some chains short (one image finished:
     nothing valid)."""
-    from lantern.decoding.sampling import Support, draw
     g = torch.Generator().manual_seed(seed)
 
     def support(*shape):

@@ -12,7 +12,7 @@ from lantern.api import Pipeline
 from lantern.bundle import DEFAULT_BUNDLE
 from lantern.config import GPTConfig
 from lantern.decoding import DecodeConfig, SamplingConfig, method_preset
-from lantern.decoding.relaxation import bounded_target
+from lantern.decoding.relaxation import Neighbourhood, bounded_target
 from lantern.decoding.sampling import Support, warp
 from lantern.models.gpt import GPT
 from lantern.proximity import build_proximity_table
@@ -178,7 +178,8 @@ def first_pair_targets(target, proximity, cls: int, sc: SamplingConfig):
         lu, _ = target.forward_full(x0, torch.full((v,), target.config.num_classes))
     dist = warp(lu + sc.cfg_scale * (lc - lu), sc)  # (6, 2, K): token 0, token 1 given x0
     p0, p1 = dist.dense(v)[0, 0], Support(dist.probs[:, 1:], dist.ids[:, 1:])  # (V,), (6, 1, K)
-    p_hat, moved = bounded_target(p1, p0[p1.ids], proximity[:, :RELAXED["k"]], v, None, RELAXED["lam"])
+    near = Neighbourhood(proximity[:, :RELAXED["k"]])
+    p_hat, moved = bounded_target(p1, p0[p1.ids], near, v, None, RELAXED["lam"])
     relaxed = Support(p_hat, p1.ids).dense(v)[:, 0]  # (6, V)
     return p0[:, None] * p1.dense(v)[:, 0], p0[:, None] * relaxed, moved[:, 0]
 

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from lantern.decoding.relaxation import bounded_target, paper_boost
+from lantern.decoding.relaxation import Neighbourhood, bounded_target, paper_boost
 from lantern.decoding.sampling import Support, draw
 
 KINDS = ("exact", "lantern", "lantern++")
@@ -52,6 +52,7 @@ class Acceptance:
     lam: float = 1.0
     form: str = "bounded"
     proximity: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)  # (V, K) int64
+    _near: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # device -> Neighbourhood
 
     def __post_init__(self):
         check_rule(self.kind, self.k, self.delta, self.lam, self.form)
@@ -79,6 +80,13 @@ class Acceptance:
         """(V, k) int64 on `device` (the decode loop places the table there once)."""
         near = self.proximity[:, : self.k]
         return near if near.device == torch.device(device) and near.dtype == torch.long else near.to(device, torch.long)
+
+    def neighbourhood(self, device) -> Neighbourhood:
+        """The k-neighbourhoods on `device`, kept for the rule's life (their bitset is built once)."""
+        key = str(torch.device(device))
+        if key not in self._near:
+            self._near[key] = Neighbourhood(self.neighbours(device))
+        return self._near[key]
 
 
 @dataclass
@@ -182,7 +190,7 @@ def _rule(p: Support, cand: torch.Tensor, cvalid: torch.Tensor, q: Optional[Supp
             q_sup = q_dense.gather(2, p.ids)
         else:  # deterministic drafts: the fixed candidate set plays q
             q_sup = ((p.ids[..., None, :] == cand[..., None]) & cvalid[..., None]).any(-2).to(p.probs.dtype)
-        p_hat, tv = bounded_target(p, q_sup, rule.neighbours(cand.device), vocab, *rule.bounds)
+        p_hat, tv = bounded_target(p, q_sup, rule.neighbourhood(cand.device), vocab, *rule.bounds)
         target = Support(p_hat, p.ids)
     if greedy:
         acc, boost = _acceptance_greedy(target, cand, cvalid, rule, vocab)

@@ -31,32 +31,98 @@ def _gather(dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return dense.gather(2, ids.reshape(b, m, -1)).reshape(ids.shape)
 
 
-def bounded_target(p: Support, q_on_support: torch.Tensor, neighbours: torch.Tensor, vocab: int,
+class Neighbourhood:
+    """Each code's k nearest codebook neighbours (self excluded): the list `ordered` (V, k), nearest first,
+    and, built on first use, the same sets as a membership bitset (V, ceil(V / 64)) int64 whose row y has
+    bit z % 64 of word z // 64 set iff z is among y's neighbours."""
+
+    def __init__(self, ordered: torch.Tensor):
+        self.ordered = ordered
+        self._bits: torch.Tensor | None = None
+
+    @property
+    def k(self) -> int:
+        return self.ordered.shape[1]
+
+    def contains(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """y, z int64 ids (broadcastable) -> bool: z is among y's neighbours."""
+        if self._bits is None:
+            v = self.ordered.shape[0]
+            bit = torch.ones_like(self.ordered) << (self.ordered % 64)  # a row's ids are distinct: + is |
+            self._bits = torch.zeros(v, (v + 63) // 64, dtype=torch.long, device=self.ordered.device)
+            self._bits.scatter_add_(1, self.ordered // 64, bit)
+        return ((self._bits[y, z // 64] >> (z % 64)) & 1).bool()
+
+
+class _SupportSources:
+    """Flow sources of a node's receivers as (B, M, K, S) slots, S = K: the node's own support tokens (only
+    they have excess), with the slots of non-neighbours reading 0. For supports no wider than k."""
+
+    def __init__(self, ids: torch.Tensor, near: Neighbourhood):
+        self.link = near.contains(ids[..., :, None], ids[..., None, :]).float()  # (B, M, K, K) y -> z
+
+    def from_support(self, values: torch.Tensor) -> torch.Tensor:
+        return values  # (B, M, K): one source per support token
+
+    def at(self, per_source: torch.Tensor) -> torch.Tensor:
+        return per_source[..., None, :] * self.link
+
+    def total(self, slots: torch.Tensor) -> torch.Tensor:
+        return slots.sum(-2)
+
+    def to_support(self, per_source: torch.Tensor) -> torch.Tensor:
+        return per_source
+
+
+class _CodeSources:
+    """The same, S = k: receiver y's slots are its k neighbours, sources indexed by code (B, M, V). For
+    supports wider than k."""
+
+    def __init__(self, ids: torch.Tensor, near: Neighbourhood, vocab: int):
+        self.ids, self.vocab = ids, vocab
+        self.nb = near.ordered[ids]  # (B, M, K, k)
+
+    def from_support(self, values: torch.Tensor) -> torch.Tensor:
+        return _scatter_sum(values, self.ids, self.vocab)
+
+    def at(self, per_source: torch.Tensor) -> torch.Tensor:
+        return _gather(per_source, self.nb)
+
+    def total(self, slots: torch.Tensor) -> torch.Tensor:
+        return _scatter_sum(slots, self.nb, self.vocab)
+
+    def to_support(self, per_source: torch.Tensor) -> torch.Tensor:
+        return per_source.gather(2, self.ids)
+
+
+def bounded_target(p: Support, q_on_support: torch.Tensor, near: Neighbourhood, vocab: int,
                    delta: float | None, lam: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """p (B, M, K) at M nodes; q_on_support (B, M, K) the draft distribution at p's support tokens;
-    neighbours (V, k) nearest codes (self excluded). Exactly one of delta (LANTERN) / lam (LANTERN++).
-    Returns p_hat probs on p's support (B, M, K) and the moved mass TV(p_hat, p) (B, M)."""
+    """p (B, M, K) at M nodes; q_on_support (B, M, K) the draft distribution at p's support tokens (K
+    distinct tokens per node); near: the codes' neighbourhoods. Exactly one of delta (LANTERN) / lam
+    (LANTERN++). Returns p_hat probs on p's support (B, M, K) and the moved mass TV(p_hat, p) (B, M).
+    Receivers read their sources as pairs among the support or through their neighbour lists, whichever is
+    narrower: the same flows, up to rounding."""
     ps = p.probs
     excess = (ps - q_on_support).clamp_min(0.0)  # sources
     want = (q_on_support - ps).clamp_min(0.0) * (ps > 0)  # receivers, never a token AR cannot emit
     if lam is not None:
         want = torch.minimum(want, (lam - 1.0) * ps)
-    nb = neighbours[p.ids]  # (B, M, K, k) neighbour token ids of each support token
-    excess_dense = _scatter_sum(excess, p.ids, vocab)  # (B, M, V)
-    avail = _gather(excess_dense, nb)  # (B, M, K, k) what each receiver's neighbours could give
+    sources = _SupportSources(p.ids, near) if ps.shape[-1] <= near.k else _CodeSources(p.ids, near, vocab)
+    excess_s = sources.from_support(excess)
+    avail = sources.at(excess_s)  # (B, M, K, S) what each receiver's neighbours could give
     total = avail.sum(-1)
     take = torch.minimum(want, total)  # (B, M, K)
     share = torch.where(total[..., None] > 0, avail / total[..., None].clamp_min(1e-30), 0.0)
     flow = take[..., None] * share  # receiver y <- neighbour z, proportional to z's excess
-    demand = _scatter_sum(flow, nb, vocab)  # (B, M, V) asked of each source
-    scale = torch.where(demand > 0, (excess_dense / demand.clamp_min(1e-30)).clamp(max=1.0), 1.0)
-    flow = flow * _gather(scale, nb)  # no source gives more than its excess
+    demand = sources.total(flow)  # asked of each source
+    scale = torch.where(demand > 0, (excess_s / demand.clamp_min(1e-30)).clamp(max=1.0), 1.0)
+    flow = flow * sources.at(scale)  # no source gives more than its excess
     moved = flow.sum((-1, -2))  # (B, M)
     if delta is not None:
         cut = torch.where(moved > delta, delta / moved.clamp_min(1e-30), 1.0)
         flow, moved = flow * cut[..., None, None], torch.minimum(moved, torch.full_like(moved, delta))
     inflow = flow.sum(-1)
-    outflow = _gather(_scatter_sum(flow, nb, vocab), p.ids)
+    outflow = sources.to_support(sources.total(flow))
     return (ps + inflow - outflow).clamp_min(0.0), moved
 
 

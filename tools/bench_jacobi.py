@@ -3,11 +3,13 @@
 Two settings: one image at a time (batch 1), and all the classes in one batch. Rows: AR, SJD, MC-SJD at each
 window, relaxed MC-SJD, and EAGLE-style methods (the trained drafter, exact acceptance). For each image (or
 batch) the methods run back to back, in alternating order, so drift in machine load hits all of them alike;
-speed-up = AR's decode wall time / the method's over the same images. Quality: the bundle's evaluator (class
-accuracy, Frechet distance to held-out real images), per setting and method. Writes
+speed-up = AR's decode wall time / the method's over the same images. With `--repeats R` every job runs R
+times per method and counts its fastest (a slow spell of a shared machine only ever adds time). Quality: the
+bundle's evaluator (class accuracy, Frechet distance to held-out real images), per setting and method. Writes
 profiles/results/jacobi-<backend>.{json,md}. Timing wants a quiet machine.
 
     python tools/bench_jacobi.py [--per-class 2] [--windows 8 16 32] [--eagle chain-5 lantern++-57] [--threads 2]
+                                 [--repeats 3]
     python tools/bench_jacobi.py --classes 0 1 --per-class 1 --windows 4 --out /tmp/jacobi-smoke   # smoke run
 """
 from __future__ import annotations
@@ -44,15 +46,23 @@ def methods(sampling: SamplingConfig, windows: list[int], relaxed_window: int, e
     return rows
 
 
-def run_setting(pipe, configs: dict, jobs: list[list[int]], seeds: list[int]) -> dict:
-    """jobs[i] (class ids) generated with seeds[i] by every method. Returns per method: codes by job, stats."""
+def run_setting(pipe, configs: dict, jobs: list[list[int]], seeds: list[int], repeats: int) -> dict:
+    """jobs[i] (class ids) generated with seeds[i] by every method, `repeats` times in passes of alternating
+    order; a job's stats are its fastest repeat's (identical work only ever loses time to a slow spell of the
+    machine; a repeat must give the same tokens). Returns per method: codes by job, stats."""
     out = {m: {"codes": [], "stats": []} for m in configs}
-    for i, (classes, seed) in enumerate(tqdm(list(zip(jobs, seeds)), desc="jobs")):
-        names = list(configs) if i % 2 == 0 else list(configs)[::-1]
-        for m in names:
-            r = pipe.generate(classes, configs[m], seed=seed, batch=len(classes))
-            out[m]["codes"].append(r.tokens)
-            out[m]["stats"].append(r.stats)
+    passes = 0
+    for classes, seed in tqdm(list(zip(jobs, seeds)), desc="jobs"):
+        runs = {m: [] for m in configs}
+        for _ in range(repeats):
+            for m in (configs if passes % 2 == 0 else list(configs)[::-1]):
+                runs[m].append(pipe.generate(classes, configs[m], seed=seed, batch=len(classes)))
+            passes += 1
+        for m, results in runs.items():
+            if any(not torch.equal(r.tokens, results[0].tokens) for r in results):
+                raise RuntimeError(f"{m}: repeats of seed {seed} gave different tokens")
+            out[m]["codes"].append(results[0].tokens)
+            out[m]["stats"].append(min((r.stats for r in results), key=lambda st: st.wall_seconds))
     return out
 
 
@@ -83,7 +93,10 @@ def main() -> None:
     ap.add_argument("--relaxed-window", type=int, default=16, help="window of SJD and relaxed MC-SJD")
     ap.add_argument("--eagle", nargs="+", default=["chain-5", "lantern++-57"],
                     help="drafting of the drafter rows (exact acceptance): tree presets or dynamic")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each method per job (its fastest counts)")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats {args.repeats} must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     bundle = load_bundle()
@@ -101,17 +114,17 @@ def main() -> None:
     settings = {}
     # one image at a time: job (class c, seed s); codes come out seed-major, evaluate wants class-major
     single = [(c, s) for s in seeds for c in classes]
-    runs = run_setting(pipe, configs, [[c] for c, _ in single], [s for _, s in single])
+    runs = run_setting(pipe, configs, [[c] for c, _ in single], [s for _, s in single], args.repeats)
     order = [single.index((c, s)) for c in classes for s in seeds]
     settings["single image"] = summarise(bundle, configs, runs, classes, args.per_class, order)
     # every class in one batch, once per seed: codes are (seed, class), evaluate wants class-major
-    runs = run_setting(pipe, configs, [classes for _ in seeds], seeds)
+    runs = run_setting(pipe, configs, [classes for _ in seeds], seeds, args.repeats)
     order = [s * len(classes) + i for i in range(len(classes)) for s in seeds]
     settings[f"{len(classes)} images per batch"] = summarise(bundle, configs, runs, classes, args.per_class, order)
     record = {"backend": args.backend, "dtype": args.dtype, "threads": torch.get_num_threads(),
               "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
               "bundle": bundle.manifest.get("name", str(bundle.path)), "sampling": bundle.default_sampling,
-              "classes": classes, "per_class": args.per_class, "images_per_setting": n,
+              "classes": classes, "per_class": args.per_class, "images_per_setting": n, "repeats": args.repeats,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "settings": {k: {"rows": rows, "real_image_reference": ref} for k, (rows, ref) in settings.items()}}
     out = Path(args.out or ROOT / "profiles" / "results" / f"jacobi-{args.backend}")
@@ -126,7 +139,8 @@ def markdown(rec: dict) -> str:
     lines = [f"Backend `{rec['backend']}` {rec['dtype']}, {rec['threads']} threads, {rec['machine']}, torch "
              f"{rec['torch']}; {len(rec['classes'])} classes x {rec['per_class']} seeds per setting; sampling CFG "
              f"{s['cfg_scale']}, temperature {s['temperature']}, top-k {s['top_k']}, top-p {s['top_p']}; "
-             f"{rec['date']}. Wall = decode time (VQ decode excluded); step compression = tokens / target forwards "
+             f"{rec['date']}. Wall = decode time (VQ decode excluded), each job's fastest of {rec.get('repeats', 1)} "
+             f"run(s) in alternating order; step compression = tokens / target forwards "
              f"per image; token TV = TV(p_hat, p) per token (0 for exact methods)."]
     for name, setting in rec["settings"].items():
         lines += ["", f"**{name}**", "",

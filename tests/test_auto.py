@@ -35,6 +35,16 @@ def test_expected_max_is_the_order_statistic_of_the_images_distributions():
     assert records.expected_max([easy, hard]) == pytest.approx(brute)
 
 
+def test_a_chunk_attends_past_the_middle_once_its_first_image_is_done():
+    steps = [3, 5, 5, 9]
+    brute = sum(min(draw) for draw in itertools.product(steps, repeat=3)) / len(steps) ** 3
+    assert records.expected_min([steps] * 3) == pytest.approx(brute)
+    assert records.attended_fraction([steps]) == pytest.approx(0.5)  # one image: its middle, on average
+    assert records.attended_fraction([[255]] * 10) == pytest.approx(0.5)  # lockstep (AR)
+    # done after 4 steps, the first image pads at full length while the other needs 4 more
+    assert records.attended_fraction([[4], [8]]) == pytest.approx((4 * 0.5 + 4 * 1.0) / 8)
+
+
 def test_prediction_counts_chunks_and_the_short_last_one():
     # 5 images, 2 per step: chunks of 2, 2, 1; every image needs 10 steps
     assert predict_seconds(2, fixed_s=1.0, step_s=0.5, images=[[10]] * 5) == pytest.approx(3 * (1.0 + 5.0))
@@ -175,11 +185,13 @@ class CostCurvePipe:
 
     def __init__(self, step_ms, block: int = 64):
         self.config = SimpleNamespace(block_size=block, model_type="c2i", num_classes=10)
-        self.step_ms, self.ran = step_ms, Counter()
+        self.step_ms, self.ran, self.floors = step_ms, Counter(), {}
 
     def runner(self, dcfg, width):
-        return SimpleNamespace(spec=SimpleNamespace(prefix_len=1),  # no attention to trim
-                               attend_at_least=lambda slots: contextlib.nullcontext())
+        def attend_at_least(slots):  # no attention to trim: only recorded
+            self.floors.setdefault(dcfg.verify_width, set()).add(slots)
+            return contextlib.nullcontext()
+        return SimpleNamespace(spec=SimpleNamespace(prefix_len=1), attend_at_least=attend_at_least)
 
     def generate(self, cond, dcfg, seed, batch, tokens):
         w = 1 if dcfg.strategy is None else dcfg.strategy.verify_width
@@ -196,6 +208,15 @@ def calibrate(pipe):
     entry = calibration.measure_width(pipe, plans, SAMPLING, 1, per_image, progress=False)
     widths = {p.name: p.decode(SAMPLING).verify_width for p in plans}
     return plans, entry, widths, {name for name, v in entry["plans"].items() if v.get("lower_bound")}
+
+
+def test_each_plan_is_timed_at_the_width_its_chunk_attends():
+    pipe = CostCurvePipe(lambda width, drafts: 1.0)
+    plans = [AR, next(p for p in candidate_plans(True, False) if p.name == "mc-sjd/L4")]
+    calibration.measure_width(pipe, plans, SAMPLING, 4, {"ar": 63.0, "mc-sjd/L4": 31.5}, progress=False,
+                              attended={"mc-sjd/L4": 0.75})
+    # prefix 1 + the attended part of the 64-token image + the verify width; AR at the middle
+    assert pipe.floors == {1: {1 + 32 + 1}, 5: {1 + 48 + 5}}
 
 
 def test_plans_that_cannot_contend_are_bounded_not_timed():

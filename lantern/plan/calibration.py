@@ -2,10 +2,12 @@
 width, measured with the real decode loop (drafting, verify, acceptance and commit included).
 
 A step attends over the whole preallocated KV cache on most backends, so it costs the same at any position, and
-a few steps at the start of an image time it. Eager CPU runners attend only the slots in use, which makes an
-image's first steps cheaper than its average (AR's most: its step is mostly attention and per-op overhead);
-calibration times them at the width a step has in the middle of an image (`Runner.attend_at_least`), the
-average over the image, as attention's cost grows with the slots it reads. Per width w:
+a few steps at the start of an image time it. Eager CPU runners attend only the slots in use (up to the
+furthest image of the chunk), which makes an image's first steps cheaper than its average (AR's most: its step
+is mostly attention and per-op overhead); calibration times them at the width a plan's steps attend on average
+over a chunk (`Runner.attend_at_least`, records.attended_fraction: the middle of an image for one image or for
+AR, further for a chunk whose first images finish early and pad at full length), as attention's cost grows with
+the slots it reads. Per width w:
 
     fixed_s            one chunk's prefill, first draw and statistics (AR with a one-token image)
     plans[name].step_s (wall time of a short generation - fixed_s) / its loop steps, relative to an AR run of
@@ -91,12 +93,12 @@ def conditions(config, n: int) -> torch.Tensor | list[int]:
     return torch.zeros(n, config.cls_token_num, config.caption_dim)
 
 
-def _short_run(pipe, dcfg, width: int, tokens: int) -> tuple[float, int]:
+def _short_run(pipe, dcfg, width: int, tokens: int, attended: float = 0.5) -> tuple[float, int]:
     """(wall seconds, loop steps) of one chunk of `width` images generating `tokens` tokens each, every step
-    attending over as many cache slots as a step in the middle of an image."""
+    attending over as many cache slots as the plan's steps do on average (`attended` of an image)."""
     runner = pipe.runner(dcfg, width)
-    middle = runner.spec.prefix_len + pipe.config.block_size // 2 + dcfg.verify_width
-    with runner.attend_at_least(middle):
+    average = runner.spec.prefix_len + round(pipe.config.block_size * attended) + dcfg.verify_width
+    with runner.attend_at_least(average):
         result = pipe.generate(conditions(pipe.config, width), dcfg, seed=0, batch=width, tokens=tokens)
     steps = max(img.target_forwards - 1 for img in result.stats.images)
     return result.stats.wall_seconds, steps
@@ -109,9 +111,10 @@ def tokens_for(steps: int, steps_per_image: float, block: int) -> int:
 
 
 def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: int, steps_per_image: dict,
-                  entry: dict | None = None, progress: bool = True) -> dict:
+                  entry: dict | None = None, progress: bool = True, attended: dict | None = None) -> dict:
     """Time every plan `entry` lacks at this width. steps_per_image: plan name -> mean steps an image needs
-    (from the acceptance record; the block where unknown), to size the runs and to see which plans contend.
+    (from the acceptance record; the block where unknown), to size the runs and to see which plans contend;
+    attended: plan name -> the fraction of an image its steps attend on average (1/2 where not given).
 
     A shared machine speeds up and slows down for seconds at a time, so every timed run of a plan is paired
     with an AR run just before it: the plan's cost is the median of its ratios to that AR step, times AR's
@@ -154,18 +157,19 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
     ar_steps: list[float] = []
     ratios: dict[str, list[float]] = {p.name: [] for p in todo}
 
-    def step_seconds(dcfg, per_image: float, steps: int) -> float:
-        wall, ran = _short_run(pipe, dcfg, width, tokens_for(steps, per_image, block))
+    def step_seconds(dcfg, per_image: float, steps: int, fraction: float = 0.5) -> float:
+        wall, ran = _short_run(pipe, dcfg, width, tokens_for(steps, per_image, block), fraction)
         return max(wall - entry["fixed_s"], 0.0) / max(ran, 1)
 
     def time_plan(plan: Plan, steps: int) -> None:
         dcfg, per_image = decoded[plan.name], steps_per_image.get(plan.name, float(block))
+        fraction = (attended or {}).get(plan.name, 0.5)
         if not ratios[plan.name]:
             prepare(dcfg)
-            _short_run(pipe, dcfg, width, 2)  # warm this runner's first steps
+            _short_run(pipe, dcfg, width, 2, fraction)  # warm this runner's first steps
         reference = step_seconds(ar, float(block - 1), steps)
         ar_steps.append(reference)
-        ratios[plan.name].append(step_seconds(dcfg, per_image, steps) / max(reference, 1e-9))
+        ratios[plan.name].append(step_seconds(dcfg, per_image, steps, fraction) / max(reference, 1e-9))
 
     def per_image_s(name: str, ratio: float) -> float:
         return ratio * statistics.median(ar_steps) * steps_per_image.get(name, block)
@@ -205,7 +209,8 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
         ar_s = statistics.median(ar_steps)
         for plan in measured:
             entry["plans"][plan.name] = {"step_s": statistics.median(ratios[plan.name]) * ar_s,
-                                         "ratio_to_ar": [round(x, 4) for x in ratios[plan.name]]}
+                                         "ratio_to_ar": [round(x, 4) for x in ratios[plan.name]],
+                                         "attended": (attended or {}).get(plan.name, 0.5)}
         for name, floor in floors.items():
             entry["plans"][name] = {"step_s": floor * ar_s, "lower_bound": True}
     bar.update(bar.total - bar.n)

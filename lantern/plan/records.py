@@ -134,6 +134,11 @@ def mean_steps(record: Optional[dict]) -> dict[str, float]:
     return {name: sum(e["steps"]) / len(e["steps"]) for name, e in (record or {}).get("plans", {}).items()}
 
 
+def attended_fractions(record: Optional[dict], width: int) -> dict[str, float]:
+    """attended_fraction of every plan in a record, for chunks of `width` images drawn from all its images."""
+    return {name: attended_fraction([e["steps"]] * width) for name, e in (record or {}).get("plans", {}).items()}
+
+
 def measure_record(generate: Callable[[Plan], object], plans: Sequence[Plan], record: dict,
                    classes: Optional[list[int]] = None, progress: bool = True) -> dict:
     """Fill `record` with every plan it lacks or holds stale. generate(plan) -> a GenerationResult of whole images
@@ -168,3 +173,16 @@ def expected_max(images: Sequence[Sequence[float]]) -> float:
         total += x * (at_most - below)
         below = at_most
     return total
+
+
+def expected_min(images: Sequence[Sequence[float]]) -> float:
+    """E[min over a chunk's images of their steps] (the first image done), as expected_max."""
+    return -expected_max([[-v for v in values] for values in images])
+
+
+def attended_fraction(images: Sequence[Sequence[float]]) -> float:
+    """The mean fraction of an image's tokens a chunk's steps attend over on a runner that attends up to the
+    furthest image: until the first image is done that is the first image's progress (from 0 to 1), then
+    all of it (a done image pads at full length): 1 - E[min] / (2 E[max]). One image, or images in lockstep
+    (AR): 1/2, the middle."""
+    return 1.0 - expected_min(images) / (2.0 * expected_max(images))

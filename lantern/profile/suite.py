@@ -159,9 +159,10 @@ class Suite:
         relaxation, _ = allowed_relaxation(True, src.relaxation)
         plans, _ = runnable(pipe, candidate_plans(src.drafter is not None, src.proximity is not None, relaxation),
                             self.sampling)
-        per_image = {AR.name: src.target.config.block_size - 1,
-                     **records.mean_steps(records.shipped_for(src.acceptance_records, pipe.dtype))}
-        entry = calibration.measure_width(pipe, plans, self.sampling, width, per_image, progress=False)
+        record = records.shipped_for(src.acceptance_records, pipe.dtype)
+        per_image = {AR.name: src.target.config.block_size - 1, **records.mean_steps(record)}
+        entry = calibration.measure_width(pipe, plans, self.sampling, width, per_image, progress=False,
+                                          attended=records.attended_fractions(record, width))
         model = pipe.model_key
         cached = calibration.refresh_cache(pipe.backend.name, pipe.dtype, model, width, entry)
         return {**entry, "model": model, "cache": str(cached)}

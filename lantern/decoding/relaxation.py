@@ -56,7 +56,9 @@ class Neighbourhood:
 
 class _SupportSources:
     """Flow sources of a node's receivers as (B, M, K, S) slots, S = K: the node's own support tokens (only
-    they have excess), with the slots of non-neighbours reading 0. For supports no wider than k."""
+    they have excess), with the slots of non-neighbours reading 0. For supports no wider than k.
+    from_support: per-token values (B, M, K) -> per source; at: per-source values read at every receiver's
+    slots; per_source: slot values summed per source; to_support: per-source values at the support tokens."""
 
     def __init__(self, ids: torch.Tensor, near: Neighbourhood):
         self.link = near.contains(ids[..., :, None], ids[..., None, :]).float()  # (B, M, K, K) y -> z
@@ -64,14 +66,14 @@ class _SupportSources:
     def from_support(self, values: torch.Tensor) -> torch.Tensor:
         return values  # (B, M, K): one source per support token
 
-    def at(self, per_source: torch.Tensor) -> torch.Tensor:
-        return per_source[..., None, :] * self.link
+    def at(self, values: torch.Tensor) -> torch.Tensor:
+        return values[..., None, :] * self.link
 
-    def total(self, slots: torch.Tensor) -> torch.Tensor:
+    def per_source(self, slots: torch.Tensor) -> torch.Tensor:
         return slots.sum(-2)
 
-    def to_support(self, per_source: torch.Tensor) -> torch.Tensor:
-        return per_source
+    def to_support(self, values: torch.Tensor) -> torch.Tensor:
+        return values
 
 
 class _CodeSources:
@@ -85,14 +87,14 @@ class _CodeSources:
     def from_support(self, values: torch.Tensor) -> torch.Tensor:
         return _scatter_sum(values, self.ids, self.vocab)
 
-    def at(self, per_source: torch.Tensor) -> torch.Tensor:
-        return _gather(per_source, self.nb)
+    def at(self, values: torch.Tensor) -> torch.Tensor:
+        return _gather(values, self.nb)
 
-    def total(self, slots: torch.Tensor) -> torch.Tensor:
+    def per_source(self, slots: torch.Tensor) -> torch.Tensor:
         return _scatter_sum(slots, self.nb, self.vocab)
 
-    def to_support(self, per_source: torch.Tensor) -> torch.Tensor:
-        return per_source.gather(2, self.ids)
+    def to_support(self, values: torch.Tensor) -> torch.Tensor:
+        return values.gather(2, self.ids)
 
 
 def bounded_target(p: Support, q_on_support: torch.Tensor, near: Neighbourhood, vocab: int,
@@ -114,7 +116,7 @@ def bounded_target(p: Support, q_on_support: torch.Tensor, near: Neighbourhood, 
     take = torch.minimum(want, total)  # (B, M, K)
     share = torch.where(total[..., None] > 0, avail / total[..., None].clamp_min(1e-30), 0.0)
     flow = take[..., None] * share  # receiver y <- neighbour z, proportional to z's excess
-    demand = sources.total(flow)  # asked of each source
+    demand = sources.per_source(flow)  # asked of each source
     scale = torch.where(demand > 0, (excess_s / demand.clamp_min(1e-30)).clamp(max=1.0), 1.0)
     flow = flow * sources.at(scale)  # no source gives more than its excess
     moved = flow.sum((-1, -2))  # (B, M)
@@ -122,7 +124,7 @@ def bounded_target(p: Support, q_on_support: torch.Tensor, near: Neighbourhood, 
         cut = torch.where(moved > delta, delta / moved.clamp_min(1e-30), 1.0)
         flow, moved = flow * cut[..., None, None], torch.minimum(moved, torch.full_like(moved, delta))
     inflow = flow.sum(-1)
-    outflow = sources.to_support(sources.total(flow))
+    outflow = sources.to_support(sources.per_source(flow))
     return (ps + inflow - outflow).clamp_min(0.0), moved
 
 

@@ -139,6 +139,7 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
     t0 = time.perf_counter()
     prepare_s = 0.0
     ar = AR.decode(sampling)
+    attended_by_plan = attended or {}
 
     def prepare(dcfg) -> None:
         nonlocal prepare_s
@@ -157,17 +158,17 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
     ar_steps: list[float] = []
     ratios: dict[str, list[float]] = {p.name: [] for p in todo}
 
-    def step_seconds(dcfg, per_image: float, steps: int, fraction: float = 0.5) -> float:
+    def step_seconds(dcfg, per_image: float, steps: int, fraction: float) -> float:
         wall, ran = _short_run(pipe, dcfg, width, tokens_for(steps, per_image, block), fraction)
         return max(wall - entry["fixed_s"], 0.0) / max(ran, 1)
 
     def time_plan(plan: Plan, steps: int) -> None:
         dcfg, per_image = decoded[plan.name], steps_per_image.get(plan.name, float(block))
-        fraction = (attended or {}).get(plan.name, 0.5)
+        fraction = attended_by_plan.get(plan.name, 0.5)
         if not ratios[plan.name]:
             prepare(dcfg)
             _short_run(pipe, dcfg, width, 2, fraction)  # warm this runner's first steps
-        reference = step_seconds(ar, float(block - 1), steps)
+        reference = step_seconds(ar, float(block - 1), steps, 0.5)
         ar_steps.append(reference)
         ratios[plan.name].append(step_seconds(dcfg, per_image, steps, fraction) / max(reference, 1e-9))
 
@@ -210,7 +211,7 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
         for plan in measured:
             entry["plans"][plan.name] = {"step_s": statistics.median(ratios[plan.name]) * ar_s,
                                          "ratio_to_ar": [round(x, 4) for x in ratios[plan.name]],
-                                         "attended": (attended or {}).get(plan.name, 0.5)}
+                                         "attended": attended_by_plan.get(plan.name, 0.5)}
         for name, floor in floors.items():
             entry["plans"][name] = {"step_s": floor * ar_s, "lower_bound": True}
     bar.update(bar.total - bar.n)

@@ -3,6 +3,7 @@ the caches, and the command line (plan in --json, flags auto decides refused).""
 import contextlib
 import itertools
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -186,6 +187,10 @@ class CostCurvePipe:
     def __init__(self, step_ms, block: int = 64):
         self.config = SimpleNamespace(block_size=block, model_type="c2i", num_classes=10)
         self.step_ms, self.ran, self.floors = step_ms, Counter(), {}
+        self.now = 0.0  # a fake clock: every generation advances it by its wall time
+
+    def clock(self) -> float:
+        return self.now
 
     def runner(self, dcfg, width):
         def attend_at_least(slots):  # no attention to trim: only recorded
@@ -199,6 +204,7 @@ class CostCurvePipe:
         steps = tokens if w == 1 else max(1, tokens // 2)
         image = SimpleNamespace(target_forwards=steps + 1)
         wall = 1e-3 * (1 + steps * self.step_ms(w, dcfg.needs_drafter))
+        self.now += wall
         return SimpleNamespace(stats=SimpleNamespace(wall_seconds=wall, images=[image] * batch))
 
 
@@ -217,6 +223,28 @@ def test_each_plan_is_timed_at_the_width_its_chunk_attends():
                               attended={"mc-sjd/L4": 0.75})
     # prefix 1 + the attended part of the 64-token image + the verify width; AR at the middle
     assert pipe.floors == {1: {1 + 32 + 1}, 5: {1 + 48 + 5}}
+
+
+def test_calibration_stays_inside_its_budget(monkeypatch):
+    """Steps of a quarter of a second (a slow machine): every run must be expected to fit before it starts,
+    so the timing ends inside BUDGET_S, where unbounded it takes ten times as long; round 1 keeps the wide
+    plans that no longer fit as floors, and the rounds stop early."""
+    def calibrate_slow():
+        pipe = CostCurvePipe(lambda width, drafts: 250.0 * (1 + width / 16))
+        per_chunk = {p.name: (63.0 if p == AR else 31.5) for p in candidate_plans(True, False)}
+        entry = calibration.measure_width(pipe, candidate_plans(True, False), SAMPLING, 1, per_chunk,
+                                          progress=False, clock=pipe.clock)
+        assert entry["seconds"] == pipe.now  # nothing to prepare in the fake
+        return entry, {name: len(v.get("ratio_to_ar", [])) for name, v in entry["plans"].items()}
+
+    budget = calibration.BUDGET_S
+    entry, runs = calibrate_slow()
+    assert entry["seconds"] <= budget and runs["ar"] >= 1
+    monkeypatch.setattr(calibration, "BUDGET_S", math.inf)
+    unbounded, unbounded_runs = calibrate_slow()
+    assert unbounded["seconds"] > 5 * budget
+    assert {n for n, k in runs.items() if k == 0} > {n for n, k in unbounded_runs.items() if k == 0}
+    assert max(runs.values()) < max(unbounded_runs.values()) == calibration.MAX_ROUNDS
 
 
 def test_plans_that_cannot_contend_are_bounded_not_timed():

@@ -12,7 +12,8 @@ the slots it reads. Per width w:
     fixed_s            one chunk's prefill, first draw and statistics (AR with a one-token image)
     plans[name].step_s (wall time of a short generation - fixed_s) / its loop steps, relative to an AR run of
                        as many steps timed just before it (median ratio x AR's median step); with
-                       `lower_bound`, only a floor: the plan could not contend, so it was never timed
+                       `lower_bound`, only a floor: the plan could not contend, or its first run did not fit
+                       in the budget, so it was never timed
     seconds            the timing; prepare_s: preparing runners and exporting graphs, which later runs reuse
 
 Cached per (machine, backend, dtype, threads, model) in the user cache (calibration/<key>.json), measured once
@@ -31,7 +32,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -43,8 +44,8 @@ FIXED_REPEATS = 3
 FIRST_STEPS = 6  # loop steps per timed run in round 1 (every plan)
 TIMED_STEPS = 12  # loop steps per timed run in the later rounds (the contenders)
 ROUNDS = 3  # timed runs of each contending plan at least (1 for the others) ...
-MAX_ROUNDS = 16  # ... and more while the calibration of this width has taken less than BUDGET_S
-BUDGET_S = 25.0
+MAX_ROUNDS = 16  # ... and more while the next run fits in BUDGET_S
+BUDGET_S = 30.0  # a width's timing (preparing runners apart) starts no run it expects to end past this
 CONTENDER = 1.5  # a plan contends when its estimated seconds per image are within this factor of the best
 CLOSE = 1.15  # rounds past ROUNDS time only the plans this close to the best: the choice hinges on them
 WIDER_SLACK = 0.9  # a step with a wider verify costs at least this fraction of a narrower one's (timing noise)
@@ -104,17 +105,19 @@ def _short_run(pipe, dcfg, width: int, tokens: int, attended: float = 0.5) -> tu
     return result.stats.wall_seconds, steps
 
 
-def tokens_for(steps: int, steps_per_image: float, block: int) -> int:
-    """Tokens for about `steps` loop steps at the plan's whole-image rate (the start of an image accepts less,
-    so it takes more)."""
-    return max(2, min(block, round(steps * block / max(steps_per_image, 1.0))))
+def tokens_for(steps: int, steps_per_chunk: float, block: int) -> int:
+    """Tokens per image for about `steps` loop steps at the plan's whole-chunk rate (the start of an image
+    accepts less, so it takes more)."""
+    return max(2, min(block, round(steps * block / max(steps_per_chunk, 1.0))))
 
 
-def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: int, steps_per_image: dict,
-                  entry: dict | None = None, progress: bool = True, attended: dict | None = None) -> dict:
-    """Time every plan `entry` lacks at this width. steps_per_image: plan name -> mean steps an image needs
-    (from the acceptance record; the block where unknown), to size the runs and to see which plans contend;
-    attended: plan name -> the fraction of an image its steps attend on average (1/2 where not given).
+def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: int, steps_per_chunk: dict,
+                  entry: dict | None = None, progress: bool = True, attended: dict | None = None,
+                  clock: Callable[[], float] = time.perf_counter) -> dict:
+    """Time every plan `entry` lacks at this width. steps_per_chunk: plan name -> the loop steps a chunk of
+    `width` images needs (E[max] over its images, from the acceptance record; the block where unknown), to
+    size the runs and to see which plans contend; attended: plan name -> the fraction of an image its steps
+    attend on average (1/2 where not given).
 
     A shared machine speeds up and slows down for seconds at a time, so every timed run of a plan is paired
     with an AR run just before it: the plan's cost is the median of its ratios to that AR step, times AR's
@@ -124,11 +127,14 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
       drafts nothing (its step is a verify and an acceptance, which every plan's step has at least): then
       it is kept as that lower bound (`lower_bound`), never chosen, and never timed.
     - Rounds 2..ROUNDS time again (TIMED_STEPS), in alternating order, the contenders only: estimated
-      seconds per image within CONTENDER of the best, AR always. More rounds, up to MAX_ROUNDS while the
-      timing of this width is inside BUDGET_S, time only the plans within CLOSE of the best contender (by
-      their medians so far; the leader alone if no other is that close): the winner of a close race is the
-      plan a noisy estimate flatters most, and more runs of the close ones shrink that, as they sharpen the
-      leader's predicted speed-up over AR.
+      seconds per chunk within CONTENDER of the best, AR always. More rounds, up to MAX_ROUNDS, time only
+      the plans within CLOSE of the best contender (by their medians so far; the leader alone if no other is
+      that close): the winner of a close race is the plan a noisy estimate flatters most, and more runs of
+      the close ones shrink that, as they sharpen the leader's predicted speed-up over AR.
+    - No run starts that is expected to end past BUDGET_S of timing (expected: a plan's run and its AR
+      reference as long per step as its last ones; a first run, warm-up included, as long as the last
+      first run). A plan whose first run does not fit is kept as its floor (`lower_bound`); the rounds stop
+      at the first run that does not fit.
     Preparing runners (and exporting graphs, for ONNX) is counted apart (`prepare_s`): every later run
     reuses what it made. The runners stay prepared, so the plan chosen runs on the very runner that was timed
     (on a 2-core EPYC VM the same plan's step has differed by 10-20% between runners and processes); the
@@ -136,16 +142,20 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
     from tqdm import tqdm
     block = pipe.config.block_size
     entry = entry or {"plans": {}}
-    t0 = time.perf_counter()
+    t0 = clock()
     prepare_s = 0.0
     ar = AR.decode(sampling)
     attended_by_plan = attended or {}
+    took: dict[str, float] = {}  # plan -> seconds per loop step its last timed run (with its AR reference) took
 
     def prepare(dcfg) -> None:
         nonlocal prepare_s
-        t = time.perf_counter()
+        t = clock()
         pipe.runner(dcfg, width)
-        prepare_s += time.perf_counter() - t
+        prepare_s += clock() - t
+
+    def fits(seconds: float) -> bool:
+        return clock() - t0 - prepare_s + seconds <= BUDGET_S
 
     prepare(ar)
     if "fixed_s" not in entry:
@@ -163,46 +173,54 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
         return max(wall - entry["fixed_s"], 0.0) / max(ran, 1)
 
     def time_plan(plan: Plan, steps: int) -> None:
-        dcfg, per_image = decoded[plan.name], steps_per_image.get(plan.name, float(block))
+        dcfg, per_chunk = decoded[plan.name], steps_per_chunk.get(plan.name, float(block))
         fraction = attended_by_plan.get(plan.name, 0.5)
         if not ratios[plan.name]:
             prepare(dcfg)
             _short_run(pipe, dcfg, width, 2, fraction)  # warm this runner's first steps
+        start = clock()
         reference = step_seconds(ar, float(block - 1), steps, 0.5)
         ar_steps.append(reference)
-        ratios[plan.name].append(step_seconds(dcfg, per_image, steps, fraction) / max(reference, 1e-9))
+        ratios[plan.name].append(step_seconds(dcfg, per_chunk, steps, fraction) / max(reference, 1e-9))
+        took[plan.name] = (clock() - start) / steps
 
-    def per_image_s(name: str, ratio: float) -> float:
-        return ratio * statistics.median(ar_steps) * steps_per_image.get(name, block)
+    def per_chunk_s(name: str, ratio: float) -> float:
+        return ratio * statistics.median(ar_steps) * steps_per_chunk.get(name, block)
 
-    known = [v["step_s"] * steps_per_image.get(name, block) for name, v in entry["plans"].items()
+    known = [v["step_s"] * steps_per_chunk.get(name, block) for name, v in entry["plans"].items()
              if not v.get("lower_bound")]
     floors: dict[str, float] = {}  # plan -> the step ratio to AR it costs at least
     bar = tqdm(total=len(todo) * MAX_ROUNDS, desc=f"calibrating {width} image(s) per step", unit="run",
                file=sys.stderr, disable=not progress or not todo)
+    first_run = 0.0  # seconds the last first run took, warm-up included
     for plan in todo:  # round 1, narrowest verify first
         bar.set_postfix_str(plan.name)
         timed = [p for p in todo if ratios[p.name]]
         floor = WIDER_SLACK * max((ratios[p.name][0] for p in timed if not decoded[p.name].needs_drafter
                                    and width_of[p.name] <= width_of[plan.name]), default=0.0)
-        best = min([per_image_s(p.name, ratios[p.name][0]) for p in timed] + known, default=math.inf)
-        if plan != AR and timed and per_image_s(plan.name, floor) > CONTENDER * best:
+        best = min([per_chunk_s(p.name, ratios[p.name][0]) for p in timed] + known, default=math.inf)
+        if plan != AR and timed and (per_chunk_s(plan.name, floor) > CONTENDER * best or not fits(first_run)):
             floors[plan.name] = floor
         else:
+            start, prepared = clock(), prepare_s
             time_plan(plan, FIRST_STEPS)
+            first_run = clock() - start - (prepare_s - prepared)  # with its warm-up
         bar.update(1)
     measured = [p for p in todo if ratios[p.name]]
     if measured:
-        estimate = {p.name: per_image_s(p.name, ratios[p.name][0]) for p in measured}
+        estimate = {p.name: per_chunk_s(p.name, ratios[p.name][0]) for p in measured}
         best = min([*estimate.values(), *known])
         contenders = [p for p in measured if p == AR or estimate[p.name] <= CONTENDER * best]
-        r = 1
-        while contenders and (r < ROUNDS or (r < MAX_ROUNDS and time.perf_counter() - t0 - prepare_s < BUDGET_S)):
+        r, out_of_time = 1, False
+        while contenders and r < MAX_ROUNDS and not out_of_time:
             if r >= ROUNDS:
-                estimate = {p.name: per_image_s(p.name, statistics.median(ratios[p.name])) for p in measured}
+                estimate = {p.name: per_chunk_s(p.name, statistics.median(ratios[p.name])) for p in measured}
                 best = min(estimate[p.name] for p in contenders)
                 contenders = [p for p in contenders if estimate[p.name] <= CLOSE * best]  # the leader at least
             for plan in (contenders if r % 2 else contenders[::-1]):  # alternating order
+                if not fits(took[plan.name] * TIMED_STEPS):
+                    out_of_time = True
+                    break
                 bar.set_postfix_str(plan.name)
                 time_plan(plan, TIMED_STEPS)
                 bar.update(1)
@@ -216,7 +234,7 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
             entry["plans"][name] = {"step_s": floor * ar_s, "lower_bound": True}
     bar.update(bar.total - bar.n)
     bar.close()
-    entry["seconds"] = entry.get("seconds", 0.0) + time.perf_counter() - t0 - prepare_s
+    entry["seconds"] = entry.get("seconds", 0.0) + clock() - t0 - prepare_s
     entry["prepare_s"] = entry.get("prepare_s", 0.0) + prepare_s
     entry["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return entry

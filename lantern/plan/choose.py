@@ -122,8 +122,7 @@ def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] =
         skipped += [{"plan": name, "skipped": f"not calibrated in profile {profile.name}"} for name in missing]
         plans = [p for p in plans if p.name not in missing]
     else:
-        costs, source, calibrating, prepared = machine_costs(pipe, plans, sampling, key, width, mean_steps,
-                                                             steps, progress)
+        costs, source, calibrating, prepared = machine_costs(pipe, plans, sampling, key, width, steps, progress)
         spent += calibrating
 
     rows = []
@@ -171,12 +170,10 @@ def steps_by_plan(pipe, plans: list[Plan], sampling: SamplingConfig, key: str, s
 
 
 def machine_costs(pipe, plans: list[Plan], sampling: SamplingConfig, key: str, width: int,
-                  mean_steps: dict[str, float], steps: dict[str, list[list[float]]],
-                  progress: bool) -> tuple[dict, str, float, float]:
-    """This machine's calibration at `width` (plans it lacks measured here, once; mean_steps: each plan's steps
-    per image, to size the runs; steps: each requested image's, so that a plan is timed at the width its
-    steps attend on average over the request's first chunk), where it is kept, and the seconds spent timing
-    and preparing runners for it (0, 0 when it was cached)."""
+                  steps: dict[str, list[list[float]]], progress: bool) -> tuple[dict, str, float, float]:
+    """This machine's calibration at `width` (plans it lacks measured here, once; steps: each requested image's
+    steps per plan: a plan is timed over the steps and at the attention width of the request's first chunk),
+    where it is kept, and the seconds spent timing and preparing runners for it (0, 0 when it was cached)."""
     key_c = calibration.calibration_key(pipe.backend.name, pipe.dtype, key)
     data = calibration.load_calibration(key_c)
     entry = data["widths"].get(str(width))
@@ -187,8 +184,10 @@ def machine_costs(pipe, plans: list[Plan], sampling: SamplingConfig, key: str, w
     print(f"lantern: calibrating {len(lacking)} plan(s) on {pipe.backend.name} ({pipe.dtype}) at {width} "
           f"image(s) per step, once (cached in {path}; `lantern profile run` refreshes it)", file=sys.stderr)
     before = (entry or {}).get("seconds", 0.0), (entry or {}).get("prepare_s", 0.0)
-    attended = {p.name: records.attended_fraction(steps[p.name][:width]) for p in lacking}
-    entry = calibration.measure_width(pipe, lacking, sampling, width, mean_steps, entry, progress, attended)
+    first = {p.name: steps[p.name][:width] for p in lacking}  # the first chunk's images
+    per_chunk = {name: records.expected_max(images) for name, images in first.items()}
+    attended = {name: records.attended_fraction(images) for name, images in first.items()}
+    entry = calibration.measure_width(pipe, lacking, sampling, width, per_chunk, entry, progress, attended)
     data["widths"][str(width)] = entry
     calibration.save_calibration(data)
     return (entry, f"calibration cached in {path}", entry["seconds"] - before[0],

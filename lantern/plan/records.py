@@ -129,9 +129,10 @@ def per_image_steps(steps: Sequence[int], conds: Optional[Sequence], wanted: Seq
     return out
 
 
-def mean_steps(record: Optional[dict]) -> dict[str, float]:
-    """Mean steps per image of every plan in a record."""
-    return {name: sum(e["steps"]) / len(e["steps"]) for name, e in (record or {}).get("plans", {}).items()}
+def chunk_steps(record: Optional[dict], width: int) -> dict[str, float]:
+    """expected_max of every plan in a record: the loop steps of a chunk of `width` images drawn from all its
+    images."""
+    return {name: expected_max([e["steps"]] * width) for name, e in (record or {}).get("plans", {}).items()}
 
 
 def attended_fractions(record: Optional[dict], width: int) -> dict[str, float]:

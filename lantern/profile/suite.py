@@ -160,8 +160,8 @@ class Suite:
         plans, _ = runnable(pipe, candidate_plans(src.drafter is not None, src.proximity is not None, relaxation),
                             self.sampling)
         record = records.shipped_for(src.acceptance_records, pipe.dtype)
-        per_image = {AR.name: src.target.config.block_size - 1, **records.mean_steps(record)}
-        entry = calibration.measure_width(pipe, plans, self.sampling, width, per_image, progress=False,
+        per_chunk = {AR.name: src.target.config.block_size - 1, **records.chunk_steps(record, width)}
+        entry = calibration.measure_width(pipe, plans, self.sampling, width, per_chunk, progress=False,
                                           attended=records.attended_fractions(record, width))
         model = pipe.model_key
         cached = calibration.refresh_cache(pipe.backend.name, pipe.dtype, model, width, entry)

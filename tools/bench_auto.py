@@ -7,9 +7,9 @@ bundle's relaxation defaults applied), `auto` (lossless unless the bundle valida
 warm-up and auto's one-off calibration excluded and reported apart). Timing on a shared 2-core machine drifts by
 10-20% over minutes, so every method runs the first seed, and AR, auto and the methods within 1.5x of the fastest (the
 ones a choice can hinge on) run every seed `--repeats` times, in passes of alternating order, and each seed counts
-the median of its repeats: this VM has fast spells as well as slow ones (in two runs of this tool, 855 runs, about 5%
-of the runs of a configuration took at most 0.8x its median, and about as many at least 1.2x), so a seed's fastest
-repeat would count a lucky spell when one happens. Reported: median wall per method over its seeds;
+the median of its repeats: this VM has fast spells as well as slow ones (in three runs of this tool, 1332 runs, 3-4%
+took at most 0.85x the median of their seed's three and 2-6% at least 1.15x), so a seed's fastest repeat would
+count a lucky spell when one happens. Reported: median wall per method over its seeds;
 auto / the fastest method it could have chosen from (auto: AR, the lossless presets and the presets whose
 relaxation the bundle validated, which auto may run without being asked; --allow-relaxed: every
 preset), as the median over seeds of the two walls' ratio on the same seed (paired, so a slow spell of the machine

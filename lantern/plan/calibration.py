@@ -46,7 +46,7 @@ TIMED_STEPS = 12  # loop steps per timed run in the later rounds (the contenders
 ROUNDS = 3  # timed runs of each contending plan at least (1 for the others) ...
 MAX_ROUNDS = 16  # ... and more while the next run fits in BUDGET_S
 BUDGET_S = 30.0  # a width's timing (preparing runners apart) starts no run it expects to end past this
-CONTENDER = 1.5  # a plan contends when its estimated seconds per image are within this factor of the best
+CONTENDER = 1.5  # a plan contends when its estimated seconds per chunk are within this factor of the best
 CLOSE = 1.15  # rounds past ROUNDS time only the plans this close to the best: the choice hinges on them
 WIDER_SLACK = 0.9  # a step with a wider verify costs at least this fraction of a narrower one's (timing noise)
 

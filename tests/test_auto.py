@@ -227,13 +227,14 @@ def test_each_plan_is_timed_at_the_width_its_chunk_attends():
 
 def test_calibration_stays_inside_its_budget(monkeypatch):
     """Steps of a quarter of a second (a slow machine): every run must be expected to fit before it starts,
-    so the timing ends inside BUDGET_S, where unbounded it takes ten times as long; round 1 keeps the wide
-    plans that no longer fit as floors, and the rounds stop early."""
+    so the timing ends inside BUDGET_S, where unbounded it takes more than five times as long; round 1 keeps
+    the wide plans that no longer fit as floors, and the rounds stop early."""
+    plans = candidate_plans(True, False)
+    per_chunk = {p.name: (63.0 if p == AR else 31.5) for p in plans}
+
     def calibrate_slow():
         pipe = CostCurvePipe(lambda width, drafts: 250.0 * (1 + width / 16))
-        per_chunk = {p.name: (63.0 if p == AR else 31.5) for p in candidate_plans(True, False)}
-        entry = calibration.measure_width(pipe, candidate_plans(True, False), SAMPLING, 1, per_chunk,
-                                          progress=False, clock=pipe.clock)
+        entry = calibration.measure_width(pipe, plans, SAMPLING, 1, per_chunk, progress=False, clock=pipe.clock)
         assert entry["seconds"] == pipe.now  # nothing to prepare in the fake
         return entry, {name: len(v.get("ratio_to_ar", [])) for name, v in entry["plans"].items()}
 

@@ -168,8 +168,8 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
     ar_steps: list[float] = []
     ratios: dict[str, list[float]] = {p.name: [] for p in todo}
 
-    def step_seconds(dcfg, per_image: float, steps: int, fraction: float) -> float:
-        wall, ran = _short_run(pipe, dcfg, width, tokens_for(steps, per_image, block), fraction)
+    def step_seconds(dcfg, per_chunk: float, steps: int, fraction: float) -> float:
+        wall, ran = _short_run(pipe, dcfg, width, tokens_for(steps, per_chunk, block), fraction)
         return max(wall - entry["fixed_s"], 0.0) / max(ran, 1)
 
     def time_plan(plan: Plan, steps: int) -> None:

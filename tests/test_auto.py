@@ -302,7 +302,7 @@ def test_the_choice_follows_the_requested_classes(pipe, tmp_path, monkeypatch):
 
 def test_a_lower_bound_is_never_chosen(pipe):
     choose(pipe, 2, SAMPLING, batch=2, progress=False)
-    seed_calibration(pipe, 2, {"ar": 1.0, "mc-sjd/L4": 0.9})
+    seed_calibration(pipe, 2, {"ar": 1.0, "mc-sjd/L4": 0.5})
     key = calibration.calibration_key(pipe.backend.name, pipe.dtype, pipe.model_key)
     data = calibration.load_calibration(key)
     data["widths"]["2"]["plans"]["mc-sjd/L8"] = {"step_s": 1e-6, "lower_bound": True}

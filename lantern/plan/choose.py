@@ -22,8 +22,9 @@ from lantern.decoding.sampling import SamplingConfig
 from lantern.plan import calibration, records
 from lantern.plan.candidates import AR, RELAXED_METHODS, Plan, candidate_plans
 
-MARGIN = 0.10  # a speculative plan must be predicted this much faster than AR (calibration noise on a shared
-# 2-core machine is about +-10%)
+MARGIN = 0.25  # a speculative plan must be predicted this much faster than AR: a prediction within 20% of the
+# measured speed-up (what auto is held to; on a 2-core VM whose wide steps have two speeds, misses reach 24%)
+# then still measures at least 1.0x, as 1.25 * (1 - 0.2) = 1
 RECORD_IMAGES = 4  # images per plan when an acceptance record must be measured here
 
 

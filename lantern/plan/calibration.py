@@ -190,8 +190,14 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
     known = [v["step_s"] * steps_per_chunk.get(name, block) for name, v in entry["plans"].items()
              if not v.get("lower_bound")]
     floors: dict[str, float] = {}  # plan -> the step ratio to AR it costs at least
-    bar = tqdm(total=len(todo) * MAX_ROUNDS, desc=f"calibrating {width} image(s) per step", unit="run",
-               file=sys.stderr, disable=not progress or not todo)
+    # progress in seconds of timing against the budget: how many runs it takes depends on what they measure
+    bar = tqdm(total=BUDGET_S, desc=f"calibrating {width} image(s) per step", file=sys.stderr,
+               bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s{postfix}",
+               disable=not progress or not todo)
+
+    def tick() -> None:
+        bar.n = min(clock() - t0 - prepare_s, BUDGET_S)
+        bar.refresh()
     first_run = 0.0  # seconds the last first run took, warm-up included
     for plan in todo:  # round 1, narrowest verify first
         bar.set_postfix_str(plan.name)
@@ -205,7 +211,7 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
             start, prepared = clock(), prepare_s
             time_plan(plan, FIRST_STEPS)
             first_run = clock() - start - (prepare_s - prepared)  # with its warm-up
-        bar.update(1)
+        tick()
     measured = [p for p in todo if ratios[p.name]]
     if measured:
         estimate = {p.name: per_chunk_s(p.name, ratios[p.name][0]) for p in measured}
@@ -223,7 +229,7 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
                     break
                 bar.set_postfix_str(plan.name)
                 time_plan(plan, TIMED_STEPS)
-                bar.update(1)
+                tick()
             r += 1
         ar_s = statistics.median(ar_steps)
         for plan in measured:
@@ -232,7 +238,8 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
                                          "attended": attended_by_plan.get(plan.name, 0.5)}
         for name, floor in floors.items():
             entry["plans"][name] = {"step_s": floor * ar_s, "lower_bound": True}
-    bar.update(bar.total - bar.n)
+    tick()
+    bar.total = bar.n  # done: it ends full, at the seconds it took
     bar.close()
     entry["seconds"] = entry.get("seconds", 0.0) + clock() - t0 - prepare_s
     entry["prepare_s"] = entry.get("prepare_s", 0.0) + prepare_s

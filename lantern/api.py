@@ -80,20 +80,22 @@ class Pipeline:
 
     def plan(self, n_images: int, sampling: Optional[SamplingConfig] = None, batch: Optional[int] = None,
              allow_relaxed: bool = False, profile=None, progress: bool = True,
-             classes: Optional[Sequence[int]] = None):
+             classes: Optional[Sequence[int]] = None, min_speedup: Optional[float] = None):
         """`--method auto`: the plan predicted fastest for n_images on this backend and dtype
         (lantern.plan.choose.Choice: decode config, batch width, predictions). sampling None: the bundle's.
         profile: a hardware profile's calibration (lantern.plan.calibration.ProfileCosts), else this machine's
         cached calibration, measured once where missing. classes: the images' class ids in order (c2i), so each
-        is predicted from its class's acceptance."""
-        from lantern.plan.choose import choose
+        is predicted from its class's acceptance. min_speedup: the predicted speed-up over AR a plan needs to be
+        chosen (None: lantern.plan.choose.MIN_SPEEDUP)."""
+        from lantern.plan.choose import MIN_SPEEDUP, choose
         sampling = sampling or self.defaults.sampling
         if sampling is None:
             raise ValueError("auto needs sampling settings: pass sampling=, or build the pipeline with "
                              "Pipeline.from_bundle")
         return choose(self, n_images, sampling, batch=batch, allow_relaxed=allow_relaxed,
                       validated=self.defaults.relaxation, shipped_records=self.defaults.acceptance_records,
-                      profile=profile, progress=progress, classes=classes)
+                      profile=profile, progress=progress, classes=classes,
+                      min_speedup=MIN_SPEEDUP if min_speedup is None else min_speedup)
 
     @property
     def config(self):

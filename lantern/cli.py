@@ -24,6 +24,7 @@ def add_decode_options(p: argparse.ArgumentParser) -> None:
     """Decoding flags shared by generate, eval and profile."""
     from lantern.decoding.acceptance import FORMS, KINDS
     from lantern.decoding.config import COUPLINGS, INITIAL_DRAFTS, METHODS
+    from lantern.plan.choose import MIN_SPEEDUP
     g = p.add_argument_group("decoding")
     g.add_argument("--method", choices=("auto", *METHODS), default="auto",
                    help="auto (default: the plan predicted fastest for this device, dtype and number of images, "
@@ -34,6 +35,10 @@ def add_decode_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allow-relaxed", action="store_true",
                    help="auto may choose relaxed (LANTERN, LANTERN++) plans; without it only the bundle's "
                         "quality-validated relaxations join the lossless ones")
+    g.add_argument("--min-speedup", type=number(float, 1),
+                   help=f"auto keeps AR unless a plan is predicted at least this much faster (default {MIN_SPEEDUP}: "
+                        f"a prediction within 20%% of the measured speed-up then still beats AR; hardware that times "
+                        f"steadily can ask for less)")
     g.add_argument("--drafting", help="override: none | dynamic | jacobi | a tree preset | a .json file of paths")
     g.add_argument("--window", type=int, help="Jacobi: drafts verified after the last accepted token (default 16)")
     g.add_argument("--coupling", choices=COUPLINGS, help="Jacobi: none (SJD) | gumbel (MC-SJD)")
@@ -89,7 +94,8 @@ def sampling_from_args(args, bundle):
 
 
 def check_method_flags(args) -> None:
-    """Before any work: auto decides the drafting and acceptance itself; --allow-relaxed is auto's alone."""
+    """Before any work: auto decides the drafting and acceptance itself; --allow-relaxed and --min-speedup are
+    auto's alone."""
     from lantern.decoding.config import METHODS
     if args.method == "auto":
         given = [f"--{name.replace('_', '-')}" for name in AUTO_CHOOSES if getattr(args, name) is not None]
@@ -99,6 +105,9 @@ def check_method_flags(args) -> None:
     elif args.allow_relaxed:
         raise UsageError(f"--allow-relaxed is an option of --method auto; --method {args.method} already says "
                          f"which acceptance rule runs")
+    elif args.min_speedup is not None:
+        raise UsageError(f"--min-speedup is an option of --method auto; --method {args.method} runs that method "
+                         f"whatever its speed-up")
 
 
 def decode_config_from_args(args, bundle):
@@ -119,7 +128,8 @@ def decode_plan(args, bundle, pipe, n_images: int, classes: Optional[list[int]] 
     from lantern.profile.cli import profile_costs
     profile = profile_costs(args.profile) if getattr(args, "profile", None) else None
     choice = pipe.plan(n_images, sampling_from_args(args, bundle), batch=args.batch,
-                       allow_relaxed=args.allow_relaxed, profile=profile, classes=classes)
+                       allow_relaxed=args.allow_relaxed, profile=profile, classes=classes,
+                       min_speedup=args.min_speedup)
     print(f"lantern: {choice.summary()}", file=sys.stderr)
     return choice.decode, choice.width, choice
 

@@ -19,7 +19,7 @@ from lantern.decoding.config import method_preset
 from lantern.decoding.sampling import SamplingConfig
 from lantern.plan import calibration, records
 from lantern.plan.candidates import AR, RELAXED_METHODS, candidate_plans
-from lantern.plan.choose import MARGIN, choose, predict_seconds
+from lantern.plan.choose import MIN_SPEEDUP, choose, predict_seconds
 
 SAMPLING = SamplingConfig(temperature=1.0, top_k=5, cfg_scale=2.0)
 
@@ -172,8 +172,16 @@ def test_choice_follows_the_cost_model(pipe):
     pair = [record["plans"]["mc-sjd/L4"]["steps"]] * 2  # no classes named: each image from all of the record
     assert row["predicted_seconds"] == pytest.approx(0.01 + records.expected_max(pair) * 0.5e-3)
     ratio = (pipe.config.block_size - 1) / records.expected_max(pair)
-    seed_calibration(pipe, 2, {"ar": 1.0, "mc-sjd/L4": ratio / (1 + MARGIN / 2)}, fixed_s=0.0)
-    assert choose(pipe, 2, SAMPLING, batch=2, progress=False).plan == AR  # a gain inside the margin: AR
+    inside = (1 + MIN_SPEEDUP) / 2  # faster than AR, but not by the margin
+    seed_calibration(pipe, 2, {"ar": 1.0, "mc-sjd/L4": ratio / inside}, fixed_s=0.0)
+    kept = choose(pipe, 2, SAMPLING, batch=2, progress=False)
+    assert kept.plan == AR  # a gain inside the margin: AR, and it says which plan missed it and by what
+    assert f"mc-sjd/L4, was predicted at {inside:.2f}x, under the {MIN_SPEEDUP:.2f}x a plan needs" in kept.summary()
+    asked = choose(pipe, 2, SAMPLING, batch=2, progress=False, min_speedup=1.0)  # any predicted gain will do
+    assert asked.plan.name == "mc-sjd/L4" and asked.to_dict()["min_speedup"] == 1.0 and "under" not in asked.summary()
+    for bad in (0.9, float("nan"), True, "1.5"):
+        with pytest.raises(ValueError, match=f"min_speedup {bad!r} is not allowed; allowed: a finite number >= 1"):
+            choose(pipe, 2, SAMPLING, batch=2, progress=False, min_speedup=bad)
     seed_calibration(pipe, 2, {"ar": 1.0, "lantern++/chain-5": 0.01})
     assert choose(pipe, 2, SAMPLING, batch=2, progress=False).plan == AR  # lossless only by default
     allowed = choose(pipe, 2, SAMPLING, batch=2, allow_relaxed=True, progress=False)
@@ -342,6 +350,8 @@ def lantern(*args, env=None):
 @pytest.mark.parametrize("args, message", [
     (["--window", "8"], "--method auto chooses --window itself"),
     (["--method", "ar", "--allow-relaxed"], "--allow-relaxed is an option of --method auto"),
+    (["--method", "mc-sjd", "--min-speedup", "1.1"], "--min-speedup is an option of --method auto"),
+    (["--min-speedup", "0.9"], "argument --min-speedup: 0.9 is not allowed; allowed: a finite number >= 1"),
 ])
 def test_flags_auto_decides_are_refused_before_any_work(tmp_path, args, message):
     r = lantern("generate", "--out", str(tmp_path / "o"), *args, "--json")

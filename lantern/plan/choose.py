@@ -6,11 +6,13 @@ For n images decoded `width` at a time (chunks of `width`, the last one padded):
 
 fixed_s and step_s come from the latency calibration at that width (calibration.py, or a hardware profile's
 results), the steps per image from the model's acceptance record (records.py; AR: block - 1), each image's
-from its own class's where the request names classes. A speculative plan must beat AR's prediction by MARGIN,
-or AR is chosen: a default slower than AR is a bug.
+from its own class's where the request names classes. A speculative plan must be predicted at least
+min_speedup (MIN_SPEEDUP unless the caller says) times faster than AR, or AR is chosen: a default slower than AR
+is a bug.
 """
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 import time
@@ -22,9 +24,9 @@ from lantern.decoding.sampling import SamplingConfig
 from lantern.plan import calibration, records
 from lantern.plan.candidates import AR, RELAXED_METHODS, Plan, candidate_plans
 
-MARGIN = 0.25  # a speculative plan must be predicted this much faster than AR: a prediction within 20% of the
-# measured speed-up (what auto is held to; on a 2-core VM whose wide steps have two speeds, misses reach 24%)
-# then still measures at least 1.0x, as 1.25 * (1 - 0.2) = 1
+MIN_SPEEDUP = 1.25  # a speculative plan must be predicted this much faster than AR: a prediction within 20% of
+# the measured speed-up (what auto is held to; on a 2-core VM whose wide steps have two speeds, misses reach 24%)
+# then still measures at least 1.0x, as 1.25 * (1 - 0.2) = 1. Hardware that times steadily can ask for less.
 RECORD_IMAGES = 4  # images per plan when an acceptance record must be measured here
 
 
@@ -38,6 +40,7 @@ class Choice:
     candidates: list = field(default_factory=list)  # every plan's prediction
     cost_source: str = ""
     relaxed: str = ""  # which relaxed methods were allowed, and why
+    min_speedup: float = MIN_SPEEDUP  # what a plan had to be predicted at to be chosen over AR
     calibrated_s: float = 0.0  # seconds spent measuring for this choice (0 when everything was cached)
     prepared_s: float = 0.0  # seconds preparing runners (exporting graphs) to calibrate: later runs reuse them
 
@@ -50,12 +53,21 @@ class Choice:
                                                                         if k not in ("name", "method")},
                 "batch": self.width, "predicted_seconds": self.predicted_s, "predicted_ar_seconds":
                 self.predicted_ar_s, "predicted_speedup": self.predicted_speedup, "cost_source": self.cost_source,
-                "relaxation": self.relaxed, "calibration_seconds": self.calibrated_s,
+                "relaxation": self.relaxed, "min_speedup": self.min_speedup, "calibration_seconds": self.calibrated_s,
                 "calibration_prepare_seconds": self.prepared_s, "candidates": self.candidates}
 
     def summary(self) -> str:
         return (f"auto chose {self.plan.name} at {self.width} image(s) per step: predicted {self.predicted_s:.2f} s, "
-                f"{self.predicted_speedup:.2f}x AR ({self.cost_source}; {self.relaxed})")
+                f"{self.predicted_speedup:.2f}x AR{self.why_ar()} ({self.cost_source}; {self.relaxed})")
+
+    def why_ar(self) -> str:
+        """When AR was kept though a plan was predicted faster: which, and the bar it missed."""
+        faster = [r for r in self.candidates if r.get("predicted_speedup", 0.0) > 1.0 and not r.get("lower_bound")]
+        if self.plan != AR or not faster:
+            return ""
+        best = max(faster, key=lambda r: r["predicted_speedup"])
+        return (f"; the best plan, {best['plan']}, was predicted at {best['predicted_speedup']:.2f}x, under the "
+                f"{self.min_speedup:.2f}x a plan needs")
 
 
 def predict_seconds(width: int, fixed_s: float, step_s: float, images: list[list[float]]) -> float:
@@ -89,14 +101,23 @@ def runnable(pipe, plans: list[Plan], sampling: SamplingConfig) -> tuple[list[Pl
     return ok, skipped
 
 
+def check_min_speedup(value) -> None:
+    """Refuse a bad min_speedup, naming the value and what is allowed."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 1.0):
+        raise ValueError(f"min_speedup {value!r} is not allowed; allowed: a finite number >= 1 (1: any plan "
+                         f"predicted faster than AR; default {MIN_SPEEDUP})")
+
+
 def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] = None, allow_relaxed: bool = False,
            validated: Optional[dict] = None, shipped_records: Optional[dict] = None,
            profile: Optional[calibration.ProfileCosts] = None, progress: bool = True,
-           classes: Optional[Sequence[int]] = None) -> Choice:
+           classes: Optional[Sequence[int]] = None, min_speedup: float = MIN_SPEEDUP) -> Choice:
     """The plan for `n_images` on this pipeline. validated: the bundle's quality-validated relaxation settings
     per method; shipped_records: the bundle's acceptance records by dtype; profile: a hardware profile's
     calibration (else this machine's cached one, measured where missing); classes: the request's class ids in
-    order (c2i), to predict each image from its class's steps (None: every image from all the record's)."""
+    order (c2i), to predict each image from its class's steps (None: every image from all the record's);
+    min_speedup: the predicted speed-up over AR a plan needs to be chosen."""
+    check_min_speedup(min_speedup)
     if classes is not None and len(classes) != n_images:
         raise ValueError(f"{len(classes)} class ids given for {n_images} images")
     validated = validated or {}
@@ -138,13 +159,13 @@ def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] =
         r["predicted_speedup"] = ar_s / r["predicted_seconds"] if r["predicted_seconds"] else 1.0
     # a lower bound (a plan too slow to be worth timing) is never chosen
     best = min((r for r in rows if not r.get("lower_bound")), key=lambda r: r["predicted_seconds"])
-    if best["predicted_speedup"] < 1.0 + MARGIN:
+    if best["predicted_speedup"] < min_speedup:
         best = rows[0]
     plan = next(p for p in plans if p.name == best["plan"])
     pipe.release(keep=plan.decode(sampling), batch=width)  # the chosen plan keeps the runner it was timed on
     return Choice(plan=plan, decode=plan.decode(sampling), width=width,
                   predicted_s=best["predicted_seconds"], predicted_ar_s=ar_s, candidates=rows + skipped,
-                  cost_source=source, relaxed=why, calibrated_s=spent,
+                  cost_source=source, relaxed=why, min_speedup=min_speedup, calibrated_s=spent,
                   prepared_s=prepared if profile is None else 0.0)
 
 

@@ -31,7 +31,8 @@ def add_decode_options(p: argparse.ArgumentParser) -> None:
                         "lossless unless relaxation is allowed; see --allow-relaxed) | ar | eagle2 (dynamic tree, "
                         "exact) | lantern (dynamic, k=1000, delta=0.1) | lantern++ (57-node static tree, k=10, "
                         "lambda=3) | no drafter needed: sjd (Jacobi window, exact) | mc-sjd (Jacobi, Gumbel-coupled "
-                        "drafts, exact) | mc-sjd-relaxed (mc-sjd with bounded LANTERN++ relaxation, k=10, lambda=3)")
+                        "drafts, exact) | mc-sjd-relaxed (mc-sjd with bounded LANTERN++ relaxation, k=10, lambda=3); a "
+                        "bundle's quality-validated relaxation (shown by lantern info) replaces these settings")
     g.add_argument("--allow-relaxed", action="store_true",
                    help="auto may choose relaxed (LANTERN, LANTERN++) plans; without it only the bundle's "
                         "quality-validated relaxations join the lossless ones")

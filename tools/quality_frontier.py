@@ -38,7 +38,7 @@ GRID = [  # (label, method, overrides)
     *[(f"mc-sjd-relaxed bounded lam={lam}", "mc-sjd-relaxed", dict(window=16, lam=lam, form="bounded"))
       for lam in (2.0, 3.0)],
     *[(f"mc-sjd-relaxed lantern bounded delta={d}", "mc-sjd-relaxed",
-       dict(window=16, acceptance="lantern", k=1000, delta=d, form="bounded")) for d in (0.1, 0.2, 0.3, 0.4)],
+       dict(window=16, acceptance="lantern", k=1000, delta=d, form="bounded")) for d in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0)],
 ]
 RELAXED = ("lantern", "lantern++", "mc-sjd-relaxed")  # the methods that get a default relaxation
 

@@ -153,25 +153,46 @@ def markdown(rec: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def family(row: dict) -> str:
+    """A sweep's name: the method, its rule and form ("lantern++ bounded", "mc-sjd-relaxed lantern paper")."""
+    o = row["overrides"]
+    rule = o.get("acceptance", "") if row["method"] == "mc-sjd-relaxed" else ""
+    return " ".join(x for x in (row["method"], rule, o.get("form", "exact")) if x)
+
+
+def setting_text(row: dict) -> str:
+    o = row["overrides"]
+    return f"δ={o['delta']}" if "delta" in o else f"λ={o['lam']}" if "lam" in o else ""
+
+
 def plot(rec: dict, path: Path) -> None:
+    """Both quality measures against step compression: one colour and line per sweep (a method, rule and form,
+    in order of its setting), each point named by its setting, the chosen defaults ringed."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     s = rec["ar_spread"]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    chosen = {c["evidence"]["label"] for c in rec["chosen"].values()}
+    sweeps = {}
+    for r in rec["rows"]:
+        sweeps.setdefault(family(r), []).append(r)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
     for ax, key, lo, hi, name in ((axes[0], "frechet_distance", s["frechet_min"], s["frechet_max"], "Frechet distance"),
                                   (axes[1], "class_accuracy", s["accuracy_min"], s["accuracy_max"], "class accuracy")):
-        ax.axhspan(lo, hi, color="gray", alpha=0.25, label="AR's spread over seeds")
-        for form, marker in (("bounded", "o"), ("paper", "x"), (None, "s")):
-            sel = [r for r in rec["rows"] if r["overrides"].get("form") == form]
-            ax.scatter([r["step_compression"] for r in sel], [r[key] for r in sel], marker=marker,
-                       label=form or "exact")
-            for r in sel:
-                ax.annotate(r["label"], (r["step_compression"], r[key]), fontsize=6,
+        ax.axhspan(lo, hi, color="gray", alpha=0.2, label="AR's spread over seeds")
+        for i, (fam, rows) in enumerate(sweeps.items()):
+            xs, ys = [r["step_compression"] for r in rows], [r[key] for r in rows]
+            marker = {"bounded": "o", "paper": "x"}.get(rows[0]["overrides"].get("form"), "s")
+            ax.plot(xs, ys, marker=marker, color=f"C{i % 10}", lw=0.8, ms=5, label=fam)
+            for r in rows:
+                if r["label"] in chosen:
+                    ax.scatter(r["step_compression"], r[key], s=140, facecolors="none", edgecolors="black")
+                ax.annotate(setting_text(r), (r["step_compression"], r[key]), fontsize=6, color=f"C{i % 10}",
                             textcoords="offset points", xytext=(3, 3))
         ax.set_xlabel("step compression (tokens per target forward)")
         ax.set_ylabel(name)
-    axes[0].legend(fontsize=7)
+    axes[1].scatter([], [], s=140, facecolors="none", edgecolors="black", label="chosen default")
+    axes[1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

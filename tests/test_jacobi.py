@@ -164,10 +164,12 @@ def test_greedy_jacobi_equals_greedy_ar_on_onnx(sharp, monkeypatch, tmp_path_fac
 
 # --- relaxed: the output is p_hat, within the recorded TV --------------------------------------------------
 
-RELAXED = dict(drafting="jacobi", coupling="gumbel", window=2, acceptance="lantern++", k=3, lam=4.0)
+JACOBI_WINDOW = dict(drafting="jacobi", coupling="gumbel", window=2)
+RELAXED_RULES = [dict(acceptance="lantern++", k=3, lam=4.0),  # a cap per receiver
+                 dict(acceptance="lantern", k=3, delta=1.0)]  # no cap that binds, as the embedded bundle ships it
 
 
-def first_pair_targets(target, proximity, cls: int, sc: SamplingConfig):
+def first_pair_targets(target, proximity, cls: int, sc: SamplingConfig, rule: dict):
     """The first two tokens: AR's P(x0, x1) and the relaxed P(x0) p_hat(x1 | x0), where the first step tests
     token 1 against q = p(x0) (the prefill's distribution: position 1 was never predicted). (6, 6) each,
     and TV(p_hat, p) per x0 (6,)."""
@@ -178,20 +180,21 @@ def first_pair_targets(target, proximity, cls: int, sc: SamplingConfig):
         lu, _ = target.forward_full(x0, torch.full((v,), target.config.num_classes))
     dist = warp(lu + sc.cfg_scale * (lc - lu), sc)  # (6, 2, K): token 0, token 1 given x0
     p0, p1 = dist.dense(v)[0, 0], Support(dist.probs[:, 1:], dist.ids[:, 1:])  # (V,), (6, 1, K)
-    near = Neighbourhood(proximity[:, :RELAXED["k"]])
-    p_hat, moved = bounded_target(p1, p0[p1.ids], near, v, None, RELAXED["lam"])
+    near = Neighbourhood(proximity[:, :rule["k"]])
+    p_hat, moved = bounded_target(p1, p0[p1.ids], near, v, rule.get("delta"), rule.get("lam"))
     relaxed = Support(p_hat, p1.ids).dense(v)[:, 0]  # (6, V)
     return p0[:, None] * p1.dense(v)[:, 0], p0[:, None] * relaxed, moved[:, 0]
 
 
-def test_relaxed_jacobi_outputs_p_hat_within_the_recorded_tv():
+@pytest.mark.parametrize("rule", RELAXED_RULES)
+def test_relaxed_jacobi_outputs_p_hat_within_the_recorded_tv(rule):
     target, _ = flat_micro()
     torch.manual_seed(5)
     proximity = build_proximity_table(torch.nn.functional.normalize(torch.randn(6, 4), dim=1), 5)
     pipe = Pipeline(target, None, proximity, backend="cpu")
-    ar, relaxed, moved = first_pair_targets(target, proximity, 1, SAMPLING)
+    ar, relaxed, moved = first_pair_targets(target, proximity, 1, SAMPLING, rule)
     assert 0.5 * (relaxed - ar).abs().sum() > 0.05  # p_hat really differs from p
-    result = pipe.generate([1] * 6000, DecodeConfig(sampling=SAMPLING, **RELAXED), seed=0, batch=6000)
+    result = pipe.generate([1] * 6000, DecodeConfig(sampling=SAMPLING, **JACOBI_WINDOW, **rule), seed=0, batch=6000)
     pairs = result.tokens[:, 0] * 6 + result.tokens[:, 1]
     counts = torch.bincount(pairs, minlength=36).float()
     assert pvalue(counts, relaxed.flatten()) > LEVEL

@@ -3,11 +3,13 @@
 For each backend (cpu fp32, cpu bf16, onnx fp32 by default) and each number of images B (1, 4, 10; one image per
 class 0..B-1, decoded together), with every seed: AR, each preset as `lantern generate --method NAME` runs it (the
 bundle's relaxation defaults applied), `auto` (lossless unless the bundle validates a relaxation) and
-`auto --allow-relaxed`, back to back in alternating order. Wall time is the decode loop's (runner preparation,
+`auto --allow-relaxed`, back to back. Wall time is the decode loop's (runner preparation,
 warm-up and auto's one-off calibration excluded and reported apart). Timing on a shared 2-core machine drifts by
 10-20% over minutes, so every method runs the first seed, and AR, auto and the methods within 1.5x of the fastest (the
-ones a choice can hinge on) run every seed `--repeats` times, in passes of alternating order, and each seed counts
-the median of its repeats: this VM has fast spells as well as slow ones (in three runs of this tool, 1332 runs, 3-4%
+ones a choice can hinge on) run every seed `--repeats` times, in passes each in its own random order (seeded by the
+setting, so a rerun repeats it: with a fixed alternating order the entries at the ends ran twice back to back, and
+a periodic disturbance of this host met the same entries again and again), and each seed counts the median of its
+repeats: this VM has fast spells as well as slow ones (in three runs of this tool, 1332 runs, 3-4%
 took at most 0.85x the median of their seed's three and 2-6% at least 1.15x), so a seed's fastest repeat would
 count a lucky spell when one happens. Reported: median wall per method over its seeds;
 auto / the fastest method it could have chosen from (auto: AR, the lossless presets and the presets whose
@@ -24,6 +26,7 @@ profiles/results/auto-cpu.{json,md,png}. Timing wants a quiet machine.
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 from pathlib import Path
@@ -71,11 +74,10 @@ def setting(bundle, backend: str, dtype: str, n: int, seeds: list[int], repeats:
     run(list(configs), seeds[0])  # the screen: every method once
     best = min(r[seeds[0]][0] for r in runs.values())
     contenders = [m for m in configs if runs[m][seeds[0]][0] <= SCREEN * best or m in ("ar", AR_AGAIN, *AUTOS)]
-    passes = 0
+    order = random.Random(f"{backend} {dtype} {n}")
     for seed in seeds:
         for _ in range(repeats - (seed == seeds[0])):  # the screen was the first seed's first pass
-            passes += 1
-            run(contenders if passes % 2 == 0 else contenders[::-1], seed)
+            run(order.sample(contenders, len(contenders)), seed)
     # this machine has fast spells and slow ones: a seed's wall is the median of its repeats
     walls = {m: [statistics.median(r[s]) for s in seeds if s in r] for m, r in runs.items()}
     median = {m: statistics.median(w) for m, w in walls.items()}

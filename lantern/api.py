@@ -15,7 +15,8 @@ from lantern.backends import Runner, get_backend
 from lantern.decoding.config import DecodeConfig
 from lantern.decoding.acceptance import Acceptance
 from lantern.decoding.jacobi import decode_jacobi
-from lantern.decoding.loop import condition_rows, decode_ar, decode_speculative, make_generator, static_spec
+from lantern.decoding.loop import (acceptance_rule, condition_rows, decode_ar, decode_speculative, make_generator,
+                                   static_spec)
 from lantern.decoding.sampling import SamplingConfig
 from lantern.decoding.stats import GenerationStats
 
@@ -68,6 +69,7 @@ class Pipeline:
         self.dtype = dtype or self.backend.capabilities().dtypes[0]
         self.backend.check_dtype(self.dtype)
         self._runners: dict = {}
+        self._rules: dict = {}  # (rule parameters, device) -> Acceptance, its neighbourhood built once
 
     @classmethod
     def from_bundle(cls, bundle, backend: str | None = None, dtype: str | None = None,
@@ -121,6 +123,13 @@ class Pipeline:
             runner.warmup()
             self._runners[spec] = runner
         return self._runners[spec]
+
+    def _rule(self, dcfg: DecodeConfig, runner: Runner) -> Acceptance:
+        """The acceptance rule of `dcfg` on the runner's device, built once and reused by every generation."""
+        key = (dcfg.acceptance, dcfg.k, dcfg.delta, dcfg.lam, dcfg.form, str(runner.device))
+        if key not in self._rules:
+            self._rules[key] = acceptance_rule(dcfg, self.proximity, runner.device)
+        return self._rules[key]
 
     def _cond(self, conditions) -> torch.Tensor:
         if self.config.model_type == "c2i":
@@ -192,9 +201,10 @@ class Pipeline:
             part = torch.cat([part, part[:1].expand(width - real, *part.shape[1:])])  # padding images
             rows = condition_rows(part, dcfg, self.target.null_condition(width))
             if dcfg.jacobi:
-                toks, st = decode_jacobi(runner, rows, dcfg, active, block, generator, self.proximity)
+                toks, st = decode_jacobi(runner, rows, dcfg, active, block, generator, self._rule(dcfg, runner))
             elif dcfg.speculative:
-                toks, st = decode_speculative(runner, rows, dcfg, active, block, generator, self.proximity)
+                toks, st = decode_speculative(runner, rows, dcfg, active, block, generator,
+                                              self._rule(dcfg, runner))
             else:
                 toks, st = decode_ar(runner, rows, dcfg, active, block, generator)
             st.batch = width

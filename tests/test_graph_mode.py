@@ -16,7 +16,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from lantern.api import Pipeline
 from lantern.backends import StaticSpec, get_backend
 from lantern.decoding import SamplingConfig, method_preset
-from lantern.decoding.loop import condition_rows, decode_ar, decode_speculative, make_generator, static_spec
+from lantern.decoding.loop import (acceptance_rule, condition_rows, decode_ar, decode_speculative, make_generator,
+                                   static_spec)
 
 TREE_PARENTS = (-1, 0, 0, 1, 1, 2)  # a 6-node tree: root, 2 children, 3 grandchildren
 TREE_DEPTH = (0, 1, 1, 2, 2, 2)
@@ -124,7 +125,8 @@ def generate(runner, dcfg, cls: int, proximity, seed: int = 0) -> torch.Tensor:
     rows = condition_rows(torch.tensor([cls]), dcfg, torch.tensor([cfg.null_class]))
     g, active = make_generator(runner, seed), torch.ones(1, dtype=torch.bool)
     if dcfg.speculative:
-        return decode_speculative(runner, rows, dcfg, active, cfg.block_size, g, proximity)[0][0]
+        return decode_speculative(runner, rows, dcfg, active, cfg.block_size, g,
+                                  acceptance_rule(dcfg, proximity, runner.device))[0][0]
     return decode_ar(runner, rows, dcfg, active, cfg.block_size, g)[0][0]
 
 

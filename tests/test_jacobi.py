@@ -208,6 +208,25 @@ def test_relaxed_jacobi_outputs_p_hat_within_the_recorded_tv(rule):
 
 # --- structure and input --------------------------------------------------------------------------------
 
+def test_a_pipeline_builds_a_relaxed_rules_neighbourhood_once(monkeypatch):
+    """The bitset costs more than a decode step: generations with the same rule reuse it; another rule gets its own."""
+    built = []
+    real_init = Neighbourhood.__init__
+
+    def counted(self, ordered):
+        built.append(ordered.shape)
+        real_init(self, ordered)
+    monkeypatch.setattr(Neighbourhood, "__init__", counted)
+    target, _ = flat_micro()
+    proximity = build_proximity_table(torch.nn.functional.normalize(torch.randn(6, 4), dim=1), 5)
+    pipe = Pipeline(target, None, proximity, backend="cpu")
+    for seed in range(3):
+        pipe.generate([1, 2], DecodeConfig(sampling=SAMPLING, **JACOBI_WINDOW, **RELAXED_RULES[0]), seed=seed)
+    assert built == [(6, 3)]
+    pipe.generate([1], DecodeConfig(sampling=SAMPLING, **JACOBI_WINDOW, acceptance="lantern++", k=2, lam=4.0))
+    assert built == [(6, 3), (6, 2)]
+
+
 def test_each_jacobi_step_moves_only_a_flag_to_the_host(sharp):
     """Between two acceptance phases (one whole step): at most 2 host syncs and O(B * L) elements. The decode
     core is what is counted: the eager runner's attention trim (a CPU-only host read of each mask) is off."""
@@ -219,7 +238,7 @@ def test_each_jacobi_step_moves_only_a_flag_to_the_host(sharp):
     rows = loop.condition_rows(torch.tensor([0, 1, 2]), dcfg, sharp.null_condition(b))
     with counted_steps(jacobi, "accept_chain") as marks:
         jacobi.decode_jacobi(runner, rows, dcfg, torch.ones(b, dtype=torch.bool), pipe.config.block_size,
-                             loop.make_generator(runner, 0), None)
+                             loop.make_generator(runner, 0), loop.acceptance_rule(dcfg, None, runner.device))
     calls, elements = per_step(marks)
     assert len(marks) > 3 and max(calls) <= 2 and max(elements) <= 2 * b * (dcfg.window + 1)
 

@@ -262,7 +262,8 @@ def test_each_speculative_step_moves_only_a_flag_to_the_host(pipe, drafting, mon
     rows = loop.condition_rows(torch.tensor([0, 1, 2]), dcfg, pipe.target.null_condition(b))
     with counted_steps(loop) as marks:
         loop.decode_speculative(runner, rows, dcfg, torch.ones(b, dtype=torch.bool), pipe.config.block_size,
-                                loop.make_generator(runner, 0), pipe.proximity)
+                                loop.make_generator(runner, 0),
+                                loop.acceptance_rule(dcfg, pipe.proximity, runner.device))
     calls, elements = per_step(marks)
     assert len(marks) > 3 and max(calls) <= 2
     assert max(elements) <= 2 * b * (dcfg.strategy.depth + 1)

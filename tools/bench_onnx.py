@@ -28,7 +28,8 @@ import torch
 from lantern.backends import StaticSpec, get_backend
 from lantern.config import gpt_preset
 from lantern.decoding import TREE_PRESETS, SamplingConfig, compile_tree, method_preset
-from lantern.decoding.loop import condition_rows, decode_ar, decode_speculative, make_generator, static_spec
+from lantern.decoding.loop import (acceptance_rule, condition_rows, decode_ar, decode_speculative, make_generator,
+                                   static_spec)
 from lantern.models.drafter import Drafter
 from lantern.models.gpt import GPT
 from lantern.proximity import build_proximity_table
@@ -115,7 +116,8 @@ def generation(target, drafter, method: str, tree: str, threads: int, cache_dir:
         rows = condition_rows(labels, dcfg, target.null_condition(1))
         g, active = make_generator(runner, 0), torch.ones(1, dtype=torch.bool)
         if dcfg.speculative:
-            tokens[name], stats = decode_speculative(runner, rows, dcfg, active, cfg.block_size, g, proximity)
+            tokens[name], stats = decode_speculative(runner, rows, dcfg, active, cfg.block_size, g,
+                                                        acceptance_rule(dcfg, proximity, runner.device))
         else:
             tokens[name], stats = decode_ar(runner, rows, dcfg, active, cfg.block_size, g)
         tau = (sum(stats.accepted_lengths) / len(stats.accepted_lengths)) if stats.accepted_lengths else 1.0

@@ -93,13 +93,12 @@ def spatial_prior(q: Support, fresh: torch.Tensor, decided: torch.Tensor, emitte
 
 @torch.inference_mode()
 def decode_jacobi(runner: Runner, cond_rows: torch.Tensor, dcfg: DecodeConfig, active: torch.Tensor, block: int,
-                  generator: torch.Generator, proximity: Optional[torch.Tensor]) -> tuple[torch.Tensor, GenerationStats]:
-    """B images, no drafter: one verify of every image's window per step. Returns tokens (B, block) and the
-    stats of the active images (padding images of a short chunk start finished)."""
+                  generator: torch.Generator, rule: Acceptance) -> tuple[torch.Tensor, GenerationStats]:
+    """B images, no drafter: one verify of every image's window per step; rule: `acceptance_rule(dcfg, ...)`.
+    Returns tokens (B, block) and the stats of the active images (padding images of a short chunk start
+    finished)."""
     sc, spec, dev = dcfg.sampling, runner.spec, runner.device
     window, rows = dcfg.strategy.window, sc.rows_per_image
-    near = proximity.to(dev, torch.long) if proximity is not None else None  # placed once, read every step
-    rule = Acceptance(dcfg.acceptance, k=dcfg.k, delta=dcfg.delta, lam=dcfg.lam, form=dcfg.form, proximity=near)
     vocab = runner.model_config.vocab_size
     b = active.shape[0]
     nodes = torch.arange(window + 1, device=dev)

@@ -55,6 +55,14 @@ def prefill(runner: Runner, rows: torch.Tensor):
     return out.logits[:, -1], out.hidden[:, -1]  # (R*B, V), (R*B, D)
 
 
+def acceptance_rule(dcfg: DecodeConfig, proximity: Optional[torch.Tensor], device) -> Acceptance:
+    """The decode config's acceptance rule with its proximity table placed on `device` (as int64, read every
+    step). Build it once per pipeline and configuration: a relaxed rule builds its neighbourhood bitset on first
+    use, which costs more than a whole step."""
+    near = proximity.to(device, torch.long) if proximity is not None else None
+    return Acceptance(dcfg.acceptance, k=dcfg.k, delta=dcfg.delta, lam=dcfg.lam, form=dcfg.form, proximity=near)
+
+
 def make_generator(runner: Runner, seed: int) -> torch.Generator:
     """The one seeded generator of a generation, on the runner's device (same seed, same tokens)."""
     return torch.Generator(device=runner.device).manual_seed(seed)
@@ -88,13 +96,11 @@ def decode_ar(runner: Runner, cond_rows: torch.Tensor, dcfg: DecodeConfig, activ
 
 @torch.inference_mode()
 def decode_speculative(runner: Runner, cond_rows: torch.Tensor, dcfg: DecodeConfig, active: torch.Tensor, block: int,
-                       generator: torch.Generator, proximity: Optional[torch.Tensor]) -> tuple[torch.Tensor, GenerationStats]:
-    """B images with a drafter, one batched step at a time. Returns tokens (B, block) and the stats of the
-    active images (padding images of a short chunk start finished)."""
+                       generator: torch.Generator, rule: Acceptance) -> tuple[torch.Tensor, GenerationStats]:
+    """B images with a drafter, one batched step at a time; rule: `acceptance_rule(dcfg, ...)`. Returns tokens
+    (B, block) and the stats of the active images (padding images of a short chunk start finished)."""
     sc, spec, dev = dcfg.sampling, runner.spec, runner.device
     strategy = dcfg.strategy
-    near = proximity.to(dev, torch.long) if proximity is not None else None  # placed once, read every step
-    rule = Acceptance(dcfg.acceptance, k=dcfg.k, delta=dcfg.delta, lam=dcfg.lam, form=dcfg.form, proximity=near)
     drafter = Drafter(runner, sc, generator)
     b, n, depth = active.shape[0], strategy.verify_width, strategy.depth
     vocab = runner.model_config.vocab_size

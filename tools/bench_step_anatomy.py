@@ -1,0 +1,137 @@
+"""Where a decode step's time goes, one image at a time on the embedded model: AR, MC-SJD and relaxed MC-SJD.
+
+Per method, over the bundle's classes (one image each, seeds 0..per-class-1):
+- the real decode: wall per step, split into the forward (the runner's verify phase, sampling warp included),
+  the acceptance phase and the rest of the loop (drafts, masks, bookkeeping);
+- the loop alone: the same decode with the runner's verify answering every step with one cached output, so
+  the time left is the loop's own work (sampling, acceptance, redraws, masks), none of the model's;
+- Jacobi rows: acceptance by window depth (how often the d-th draft was kept, given the ones before were).
+Speed-up = AR's decode wall / the method's, summed over the same images. Each method runs `--repeats` passes
+in alternating order; a job counts its median pass. Writes profiles/results/step-anatomy-<backend>-<dtype>.
+Timing wants a quiet machine.
+
+    python tools/bench_step_anatomy.py --dtype bf16 --threads 2 [--window 16] [--repeats 3]
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from lantern.api import Pipeline
+from lantern.bundle import load_bundle
+from lantern.decoding import SamplingConfig, method_preset
+from results_io import add_bundle_run_options, utc_now, write_results
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def decode_pass(pipe, dcfg, jobs: list[tuple[int, int]]) -> dict:
+    """Every job (class, seed) once: summed wall, steps, phase seconds; depth counts."""
+    total = {"wall": 0.0, "steps": 0, "phases": Counter()}
+    tried, kept = Counter(), Counter()
+    for cls, seed in jobs:
+        result = pipe.generate([cls], dcfg, seed=seed, batch=1)
+        st = result.stats
+        total["wall"] += st.wall_seconds
+        total["steps"] += st.target_forwards - 1  # the prefill is not a step
+        total["phases"].update(st.phase_seconds)
+        for image in st.images:
+            tried.update(image.depth_tried)
+            kept.update(image.depth_accepted)
+    total["depth"] = {d: kept[d] / tried[d] for d in sorted(tried)}
+    return total
+
+
+def loop_alone(pipe, dcfg, jobs: list[tuple[int, int]]) -> float:
+    """Seconds per step of the decode loop with the forward replaced by one cached output."""
+    runner = pipe.runner(dcfg, 1)
+    real_verify, cached = runner.verify, []
+
+    def replay(*args):
+        if not cached:
+            cached.append(real_verify(*args))
+        return cached[0]
+    runner.verify = replay  # this runner instance only, restored below
+    try:
+        p = decode_pass(pipe, dcfg, jobs)
+    finally:
+        del runner.verify
+    return p["wall"] / p["steps"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_bundle_run_options(ap, "profiles/results/step-anatomy-<backend>-<dtype>")
+    ap.add_argument("--window", type=int, default=16, help="Jacobi window L")
+    ap.add_argument("--repeats", type=int, default=3, help="passes per method (the median counts)")
+    args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats {args.repeats} must be >= 1")
+    if args.per_class < 1:
+        ap.error(f"--per-class {args.per_class} must be >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    bundle = load_bundle()
+    sampling = SamplingConfig(**bundle.default_sampling)
+    relaxation = bundle.relaxation_defaults.get("mc-sjd-relaxed", {})
+    configs = {"AR": method_preset("ar", sampling),
+               f"MC-SJD L={args.window}": method_preset("mc-sjd", sampling, window=args.window),
+               f"MC-SJD relaxed L={args.window}": method_preset("mc-sjd-relaxed", sampling, window=args.window,
+                                                                 **relaxation)}
+    pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend=args.backend, dtype=args.dtype)
+    for dcfg in configs.values():
+        pipe.check(dcfg)
+        pipe.runner(dcfg, 1)
+    classes = args.classes or list(range(bundle.target.config.num_classes))
+    jobs = [(c, s) for s in range(args.per_class) for c in classes]
+    passes = {m: [] for m in configs}
+    for r in range(args.repeats):
+        for m in (configs if r % 2 == 0 else list(configs)[::-1]):
+            passes[m].append(decode_pass(pipe, configs[m], jobs))
+            print(f"pass {r + 1}/{args.repeats} {m}: {passes[m][-1]['wall']:.2f} s", flush=True)
+    rows = []
+    for m, runs in passes.items():
+        mid = sorted(runs, key=lambda p: p["wall"])[(len(runs) - 1) // 2]
+        steps, ph = mid["steps"], mid["phases"]
+        forward = ph.get("verify", ph.get("decode", 0.0))
+        rest = mid["wall"] - ph.get("prefill", 0.0) - forward - ph.get("accept", 0.0)
+        rows.append({"method": m, "wall_s": mid["wall"], "steps": steps, "tokens_per_step": len(jobs) *
+                     bundle.target.config.block_size / (steps + len(jobs)), "ms_per_step": 1e3 * mid["wall"] / steps,
+                     "forward_ms": 1e3 * forward / steps, "accept_ms": 1e3 * ph.get("accept", 0.0) / steps,
+                     "rest_ms": 1e3 * rest / steps, "loop_alone_ms": 1e3 * loop_alone(pipe, configs[m], jobs),
+                     "acceptance_by_depth": mid["depth"]})
+    for row in rows:
+        row["speedup"] = rows[0]["wall_s"] / row["wall_s"]
+    record = {"backend": args.backend, "dtype": args.dtype, "threads": torch.get_num_threads(),
+              "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+              "images": len(jobs), "repeats": args.repeats, "window": args.window,
+              "sampling": bundle.default_sampling, "date": utc_now(), "rows": rows}
+    write_results(args.out or ROOT / "profiles" / "results" / f"step-anatomy-{args.backend}-{args.dtype}", record,
+                  markdown)
+
+
+def markdown(rec: dict) -> str:
+    head = (f"Backend `{rec['backend']}` {rec['dtype']}, {rec['threads']} threads, {rec['machine']}, torch "
+            f"{rec['torch']}; {rec['images']} images one at a time, median of {rec['repeats']} passes; "
+            f"{rec['date']}. Per step: the real decode split into forward (verify phase, sampling warp "
+            f"included), acceptance and the rest of the loop; 'loop alone' = the same decode with the forward "
+            f"answered from a cache.\n\n")
+    lines = ["| method | speed-up vs AR | tokens / forward | ms / step | forward | acceptance | rest | loop alone |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rec["rows"]:
+        lines.append(f"| {r['method']} | {r['speedup']:.2f}x | {r['tokens_per_step']:.2f} | {r['ms_per_step']:.2f} | "
+                     f"{r['forward_ms']:.2f} | {r['accept_ms']:.2f} | {r['rest_ms']:.2f} | {r['loop_alone_ms']:.3f} |")
+    depth = ["", "Acceptance by window depth (the d-th draft kept, given the ones before it were):", ""]
+    for r in rec["rows"]:
+        if r["acceptance_by_depth"]:
+            depth.append(f"- {r['method']}: " + ", ".join(f"{d}: {a:.2f}" for d, a in
+                                                          r["acceptance_by_depth"].items()))
+    return head + "\n".join(lines + depth) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -275,7 +275,17 @@ def accept_chain(p_nodes: Support, tokens: torch.Tensor, valid: torch.Tensor, q:
     dev = tokens.device
     p = Support(p_nodes.probs[:, :window], p_nodes.ids[:, :window])  # the parents: nodes 0 .. L-1
     cand, cvalid = tokens[:, 1:, None], valid[:, 1:, None]  # (B, L, 1)
-    acc, end, boost, tv = _rule(p, cand, cvalid, q, rule, greedy, vocab)
+    sampled = not greedy and q is not None and not (rule.relaxed and rule.form == "paper")
+    if sampled:  # one candidate per parent: the rule's few products, and a residual only where it is drawn
+        q_on_p = q.prob_of(p.ids)  # (B, L, K) q at p's support tokens
+        target, tv = p.probs, torch.zeros(b, window, device=dev)
+        if rule.relaxed:
+            target, tv = bounded_target(p, q_on_p, rule.neighbourhood(dev), vocab, *rule.bounds)
+        p_x = Support(target, p.ids).prob_of(cand)  # (B, L, 1)
+        acc = torch.where(cvalid, (p_x / q.prob_of(cand).clamp_min(1e-30)).clamp(max=1.0), 0.0)  # min(1, p/q)
+        boost = torch.zeros_like(acc)
+    else:
+        acc, end, boost, tv = _rule(p, cand, cvalid, q, rule, greedy, vocab)
     u = torch.rand(acc.shape, generator=generator, device=dev)
     ok = ((u < acc) & cvalid)[..., 0]  # (B, L)
     accepted = ok.int().cumprod(-1).sum(-1)  # (B,) drafts before the first rejection
@@ -284,9 +294,18 @@ def accept_chain(p_nodes: Support, tokens: torch.Tensor, valid: torch.Tensor, q:
     path = torch.where(emitted, depths[None], 0)  # node i sits at depth i
     # the bonus: from the final rule distribution at the last accepted node, or from p after node L
     at = accepted.clamp(max=window - 1)[:, None]  # (B, 1)
+    if sampled:  # the residual normalise(max(p - q, 0)) where the first rejection happened
+        at_k = at[..., None].expand(-1, -1, p.ids.shape[-1])  # (B, 1, K)
+        r_at, q_at = target.gather(1, at_k), q_on_p.gather(1, at_k)
+        nxt = (r_at - q_at).clamp_min(0.0)
+        total = nxt.sum(-1, keepdim=True)
+        # total is 0 only if r <= q everywhere, when rejection had probability 0
+        rejected = cvalid[:, :, 0].gather(1, at)[..., None] & (total > 0)
+        end_sup = Support(torch.where(rejected, nxt / total.clamp_min(1e-30), r_at), p.ids.gather(1, at_k))
+    else:
+        end_sup = Support(end, p.ids).index(at)
     has_row = (accepted < window)[:, None, None]
     last = Support(p_nodes.probs[:, window:], p_nodes.ids[:, window:])  # (B, 1, K)
-    end_sup = Support(end, p.ids).index(at)
     bonus_dist = Support(torch.where(has_row, end_sup.probs, last.probs), torch.where(has_row, end_sup.ids, last.ids))
     bonus = draw(bonus_dist, greedy, generator)[:, 0]
     tried = emitted[:, :window] & cvalid[..., 0]

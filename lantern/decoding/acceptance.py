@@ -120,6 +120,15 @@ def draft_distribution(q_on_support: torch.Tensor, earlier: torch.Tensor, remove
     return q_on_support.masked_fill(earlier, 0.0) / (1.0 - removed).clamp_min(1e-12)[..., None]
 
 
+def residual(r: torch.Tensor, q: torch.Tensor, tried: torch.Tensor) -> torch.Tensor:
+    """r, q (..., K) on the same support, tried (...) bool -> normalise(max(r - q, 0)) where a candidate drawn
+    from q was tried (and rejected), else r."""
+    nxt = (r - q).clamp_min(0.0)
+    total = nxt.sum(-1, keepdim=True)
+    # total is 0 only if r <= q everywhere, when rejection had probability 0
+    return torch.where(tried[..., None] & (total > 0), nxt / total.clamp_min(1e-30), r)
+
+
 def _acceptance_sampling(target: Support, p_orig: Support, cand, cvalid, q_dense, rule: Acceptance, vocab: int):
     """Acceptance probabilities (B, M, C), the final residuals (B, M, K) and papers' boosts (B, M, C)."""
     r, ids = target.probs, target.ids
@@ -144,10 +153,7 @@ def _acceptance_sampling(target: Support, p_orig: Support, cand, cvalid, q_dense
         else:
             p_tilde = (r * hit).sum(-1)
         acc[..., j] = torch.where(v, (p_tilde / q_x.clamp_min(1e-30)).clamp(max=1.0), 0.0)  # min(1, p~/q_i)
-        nxt = (r - q_j).clamp_min(0.0)
-        total = nxt.sum(-1, keepdim=True)
-        # total is 0 only if r <= q_i everywhere, when rejection had probability 0
-        r = torch.where(v[..., None] & (total > 0), nxt / total.clamp_min(1e-30), r)
+        r = residual(r, q_j, v)
         if q_dense is not None:
             removed = removed + torch.where(v, q_dense.gather(2, x[..., None])[..., 0], 0.0)
             earlier = earlier | (hit & v[..., None])
@@ -296,12 +302,8 @@ def accept_chain(p_nodes: Support, tokens: torch.Tensor, valid: torch.Tensor, q:
     at = accepted.clamp(max=window - 1)[:, None]  # (B, 1)
     if sampled:  # the residual normalise(max(p - q, 0)) where the first rejection happened
         at_k = at[..., None].expand(-1, -1, p.ids.shape[-1])  # (B, 1, K)
-        r_at, q_at = target.gather(1, at_k), q_on_p.gather(1, at_k)
-        nxt = (r_at - q_at).clamp_min(0.0)
-        total = nxt.sum(-1, keepdim=True)
-        # total is 0 only if r <= q everywhere, when rejection had probability 0
-        rejected = cvalid[:, :, 0].gather(1, at)[..., None] & (total > 0)
-        end_sup = Support(torch.where(rejected, nxt / total.clamp_min(1e-30), r_at), p.ids.gather(1, at_k))
+        end = residual(target.gather(1, at_k), q_on_p.gather(1, at_k), cvalid[:, :, 0].gather(1, at))
+        end_sup = Support(end, p.ids.gather(1, at_k))
     else:
         end_sup = Support(end, p.ids).index(at)
     has_row = (accepted < window)[:, None, None]

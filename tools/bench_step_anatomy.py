@@ -2,10 +2,14 @@
 
 Per method, over the bundle's classes (one image each, seeds 0..per-class-1):
 - the real decode: wall per step, split into the forward (the runner's verify phase, sampling warp included),
-  the acceptance phase and the rest of the loop (drafts, masks, bookkeeping);
+  the acceptance phase and the rest of the loop (drafts, masks, bookkeeping); and the model alone (the
+  runner's verify call, without the warp);
+- the ceiling: AR's wall over the method's model time alone, the speed-up a loop that took no time would reach;
 - the loop alone: the same decode with the runner's verify answering every step with one cached output, so
   the time left is the loop's own work (sampling, acceptance, redraws, masks), none of the model's;
-- Jacobi rows: acceptance by window depth (how often the d-th draft was kept, given the ones before were).
+- Jacobi rows: acceptance by window depth (how often the d-th draft was kept, given the ones before were), and
+  how many steps' first rejection was of a draft outside the target's support (its top-k): a relaxed rule only
+  moves mass among that support, so it can never keep such a draft (read in an untimed pass).
 Speed-up = AR's decode wall / the method's, summed over the same images. Each method runs `--repeats` passes
 in alternating order; a job counts its median pass. Writes profiles/results/step-anatomy-<backend>-<dtype>.
 Timing wants a quiet machine.
@@ -15,7 +19,9 @@ Timing wants a quiet machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import platform
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -24,17 +30,40 @@ import torch
 from lantern.api import Pipeline
 from lantern.bundle import load_bundle
 from lantern.decoding import SamplingConfig, method_preset
+from lantern.decoding.sampling import target_support
 from results_io import add_bundle_run_options, utc_now, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@contextlib.contextmanager
+def watching_verify(runner, watch):
+    """Route this runner instance's verify calls through `watch(verify, *args)`, `verify` being what they reached
+    before (another watch's, when nested); restored on exit."""
+    before, own = runner.verify, runner.__dict__.get("verify")
+    runner.verify = lambda *args: watch(before, *args)
+    try:
+        yield
+    finally:
+        if own is None:
+            del runner.verify
+        else:
+            runner.verify = own
+
+
 def decode_pass(pipe, dcfg, jobs: list[tuple[int, int]]) -> dict:
-    """Every job (class, seed) once: summed wall, steps, phase seconds; depth counts."""
-    total = {"wall": 0.0, "steps": 0, "phases": Counter()}
+    """Every job (class, seed) once: summed wall, steps, phase seconds, model seconds; depth counts."""
+    total = {"wall": 0.0, "steps": 0, "phases": Counter(), "model": 0.0}
     tried, kept = Counter(), Counter()
+
+    def timed(real, *args):
+        start = time.perf_counter()
+        out = real(*args)
+        total["model"] += time.perf_counter() - start
+        return out
     for cls, seed in jobs:
-        result = pipe.generate([cls], dcfg, seed=seed, batch=1)
+        with watching_verify(pipe.runner(dcfg, 1), timed):
+            result = pipe.generate([cls], dcfg, seed=seed, batch=1)
         st = result.stats
         total["wall"] += st.wall_seconds
         total["steps"] += st.target_forwards - 1  # the prefill is not a step
@@ -48,19 +77,41 @@ def decode_pass(pipe, dcfg, jobs: list[tuple[int, int]]) -> dict:
 
 def loop_alone(pipe, dcfg, jobs: list[tuple[int, int]]) -> float:
     """Seconds per step of the decode loop with the forward replaced by one cached output."""
-    runner = pipe.runner(dcfg, 1)
-    real_verify, cached = runner.verify, []
+    cached = []
 
-    def replay(*args):
+    def replay(real, *args):
         if not cached:
-            cached.append(real_verify(*args))
+            cached.append(real(*args))
         return cached[0]
-    runner.verify = replay  # this runner instance only, restored below
-    try:
+    with watching_verify(pipe.runner(dcfg, 1), replay):
         p = decode_pass(pipe, dcfg, jobs)
-    finally:
-        del runner.verify
     return p["wall"] / p["steps"]
+
+
+def first_rejections(pipe, dcfg, jobs: list[tuple[int, int]]) -> dict:
+    """Jacobi windows, one image per call: of the steps that ended in a rejection, how many rejected a draft
+    outside the target's support (warped top-k). Read from consecutive verify calls: the next root's position
+    says how many drafts m were kept, so draft m + 1 was tested against the support after node m."""
+    counts = {"rejections": 0, "outside_support": 0}
+    previous = {}
+
+    def read(real, tokens, positions, slots, mask):
+        out = real(tokens, positions, slots, mask)  # tokens, positions (R, L+1): row 0 is the image's own
+        root = int(positions[0, 0])
+        if previous:
+            m = root - previous["root"] - 1
+            if m < tokens.shape[1] - 1:
+                counts["rejections"] += 1
+                inside = (previous["support"][m] == previous["tokens"][m + 1]).any()
+                counts["outside_support"] += int(not bool(inside))
+        previous.update(root=root, tokens=tokens[0].clone(),
+                        support=target_support(out.logits, dcfg.sampling).ids[0])  # (L+1, K)
+        return out
+    for cls, seed in jobs:
+        previous.clear()
+        with watching_verify(pipe.runner(dcfg, 1), read):
+            pipe.generate([cls], dcfg, seed=seed, batch=1)
+    return counts
 
 
 def main() -> None:
@@ -102,10 +153,13 @@ def main() -> None:
         rows.append({"method": m, "wall_s": mid["wall"], "steps": steps, "tokens_per_step": len(jobs) *
                      bundle.target.config.block_size / (steps + len(jobs)), "ms_per_step": 1e3 * mid["wall"] / steps,
                      "forward_ms": 1e3 * forward / steps, "accept_ms": 1e3 * ph.get("accept", 0.0) / steps,
-                     "rest_ms": 1e3 * rest / steps, "loop_alone_ms": 1e3 * loop_alone(pipe, configs[m], jobs),
-                     "acceptance_by_depth": mid["depth"]})
+                     "rest_ms": 1e3 * rest / steps, "model_ms": 1e3 * mid["model"] / steps,
+                     "model_s": mid["model"], "loop_alone_ms": 1e3 * loop_alone(pipe, configs[m], jobs),
+                     "acceptance_by_depth": mid["depth"],
+                     "first_rejections": first_rejections(pipe, configs[m], jobs) if mid["depth"] else None})
     for row in rows:
         row["speedup"] = rows[0]["wall_s"] / row["wall_s"]
+        row["ceiling"] = rows[0]["wall_s"] / row["model_s"]
     record = {"backend": args.backend, "dtype": args.dtype, "threads": torch.get_num_threads(),
               "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
               "images": len(jobs), "repeats": args.repeats, "window": args.window,
@@ -118,18 +172,28 @@ def markdown(rec: dict) -> str:
     head = (f"Backend `{rec['backend']}` {rec['dtype']}, {rec['threads']} threads, {rec['machine']}, torch "
             f"{rec['torch']}; {rec['images']} images one at a time, median of {rec['repeats']} passes; "
             f"{rec['date']}. Per step: the real decode split into forward (verify phase, sampling warp "
-            f"included), acceptance and the rest of the loop; 'loop alone' = the same decode with the forward "
-            f"answered from a cache.\n\n")
-    lines = ["| method | speed-up vs AR | tokens / forward | ms / step | forward | acceptance | rest | loop alone |",
-             "|---|---|---|---|---|---|---|---|"]
+            f"included), acceptance and the rest of the loop; 'model' = the runner's verify call alone (no warp); "
+            f"'ceiling' = AR's wall over the method's model time: the speed-up of a loop that took no time; "
+            f"'loop alone' = the same decode with the forward answered from a cache.\n\n")
+    lines = ["| method | speed-up vs AR | ceiling | tokens / forward | ms / step | forward | model | acceptance | "
+             "rest | loop alone |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rec["rows"]:
-        lines.append(f"| {r['method']} | {r['speedup']:.2f}x | {r['tokens_per_step']:.2f} | {r['ms_per_step']:.2f} | "
-                     f"{r['forward_ms']:.2f} | {r['accept_ms']:.2f} | {r['rest_ms']:.2f} | {r['loop_alone_ms']:.3f} |")
+        lines.append(f"| {r['method']} | {r['speedup']:.2f}x | {r['ceiling']:.2f}x | {r['tokens_per_step']:.2f} | "
+                     f"{r['ms_per_step']:.2f} | {r['forward_ms']:.2f} | {r['model_ms']:.2f} | {r['accept_ms']:.2f} | "
+                     f"{r['rest_ms']:.2f} | {r['loop_alone_ms']:.3f} |")
     depth = ["", "Acceptance by window depth (the d-th draft kept, given the ones before it were):", ""]
     for r in rec["rows"]:
         if r["acceptance_by_depth"]:
             depth.append(f"- {r['method']}: " + ", ".join(f"{d}: {a:.2f}" for d, a in
                                                           r["acceptance_by_depth"].items()))
+    outside = ["", "Steps whose first rejection was of a draft outside the target's support (its top-k), which no "
+               "relaxation of the target on that support can keep:", ""]
+    for r in rec["rows"]:
+        f = r.get("first_rejections")
+        if f and f["rejections"]:
+            outside.append(f"- {r['method']}: {f['outside_support']} of {f['rejections']} "
+                           f"({f['outside_support'] / f['rejections']:.0%})")
+    depth += outside
     return head + "\n".join(lines + depth) + "\n"
 
 

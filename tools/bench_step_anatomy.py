@@ -10,8 +10,9 @@ Per method, over the bundle's classes (one image each, seeds 0..per-class-1):
 - Jacobi rows: acceptance by window depth (how often the d-th draft was kept, given the ones before were), and
   how many steps' first rejection was of a draft outside the target's support (its top-k): a relaxed rule only
   moves mass among that support, so it can never keep such a draft (read in an untimed pass).
-Speed-up = AR's decode wall / the method's, summed over the same images. Each method runs `--repeats` passes
-in alternating order; a job counts its median pass. Writes profiles/results/step-anatomy-<backend>-<dtype>.
+Speed-up = AR's decode wall / the method's, summed over the same images. The methods take turns image by image
+(in alternating order), so a slow spell of the machine falls on all of them alike; each image counts its median of
+`--repeats` runs. Writes profiles/results/step-anatomy-<backend>-<dtype>.
 Timing wants a quiet machine.
 
     python tools/bench_step_anatomy.py --dtype bf16 --threads 2 [--window 16] [--repeats 3]
@@ -51,28 +52,40 @@ def watching_verify(runner, watch):
             runner.verify = own
 
 
-def decode_pass(pipe, dcfg, jobs: list[tuple[int, int]]) -> dict:
-    """Every job (class, seed) once: summed wall, steps, phase seconds, model seconds; depth counts."""
-    total = {"wall": 0.0, "steps": 0, "phases": Counter(), "model": 0.0}
-    tried, kept = Counter(), Counter()
+def decode_job(pipe, dcfg, cls: int, seed: int) -> dict:
+    """One image: wall, steps, phase seconds, model seconds (the runner's verify calls), depth counts."""
+    model = [0.0]
 
     def timed(real, *args):
         start = time.perf_counter()
         out = real(*args)
-        total["model"] += time.perf_counter() - start
+        model[0] += time.perf_counter() - start
         return out
-    for cls, seed in jobs:
-        with watching_verify(pipe.runner(dcfg, 1), timed):
-            result = pipe.generate([cls], dcfg, seed=seed, batch=1)
-        st = result.stats
-        total["wall"] += st.wall_seconds
-        total["steps"] += st.target_forwards - 1  # the prefill is not a step
-        total["phases"].update(st.phase_seconds)
-        for image in st.images:
-            tried.update(image.depth_tried)
-            kept.update(image.depth_accepted)
-    total["depth"] = {d: kept[d] / tried[d] for d in sorted(tried)}
+    with watching_verify(pipe.runner(dcfg, 1), timed):
+        st = pipe.generate([cls], dcfg, seed=seed, batch=1).stats
+    tried, kept = Counter(), Counter()
+    for image in st.images:
+        tried.update(image.depth_tried)
+        kept.update(image.depth_accepted)
+    return {"wall": st.wall_seconds, "steps": st.target_forwards - 1,  # the prefill is not a step
+            "phases": Counter(st.phase_seconds), "model": model[0], "tried": tried, "kept": kept}
+
+
+def summed(runs: list[dict]) -> dict:
+    """Images' runs -> their totals, and acceptance by depth over all of them."""
+    total = {"wall": 0.0, "steps": 0, "model": 0.0, "phases": Counter(), "tried": Counter(), "kept": Counter()}
+    for run in runs:
+        for key in ("wall", "steps", "model"):
+            total[key] += run[key]
+        for key in ("phases", "tried", "kept"):
+            total[key].update(run[key])
+    total["depth"] = {d: total["kept"][d] / total["tried"][d] for d in sorted(total["tried"])}
     return total
+
+
+def decode_pass(pipe, dcfg, jobs: list[tuple[int, int]]) -> dict:
+    """Every job (class, seed) once, summed."""
+    return summed([decode_job(pipe, dcfg, cls, seed) for cls, seed in jobs])
 
 
 def loop_alone(pipe, dcfg, jobs: list[tuple[int, int]]) -> float:
@@ -118,7 +131,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_bundle_run_options(ap, "profiles/results/step-anatomy-<backend>-<dtype>")
     ap.add_argument("--window", type=int, default=16, help="Jacobi window L")
-    ap.add_argument("--repeats", type=int, default=3, help="passes per method (the median counts)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per image and method (the median counts)")
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error(f"--repeats {args.repeats} must be >= 1")
@@ -139,14 +152,18 @@ def main() -> None:
         pipe.runner(dcfg, 1)
     classes = args.classes or list(range(bundle.target.config.num_classes))
     jobs = [(c, s) for s in range(args.per_class) for c in classes]
-    passes = {m: [] for m in configs}
+    runs = {m: {job: [] for job in jobs} for m in configs}
+    order = list(configs)
     for r in range(args.repeats):
-        for m in (configs if r % 2 == 0 else list(configs)[::-1]):
-            passes[m].append(decode_pass(pipe, configs[m], jobs))
-            print(f"pass {r + 1}/{args.repeats} {m}: {passes[m][-1]['wall']:.2f} s", flush=True)
+        for i, job in enumerate(jobs):  # the methods take turns image by image, in alternating order
+            for m in (order if (r + i) % 2 == 0 else order[::-1]):
+                runs[m][job].append(decode_job(pipe, configs[m], *job))
+        print(f"round {r + 1}/{args.repeats}: " + ", ".join(
+            f"{m} {sum(by_job[-1]['wall'] for by_job in runs[m].values()):.2f} s" for m in order), flush=True)
     rows = []
-    for m, runs in passes.items():
-        mid = sorted(runs, key=lambda p: p["wall"])[(len(runs) - 1) // 2]
+    for m in order:
+        mid = summed([sorted(by_job, key=lambda run: run["wall"])[(len(by_job) - 1) // 2]
+                      for by_job in runs[m].values()])  # each image's median run
         steps, ph = mid["steps"], mid["phases"]
         forward = ph.get("verify", ph.get("decode", 0.0))
         rest = mid["wall"] - ph.get("prefill", 0.0) - forward - ph.get("accept", 0.0)
@@ -170,7 +187,8 @@ def main() -> None:
 
 def markdown(rec: dict) -> str:
     head = (f"Backend `{rec['backend']}` {rec['dtype']}, {rec['threads']} threads, {rec['machine']}, torch "
-            f"{rec['torch']}; {rec['images']} images one at a time, median of {rec['repeats']} passes; "
+            f"{rec['torch']}; {rec['images']} images one at a time, the methods taking turns image by image, each "
+            f"image's median of {rec['repeats']} runs; "
             f"{rec['date']}. Per step: the real decode split into forward (verify phase, sampling warp "
             f"included), acceptance and the rest of the loop; 'model' = the runner's verify call alone (no warp); "
             f"'ceiling' = AR's wall over the method's model time: the speed-up of a loop that took no time; "

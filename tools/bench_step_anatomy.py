@@ -211,8 +211,7 @@ def markdown(rec: dict) -> str:
         if f and f["rejections"]:
             outside.append(f"- {r['method']}: {f['outside_support']} of {f['rejections']} "
                            f"({f['outside_support'] / f['rejections']:.0%})")
-    depth += outside
-    return head + "\n".join(lines + depth) + "\n"
+    return head + "\n".join(lines + depth + outside) + "\n"
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from pathlib import Path
 def _version() -> str:
     """The installed distribution's version, or pyproject.toml's in a source checkout that was never installed."""
     try:
-        return metadata.version("lantern")
+        return metadata.version("lantern-decoding")
     except metadata.PackageNotFoundError:
         import tomllib
         pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"

@@ -380,14 +380,14 @@ def test_sampling_table_is_the_decoders_sampling_config():
 
 def test_profiles_are_found_on_the_search_path_then_in_the_shipped_copy(tmp_path, monkeypatch):
     """$LANTERN_PROFILES (several folders), ./profiles, then the profiles installed with lantern, from any folder;
-    results of a shipped profile go to ./profiles/results, never into the installed package."""
+    results of a shipped profile go to ./results, never into the installed package."""
     from lantern.profile.hardware import shipped_dir
     from lantern.profile.suite import default_results_path
 
     monkeypatch.chdir(tmp_path)
     shipped = load_profile("cpu")
     assert shipped.path.parent == shipped_dir() and (shipped_dir() / "cpu.tuned.json").is_file()
-    assert default_results_path(shipped) == tmp_path.joinpath("profiles", "results", "cpu.json").relative_to(tmp_path)
+    assert default_results_path(shipped) == tmp_path.joinpath("results", "cpu.json").relative_to(tmp_path)
     first, second = tmp_path / "a", tmp_path / "b"
     first.mkdir()
     second.mkdir()

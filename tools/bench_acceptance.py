@@ -6,7 +6,7 @@ candidate's acceptance, the draws, the path and the bonus token. Inputs are rand
 V = 16384 codes, the 57-node LANTERN++ tree (N = 58 with the root), top-k 1000, CFG 4.0, B = 1 and 8 images.
 "Before" runs the previous revision's own code (its `walk_tree`, `combine_cfg`, `warp`) in that revision's
 environment (`--before-python`, a venv with the old revision installed); "after" runs this checkout's.
-Writes profiles/results/acceptance-phase-cpu.{json,md}.
+Writes results/acceptance-phase-cpu.{json,md}.
 
     git worktree add /tmp/before fe25dc9 && python3 -m venv /tmp/before/.venv && \\
       /tmp/before/.venv/bin/pip install torch==2.13.0 -e /tmp/before
@@ -96,7 +96,7 @@ def main() -> None:
     ap.add_argument("--before-python", help="python of an environment with the previous revision installed")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--out", default=str(ROOT / "profiles" / "results" / "acceptance-phase-cpu"))
+    ap.add_argument("--out", default=str(ROOT / "results" / "acceptance-phase-cpu"))
     args = ap.parse_args()
     torch.set_num_threads(1)
     rows = []

@@ -7,7 +7,7 @@ early, middle and end of an image), laid out as the model lays them out (queries
 keys and values sliced from the preallocated cache). Both forms run in alternating order, REPEATS rounds of CALLS
 calls each; reported: the median microseconds per call of each form, the matmul form's median per-round ratio to
 SDPA's, and each form's largest error against a float64 reference. Writes
-profiles/results/attention-kernels-cpu.{json,md}. Timing wants a quiet machine.
+results/attention-kernels-cpu.{json,md}. Timing wants a quiet machine.
 
     python tools/bench_attention_kernels.py [--dtypes fp32 bf16] [--threads 2]
 """
@@ -76,7 +76,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=str(ROOT / "profiles" / "results" / "attention-kernels-cpu"))
+    ap.add_argument("--out", default=str(ROOT / "results" / "attention-kernels-cpu"))
     args = ap.parse_args()
     if args.threads < 1:
         ap.error(f"--threads {args.threads} must be >= 1")

@@ -3,7 +3,7 @@ side in one run, on the embedded model: whole single-image generations of AR and
 
 The same prepared runner runs both ways (`trims_attention` on and off), in alternating order per image, so drift
 in machine load hits both alike; per method and dtype: the median seconds per image each way and the median of
-the per-image ratios. Writes profiles/results/attention-trim-cpu.{json,md}. Timing wants a quiet machine.
+the per-image ratios. Writes results/attention-trim-cpu.{json,md}. Timing wants a quiet machine.
 
     python tools/bench_attention_trim.py [--images 6] [--dtypes fp32 bf16] [--threads 2]
 """
@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=6, help="single images per method and dtype (class i % 10, seed i)")
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=str(ROOT / "profiles" / "results" / "attention-trim-cpu"))
+    ap.add_argument("--out", default=str(ROOT / "results" / "attention-trim-cpu"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     bundle = load_bundle()

@@ -18,7 +18,7 @@ preset), as the median over seeds of the two walls' ratio on the same seed (pair
 counts on both); auto's predicted speed-up over AR vs the measured one. The noise floor: AR is timed twice per seed
 as two entries (`ar` and `ar again`, identical work on the same runner); their paired ratio and its spread over
 seeds say how far apart two identical configurations land on this machine. Writes
-profiles/results/auto-cpu.{json,md,png}. Timing wants a quiet machine.
+results/auto-cpu.{json,md,png}. Timing wants a quiet machine.
 
     python tools/bench_auto.py [--backends cpu:fp32 cpu:bf16 onnx:fp32] [--images 1 4 10] [--seeds 0 1 2 3 4]
                                [--repeats 3]
@@ -117,7 +117,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     ap.add_argument("--repeats", type=int, default=3, help="runs per method and seed (their median counts)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=str(ROOT / "profiles" / "results" / "auto-cpu"))
+    ap.add_argument("--out", default=str(ROOT / "results" / "auto-cpu"))
     args = ap.parse_args()
     for name in ("repeats", "threads"):
         if getattr(args, name) < 1:

@@ -5,7 +5,7 @@ Every configuration is prepared and warmed up before anything is timed; each is 
 in rotating order and the median wall time (VQ decoding excluded) is reported. "before" runs the previous
 revision's own Pipeline in its own environment (`--before-python`, see tools/bench_acceptance.py), on this
 checkout's bundle (the same model).
-Writes profiles/results/batched-<backend>-<dtype>.{json,md}.
+Writes results/batched-<backend>-<dtype>.{json,md}.
 
     python tools/bench_batched.py --before-python /tmp/before/.venv/bin/python
 """
@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--before-python", help="python of an environment with the previous revision installed")
-    ap.add_argument("--out", help="output stem (default profiles/results/batched-<backend>-<dtype>)")
+    ap.add_argument("--out", help="output stem (default results/batched-<backend>-<dtype>)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     bundle = load_bundle()
@@ -105,7 +105,7 @@ def main() -> None:
               "threads": args.threads, "machine": platform.processor(), "torch": torch.__version__,
               "repeats": args.repeats, "bundle": bundle.manifest.get("name"), "sampling": bundle.default_sampling,
               "rows": rows}
-    write_results(args.out or ROOT / "profiles" / "results" / f"batched-{args.backend}-{args.dtype}", record, markdown)
+    write_results(args.out or ROOT / "results" / f"batched-{args.backend}-{args.dtype}", record, markdown)
 
 
 def markdown(rec: dict) -> str:

@@ -2,7 +2,7 @@
 
 A single image with CFG (2 rows), torch eager: the target's AR step (verify width 1) and the drafter's step at
 width 1 and at the widest drafting width of the default tree, each the median over `--repeats` calls on
-prepared, warmed-up runners (lantern.profile.measure). Writes profiles/results/drafter-cost-<backend>-<dtype>.{json,md}.
+prepared, warmed-up runners (lantern.profile.measure). Writes results/drafter-cost-<backend>-<dtype>.{json,md}.
 
     python tools/bench_drafter_cost.py [--backend cpu] [--dtype fp32]
 """
@@ -43,7 +43,7 @@ def main() -> None:
               "target_layers": cfg.n_layer, "dim": cfg.dim, "target_step_s": t,
               "drafter": {str(w): {"median_s": d["latency"]["median_s"], "ratio": d["latency"]["median_s"] / t}
                           for w, d in drafts.items()}}
-    write_results(ROOT / "profiles" / "results" / f"drafter-cost-{args.backend}-{args.dtype}", record, markdown)
+    write_results(ROOT / "results" / f"drafter-cost-{args.backend}-{args.dtype}", record, markdown)
 
 
 def markdown(rec: dict) -> str:

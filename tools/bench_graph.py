@@ -166,7 +166,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cfg-scale", type=float, default=4.0)
     ap.add_argument("--methods", default="ar,lantern++")
     ap.add_argument("--preset", default="GPT-small", help="model shape (GPT-test for a quick smoke run)")
-    ap.add_argument("--out", default="profiles/results/graph-cpu", help="output path without extension")
+    ap.add_argument("--out", default="results/graph-cpu", help="output path without extension")
     args = ap.parse_args(argv)
     models = random_models(args.preset, seed=0)
     load_before = os.getloadavg()

@@ -4,7 +4,7 @@ Structural, not a timing (any machine state will do): a whole LANTERN++ generati
 10 images (one call; the previous revision decodes them one at a time), every host transfer counted by
 lantern/profile/host_transfers.py, divided by the verify steps. "before" runs the previous revision in its own
 environment (`--before-python`, see tools/bench_acceptance.py) with the same counter loaded from this checkout.
-Writes profiles/results/host-transfers.{json,md}.
+Writes results/host-transfers.{json,md}.
 
     python tools/bench_host_transfers.py --before-python /tmp/before/.venv/bin/python
 """
@@ -53,7 +53,7 @@ def run(python: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--before-python", help="python of an environment with the previous revision installed")
-    ap.add_argument("--out", default=str(ROOT / "profiles" / "results" / "host-transfers"))
+    ap.add_argument("--out", default=str(ROOT / "results" / "host-transfers"))
     args = ap.parse_args()
     rows = {"after": run(sys.executable)}
     if args.before_python:

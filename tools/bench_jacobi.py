@@ -7,7 +7,7 @@ speed-up = AR's decode wall time / the method's over the same images. With `--re
 times per method and counts its median run (the middle one by wall time; of an even R, the faster middle one):
 this shared VM has fast spells as well as slow ones, and a fastest run would count a lucky one. Quality: the
 bundle's evaluator (class accuracy, Frechet distance to held-out real images), per setting and method. Writes
-profiles/results/jacobi-<backend>.{json,md}. Timing wants a quiet machine.
+results/jacobi-<backend>.{json,md}. Timing wants a quiet machine.
 
     python tools/bench_jacobi.py [--per-class 2] [--windows 8 16 32] [--eagle chain-5 lantern++-57] [--threads 2]
                                  [--repeats 3]
@@ -90,7 +90,7 @@ def summarise(bundle, configs: dict, runs: dict, classes: list[int], per_class: 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_bundle_run_options(ap, "profiles/results/jacobi-<backend>")
+    add_bundle_run_options(ap, "results/jacobi-<backend>")
     ap.add_argument("--windows", type=int, nargs="+", default=[8, 16, 32], help="MC-SJD windows")
     ap.add_argument("--relaxed-window", type=int, default=16, help="window of SJD and relaxed MC-SJD")
     ap.add_argument("--eagle", nargs="+", default=["chain-5", "lantern++-57"],
@@ -129,7 +129,7 @@ def main() -> None:
               "classes": classes, "per_class": args.per_class, "images_per_setting": n, "repeats": args.repeats,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "settings": {k: {"rows": rows, "real_image_reference": ref} for k, (rows, ref) in settings.items()}}
-    out = Path(args.out or ROOT / "profiles" / "results" / f"jacobi-{args.backend}")
+    out = Path(args.out or ROOT / "results" / f"jacobi-{args.backend}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(record, indent=2))
     out.with_suffix(".md").write_text(markdown(record))

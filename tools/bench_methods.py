@@ -3,7 +3,7 @@
 For each (class, seed) the methods run back to back on the same runner set (so drift in machine load
 hits all of them alike); speed-up = AR wall time / method wall time over the same images. Quality: the
 bundle's evaluator (class accuracy, Frechet distance to held-out real images). Writes
-profiles/results/methods-<backend>-<dtype>.{json,md,png}.
+results/methods-<backend>-<dtype>.{json,md,png}.
 
     python tools/bench_methods.py [--backend cpu] [--dtype bf16] [--per-class 2] [--greedy]
 """
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_bundle_run_options(ap, "profiles/results/methods-<backend>-<dtype>")
+    add_bundle_run_options(ap, "results/methods-<backend>-<dtype>")
     ap.add_argument("--methods", nargs="+", default=list(METHODS))
     ap.add_argument("--variant", action="append", default=[], metavar="LABEL:METHOD[:KEY=VALUE,...]",
                     help="one more row, e.g. 'lantern++ lam1.5:lantern++:lam=1.5' or "
@@ -78,7 +78,7 @@ def main() -> None:
             "frechet_distance": quality["generated"]["frechet_distance"],
         })
     reference = quality["real_train_reference"]
-    out = Path(args.out or ROOT / "profiles" / "results" / f"methods-{args.backend}-{args.dtype}")
+    out = Path(args.out or ROOT / "results" / f"methods-{args.backend}-{args.dtype}")
     record = {"backend": args.backend, "dtype": args.dtype, "threads": torch.get_num_threads(),
               "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
               "bundle": bundle.manifest.get("name", str(bundle.path)), "greedy": args.greedy,

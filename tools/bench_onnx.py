@@ -2,7 +2,7 @@
 
 Reports (1) target verify latency against the tree width N (plus the prefill), with the parity error of
 every step, and (2) whole-generation wall time, AR and speculative (LANTERN++ tree), greedy with CFG, on
-both backends, checking the token ids are equal. Writes profiles/results/onnx-bench.{json,md}.
+both backends, checking the token ids are equal. Writes results/onnx-bench.{json,md}.
 
 The model has the GPT-small shape (dim 384, 8 layers, 8 heads, vocab 1024, 10 classes, 256 tokens: larger
 than the embedded model, preset GPT-lantern-digits) with RANDOM weights and a random drafter: fine for
@@ -35,7 +35,7 @@ from lantern.models.gpt import GPT
 from lantern.proximity import build_proximity_table
 
 BACKENDS = ("cpu", "onnx")
-RESULTS = Path(__file__).resolve().parents[1] / "profiles" / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def interleaved_ms(calls: dict, reps: int) -> dict:

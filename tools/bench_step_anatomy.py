@@ -12,7 +12,7 @@ Per method, over the bundle's classes (one image each, seeds 0..per-class-1):
   moves mass among that support, so it can never keep such a draft (read in an untimed pass).
 Speed-up = AR's decode wall / the method's, summed over the same images. The methods take turns image by image
 (in alternating order), so a slow spell of the machine falls on all of them alike; each image counts its median of
-`--repeats` runs. Writes profiles/results/step-anatomy-<backend>-<dtype>.
+`--repeats` runs. Writes results/step-anatomy-<backend>-<dtype>.
 Timing wants a quiet machine.
 
     python tools/bench_step_anatomy.py --dtype bf16 --threads 2 [--window 16] [--repeats 3]
@@ -129,7 +129,7 @@ def first_rejections(pipe, dcfg, jobs: list[tuple[int, int]]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_bundle_run_options(ap, "profiles/results/step-anatomy-<backend>-<dtype>")
+    add_bundle_run_options(ap, "results/step-anatomy-<backend>-<dtype>")
     ap.add_argument("--window", type=int, default=16, help="Jacobi window L")
     ap.add_argument("--repeats", type=int, default=3, help="runs per image and method (the median counts)")
     args = ap.parse_args()
@@ -181,7 +181,7 @@ def main() -> None:
               "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
               "images": len(jobs), "repeats": args.repeats, "window": args.window,
               "sampling": bundle.default_sampling, "date": utc_now(), "rows": rows}
-    write_results(args.out or ROOT / "profiles" / "results" / f"step-anatomy-{args.backend}-{args.dtype}", record,
+    write_results(args.out or ROOT / "results" / f"step-anatomy-{args.backend}-{args.dtype}", record,
                   markdown)
 
 

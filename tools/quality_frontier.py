@@ -8,7 +8,7 @@ other rows of the results file, as it is when the run ends, that were measured o
 for drafter methods): runs of disjoint rows can go side by side. The default relaxation of each method is
 the bounded setting with the largest step compression whose accuracy and Frechet distance stay within AR's
 spread (accuracy >= AR's lowest, distance <= AR's highest); `--write-defaults` records it in the bundle's
-manifest ("relaxation_defaults"), which `lantern generate` then uses. Writes profiles/results/frontier.{json,md,png}.
+manifest ("relaxation_defaults"), which `lantern generate` then uses. Writes results/frontier.{json,md,png}.
 
     python tools/quality_frontier.py [--per-class 10] [--ar-seeds 3] [--write-defaults]
 """
@@ -98,7 +98,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=50, help="images per static step")
     ap.add_argument("--only", nargs="+", metavar="LABEL", help="run only these rows of the grid (default: all)")
     ap.add_argument("--write-defaults", action="store_true", help="record the chosen defaults in the bundle")
-    ap.add_argument("--out", default=str(ROOT / "profiles" / "results" / "frontier"))
+    ap.add_argument("--out", default=str(ROOT / "results" / "frontier"))
     args = ap.parse_args()
     bundle = load_bundle()
     pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend="cpu")

@@ -8,7 +8,7 @@ bounded rule the recorded TV(p_hat, p) is reported next to it: the two must agre
 
 Settings: flat synthetic distributions (Dirichlet 0.3 and peaked Dirichlet 0.05 over 256 codes of a random
 4-D codebook, k = 8) and the embedded model's own (p, q) pairs (teacher-forced on AR samples, CFG and warping
-at the bundle's defaults, the bundle's proximity table, k = 10). Writes profiles/results/relaxation_tvd.{json,md,png}.
+at the bundle's defaults, the bundle's proximity table, k = 10). Writes results/relaxation_tvd.{json,md,png}.
 
     python tools/relaxation_tvd.py [--pairs 20] [--trials 20000]
 """
@@ -106,7 +106,7 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=20)
     ap.add_argument("--trials", type=int, default=20000)
     ap.add_argument("--children", type=int, nargs="+", default=[1, 3], help="candidates per node")
-    ap.add_argument("--out", default=str(ROOT / "profiles" / "results" / "relaxation_tvd"))
+    ap.add_argument("--out", default=str(ROOT / "results" / "relaxation_tvd"))
     args = ap.parse_args()
     torch.set_num_threads(1)
     v = 256

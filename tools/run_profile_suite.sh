@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The committed profile suite of this repo: measure the CPU profiles, tune the fp32 and bf16 CPU trees, one per
 # batch size (timing each against the default 57-node tree side by side at its batch size), and regenerate the
-# compare report under profiles/results/.
+# compare report under results/.
 #   tools/run_profile_suite.sh            resume the results files (only missing or failed cases run)
 #   tools/run_profile_suite.sh --fresh    start over (needed when the model changed, e.g. a trained bundle landed)
 # Exit code: 0 when every step succeeded or only reported an unavailable backend (3), else the first failure's.
@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 PROFILES=(cpu cpu-bf16 onnx-cpu)
 status=0
 RESULTS=()
-for p in "${PROFILES[@]}"; do RESULTS+=("profiles/results/$p.json"); done
+for p in "${PROFILES[@]}"; do RESULTS+=("results/$p.json"); done
 step() {
     echo "+ $*" >&2
     "$@"
@@ -26,5 +26,5 @@ for p in cpu cpu-bf16; do
     # the tuned tree as one more case of the run (resumed: only that case runs)
     step lantern profile run --profile "$p"
 done
-step lantern profile compare "${RESULTS[@]}" --out profiles/results/report
+step lantern profile compare "${RESULTS[@]}" --out results/report
 exit $status

@@ -24,7 +24,7 @@ def add_profile_commands(subparsers) -> None:
     r.add_argument("--backend", help="override the profile's backend (default: the profile's, else "
                                      "$LANTERN_BACKEND, else auto)")
     r.add_argument("--model", help="auto | bundle | bundle:PATH | random:PRESET (default: the profile's)")
-    r.add_argument("--out", help="results file (default: profiles/results/<profile>.json)")
+    r.add_argument("--out", help="results file (default: results/<profile>.json)")
     r.add_argument("--fresh", action="store_true", help="start over instead of resuming the results file")
     r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     r.add_argument("--json", action="store_true", help="print one JSON object")
@@ -32,7 +32,7 @@ def add_profile_commands(subparsers) -> None:
 
     c = sub.add_parser("compare", help="merge results files into report.md and PNG plots")
     c.add_argument("files", nargs="+", help="results files (any machines and backends)")
-    c.add_argument("--out", default="profiles/results/report", help="folder for report.md and the plots")
+    c.add_argument("--out", default="results/report", help="folder for report.md and the plots")
     c.add_argument("--no-plots", action="store_true", help="Markdown only")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_compare, show=print_compare)
@@ -40,7 +40,7 @@ def add_profile_commands(subparsers) -> None:
     t = sub.add_parser("tune", help="choose a static tree per batch size for a profile from its measurements and "
                                     "write them into the profile")
     t.add_argument("--profile", required=True, help="profile NAME or .toml FILE (its [tuned] table is rewritten)")
-    t.add_argument("--results", help="results file (default: profiles/results/<profile>.json)")
+    t.add_argument("--results", help="results file (default: results/<profile>.json)")
     t.add_argument("--max-nodes", type=number(int, 2),
                    help="largest tree size N, root included, >= 2 (default: the largest measured at each batch "
                         "size)")

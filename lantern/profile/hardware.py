@@ -3,7 +3,7 @@ trees `lantern profile tune` chose for it).
 
 Lookup of `--profile NAME|FILE`: an existing .toml path, else NAME.toml in the first folder of the search path
 that has it: $LANTERN_PROFILES (folders separated by os.pathsep), ./profiles, then the profiles lantern ships
-(the package `lantern.hardware_profiles`: the repository's profiles/ folder, installed with lantern).
+(the package `lantern.hardware_profiles`, installed with lantern).
 Every field and its default is in `HardwareProfile`.
 Everything is measured per batch size B (`batch_sizes`: images decoded together, one batched step advancing
 all of them), and `tune` chooses one tree per measured B. Each tuned tree lives beside the profile as

@@ -44,11 +44,11 @@ class Case:
 
 
 def default_results_path(profile: HardwareProfile) -> Path:
-    """results/<name>.json beside the profile's file; ./profiles/results for a profile lantern ships (never
-    inside the installed package) and for one built from defaults."""
-    base = profile.path.parent if profile.path else Path("profiles")
+    """results/<name>.json beside the profile's file; ./results for a profile lantern ships (never inside the
+    installed package) and for one built from defaults."""
+    base = profile.path.parent if profile.path else Path(".")
     if base.resolve() == shipped_dir().resolve():
-        base = Path("profiles")
+        base = Path(".")
     return base / "results" / f"{profile.name}.json"
 
 

@@ -1,1 +1,0 @@
-"""The hardware profiles lantern ships (installed as lantern.hardware_profiles): see README.md here."""

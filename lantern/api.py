@@ -110,7 +110,7 @@ class Pipeline:
         from lantern.models.checkpoint import model_hash
         h = hashlib.sha256(model_hash(self.target, self.drafter).encode())
         if self.proximity is not None:
-            h.update(self.proximity.contiguous().numpy().tobytes())
+            h.update(self.proximity.to(torch.int64).contiguous().numpy().tobytes())  # the same key at any dtype
         return h.hexdigest()
 
     def runner(self, dcfg: DecodeConfig, batch: int) -> Runner:

@@ -6,7 +6,9 @@ Layout of a bundle folder:
     target.safetensors       LlamaGen GPT keys
     drafter.safetensors      optional; metadata["target_hash"] = weights_hash of the target it was trained on
     evaluator.safetensors    the classifier behind `lantern eval`
-    proximity.safetensors    optional; "neighbours" (V, V-1) int32 on disk, int64 in memory
+    proximity.safetensors    optional; "neighbours" (V, k) integer ids, in memory in lantern.proximity.index_dtype
+    config.json "drafter"    optional; DrafterOptions of a drafter unlike lantern's own (e.g. LANTERN's)
+    manifest.json "linked"   optional; target / vq weights referenced where they are (`lantern import --link`)
     manifest.json            how it was made: command, seed, data split, sha256 of every file, metrics
 `load_bundle()` with no path loads the embedded default, `lantern/assets/default`.
 """
@@ -26,9 +28,10 @@ from safetensors.torch import load_file
 from lantern.config import GPTConfig
 from lantern.models.checkpoint import load_into, weights_hash  # noqa: F401  weights_hash: part of this API
 from lantern.models.classifier import Classifier, ClassifierConfig
-from lantern.models.drafter import Drafter
+from lantern.models.drafter import Drafter, DrafterOptions
 from lantern.models.gpt import GPT
 from lantern.models.vq import VQConfig, VQModel
+from lantern.proximity import compact_table
 
 DEFAULT_BUNDLE = Path(__file__).parent / "assets" / "default"
 
@@ -48,6 +51,16 @@ def load_weights_strict(module: torch.nn.Module, path: str | Path) -> dict[str, 
     return state
 
 
+def load_model_weights(module: torch.nn.Module, root: Path, name: str, linked: dict) -> dict[str, torch.Tensor]:
+    """`name`.safetensors of the bundle, or the file the manifest links for `name`, strictly into `module`."""
+    if name not in linked:
+        return load_weights_strict(module, root / f"{name}.safetensors")
+    from lantern.linked_weights import read_linked
+    state = read_linked(linked[name], name)
+    load_into(module, state, linked[name]["path"])
+    return state
+
+
 def verify_bundle(path: str | Path | None = None) -> list[str]:
     """Check every file listed in manifest.json against its sha256; returns a list of problems (empty = ok)."""
     root = Path(path) if path is not None else DEFAULT_BUNDLE
@@ -62,9 +75,13 @@ def verify_bundle(path: str | Path | None = None) -> list[str]:
             problems.append(f"{name}: listed in the manifest but missing")
         elif sha256_file(f) != digest:
             problems.append(f"{name}: sha256 {sha256_file(f)} differs from the manifest's {digest}")
+    linked = manifest.get("linked", {})
     for name in ("config.json", "vq.safetensors", "target.safetensors"):
-        if name not in manifest.get("files", {}):
+        if name not in manifest.get("files", {}) and name.split(".")[0] not in linked:
             problems.append(f"{name}: not listed in the manifest")
+    if linked:
+        from lantern.linked_weights import check_linked
+        problems += check_linked(linked)
     return problems
 
 
@@ -77,7 +94,7 @@ class Bundle:
     drafter: Optional[Drafter]
     vq: VQModel
     evaluator: Optional[Classifier]
-    proximity: Optional[torch.Tensor]  # (V, k) int64
+    proximity: Optional[torch.Tensor]  # (V, k) in lantern.proximity.index_dtype(V)
 
     @property
     def default_cfg_scale(self) -> float:
@@ -122,10 +139,11 @@ def load_bundle(path: str | Path | None = None, verify: bool = True) -> Bundle:
     config = json.loads((root / "config.json").read_text())
     manifest = json.loads((root / "manifest.json").read_text()) if (root / "manifest.json").exists() else {}
 
+    linked = manifest.get("linked", {})
     vq = VQModel(VQConfig.from_dict(config["vq"]))
-    load_weights_strict(vq, root / "vq.safetensors")
+    load_model_weights(vq, root, "vq", linked)
     target = GPT(GPTConfig.from_dict(config["target"]))
-    target_state = load_weights_strict(target, root / "target.safetensors")
+    target_state = load_model_weights(target, root, "target", linked)
     if target.config.vocab_size != vq.config.codebook_size or target.config.grid_size != vq.config.grid_size:
         raise ValueError(f"target vocab {target.config.vocab_size} / grid {target.config.grid_size} does not match "
                          f"the VQ codebook {vq.config.codebook_size} / grid {vq.config.grid_size}")
@@ -138,7 +156,7 @@ def load_bundle(path: str | Path | None = None, verify: bool = True) -> Bundle:
         if trained_for != actual:
             raise ValueError(f"drafter.safetensors was trained for target weights {trained_for or '<unrecorded>'}, "
                              f"but this bundle's target weights hash to {actual}")
-        drafter = Drafter(target.config)
+        drafter = Drafter(target.config, DrafterOptions.from_dict(config["drafter"]) if "drafter" in config else None)
         load_weights_strict(drafter, root / "drafter.safetensors")
         drafter.eval()
 
@@ -150,10 +168,8 @@ def load_bundle(path: str | Path | None = None, verify: bool = True) -> Bundle:
 
     proximity = None
     if (root / "proximity.safetensors").exists():
-        proximity = load_file(str(root / "proximity.safetensors"))["neighbours"].to(torch.int64)
-        V = vq.config.codebook_size
-        if proximity.ndim != 2 or proximity.shape[0] != V or int(proximity.max()) >= V or int(proximity.min()) < 0:
-            raise ValueError(f"proximity table of shape {tuple(proximity.shape)} does not fit codebook size {V}")
+        proximity = compact_table(load_file(str(root / "proximity.safetensors"))["neighbours"],
+                                  vq.config.codebook_size, what=f"proximity table {root / 'proximity.safetensors'}")
     return Bundle(root, manifest, config, target.eval(), drafter, vq.eval(), evaluator, proximity)
 
 

@@ -306,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_info_command(sub)
     from lantern.onnx_cli import add_export_onnx_command
     add_export_onnx_command(sub)
+    from lantern.import_cli import add_import_command
+    add_import_command(sub)
     return parser
 
 

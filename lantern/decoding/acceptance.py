@@ -51,7 +51,7 @@ class Acceptance:
     delta: float = 0.0
     lam: float = 1.0
     form: str = "bounded"
-    proximity: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)  # (V, K) int64
+    proximity: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)  # (V, K) any integer type
     _near: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # device -> Neighbourhood
 
     def __post_init__(self):
@@ -77,9 +77,11 @@ class Acceptance:
         return (self.delta, None) if self.kind == "lantern" else (None, self.lam)
 
     def neighbours(self, device) -> torch.Tensor:
-        """(V, k) int64 on `device` (the decode loop places the table there once)."""
+        """(V, k) on `device`, in the table's own integer type (indexed directly; only gathered ids are widened)."""
+        if self.proximity.is_floating_point() or self.proximity.dtype == torch.bool:
+            raise ValueError(f"a proximity table holds integer code ids, not {self.proximity.dtype}")
         near = self.proximity[:, : self.k]
-        return near if near.device == torch.device(device) and near.dtype == torch.long else near.to(device, torch.long)
+        return near if near.device == torch.device(device) else near.to(device)
 
     def neighbourhood(self, device) -> Neighbourhood:
         """The k-neighbourhoods on `device`, kept for the rule's life (their bitset is built once)."""

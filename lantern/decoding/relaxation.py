@@ -32,7 +32,8 @@ def _gather(dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 class Neighbourhood:
-    """Each code's k nearest codebook neighbours (self excluded): the list `ordered` (V, k), nearest first,
+    """Each code's k nearest codebook neighbours (self excluded): the list `ordered` (V, k) in any integer type
+    (a compact one at large V), nearest first,
     and, built on first use, the same sets as a membership bitset (V, ceil(V / 64)) int64 whose row y has
     bit z % 64 of word z // 64 set iff z is among y's neighbours."""
 
@@ -47,10 +48,10 @@ class Neighbourhood:
     def contains(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """y, z int64 ids (broadcastable) -> bool: z is among y's neighbours."""
         if self._bits is None:
-            v = self.ordered.shape[0]
-            bit = torch.ones_like(self.ordered) << (self.ordered % 64)  # a row's ids are distinct: + is |
+            v, ordered = self.ordered.shape[0], self.ordered.long()  # shifts and scatter need int64, once
+            bit = torch.ones_like(ordered) << (ordered % 64)  # a row's ids are distinct: + is |
             self._bits = torch.zeros(v, (v + 63) // 64, dtype=torch.long, device=self.ordered.device)
-            self._bits.scatter_add_(1, self.ordered // 64, bit)
+            self._bits.scatter_add_(1, ordered // 64, bit)
         return ((self._bits[y, z // 64] >> (z % 64)) & 1).bool()
 
 
@@ -82,7 +83,7 @@ class _CodeSources:
 
     def __init__(self, ids: torch.Tensor, near: Neighbourhood, vocab: int):
         self.ids, self.vocab = ids, vocab
-        self.nb = near.ordered[ids]  # (B, M, K, k)
+        self.nb = near.ordered[ids].long()  # (B, M, K, k)
 
     def from_support(self, values: torch.Tensor) -> torch.Tensor:
         return _scatter_sum(values, self.ids, self.vocab)
@@ -133,7 +134,7 @@ def paper_boost(residual_dense: torch.Tensor, original_px: torch.Tensor, x: torc
     """The papers' per-candidate rule at candidates x (B, M) against residual_dense (B, M, V).
     Returns (p~(x), boost C_m*(x)), each (B, M); no boost where the original p(x) is 0."""
     px = residual_dense.gather(2, x[..., None])[..., 0]
-    cum = _gather(residual_dense, neighbours[x]).double().cumsum(-1)  # (B, M, k) C_1..C_k, non-decreasing
+    cum = _gather(residual_dense, neighbours[x].long()).double().cumsum(-1)  # (B, M, k) C_1..C_k, non-decreasing
     bound = torch.full_like(px, delta).double() if delta is not None else (lam - 1.0) * px.double()
     m = (cum <= bound[..., None]).sum(-1)  # qualifying m form a prefix: m* is their count
     boost = torch.where(m > 0, cum.gather(-1, (m - 1).clamp_min(0)[..., None])[..., 0], 0.0).float()

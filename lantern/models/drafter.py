@@ -1,35 +1,72 @@
 """EAGLE-1 style drafter: fc([emb(x_{t+1}); f_t]) -> one LlamaGen decoder layer -> predicted f_{t+1}.
 
-The drafter owns only `fc` and `layer`; token embedding, RoPE table, final head and null condition are the
-target's (frozen), passed in at call time, so a drafter checkpoint holds nothing it could disagree on.
+The drafter owns `fc` and `layer`; the RoPE table, final head and null condition are the target's (frozen),
+passed in at call time. The token embedding is the target's too, unless the drafter was trained with its own
+(`DrafterOptions.own_embedding`, as LANTERN's published drafters are: `embed_tokens`).
 Position convention: the pair (f_t, x_{t+1}) sits at x_{t+1}'s sequence position, and its output is the
-drafter's guess of f_{t+1}, whose logits predict x_{t+2}.
+drafter's guess of f_{t+1}, whose logits predict x_{t+2}. (LANTERN's drafters put the same pair at position
+one lower in a RoPE table with one prefix row fewer: the same rotation.)
 """
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import nn
 
-from lantern.config import GPTConfig
+from lantern.config import GPTConfig, from_known_fields
 from lantern.kv_cache import StaticKVCache
-from lantern.models.gpt import GPT, TransformerBlock, attention_bias
+from lantern.models.gpt import GPT, FeedForward, RMSNorm, TransformerBlock, attention_bias
+
+
+@dataclass(frozen=True)
+class DrafterOptions:
+    """How a drafter's layer departs from the target's blocks (defaults: lantern's own drafters)."""
+
+    input_norm: bool = True  # False: no RMSNorm before attention (EAGLE's first layer, LANTERN's drafters)
+    own_embedding: bool = False  # True: the drafter's own `embed_tokens` (V, D) embeds x_{t+1}
+    ffn_hidden: Optional[int] = None  # SwiGLU width (None: the target's)
+    norm_eps: Optional[float] = None  # RMSNorm epsilon (None: the target's)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DrafterOptions":
+        return from_known_fields(cls, d)
 
 
 class Drafter(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, options: Optional[DrafterOptions] = None):
         super().__init__()
         self.config = cfg
+        self.options = options = options or DrafterOptions()
         self.fc = nn.Linear(2 * cfg.dim, cfg.dim, bias=True)
         self.layer = TransformerBlock(cfg, layer_id=0)
+        eps = cfg.norm_eps if options.norm_eps is None else options.norm_eps
+        if not options.input_norm:
+            self.layer.attention_norm = nn.Identity()
+        else:
+            self.layer.attention_norm = RMSNorm(cfg.dim, eps)
+        self.layer.ffn_norm = RMSNorm(cfg.dim, eps)
+        if options.ffn_hidden is not None:
+            self.layer.feed_forward = FeedForward(cfg, options.ffn_hidden)
+        if options.own_embedding:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+
+    def embed(self, target: GPT, tokens: torch.Tensor) -> torch.Tensor:
+        table = self.embed_tokens if self.options.own_embedding else target.tok_embeddings
+        return table(tokens)
 
     def forward(self, target: GPT, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 mask: Optional[torch.Tensor] = None, cache: Optional[StaticKVCache] = None,
                 slots: Optional[torch.Tensor] = None) -> torch.Tensor:
         """tokens, positions (B, T); features (B, T, D); mask (B, T, S) or None for causal over T.
         Returns predicted features (B, T, D), to be read out by `target.head`."""
-        x = self.fc(torch.cat([target.tok_embeddings(tokens), features.to(self.fc.weight.dtype)], dim=-1))
+        x = self.fc(torch.cat([self.embed(target, tokens).to(self.fc.weight.dtype),
+                               features.to(self.fc.weight.dtype)], dim=-1))
         rope = target.rope_at(positions)
         flat = cache.flat(slots) if cache is not None else None
         m = attention_bias(mask, x.dtype) if mask is not None else None

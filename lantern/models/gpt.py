@@ -41,11 +41,13 @@ class RMSNorm(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, hidden: Optional[int] = None):
+        """hidden: the SwiGLU width (default: the config's ffn_hidden)."""
         super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
-        self.w3 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
-        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=False)
+        hidden = cfg.ffn_hidden if hidden is None else hidden
+        self.w1 = nn.Linear(cfg.dim, hidden, bias=False)
+        self.w3 = nn.Linear(cfg.dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))

@@ -70,6 +70,7 @@ class Pipeline:
         self.backend.check_dtype(self.dtype)
         self._runners: dict = {}
         self._rules: dict = {}  # (rule parameters, device) -> Acceptance, its neighbourhood built once
+        self.text_encoder = None  # t2i: a lantern.text.T5Conditioner, so generate() takes prompts
 
     @classmethod
     def from_bundle(cls, bundle, backend: str | None = None, dtype: str | None = None,
@@ -134,6 +135,13 @@ class Pipeline:
     def _cond(self, conditions) -> torch.Tensor:
         if self.config.model_type == "c2i":
             return torch.tensor(check_classes(list(conditions), self.config.num_classes), dtype=torch.long)
+        if isinstance(conditions, (list, tuple)) and conditions and all(isinstance(c, str) for c in conditions):
+            if self.text_encoder is None:
+                raise ValueError("prompts need a text encoder: set pipeline.text_encoder = "
+                                 "lantern.text.T5Conditioner(folder), or pass caption embeddings")
+            from lantern.text import check_encoder_fits
+            check_encoder_fits(self.text_encoder, self.config)
+            conditions = self.text_encoder.encode(list(conditions))[0]
         cond = torch.as_tensor(conditions, dtype=torch.float32)
         want = (self.config.cls_token_num, self.config.caption_dim)
         if cond.dim() != 3 or tuple(cond.shape[1:]) != want:
@@ -166,7 +174,8 @@ class Pipeline:
 
     def generate(self, conditions, dcfg: DecodeConfig | str, seed: int = 0, progress: bool = False,
                  batch: Optional[int] = None, tokens: Optional[int] = None) -> GenerationResult:
-        """conditions: class ids (c2i) or caption embeddings (n, P, C) (t2i). dcfg: a DecodeConfig, or "auto"
+        """conditions: class ids (c2i), or caption embeddings (n, P, C) or prompts (with `text_encoder`) (t2i).
+        dcfg: a DecodeConfig, or "auto"
         (`plan()` with the bundle's sampling; the result's `plan` says what ran). Images are decoded `batch` at a
         time (default 16; a shorter last chunk runs in the same static shape, padded with finished images).
         Same seed, same backend -> same tokens. With `progress`, a bar on stderr counts chunks.

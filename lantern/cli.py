@@ -142,26 +142,32 @@ def cmd_generate(args) -> dict:
     from lantern.images import save_images
     from lantern.profile.cli import apply_profile
 
+    from lantern.prompts_cli import check_prompt_args, encode_prompts, wants_prompts
+
     check_method_flags(args)
+    prompts = check_prompt_args(args) if wants_prompts(args) else None
     apply_profile(args)  # a --profile supplies backend, dtype, threads and the tree tuned for this batch width
     options = backend_options(args)
     get_backend(args.backend, **options)  # an unknown or unavailable backend fails before any loading or writing
     if not args.no_images:
         check_writable(Path(args.out), "--out", folder=True)
     bundle = load_bundle(args.model)
-    check_classes(args.classes, bundle.target.config.num_classes)  # before auto measures anything
+    if prompts is None:
+        check_classes(args.classes, bundle.target.config.num_classes)  # before auto measures anything
+    conditions = args.classes if prompts is None else encode_prompts(args, bundle, prompts)
     pipe = Pipeline.from_bundle(bundle, backend=args.backend, dtype=args.dtype, **options)
-    dcfg, batch, choice = decode_plan(args, bundle, pipe, len(args.classes), list(args.classes))
-    result = pipe.generate(args.classes, dcfg, seed=args.seed, progress=not args.json, batch=batch)
+    dcfg, batch, choice = decode_plan(args, bundle, pipe, len(conditions), None if prompts else list(args.classes))
+    result = pipe.generate(conditions, dcfg, seed=args.seed, progress=not args.json, batch=batch)
     paths, grid = [], None
     if not args.no_images:
         images = bundle.decode_images(result.tokens)
-        names = [f"{i:03d}_class{c}_seed{args.seed}" for i, c in enumerate(result.conditions)]
+        names = [f"{i:03d}_{'prompt' if prompts else 'class'}{c}_seed{args.seed}" for i, c in enumerate(result.conditions)]
         paths, grid = save_images(images, Path(args.out), names, scale=args.scale)
     s = result.stats.summary()
     return {
         "backend": result.backend, "device": result.device, "dtype": result.dtype, "mode": args.method,
-        "decode": dcfg.to_dict(), "seed": args.seed, "classes": result.conditions,
+        "decode": dcfg.to_dict(), "seed": args.seed, "classes": result.conditions if prompts is None else None,
+        "prompts": prompts,
         "image_paths": paths, "grid_path": grid, "tokens": result.tokens.tolist(),
         "batch": s["batch"], "num_tokens": s["tokens"], "target_forwards": s["target_forwards"],
         "step_compression": s["step_compression"],
@@ -280,6 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--profile", help="hardware profile NAME or .toml FILE: its backend, dtype, threads, the tree "
                                      "tuned for this batch width, and for --method auto its calibration")
+    from lantern.prompts_cli import add_prompt_options
+    add_prompt_options(g)
     add_decode_options(g)
     add_backend_options(g)
     g.set_defaults(func=cmd_generate, show=print_generate)

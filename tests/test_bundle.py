@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from lantern.bundle import DEFAULT_BUNDLE, load_bundle, verify_bundle, weights_hash
 from lantern.config import gpt_preset
+from lantern.proximity import index_dtype
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def test_bundle_contents(bundle):
     cfg, V = bundle.target.config, bundle.vq.config.codebook_size
     assert cfg.vocab_size == V >= 1024 and cfg.block_size >= 256 and bundle.vq.config.codebook_embed_dim == 8
     assert cfg.n_layer >= 12 and cfg == gpt_preset("GPT-lantern-digits")  # the preset describes the bundle
-    assert bundle.proximity.dtype == torch.int64 and bundle.proximity.shape == (V, V - 1)
+    assert bundle.proximity.dtype == index_dtype(V) == torch.int16 and bundle.proximity.shape == (V, V - 1)
     assert bundle.drafter is not None and bundle.evaluator is not None
     assert bundle.manifest["drafter"]["target_hash"] == weights_hash(bundle.target.state_dict())
     m = bundle.manifest["metrics"]

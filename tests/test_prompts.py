@@ -1,0 +1,145 @@
+"""Text-to-image from prompts: a tiny random T5 encoder and a tokenizer built here (no download), LlamaGen's
+conditioning (valid tokens moved to the end, padding zeroed, the learned null caption for CFG) checked against a
+direct reimplementation of its rule, prompts -> PNGs on cpu and onnx, and bad prompt / T5 input refused."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lantern.bundle import load_bundle
+from lantern.cli import main
+from lantern.text import T5Conditioner, clean_caption, llamagen_condition
+
+from test_llamagen_import import HAVE_ORT, import_argv, llamagen_gpt_file, llamagen_vq_file, run, \
+    teacher_forced_argmax
+
+transformers = pytest.importorskip("transformers", reason="the t2i extra (transformers) is not installed")
+
+WORDS = "a cat dog red blue sitting on the grass photo of an astronaut riding horse in forest with".split()
+
+
+@pytest.fixture(scope="module")
+def t5_dir(tmp_path_factory):
+    """A 1-layer T5 encoder of width 32 with random weights and a word-level tokenizer, saved as a local folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    folder = tmp_path_factory.mktemp("t5")
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
+                                                unk_token="<unk>")
+    fast.save_pretrained(folder)
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(vocab_size=len(vocab), d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)
+    transformers.T5EncoderModel(cfg).eval().save_pretrained(folder)
+    return folder
+
+
+def reference_condition(emb: torch.Tensor, mask: torch.Tensor):
+    """LlamaGen's sample_t2i.py rule, written out: per caption, [emb[valid:], emb[:valid]]; the flipped mask;
+    the embeddings times that mask."""
+    new_mask = torch.flip(mask, dims=[-1])
+    rows = []
+    for e, m in zip(emb, mask):
+        valid = int(m.sum())
+        rows.append(torch.cat([e[valid:], e[:valid]]))
+    return torch.stack(rows) * new_mask[:, :, None], new_mask
+
+
+def test_conditioning_matches_llamagens_rule(t5_dir):
+    enc = T5Conditioner(t5_dir)
+    assert enc.dtype == torch.float32  # no bf16 units on this CPU: fp32
+    prompts = ["A cat sitting on the grass.", "a photo of an astronaut riding a horse in the forest with a dog"]
+    tok = enc.tokenizer([clean_caption(p) for p in prompts], max_length=120, padding="max_length", truncation=True,
+                        return_tensors="pt")
+    with torch.no_grad():
+        raw = enc.model(input_ids=tok["input_ids"], attention_mask=tok["attention_mask"]).last_hidden_state
+    want, want_mask = reference_condition(raw, tok["attention_mask"])
+    got, got_mask = enc.encode(prompts)
+    assert got.shape == (2, 120, 32) and torch.equal(got_mask, want_mask.bool())
+    assert torch.allclose(got, want, atol=1e-6)
+    lengths = tok["attention_mask"].sum(1)
+    assert lengths[0] != lengths[1] and (got[0, :120 - int(lengths[0])] == 0).all()  # padding first, zeroed
+
+
+def test_rotation_is_not_an_identity():
+    emb, mask = torch.arange(12.0).view(1, 4, 3), torch.tensor([[1, 1, 0, 0]])
+    moved, m = llamagen_condition(emb, mask)
+    assert torch.equal(moved[0, 2:], emb[0, :2]) and (moved[0, :2] == 0).all() and m.tolist() == [[0, 0, 1, 1]]
+
+
+def test_caption_cleaning():
+    assert clean_caption("  A Photo of a CAT, https://example.com/x.png  sitting!") == "a photo of a cat, sitting!"
+    assert clean_caption("&amp;quot;a&nbsp;dog&quot;") == clean_caption('"a dog"') == "a dog"
+
+
+@pytest.fixture(scope="module")
+def t2i_bundle(tmp_path_factory):
+    d = tmp_path_factory.mktemp("t2i")
+    llamagen_gpt_file(d / "t2i.pt", "t2i", seed=4)
+    llamagen_vq_file(d / "vq.pt")
+    assert main(import_argv(d / "t2i.pt", d / "vq.pt", d / "bundle", "--json")) == 0
+    return d / "bundle"
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("onnx", marks=pytest.mark.skipif(
+    not HAVE_ORT, reason="onnxruntime is not installed"))])
+def test_prompts_to_pngs(t2i_bundle, t5_dir, backend, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red cat\n\na blue dog on the grass\n", encoding="utf-8")
+    code, out = run(["generate", "--model", str(t2i_bundle), "--prompt", "an astronaut riding a horse",
+                     "--prompts-file", str(prompts), "--t5", str(t5_dir), "--method", "ar", "--greedy",
+                     "--backend", backend, "--out", str(tmp_path / "img"), "--scale", "1"], capsys)
+    assert code == 0, out
+    assert out["prompts"] == ["an astronaut riding a horse", "a red cat", "a blue dog on the grass"]
+    assert len(out["image_paths"]) == 3 and all(Path(p).is_file() for p in out["image_paths"])
+    b = load_bundle(t2i_bundle)
+    cond = T5Conditioner(t5_dir).encode(out["prompts"])[0]
+    tokens = torch.tensor(out["tokens"])
+    assert torch.equal(tokens, teacher_forced_argmax(b.target, cond, tokens, b.default_cfg_scale))
+
+
+def test_pipeline_takes_prompts(t2i_bundle, t5_dir):
+    from lantern.api import Pipeline
+    from lantern.decoding.config import method_preset
+    from lantern.decoding.sampling import SamplingConfig
+    pipe = Pipeline.from_bundle(load_bundle(t2i_bundle), backend="cpu")
+    dcfg = method_preset("ar", SamplingConfig(greedy=True, cfg_scale=7.5))
+    with pytest.raises(ValueError, match="text encoder"):
+        pipe.generate(["a cat"], dcfg)
+    pipe.text_encoder = T5Conditioner(t5_dir)
+    by_text = pipe.generate(["a cat", "a dog"], dcfg).tokens
+    by_embedding = pipe.generate(pipe.text_encoder.encode(["a cat", "a dog"])[0], dcfg).tokens
+    assert torch.equal(by_text, by_embedding)
+
+
+@pytest.mark.parametrize("case", ["empty-file", "not-utf8", "no-t5", "t5-incomplete", "c2i-bundle"])
+def test_bad_prompt_input_exits_2_before_any_work(case, t2i_bundle, t5_dir, tmp_path, capsys):
+    model, t5 = str(t2i_bundle), str(t5_dir)
+    f = tmp_path / "p.txt"
+    f.write_text("a cat\n")
+    if case == "empty-file":
+        f.write_text("\n  \n")
+    elif case == "not-utf8":
+        f.write_bytes(b"a caf\xe9\n")
+    elif case == "no-t5":
+        t5 = str(tmp_path / "missing")
+    elif case == "t5-incomplete":
+        (tmp_path / "t5").mkdir()
+        (tmp_path / "t5" / "config.json").write_text("{}")
+        t5 = str(tmp_path / "t5")
+    elif case == "c2i-bundle":
+        model = None
+    out_dir = tmp_path / "out"
+    argv = ["generate", "--prompts-file", str(f), "--t5", t5, "--method", "ar", "--out", str(out_dir)]
+    code, res = run(argv + (["--model", model] if model else []), capsys)
+    assert code == 2, res
+    expected = {"empty-file": "p.txt holds no prompt", "not-utf8": "p.txt is not UTF-8", "no-t5": "does not exist",
+                "t5-incomplete": "incomplete: missing", "c2i-bundle": "text-to-image bundle"}[case]
+    assert expected in res["error"]
+    if case != "c2i-bundle":
+        assert not out_dir.exists()

@@ -12,6 +12,7 @@ import torch
 from tqdm import tqdm
 
 from lantern.backends import Runner, get_backend
+from lantern.caption_mask import CaptionMaskedRunner, caption_slots_visible
 from lantern.decoding.config import DecodeConfig
 from lantern.decoding.acceptance import Acceptance
 from lantern.decoding.jacobi import decode_jacobi
@@ -209,13 +210,16 @@ class Pipeline:
             active = torch.arange(width) < real
             part = torch.cat([part, part[:1].expand(width - real, *part.shape[1:])])  # padding images
             rows = condition_rows(part, dcfg, self.target.null_condition(width))
+            run = runner
+            if self.config.model_type == "t2i" and not (visible := caption_slots_visible(part)).all():
+                run = CaptionMaskedRunner(runner, visible.repeat(dcfg.sampling.rows_per_image, 1))  # LlamaGen's mask
             if dcfg.jacobi:
-                toks, st = decode_jacobi(runner, rows, dcfg, active, block, generator, self._rule(dcfg, runner))
+                toks, st = decode_jacobi(run, rows, dcfg, active, block, generator, self._rule(dcfg, runner))
             elif dcfg.speculative:
-                toks, st = decode_speculative(runner, rows, dcfg, active, block, generator,
+                toks, st = decode_speculative(run, rows, dcfg, active, block, generator,
                                               self._rule(dcfg, runner))
             else:
-                toks, st = decode_ar(runner, rows, dcfg, active, block, generator)
+                toks, st = decode_ar(run, rows, dcfg, active, block, generator)
             st.batch = width
             outs.append(toks[:real])
             stats.merge(st)

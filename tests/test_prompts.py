@@ -1,6 +1,6 @@
 """Text-to-image from prompts: a tiny random T5 encoder and a tokenizer built here (no download), LlamaGen's
-conditioning (valid tokens moved to the end, padding zeroed, the learned null caption for CFG) checked against a
-direct reimplementation of its rule, prompts -> PNGs on cpu and onnx, and bad prompt / T5 input refused."""
+conditioning (valid tokens moved to the end, padding zeroed and masked out of attention, the learned null caption
+for CFG) checked against a direct reimplementation of its rule, prompts -> PNGs on cpu and onnx, and bad prompt / T5 input refused."""
 from __future__ import annotations
 
 import json
@@ -13,8 +13,7 @@ from lantern.bundle import load_bundle
 from lantern.cli import main
 from lantern.text import T5Conditioner, clean_caption, llamagen_condition
 
-from test_llamagen_import import HAVE_ORT, import_argv, llamagen_gpt_file, llamagen_vq_file, run, \
-    teacher_forced_argmax
+from test_llamagen_import import HAVE_ORT, import_argv, llamagen_gpt_file, llamagen_vq_file, run
 
 transformers = pytest.importorskip("transformers", reason="the t2i extra (transformers) is not installed")
 
@@ -98,9 +97,38 @@ def test_prompts_to_pngs(t2i_bundle, t5_dir, backend, tmp_path, capsys):
     assert out["prompts"] == ["an astronaut riding a horse", "a red cat", "a blue dog on the grass"]
     assert len(out["image_paths"]) == 3 and all(Path(p).is_file() for p in out["image_paths"])
     b = load_bundle(t2i_bundle)
-    cond = T5Conditioner(t5_dir).encode(out["prompts"])[0]
+    cond, mask = T5Conditioner(t5_dir).encode(out["prompts"])
     tokens = torch.tensor(out["tokens"])
-    assert torch.equal(tokens, teacher_forced_argmax(b.target, cond, tokens, b.default_cfg_scale))
+    expected, guided = llamagen_t2i_argmax(b.target, cond, mask, tokens, b.default_cfg_scale)
+    assert torch.equal(tokens, expected)
+    # the caption mask matters: without it the same pass gives other logits
+    with torch.no_grad():
+        c, _ = b.target.forward_full(tokens, cond)
+        u, _ = b.target.forward_full(tokens, b.target.null_condition(3))
+    assert (u + (c - u) * b.default_cfg_scale - guided).abs().max() > 1e-3
+
+
+def llamagen_t2i_argmax(target, cond, emb_mask, tokens, cfg_scale):
+    """LlamaGen's text-to-image pass, written out: the causal mask's caption columns times the caption mask, for
+    the conditional and the null-caption rows alike, the diagonal kept; guided logits and each token's argmax."""
+    from lantern.models.gpt import attention_bias
+    B, L = tokens.shape
+    P = cond.shape[1]
+
+    def run(prefix):
+        h = torch.cat([target.embed_condition(prefix), target.tok_embeddings(tokens)], 1)
+        T = h.shape[1]
+        keep = torch.cat([emb_mask, torch.ones(B, L, dtype=torch.bool)], 1)
+        mask = (torch.ones(T, T, dtype=torch.bool).tril()[None] & keep[:, None, :]) | torch.eye(T, dtype=torch.bool)
+        m, rope = attention_bias(mask, h.dtype), target.rope[:T][None].expand(B, -1, -1, -1)
+        for layer in target.layers:
+            h = layer(h, rope, m, None, None)
+        return target.head(target.norm(h))
+
+    with torch.no_grad():
+        c, u = run(cond), run(target.null_condition(B))
+    guided = u + (c - u) * cfg_scale
+    return guided[:, P - 1:P - 1 + L].argmax(-1), guided
 
 
 def test_pipeline_takes_prompts(t2i_bundle, t5_dir):

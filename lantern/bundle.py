@@ -201,8 +201,10 @@ def describe_bundle(path: str | Path | None = None) -> str:
         f"{v['image_size'] // 2 ** (len(v['ch_mult']) - 1)}^2 tokens, codebook {v['codebook_size']} x "
         f"{v['codebook_embed_dim']} (L2-normalised); held-out recon MSE {fmt('vq_recon_mse', '.4f')} "
         f"(mean-image baseline {fmt('vq_mean_image_mse', '.4f')})",
-        f"target: LlamaGen c2i GPT, {t['n_layer']} layers x dim {t['dim']} x {t['n_head']} heads, vocab "
-        f"{t['vocab_size']}, {t['num_classes']} classes + null; held-out mean top-1 prob "
+        f"target: LlamaGen {t.get('model_type', 'c2i')} GPT, {t['n_layer']} layers x dim {t['dim']} x {t['n_head']} "
+        f"heads, vocab {t['vocab_size']}, " + (f"{t['num_classes']} classes + null" if t.get("model_type", "c2i") ==
+                                               "c2i" else f"{t['cls_token_num']} caption tokens + null caption")
+        + "; held-out mean top-1 prob "
         f"{fmt('target_mean_top1_prob')} "
         f"(teacher-forced, true class, no CFG), top-1 acc {fmt('target_heldout_top1_acc')}",
         f"drafter: EAGLE-1 head (fc + 1 decoder layer); held-out top-1 agreement with the target "

@@ -1,0 +1,143 @@
+"""`lantern import` at LlamaGen's real sizes, random weights: import time, bundle size on disk, the proximity table's
+memory with relaxed acceptance (the dense (V, V-1) int64 table lantern kept before, against the compact (V, k)
+table it keeps now), and AR / Jacobi step times.
+
+Writes LlamaGen-format checkpoints (GPT c2i at --sizes, VQ-16, V = 16384) to a temporary folder, imports each with
+a proximity table computed from the codebook (k = 1000), loads the bundle, and times `--tokens` decode tokens of
+one image with AR and with relaxed MC-SJD. Memory: tensor bytes (exact, deterministic) and the process's peak RSS
+growth while the table is loaded and the relaxed rule built. Writes results/llamagen-import-<backend>.{json,md}.
+Timing wants a quiet machine.
+
+    python tools/bench_llamagen_import.py [--sizes GPT-B GPT-XL] [--tokens 64] [--backend cpu]
+    python tools/bench_llamagen_import.py --quick --out /tmp/llamagen-import-smoke   # tiny shapes, checks it runs
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import resource
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from lantern.api import Pipeline
+from lantern.bundle import load_bundle
+from lantern.config import GPTConfig
+from lantern.decoding import SamplingConfig, method_preset
+from lantern.decoding.loop import acceptance_rule
+from lantern.import_bundle import ImportRequest, import_llamagen
+from lantern.llamagen import LLAMAGEN_GPT_SIZES
+from lantern.models.gpt import GPT
+from lantern.models.vq import VQConfig, VQModel
+from results_io import utc_now, write_results
+
+ROOT = Path(__file__).resolve().parents[1]
+VQ16 = VQConfig(codebook_size=16384, codebook_embed_dim=8, ch=128, ch_mult=(1, 1, 2, 2, 4), num_res_blocks=2,
+                z_channels=256, image_size=256)
+QUICK_VQ = VQConfig(codebook_size=256, codebook_embed_dim=8, ch=32, ch_mult=(1, 2), num_res_blocks=1, z_channels=32,
+                    image_size=16)
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def write_checkpoints(folder: Path, size: str, vq_cfg: VQConfig, quick: bool) -> tuple[Path, Path]:
+    n_layer, n_head, dim = (2, 4, 64) if quick else LLAMAGEN_GPT_SIZES[size]
+    cfg = GPTConfig(dim=dim, n_layer=n_layer, n_head=n_head, vocab_size=vq_cfg.codebook_size,
+                    block_size=vq_cfg.grid_size ** 2, multiple_of=192 if quick else 256)
+    gpt, vq = folder / f"{size}.pt", folder / "vq16.pt"
+    torch.save({"model": GPT(cfg).state_dict()}, gpt)
+    if not vq.exists():
+        state = VQModel(vq_cfg).state_dict()
+        torch.save({"model": dict(state, **{"quantize.codebook_used": torch.zeros(65536)})}, vq)
+    return gpt, vq
+
+
+def proximity_memory(bundle, k: int) -> dict:
+    """The table as kept now against the dense int64 table of before, and the peak RSS each adds when the relaxed
+    rule is built (the dense one is made here the way lantern made it: all V - 1 neighbours, int64)."""
+    V = bundle.vq.config.codebook_size
+    compact = bundle.proximity
+    dcfg = method_preset("mc-sjd-relaxed", SamplingConfig(), k=min(k, compact.shape[1]))
+    rss0 = peak_rss_bytes()
+    rule = acceptance_rule(dcfg, compact, "cpu")
+    rule.neighbourhood("cpu")
+    rss_after = peak_rss_bytes()
+    dense = torch.cat([compact.long(), torch.zeros(V, V - 1 - compact.shape[1], dtype=torch.long)], 1)
+    rule_dense = acceptance_rule(dcfg, dense, "cpu")
+    rule_dense.neighbourhood("cpu")
+    rss_dense = peak_rss_bytes()
+    return {"vocab": V, "k": int(compact.shape[1]), "compact_dtype": str(compact.dtype).replace("torch.", ""),
+            "compact_bytes": compact.nbytes, "dense_int64_bytes": V * (V - 1) * 8,
+            "dense_int32_on_disk_bytes": V * (V - 1) * 4,
+            "peak_rss_growth_compact_bytes": rss_after - rss0, "peak_rss_growth_dense_bytes": rss_dense - rss_after}
+
+
+def step_times(bundle, tokens: int, backend: str, window: int) -> dict:
+    pipe = Pipeline.from_bundle(bundle, backend=backend)
+    sampling = SamplingConfig(**bundle.default_sampling)
+    out = {}
+    for name, dcfg in (("ar", method_preset("ar", sampling)),
+                       ("mc-sjd-relaxed", method_preset("mc-sjd-relaxed", sampling, window=window,
+                                                        k=min(10, bundle.proximity.shape[1])))):
+        pipe.generate([0], dcfg, tokens=tokens)  # prepare and warm up this shape
+        t0 = time.perf_counter()
+        res = pipe.generate([0], dcfg, tokens=tokens)
+        wall = time.perf_counter() - t0
+        s = res.stats.summary()
+        out[name] = {"tokens": tokens, "wall_seconds": wall, "target_forwards": s["target_forwards"],
+                     "seconds_per_forward": wall / max(1, s["target_forwards"])}
+    return out
+
+
+def markdown(rec: dict) -> str:
+    lines = [f"# lantern import at LlamaGen sizes ({rec['machine']}, {rec['when']})", "",
+             "| size | import s | bundle MiB | table (V, k) now | dense int64 before | AR s/forward | "
+             "relaxed MC-SJD s/forward |", "|---|---|---|---|---|---|---|"]
+    for r in rec["rows"]:
+        m = r["proximity"]
+        lines.append(f"| {r['size']} | {r['import_seconds']:.1f} | {r['bundle_bytes'] / 2**20:.0f} | "
+                     f"{m['compact_bytes'] / 2**20:.1f} MiB {m['compact_dtype']} | "
+                     f"{m['dense_int64_bytes'] / 2**20:.0f} MiB | {r['steps']['ar']['seconds_per_forward']:.4f} | "
+                     f"{r['steps']['mc-sjd-relaxed']['seconds_per_forward']:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", nargs="+", default=["GPT-B", "GPT-XL"], choices=tuple(LLAMAGEN_GPT_SIZES))
+    ap.add_argument("--tokens", type=int, default=64, help="decode tokens timed per method (of one image)")
+    ap.add_argument("--window", type=int, default=16)
+    ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--k", type=int, default=1000, help="proximity neighbours the bundle keeps")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (V = 256): checks the tool runs")
+    ap.add_argument("--out", type=Path, help="output stem (default results/llamagen-import-<backend>)")
+    args = ap.parse_args()
+    vq_cfg = QUICK_VQ if args.quick else VQ16
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for size in args.sizes:
+            gpt, vq = write_checkpoints(tmp, size, vq_cfg, args.quick)
+            out = tmp / f"bundle-{size}"
+            req = ImportRequest(gpt=gpt, vq=vq, out=out, image_size=vq_cfg.image_size, proximity="codebook", k=args.k,
+                                heads=4 if args.quick else None, command="tools/bench_llamagen_import.py")
+            t0 = time.perf_counter()
+            import_llamagen(req, progress=False)
+            seconds = time.perf_counter() - t0
+            bundle = load_bundle(out)
+            rows.append({"size": size, "import_seconds": seconds,
+                         "bundle_bytes": sum(f.stat().st_size for f in out.iterdir()),
+                         "proximity": proximity_memory(bundle, args.k),
+                         "steps": step_times(bundle, min(args.tokens, bundle.target.config.block_size - 1),
+                                             args.backend, args.window)})
+    record = {"machine": platform.node(), "when": utc_now(), "backend": args.backend, "quick": args.quick,
+              "torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows}
+    write_results(args.out or ROOT / "results" / f"llamagen-import-{args.backend}", record, markdown)
+
+
+if __name__ == "__main__":
+    main()

@@ -32,6 +32,12 @@ def _train(args: argparse.Namespace) -> int:
         raise ValueError(f"--steps {args.steps}, --batch {args.batch} must be >= 1 and --lr {args.lr} > 0")
     torch.set_num_threads(args.threads)
     work, bf16 = Path(args.work), not args.no_bf16
+    if getattr(args, "bundle", None):
+        from lantern.train.bundle_drafter import train_bundle_drafter
+        report = train_bundle_drafter(args.bundle, work, args.steps, args.batch, args.lr, args.seed, bf16,
+                                      args.per_class, args.chunks, args.install)
+        print(json.dumps(report, indent=2))
+        return EXIT_OK
     common = dict(steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed, bf16=bf16)
     if args.stage == "tokenizer":
         from lantern.models.vq import VQConfig
@@ -78,6 +84,11 @@ def add_train_commands(subparsers) -> None:
     _common(d, steps=250, batch=16, lr=1e-3)
     d.add_argument("--n-aug", type=int, default=6)
     d.add_argument("--target-name", default="target", help="the target in --work to draft for")
+    d.add_argument("--bundle", help="draft for this c2i bundle's target (an imported one too), trained on the "
+                                    "target's own samples instead of the digits data")
+    d.add_argument("--per-class", type=int, default=4, help="--bundle: samples of each class per chunk")
+    d.add_argument("--chunks", type=int, default=8, help="--bundle: sample chunks (the last is held out)")
+    d.add_argument("--install", action="store_true", help="--bundle: put the trained drafter into the bundle")
     e = stages.add_parser("evaluator", help="the classifier behind `lantern eval`")
     _common(e, steps=300, batch=64, lr=2e-3)
     for sp in (t, g, d, e):

@@ -96,3 +96,40 @@ def test_lantern_drafter_for_another_grid_is_refused(tmp_path):
     write_lantern_drafter(tmp_path / "d", HIDDEN, HEADS, VOCAB, "t2i2", seed=1)
     with pytest.raises(ValueError, match="t2i2.*1024 image tokens.*256"):
         read_lantern_drafter(tmp_path / "d", cfg)
+
+
+def test_imported_t2i_bundle_with_a_lantern_drafter_runs_every_method(tmp_path):
+    """LlamaGen t2i GPT (256 image tokens) + VQ + LANTERN's t2i drafter folder + a codebook table -> a bundle whose
+    greedy tokens are the same with AR, EAGLE-2 and SJD (lossless methods), with padded captions (LlamaGen's mask)."""
+    import argparse as ap
+
+    from lantern.api import Pipeline
+    from lantern.bundle import load_bundle
+    from lantern.cli import main
+    from lantern.decoding import SamplingConfig, method_preset
+    from lantern.models.vq import VQConfig, VQModel
+
+    cfg = GPTConfig(dim=HIDDEN, n_layer=1, n_head=HEADS, vocab_size=VOCAB, block_size=256, multiple_of=192,
+                    model_type="t2i", cls_token_num=120, caption_dim=32)
+    torch.manual_seed(0)
+    gpt = GPT(cfg)
+    with torch.no_grad():
+        gpt.output.weight.mul_(20)  # peaked distributions, as a trained model's
+    torch.save({"model": gpt.state_dict(), "args": ap.Namespace(image_size=32)}, tmp_path / "t2i.pt")
+    vq_cfg = VQConfig(codebook_size=VOCAB, codebook_embed_dim=8, ch=32, ch_mult=(1, 2), num_res_blocks=1,
+                      z_channels=32, image_size=32)
+    torch.save({"model": dict(VQModel(vq_cfg).state_dict(), **{"quantize.codebook_used": torch.zeros(8)})},
+               tmp_path / "vq.pt")
+    write_lantern_drafter(tmp_path / "drafter", HIDDEN, HEADS, VOCAB, "t2i", seed=2)
+    assert main(["import", "--gpt", str(tmp_path / "t2i.pt"), "--vq", str(tmp_path / "vq.pt"), "--heads", str(HEADS),
+                 "--image-size", "32", "--drafter", str(tmp_path / "drafter"), "--proximity", "codebook",
+                 "--proximity-k", "16", "--out", str(tmp_path / "b"), "--json"]) == 0
+    b = load_bundle(tmp_path / "b")
+    assert not b.drafter.options.input_norm and b.drafter.options.own_embedding
+    captions = torch.randn(1, 120, 32)
+    captions[0, :100] = 0  # LlamaGen's layout: padding first, zeroed
+    pipe = Pipeline.from_bundle(b, backend="cpu")
+    sampling = SamplingConfig(greedy=True, cfg_scale=7.5)
+    ar = pipe.generate(captions, method_preset("ar", sampling)).tokens
+    for method in ("eagle2", "sjd"):
+        assert torch.equal(pipe.generate(captions, method_preset(method, sampling)).tokens, ar), method

@@ -49,8 +49,11 @@ def read_llamagen_state(path: str | Path, weights: str = "model", what: str = "c
         except Exception as e:  # noqa: BLE001  a damaged file is bad input
             raise ValueError(f"{what} {path} is not a readable safetensors file: {e}") from None
     try:
-        with torch.serialization.safe_globals([argparse.Namespace]):  # LlamaGen saves its argparse args
-            raw = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        raw = _torch_load(path, mmap=True)
+    except RuntimeError as e:
+        if "mmap" not in str(e):  # a file of torch's legacy (non-zip) format cannot be memory-mapped: read it
+            raise ValueError(f"{what} {path} is not a readable torch checkpoint (weights only): {e}") from None
+        raw = _torch_load_or_fail(path, what)
     except Exception as e:  # noqa: BLE001
         raise ValueError(f"{what} {path} is not a readable torch checkpoint (weights only): {e}") from None
     if isinstance(raw, dict) and weights == "ema":
@@ -66,6 +69,18 @@ def read_llamagen_state(path: str | Path, weights: str = "model", what: str = "c
         raise ValueError(f"{what} {path} holds no state_dict of tensors (looked under 'model', 'module', "
                          f"'state_dict', and at the top level)")
     return _strip(raw)
+
+
+def _torch_load(path: Path, mmap: bool):
+    with torch.serialization.safe_globals([argparse.Namespace]):  # LlamaGen saves its argparse args
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+
+
+def _torch_load_or_fail(path: Path, what: str):
+    try:
+        return _torch_load(path, mmap=False)
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"{what} {path} is not a readable torch checkpoint (weights only): {e}") from None
 
 
 def _strip(state: dict) -> dict[str, torch.Tensor]:

@@ -306,3 +306,15 @@ def test_train_a_drafter_for_an_imported_bundle_resumes_and_installs(c2i_files, 
     assert report["run"]["steps"] == 4 and report["installed_into"] == str(bundle)
     b = load_bundle(bundle)  # verified: the manifest lists the drafter's sha256; the drafter's target hash checked
     assert b.drafter is not None and verify_bundle(bundle) == []
+
+
+def test_legacy_format_and_damaged_files(c2i_files, tmp_path, capsys):
+    from lantern.llamagen import read_llamagen_state
+    d, gpt, _ = c2i_files
+    torch.save({"model": gpt}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    assert torch.equal(read_llamagen_state(tmp_path / "legacy.pt")["norm.weight"], gpt["norm.weight"])
+    (tmp_path / "broken.pt").write_bytes(b"not a checkpoint")
+    code, res = run(import_argv(tmp_path / "broken.pt", d / "vq_tiny.pt", tmp_path / "b"), capsys)
+    assert code == 2 and "broken.pt is not a readable torch checkpoint" in res["error"]
+    code, res = run(import_argv(tmp_path / "missing.pt", d / "vq_tiny.pt", tmp_path / "b"), capsys)
+    assert code == 2 and "missing.pt does not exist" in res["error"]

@@ -161,7 +161,8 @@ def cmd_generate(args) -> dict:
     paths, grid = [], None
     if not args.no_images:
         images = bundle.decode_images(result.tokens)
-        names = [f"{i:03d}_{'prompt' if prompts else 'class'}{c}_seed{args.seed}" for i, c in enumerate(result.conditions)]
+        kind = "class" if prompts is None else "prompt"
+        names = [f"{i:03d}_{kind}{c}_seed{args.seed}" for i, c in enumerate(result.conditions)]
         paths, grid = save_images(images, Path(args.out), names, scale=args.scale)
     s = result.stats.summary()
     return {

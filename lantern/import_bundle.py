@@ -14,7 +14,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -61,7 +61,6 @@ class Imported:
     dropped: list[str]
     drafter: Optional[Drafter] = None
     proximity: Optional[torch.Tensor] = None
-    notes: list[str] = field(default_factory=list)
 
 
 def check_inputs(req: ImportRequest) -> Imported:

@@ -16,8 +16,10 @@ def add_import_command(sub) -> None:
     from lantern.llamagen import LLAMAGEN_GPT_SIZES, WEIGHT_SETS
     from lantern.proximity import DEFAULT_K
     p = sub.add_parser("import", help="make a bundle from LlamaGen checkpoints (docs/models.md)")
-    p.add_argument("--gpt", required=True, type=Path, help="LlamaGen GPT checkpoint, c2i or t2i (.pt/.pth/.safetensors)")
-    p.add_argument("--vq", required=True, type=Path, help="LlamaGen VQ checkpoint (VQ-8 / VQ-16, as LlamaGen writes it)")
+    p.add_argument("--gpt", required=True, type=Path,
+                   help="LlamaGen GPT checkpoint, c2i or t2i (.pt/.pth/.safetensors)")
+    p.add_argument("--vq", required=True, type=Path,
+                   help="LlamaGen VQ checkpoint (VQ-8 / VQ-16, as LlamaGen writes it)")
     p.add_argument("--out", required=True, type=Path, help="the bundle folder to create (new or empty)")
     p.add_argument("--preset", choices=tuple(LLAMAGEN_GPT_SIZES),
                    help="the GPT's LlamaGen size (default: inferred from its depth and width)")
@@ -41,9 +43,9 @@ def add_import_command(sub) -> None:
 
 def cmd_import(args) -> dict:
     from lantern.import_bundle import ImportRequest, import_llamagen
-    req = ImportRequest(gpt=args.gpt, vq=args.vq, out=args.out, image_size=args.image_size, preset=args.preset, heads=args.heads,
-                        weights=args.weights, drafter=args.drafter, proximity=args.proximity, k=args.proximity_k,
-                        link=args.link, command="lantern " + shlex.join(sys.argv[1:]))
+    req = ImportRequest(gpt=args.gpt, vq=args.vq, out=args.out, image_size=args.image_size, preset=args.preset,
+                        heads=args.heads, weights=args.weights, drafter=args.drafter, proximity=args.proximity,
+                        k=args.proximity_k, link=args.link, command="lantern " + shlex.join(sys.argv[1:]))
     return import_llamagen(req, progress=not args.json)
 
 

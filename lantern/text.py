@@ -135,15 +135,20 @@ class T5Conditioner:
         return int(self.model.config.d_model)
 
     @torch.no_grad()
-    def encode(self, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """prompts -> (caption condition (n, max_tokens, C) float32, mask (n, max_tokens) bool), LlamaGen's layout."""
-        texts = [clean_caption(p) for p in prompts]
-        tok = self.tokenizer(texts, max_length=self.max_tokens, padding="max_length", truncation=True,
-                             return_attention_mask=True, add_special_tokens=True, return_tensors="pt")
-        ids, mask = tok["input_ids"].to(self.device), tok["attention_mask"].to(self.device)
-        out = self.model(input_ids=ids, attention_mask=mask).last_hidden_state
-        cond, new_mask = llamagen_condition(out.float(), mask)
-        return cond.cpu(), new_mask.cpu()
+    def encode(self, prompts: Sequence[str], batch: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+        """prompts -> (caption condition (n, max_tokens, C) float32, mask (n, max_tokens) bool), LlamaGen's layout;
+        encoded `batch` prompts at a time."""
+        conds, masks = [], []
+        for start in range(0, len(prompts), batch):
+            texts = [clean_caption(p) for p in prompts[start:start + batch]]
+            tok = self.tokenizer(texts, max_length=self.max_tokens, padding="max_length", truncation=True,
+                                 return_attention_mask=True, add_special_tokens=True, return_tensors="pt")
+            ids, mask = tok["input_ids"].to(self.device), tok["attention_mask"].to(self.device)
+            out = self.model(input_ids=ids, attention_mask=mask).last_hidden_state
+            cond, new_mask = llamagen_condition(out.float(), mask)
+            conds.append(cond.cpu())
+            masks.append(new_mask.cpu())
+        return torch.cat(conds), torch.cat(masks)
 
 
 def supports_bf16(device: torch.device) -> bool:

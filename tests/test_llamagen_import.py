@@ -146,8 +146,8 @@ def test_cpu_and_onnx_tokens_agree_and_jacobi_runs(c2i_bundle, tmp_path, capsys)
         pytest.skip("onnxruntime is not installed")
     got = {}
     for backend in ("cpu", "onnx"):
-        code, out = run(["generate", "--model", str(c2i_bundle), "--classes", "1", "2", "--method", "mc-sjd-relaxed", "--window", "4", "--k", "4",
-                         "--greedy", "--backend", backend, "--no-images"], capsys)
+        code, out = run(["generate", "--model", str(c2i_bundle), "--classes", "1", "2", "--method", "mc-sjd-relaxed",
+                     "--window", "4", "--k", "4", "--greedy", "--backend", backend, "--no-images"], capsys)
         assert code == 0, out
         got[backend] = out["tokens"]
     assert got["cpu"] == got["onnx"]
@@ -231,7 +231,7 @@ def test_a_drafter_for_another_target_is_refused(c2i_files, tmp_path, capsys):
     from safetensors.torch import save_file
     from lantern.models.drafter import Drafter
     d = c2i_files[0]
-    cfg = load_bundle_cfg(d)
+    cfg = tiny_c2i_config()
     save_file({k: v.contiguous() for k, v in Drafter(cfg).state_dict().items()}, str(tmp_path / "drafter.safetensors"),
               metadata={"target_hash": "0" * 64})
     code, res = run(import_argv(d / "c2i_tiny.pt", d / "vq_tiny.pt", tmp_path / "b", "--drafter",
@@ -259,7 +259,7 @@ def test_npy_table_loads_compact_and_checks_its_ids(c2i_files, tmp_path, capsys)
     assert code == 2 and "bad.npy" in res["error"] and "(64, k)" in res["error"]
 
 
-def load_bundle_cfg(d: Path) -> GPTConfig:
+def tiny_c2i_config() -> GPTConfig:
     return GPTConfig(**SMALL, model_type="c2i", num_classes=4)
 
 
@@ -272,11 +272,11 @@ def write_lantern_drafter(folder: Path, hidden: int, heads: int, vocab: int, inp
     def w(*shape):
         return torch.randn(*shape, generator=g) * 0.15
 
+    attn, mlp = "layers.0.self_attn.", "layers.0.mlp."
     state = {"embed_tokens.weight": w(vocab, hidden), "fc.weight": w(hidden, 2 * hidden), "fc.bias": w(hidden),
-             "layers.0.self_attn.q_proj.weight": w(hidden, hidden), "layers.0.self_attn.k_proj.weight": w(hidden, hidden),
-             "layers.0.self_attn.v_proj.weight": w(hidden, hidden), "layers.0.self_attn.o_proj.weight": w(hidden, hidden),
-             "layers.0.mlp.gate_proj.weight": w(intermediate, hidden), "layers.0.mlp.up_proj.weight": w(intermediate, hidden),
-             "layers.0.mlp.down_proj.weight": w(hidden, intermediate),
+             **{f"{attn}{n}_proj.weight": w(hidden, hidden) for n in "qkvo"},
+             f"{mlp}gate_proj.weight": w(intermediate, hidden), f"{mlp}up_proj.weight": w(intermediate, hidden),
+             f"{mlp}down_proj.weight": w(hidden, intermediate),
              "layers.0.post_attention_layernorm.weight": 1 + w(hidden)}
     conf = {"architectures": ["LlamaForCausalLM"], "hidden_size": hidden, "intermediate_size": intermediate,
             "num_attention_heads": heads, "num_key_value_heads": heads, "num_hidden_layers": 1, "vocab_size": vocab,

@@ -1,9 +1,9 @@
 """Text-to-image from prompts: a tiny random T5 encoder and a tokenizer built here (no download), LlamaGen's
 conditioning (valid tokens moved to the end, padding zeroed and masked out of attention, the learned null caption
-for CFG) checked against a direct reimplementation of its rule, prompts -> PNGs on cpu and onnx, and bad prompt / T5 input refused."""
+for CFG) checked against a direct reimplementation of its rule, prompts -> PNGs on cpu and onnx, and bad prompt /
+T5 input refused."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -61,6 +61,8 @@ def test_conditioning_matches_llamagens_rule(t5_dir):
     got, got_mask = enc.encode(prompts)
     assert got.shape == (2, 120, 32) and torch.equal(got_mask, want_mask.bool())
     assert torch.allclose(got, want, atol=1e-6)
+    one_by_one, _ = enc.encode(prompts, batch=1)
+    assert torch.allclose(one_by_one, got, atol=1e-6)
     lengths = tok["attention_mask"].sum(1)
     assert lengths[0] != lengths[1] and (got[0, :120 - int(lengths[0])] == 0).all()  # padding first, zeroed
 

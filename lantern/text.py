@@ -152,9 +152,13 @@ class T5Conditioner:
 
 
 def supports_bf16(device: torch.device) -> bool:
+    """Whether the device computes in bf16 natively (CPUs without AVX512-BF16 or AMX would emulate it: fp32)."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
-    return device.type in ("hpu", "xpu")  # CPUs without bf16 units run it emulated and slower: fp32 there
+    if device.type == "cpu":
+        probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+        return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+    return device.type in ("hpu", "xpu")
 
 
 def read_prompts(prompts: Sequence[str] | None, prompts_file: Optional[str | Path]) -> list[str]:

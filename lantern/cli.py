@@ -152,6 +152,8 @@ def cmd_generate(args) -> dict:
     if not args.no_images:
         check_writable(Path(args.out), "--out", folder=True)
     bundle = load_bundle(args.model)
+    if prompts is None and bundle.target.config.model_type == "t2i":
+        raise UsageError(f"{args.model} is a text-to-image bundle: give --prompt or --prompts-file (and --t5)")
     if prompts is None:
         check_classes(args.classes, bundle.target.config.num_classes)  # before auto measures anything
     conditions = args.classes if prompts is None else encode_prompts(args, bundle, prompts)

@@ -149,6 +149,11 @@ def test_pipeline_takes_prompts(t2i_bundle, t5_dir):
     assert torch.equal(by_text, by_embedding)
 
 
+def test_a_t2i_bundle_asks_for_prompts(t2i_bundle, tmp_path, capsys):
+    code, res = run(["generate", "--model", str(t2i_bundle), "--classes", "1", "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and "text-to-image bundle: give --prompt" in res["error"] and not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("case", ["empty-file", "not-utf8", "no-t5", "t5-incomplete", "c2i-bundle"])
 def test_bad_prompt_input_exits_2_before_any_work(case, t2i_bundle, t5_dir, tmp_path, capsys):
     model, t5 = str(t2i_bundle), str(t5_dir)

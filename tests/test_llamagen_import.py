@@ -292,18 +292,18 @@ def test_train_a_drafter_for_an_imported_bundle_resumes_and_installs(c2i_files, 
     bundle = tmp_path / "b"
     assert main(import_argv(d / "c2i_tiny.pt", d / "vq_tiny.pt", bundle, "--json")) == 0
     capsys.readouterr()
-    argv = ["train", "drafter", "--bundle", str(bundle), "--work", str(tmp_path / "w"), "--per-class", "2",
+    argv = ["train", "drafter", "--bundle", str(bundle), "--work", str(tmp_path / "w"), "--per-class", "1",
             "--chunks", "2", "--batch", "4", "--no-bf16"]
-    assert main([*argv, "--steps", "3"]) == 0
+    assert main([*argv, "--steps", "2"]) == 0
     assert (tmp_path / "w" / "drafter.ckpt").exists()
     capsys.readouterr()
     assert main([*argv, "--steps", "6", "--install"]) == 2  # another run config: the checkpoint is refused
     capsys.readouterr()
     (tmp_path / "w" / "drafter.ckpt").unlink()
     (tmp_path / "w" / "drafter_report.json").unlink()
-    assert main([*argv, "--steps", "4", "--install"]) == 0
+    assert main([*argv, "--steps", "3", "--install"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["run"]["steps"] == 4 and report["installed_into"] == str(bundle)
+    assert report["run"]["steps"] == 3 and report["installed_into"] == str(bundle)
     b = load_bundle(bundle)  # verified: the manifest lists the drafter's sha256; the drafter's target hash checked
     assert b.drafter is not None and verify_bundle(bundle) == []
 

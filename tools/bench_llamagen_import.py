@@ -4,8 +4,9 @@ table it keeps now), and AR / Jacobi step times.
 
 Writes LlamaGen-format checkpoints (GPT c2i at --sizes, VQ-16, V = 16384) to a temporary folder, imports each with
 a proximity table computed from the codebook (k = 1000), loads the bundle, and times `--tokens` decode tokens of
-one image with AR and with relaxed MC-SJD. Memory: tensor bytes (exact, deterministic) and the process's peak RSS
-growth while the dense table is made and the relaxed rules built. Writes results/llamagen-import-<backend>.{json,md}.
+one image with AR and with relaxed MC-SJD. Memory: tensor bytes (exact, deterministic) and the process's resident
+memory growth while each relaxed rule is built (the dense table made as before). Writes
+results/llamagen-import-<backend>.{json,md}.
 Timing wants a quiet machine.
 
     python tools/bench_llamagen_import.py [--sizes GPT-B GPT-XL] [--tokens 64] [--backend cpu]

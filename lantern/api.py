@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Optional, Sequence
@@ -12,14 +14,12 @@ import torch
 from tqdm import tqdm
 
 from lantern.backends import Runner, get_backend
-from lantern.caption_mask import CaptionMaskedRunner, caption_slots_visible
 from lantern.decoding.config import DecodeConfig
 from lantern.decoding.acceptance import Acceptance
-from lantern.decoding.jacobi import decode_jacobi
-from lantern.decoding.loop import (acceptance_rule, condition_rows, decode_ar, decode_speculative, make_generator,
-                                   static_spec)
 from lantern.decoding.sampling import SamplingConfig
 from lantern.decoding.stats import GenerationStats
+from lantern.engine import Engine, Request, derive_seed
+from lantern.engine.step import acceptance_rule, static_spec
 
 
 @dataclass
@@ -61,6 +61,10 @@ class ModelDefaults:
 
 
 class Pipeline:
+    """Models, a backend, and every static shape prepared once. Thread-safe by serialising: concurrent
+    `generate` calls on one Pipeline run one after another (a lock held for the whole call), each with its
+    own engine, so their images never mix; a thread waits while another generates."""
+
     def __init__(self, target, drafter=None, proximity: Optional[torch.Tensor] = None, backend: str | None = None,
                  dtype: str | None = None, defaults: Optional[ModelDefaults] = None, **backend_options):
         """dtype None = the backend's preferred one (fp32 on CPU and CUDA, bf16 on HPU)."""
@@ -72,6 +76,7 @@ class Pipeline:
         self._runners: dict = {}
         self._rules: dict = {}  # (rule parameters, device) -> Acceptance, its neighbourhood built once
         self.text_encoder = None  # t2i: a lantern.text.T5Conditioner, so generate() takes prompts
+        self.lock = threading.RLock()  # held by generate for the whole call (and by release)
 
     @classmethod
     def from_bundle(cls, bundle, backend: str | None = None, dtype: str | None = None,
@@ -171,17 +176,24 @@ class Pipeline:
         """Free every prepared runner (its KV cache and workspaces) but the one for (keep, batch), if given; the
         next generate prepares what it needs."""
         kept = static_spec(keep, self.config, batch, self.dtype) if keep is not None else None
-        self._runners = {spec: r for spec, r in self._runners.items() if spec == kept}
+        with self.lock:
+            self._runners = {spec: r for spec, r in self._runners.items() if spec == kept}
 
     def generate(self, conditions, dcfg: DecodeConfig | str, seed: int = 0, progress: bool = False,
                  batch: Optional[int] = None, tokens: Optional[int] = None) -> GenerationResult:
         """conditions: class ids (c2i), or caption embeddings (n, P, C) or prompts (with `text_encoder`) (t2i).
-        dcfg: a DecodeConfig, or "auto"
-        (`plan()` with the bundle's sampling; the result's `plan` says what ran). Images are decoded `batch` at a
-        time (default 16; a shorter last chunk runs in the same static shape, padded with finished images).
-        Same seed, same backend -> same tokens. With `progress`, a bar on stderr counts chunks.
+        dcfg: a DecodeConfig, or "auto" (`plan()` with the bundle's sampling; the result's `plan` says what ran). Images run through the step
+        engine `batch` slots wide (default 16): a slot whose image finishes takes the next image at the next
+        step. Image i draws from its own seed `derive_seed(seed, i)` (image 0: `seed` itself), so its tokens
+        do not depend on the other images, the width or the order; `generate([c_i], seed=derive_seed(seed, i))`
+        reproduces it alone (same backend and dtype). With `progress`, a bar on stderr counts images.
         tokens: stop each image after its first `tokens` tokens (default: the whole image; fewer only to time
-        steps, as `--method auto`'s calibration does)."""
+        steps, as `--method auto`'s calibration does).
+        Concurrent calls on one Pipeline are serialised (see the class docstring)."""
+        with self.lock:
+            return self._generate(conditions, dcfg, seed, progress, batch, tokens)
+
+    def _generate(self, conditions, dcfg, seed, progress, batch, tokens) -> GenerationResult:
         cond = self._cond(conditions)
         choice = None
         if isinstance(dcfg, str):
@@ -192,40 +204,27 @@ class Pipeline:
             dcfg, batch = choice.decode, choice.width
         width = self.check(dcfg, batch)
         n, block = cond.shape[0], self.config.block_size
-        if tokens is not None:
-            if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= block:
-                raise ValueError(f"tokens {tokens!r} must be an integer in 1..{block}")
-            block = tokens
-        width = min(width, n)
-        runner = self.runner(dcfg, width)
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int)
+                                   or not 1 <= tokens <= block):
+            raise ValueError(f"tokens {tokens!r} must be an integer in 1..{block}")
+        seeds = [derive_seed(seed, i) for i in range(n)]
+        engine = Engine(self, dcfg, min(width, n))
+        runner = engine.runner
         runner.reset_times()
         runner.reset_peak_memory()
-        generator = make_generator(runner, seed)
-        stats, outs = GenerationStats(), []
-        chunks = range(0, n, width)
-        for start in tqdm(chunks, desc="images", unit="chunk", disable=not progress or len(chunks) == 1,
-                          file=sys.stderr):
-            part = cond[start:start + width]
-            real = part.shape[0]
-            active = torch.arange(width) < real
-            part = torch.cat([part, part[:1].expand(width - real, *part.shape[1:])])  # padding images
-            rows = condition_rows(part, dcfg, self.target.null_condition(width))
-            run = runner
-            if self.config.model_type == "t2i" and not (visible := caption_slots_visible(part)).all():
-                run = CaptionMaskedRunner(runner, visible.repeat(dcfg.sampling.rows_per_image, 1))  # LlamaGen's mask
-            if dcfg.jacobi:
-                toks, st = decode_jacobi(run, rows, dcfg, active, block, generator, self._rule(dcfg, runner))
-            elif dcfg.speculative:
-                toks, st = decode_speculative(run, rows, dcfg, active, block, generator,
-                                              self._rule(dcfg, runner))
-            else:
-                toks, st = decode_ar(run, rows, dcfg, active, block, generator)
-            st.batch = width
-            outs.append(toks[:real])
-            stats.merge(st)
+        for i in range(n):
+            condition = int(cond[i]) if self.config.model_type == "c2i" else cond[i]
+            engine.submit(Request(condition, seeds[i], request_id=str(i), tokens=tokens))
+        t0 = time.perf_counter()
+        with tqdm(total=n, desc="images", unit="image", disable=not progress or n == 1, file=sys.stderr) as bar:
+            results = {int(r.request_id): r for r in engine.run(bar.update)}
+        stats = GenerationStats(batch=engine.width, wall_seconds=time.perf_counter() - t0,
+                                draft_forwards=engine.steps_run * engine.proposer.drafter_calls)
+        for i in range(n):
+            stats.images += results[i].stats.images
         stats.phase_seconds = {k: v["total_s"] for k, v in runner.profile()["phases"].items()}
         caps = self.backend.capabilities()
         conds = cond.tolist() if self.config.model_type == "c2i" else list(range(n))
-        return GenerationResult(tokens=torch.cat(outs), conditions=conds, stats=stats, backend=self.backend.name,
-                                device=caps.device, dtype=self.dtype, decode=dcfg, seed=seed,
-                                profile=runner.profile(), plan=choice)
+        return GenerationResult(tokens=torch.stack([results[i].tokens for i in range(n)]), conditions=conds,
+                                stats=stats, backend=self.backend.name, device=caps.device, dtype=self.dtype,
+                                decode=dcfg, seed=seed, profile=runner.profile(), plan=choice)

@@ -139,6 +139,7 @@ def cmd_generate(args) -> dict:
     from lantern.api import Pipeline, check_classes
     from lantern.backends import get_backend
     from lantern.bundle import load_bundle
+    from lantern.engine import derive_seed
     from lantern.images import save_images
     from lantern.profile.cli import apply_profile
 
@@ -160,17 +161,18 @@ def cmd_generate(args) -> dict:
     pipe = Pipeline.from_bundle(bundle, backend=args.backend, dtype=args.dtype, **options)
     dcfg, batch, choice = decode_plan(args, bundle, pipe, len(conditions), None if prompts else list(args.classes))
     result = pipe.generate(conditions, dcfg, seed=args.seed, progress=not args.json, batch=batch)
+    seeds = [derive_seed(args.seed, i) for i in range(len(result.conditions))]  # each image's own seed
     paths, grid = [], None
     if not args.no_images:
         images = bundle.decode_images(result.tokens)
         kind = "class" if prompts is None else "prompt"
-        names = [f"{i:03d}_{kind}{c}_seed{args.seed}" for i, c in enumerate(result.conditions)]
+        names = [f"{i:03d}_{kind}{c}_seed{s}" for i, (c, s) in enumerate(zip(result.conditions, seeds))]
         paths, grid = save_images(images, Path(args.out), names, scale=args.scale)
     s = result.stats.summary()
     return {
         "backend": result.backend, "device": result.device, "dtype": result.dtype, "mode": args.method,
-        "decode": dcfg.to_dict(), "seed": args.seed, "classes": result.conditions if prompts is None else None,
-        "prompts": prompts,
+        "decode": dcfg.to_dict(), "seed": args.seed, "seeds": seeds,
+        "classes": result.conditions if prompts is None else None, "prompts": prompts,
         "image_paths": paths, "grid_path": grid, "tokens": result.tokens.tolist(),
         "batch": s["batch"], "num_tokens": s["tokens"], "target_forwards": s["target_forwards"],
         "step_compression": s["step_compression"],
@@ -282,7 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate images (default model: the embedded bundle)")
     g.add_argument("--model", help="bundle folder (default: the embedded model)")
     g.add_argument("--classes", type=int, nargs="+", default=[0, 1, 2, 3], help="class ids, one image each")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0,
+                   help="image i draws from its own seed derived from this one (image 0: this seed itself; the "
+                        "JSON's 'seeds' and the file names give each): --seed <that> --classes <its class> "
+                        "reproduces one image alone")
     g.add_argument("--out", default="out", help="folder for the PNGs and grid.png")
     g.add_argument("--scale", type=number(int, 1), default=4, help="upscale factor of the written PNGs, >= 1")
     g.add_argument("--no-images", action="store_true", help="tokens and stats only")

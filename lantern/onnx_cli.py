@@ -1,7 +1,7 @@
 """`lantern export-onnx`: write the ONNX graphs a generation will need, for deployment.
 
 The graphs are exactly those `lantern generate` prepares for the same model, method, tree, guidance and batch
-width (the StaticSpec comes from the decode loop's own `static_spec`), written into --out; point
+width (the StaticSpec comes from the step engine's own `static_spec`), written into --out; point
 LANTERN_ONNX_CACHE at that folder on the deployment machine and the onnx backend loads them as they are.
 The model is a bundle, as for generate (default: the embedded one, with its sampling defaults), or a
 --preset shape with LlamaGen --checkpoint weights (random weights without one: tests and timing only).
@@ -82,7 +82,7 @@ def cmd_export_onnx(args: argparse.Namespace) -> dict:
     from lantern.backends.onnx_export import ensure_graphs
     from lantern.backends.onnx_runtime import ONNXBackend
     from lantern.decoding import SamplingConfig, method_preset
-    from lantern.decoding.loop import static_spec
+    from lantern.engine.step import static_spec
 
     avail = ONNXBackend.availability()
     if not avail.ok:

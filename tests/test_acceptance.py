@@ -8,7 +8,7 @@ from scipy.stats import chisquare
 
 import lantern.decoding.acceptance as acc
 from lantern.decoding.acceptance import Acceptance
-from lantern.decoding.node_trials import full_support, one_node_trials
+from node_trials import full_support, one_node_trials
 import lantern.decoding.relaxation as relaxation
 from lantern.decoding.relaxation import Neighbourhood, bounded_target
 from lantern.decoding.sampling import Support, draw

@@ -21,7 +21,7 @@ from lantern.backends import BackendUnavailable, StaticSpec, get_backend, resolv
 from lantern.backends import hpu as hpu_backend
 from lantern.backends.base import describe, dummy_step_inputs
 from lantern.backends.gaudi_config import FP32_LIST_ENV, LOWER_LIST_ENV
-from lantern.decoding.loop import static_spec
+from lantern.engine.step import static_spec
 from test_graph_mode import DRAFTING, decode_configs, generate, spec_for, step_loop
 
 NOT_INSTALLED = ("hpu: habana_frameworks is not installed (install Habana's PyTorch bridge, then "

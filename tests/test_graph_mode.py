@@ -16,8 +16,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from lantern.api import Pipeline
 from lantern.backends import StaticSpec, get_backend
 from lantern.decoding import SamplingConfig, method_preset
-from lantern.decoding.loop import (acceptance_rule, condition_rows, decode_ar, decode_speculative, make_generator,
-                                   static_spec)
+from lantern.engine import Engine, Request
+from lantern.engine.step import static_spec
 
 TREE_PARENTS = (-1, 0, 0, 1, 1, 2)  # a 6-node tree: root, 2 children, 3 grandchildren
 TREE_DEPTH = (0, 1, 1, 2, 2, 2)
@@ -101,7 +101,9 @@ def step_loop(runner, rounds: int = 3, seed: int = 0) -> list[torch.Tensor]:
 
 def prepare(backend: str, models, spec: StaticSpec, **options):
     target, drafter = models
-    return get_backend(backend, **options).prepare(target, drafter if spec.draft_widths else None, spec)
+    runner = get_backend(backend, **options).prepare(target, drafter if spec.draft_widths else None, spec)
+    runner_models[id(runner)] = models
+    return runner
 
 
 RULES = {"exact": {}, "lantern": dict(k=4, delta=0.1), "lantern++": dict(k=4, lam=3.0)}
@@ -120,14 +122,13 @@ def decode_configs(drafting: str) -> list[tuple[int, object]]:
 
 
 def generate(runner, dcfg, cls: int, proximity, seed: int = 0) -> torch.Tensor:
-    """One image's token ids (block,) for class `cls` through the real decode loops."""
-    cfg = runner.model_config
-    rows = condition_rows(torch.tensor([cls]), dcfg, torch.tensor([cfg.null_class]))
-    g, active = make_generator(runner, seed), torch.ones(1, dtype=torch.bool)
-    if dcfg.speculative:
-        return decode_speculative(runner, rows, dcfg, active, cfg.block_size, g,
-                                  acceptance_rule(dcfg, proximity, runner.device))[0][0]
-    return decode_ar(runner, rows, dcfg, active, cfg.block_size, g)[0][0]
+    """One image's token ids (block,) for class `cls` through the step engine on `runner`."""
+    engine = Engine(Pipeline(*runner_models[id(runner)], proximity, backend="cpu"), dcfg, 1, runner=runner)
+    engine.submit(Request(cls, seed))
+    return engine.run()[0].tokens
+
+
+runner_models: dict = {}  # id(runner) -> (target, drafter) it was prepared from
 
 
 @pytest.mark.parametrize("drafting", list(DRAFTING))

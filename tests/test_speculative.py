@@ -7,14 +7,14 @@ import torch
 from scipy.stats import chisquare
 
 import lantern.decoding.acceptance as acc
-import lantern.decoding.loop as loop
+import lantern.engine.proposers as proposers
 from lantern.api import Pipeline
 from lantern.config import GPTConfig
 from lantern.decoding import TREE_PRESETS, DecodeConfig, SamplingConfig, method_preset
 from lantern.decoding.sampling import SamplingConfig as SC
 from lantern.models.drafter import Drafter
 from lantern.models.gpt import GPT
-from lantern.profile.host_transfers import counted_steps, per_step
+from host_budget import check_host_budget
 
 SIGNIFICANCE = 1e-3
 
@@ -222,9 +222,15 @@ def test_broken_residual_fails_the_lossless_test(flat, monkeypatch):
 
 def test_verify_guided_with_another_cfg_scale_fails_the_lossless_test(flat, monkeypatch):
     """Verify rows guided with a different CFG scale than AR's: the test must notice."""
-    real = loop.verify_distributions
-    monkeypatch.setattr(loop, "verify_distributions",
-                        lambda logits, sc: real(logits, SC(**{**sc.__dict__, "cfg_scale": 3.0})))
+    real = proposers.Proposer.distributions
+
+    def other_scale(self, logits):
+        kept, self.sampling = self.sampling, SC(**{**self.sampling.__dict__, "cfg_scale": 3.0})
+        try:
+            return real(self, logits)
+        finally:
+            self.sampling = kept
+    monkeypatch.setattr(proposers.Proposer, "distributions", other_scale)
     assert min(run_lossless(flat, "static", 6000)) < LEVEL
 
 
@@ -237,8 +243,8 @@ def test_a_chain_is_accepted_without_the_tree_walk_token_for_token(pipe, kw, mon
     assert not trees.compile_tree(TREE_PRESETS["eagle1-25"]).is_chain
     dcfg = DecodeConfig(sampling=SamplingConfig(cfg_scale=2.0, top_k=20), drafting="chain-5", **kw)
     calls = []
-    real = loop.accept_chain
-    monkeypatch.setattr(loop, "accept_chain", lambda *a: calls.append(1) or real(*a))
+    real = proposers.accept_chain
+    monkeypatch.setattr(proposers, "accept_chain", lambda *a: calls.append(1) or real(*a))
     fast = pipe.generate([0, 1, 2], dcfg, seed=5)
     assert calls
     monkeypatch.setattr(trees.CompiledTree, "is_chain", property(lambda self: False))
@@ -252,21 +258,12 @@ def test_a_chain_is_accepted_without_the_tree_walk_token_for_token(pipe, kw, mon
 
 @pytest.mark.parametrize("drafting", ["lantern++-57", "dynamic"])
 def test_each_speculative_step_moves_only_a_flag_to_the_host(pipe, drafting, monkeypatch):
-    """Structural, not a timing: between two acceptance phases (one whole step) at most 2 host syncs and
-    O(B * depth) elements cross to the host; never logits or distributions. The decode core is what is counted:
-    the eager runner's attention trim, which reads each mask on the host and runs on a CPU only, is off."""
+    """Structural, not a timing: between two acceptance phases (one whole step) at most 2 host syncs; the step's
+    report and finished flags, O(B * depth) elements, plus each finishing image's tokens and records once;
+    never logits or distributions. The decode core is what is counted: the eager runner's attention trim,
+    which reads each mask on the host and runs on a CPU only, is off."""
     dcfg = method_preset("lantern++", SamplingConfig(cfg_scale=2.0, top_k=20), drafting=drafting)
-    b = 3
-    runner = pipe.runner(dcfg, b)
-    monkeypatch.setattr(runner, "trims_attention", False)
-    rows = loop.condition_rows(torch.tensor([0, 1, 2]), dcfg, pipe.target.null_condition(b))
-    with counted_steps(loop) as marks:
-        loop.decode_speculative(runner, rows, dcfg, torch.ones(b, dtype=torch.bool), pipe.config.block_size,
-                                loop.make_generator(runner, 0),
-                                loop.acceptance_rule(dcfg, pipe.proximity, runner.device))
-    calls, elements = per_step(marks)
-    assert len(marks) > 3 and max(calls) <= 2
-    assert max(elements) <= 2 * b * (dcfg.strategy.depth + 1)
+    check_host_budget(pipe, dcfg, "accept", monkeypatch)
 
 
 def test_bad_inputs_name_the_value(pipe):

@@ -63,7 +63,7 @@ def time_after(b: int, reps: int) -> float:
     from lantern.decoding.acceptance import Acceptance, DraftedTree, accept
     from lantern.decoding.config import DecodeConfig
     from lantern.decoding.loop import verify_distributions
-    from lantern.decoding.sampling import SamplingConfig, candidates, target_support
+    from lantern.decoding.sampling import GuidedLogits, SamplingConfig, candidates, combine_cfg, target_support
 
     strategy = DecodeConfig(drafting=TREE).strategy
     tree, placed = strategy.tree, strategy.on_device("cpu")
@@ -86,7 +86,7 @@ def time_after(b: int, reps: int) -> float:
     times = []
     for _ in range(reps + 3):
         t0 = time.perf_counter()
-        accept(verify_distributions(logits, sc), drafted, rule, False, g, V)
+        accept(GuidedLogits(combine_cfg(logits, sc.cfg_scale, sc.use_cfg), sc), drafted, rule, False, g, V)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[3:])
 

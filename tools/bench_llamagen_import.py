@@ -27,7 +27,7 @@ from lantern.api import Pipeline
 from lantern.bundle import load_bundle
 from lantern.config import GPTConfig
 from lantern.decoding import SamplingConfig, method_preset
-from lantern.decoding.loop import acceptance_rule
+from lantern.engine.step import acceptance_rule
 from lantern.import_bundle import ImportRequest, import_llamagen
 from lantern.llamagen import LLAMAGEN_GPT_SIZES
 from lantern.models.gpt import GPT

@@ -25,11 +25,12 @@ from pathlib import Path
 
 import torch
 
+from lantern.api import Pipeline
 from lantern.backends import StaticSpec, get_backend
 from lantern.config import gpt_preset
 from lantern.decoding import TREE_PRESETS, SamplingConfig, compile_tree, method_preset
-from lantern.decoding.loop import (acceptance_rule, condition_rows, decode_ar, decode_speculative, make_generator,
-                                   static_spec)
+from lantern.engine import Engine, Request
+from lantern.engine.step import static_spec
 from lantern.models.drafter import Drafter
 from lantern.models.gpt import GPT
 from lantern.proximity import build_proximity_table
@@ -107,22 +108,18 @@ def generation(target, drafter, method: str, tree: str, threads: int, cache_dir:
     overrides = {"drafting": tree} if method != "ar" else {}
     dcfg = method_preset(method, SamplingConfig(greedy=True, cfg_scale=4.0), **overrides)
     spec = static_spec(dcfg, cfg, batch=1, dtype="fp32")
-    labels = torch.tensor([3])
     out = {"method": method, "tree": tree if method != "ar" else None, "spec": asdict(spec)}
     tokens = {}
     for name in BACKENDS:
         runner = backend(name, threads, cache_dir).prepare(target, drafter if dcfg.speculative else None, spec)
         runner.warmup()
-        rows = condition_rows(labels, dcfg, target.null_condition(1))
-        g, active = make_generator(runner, 0), torch.ones(1, dtype=torch.bool)
-        if dcfg.speculative:
-            tokens[name], stats = decode_speculative(runner, rows, dcfg, active, cfg.block_size, g,
-                                                        acceptance_rule(dcfg, proximity, runner.device))
-        else:
-            tokens[name], stats = decode_ar(runner, rows, dcfg, active, cfg.block_size, g)
-        tau = (sum(stats.accepted_lengths) / len(stats.accepted_lengths)) if stats.accepted_lengths else 1.0
-        out[name] = {"wall_s": stats.wall_seconds, "target_forwards": stats.target_forwards,
-                     "draft_forwards": stats.draft_forwards, "tau": tau,
+        engine = Engine(Pipeline(target, drafter, proximity, backend="cpu"), dcfg, 1, runner=runner)
+        engine.submit(Request(3, seed=0))
+        (result,) = engine.run()
+        tokens[name], stats = result.tokens, result.stats
+        out[name] = {"wall_s": result.finished_s - result.started_s, "target_forwards": stats.target_forwards,
+                     "draft_forwards": engine.steps_run * engine.proposer.drafter_calls,
+                     "tau": stats.mean_accepted_length,
                      "phases": {k: v.summary() for k, v in runner.times.items()}}
     out["tokens_equal"] = bool(torch.equal(tokens["cpu"].flatten(), tokens["onnx"].flatten()))
     return out

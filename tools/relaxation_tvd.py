@@ -2,7 +2,7 @@
 against lantern's bounded relaxation, side by side, at equal true TV (never at equal delta).
 
 For a node with target p and draft q, many independent trials of the real acceptance program (one batch, one
-row per trial; lantern.decoding.node_trials) give the acceptance rate and the empirical output distribution,
+row per trial; tests/node_trials.py) give the acceptance rate and the empirical output distribution,
 whose total variation to p is the true distortion (the exact rule's row is the sampling-noise floor). For the
 bounded rule the recorded TV(p_hat, p) is reported next to it: the two must agree.
 
@@ -15,6 +15,7 @@ at the bundle's defaults, the bundle's proximity table, k = 10). Writes results/
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
@@ -26,10 +27,11 @@ from lantern.api import Pipeline
 from lantern.bundle import load_bundle
 from lantern.decoding import SamplingConfig, method_preset
 from lantern.decoding.acceptance import Acceptance
-from lantern.decoding.node_trials import one_node_trials
 from lantern.decoding.sampling import target_support
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the acceptance tests' instrument
+from node_trials import one_node_trials  # noqa: E402
 DELTAS = (0.02, 0.05, 0.1, 0.2, 0.4)
 LAMBDAS = (1.5, 2.0, 3.0, 5.0, 10.0)
 

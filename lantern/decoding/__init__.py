@@ -1,4 +1,5 @@
-"""The device-free decoding core: sampling, trees, drafting, acceptance and the decode loops."""
+"""The device-free decoding core: sampling, trees, drafting, acceptance (the step that uses them:
+lantern.engine)."""
 from lantern.decoding.acceptance import Acceptance
 from lantern.decoding.config import METHODS, DecodeConfig, method_preset
 from lantern.decoding.sampling import SamplingConfig

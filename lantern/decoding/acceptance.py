@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from lantern.decoding.relaxation import Neighbourhood, bounded_target, paper_boost
-from lantern.decoding.sampling import Support, draw
+from lantern.decoding.sampling import Draws, Support, draw, uniform
 
 KINDS = ("exact", "lantern", "lantern++")
 FORMS = ("bounded", "paper")
@@ -207,7 +207,7 @@ def _rule(p: Support, cand: torch.Tensor, cvalid: torch.Tensor, q: Optional[Supp
     return acc, end, boost, tv
 
 
-def accept(p_nodes, tree: DraftedTree, rule: Acceptance, greedy: bool, generator: torch.Generator,
+def accept(p_nodes, tree: DraftedTree, rule: Acceptance, greedy: bool, generator: Draws,
            vocab: int) -> StepAcceptance:
     """p_nodes: the target's (guided, warped) distribution after every node, anything with `.index(idx (B, M))
     -> Support (B, M, K)`: a Support (B, N, K), or GuidedLogits that warp only the nodes read."""
@@ -223,7 +223,7 @@ def accept(p_nodes, tree: DraftedTree, rule: Acceptance, greedy: bool, generator
     p = p_nodes.index(parents.clamp_min(0))  # (B, M, K)
     acc, end, boost, tv = _rule(p, cand, cvalid, tree.q, rule, greedy, vocab)
 
-    u = torch.rand(acc.shape, generator=generator, device=dev)
+    u = uniform(generator, acc.shape, dev)
     ok = (u < acc) & cvalid  # (B, M, C)
     first = ok.int().argmax(-1)  # first accepted sibling (rank order)
     taken_kid = torch.where(ok.any(-1), kids.gather(2, first[..., None])[..., 0], -1)  # (B, M)
@@ -272,7 +272,7 @@ def _per_node(nodes: torch.Tensor, values: torch.Tensor, n: int, fill) -> torch.
 
 
 def accept_chain(p_nodes: Support, tokens: torch.Tensor, valid: torch.Tensor, q: Optional[Support], rule: Acceptance,
-                 greedy: bool, generator: torch.Generator, vocab: int) -> StepAcceptance:
+                 greedy: bool, generator: Draws, vocab: int) -> StepAcceptance:
     """`accept` on a chain [root; d_1 .. d_L] (node i's one child is node i + 1: a Jacobi window, a drafter's
     chain-5), without the walk over a tree's structure: the accepted path is the chain up to the first
     rejection. The same rule, the same draws in the same order, the same result as `accept` on the chain.
@@ -294,7 +294,7 @@ def accept_chain(p_nodes: Support, tokens: torch.Tensor, valid: torch.Tensor, q:
         boost = torch.zeros_like(acc)
     else:
         acc, end, boost, tv = _rule(p, cand, cvalid, q, rule, greedy, vocab)
-    u = torch.rand(acc.shape, generator=generator, device=dev)
+    u = uniform(generator, acc.shape, dev)
     ok = ((u < acc) & cvalid)[..., 0]  # (B, L)
     accepted = ok.int().cumprod(-1).sum(-1)  # (B,) drafts before the first rejection
     depths = torch.arange(n, device=dev)

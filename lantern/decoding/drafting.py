@@ -12,7 +12,7 @@ import torch
 
 from lantern.backends.base import Runner
 from lantern.decoding.acceptance import DraftedTree
-from lantern.decoding.sampling import SamplingConfig, Support, candidates, target_support
+from lantern.decoding.sampling import Draws, SamplingConfig, Support, candidates, target_support
 from lantern.decoding.strategy import DynamicTree, LevelPlan, StaticTree
 
 
@@ -34,12 +34,13 @@ def window_mask(relative: torch.Tensor, root: torch.Tensor, base: torch.Tensor) 
 
 
 @dataclass
-class Drafter:
-    """The drafter of one runner: its static widths and the sampling that shapes its distributions."""
+class DraftRunner:
+    """The drafter steps of one runner (lantern.models.drafter.Drafter, prepared by the backend), with the
+    sampling that shapes its distributions and the random draws its candidates come from."""
 
     runner: Runner
     sampling: SamplingConfig
-    generator: torch.Generator
+    generator: Draws
 
     @property
     def rows(self) -> int:
@@ -78,7 +79,7 @@ class Drafter:
         return q_root, feats.gather(1, rows_last)[:, 0]
 
 
-def draft_static(d: Drafter, strategy: StaticTree, root_token, root: torch.Tensor, q_root: Support,
+def draft_static(d: DraftRunner, strategy: StaticTree, root_token, root: torch.Tensor, q_root: Support,
                  root_feat: torch.Tensor) -> DraftedTree:
     """Child j of a node is its j-th candidate (top-j, or the j-th draw without replacement), whatever the
     drafter's confidence (LANTERN++). root (B,) is the root's position."""
@@ -120,7 +121,7 @@ def draft_static(d: Drafter, strategy: StaticTree, root_token, root: torch.Tenso
                        rank=placed.rank)
 
 
-def draft_dynamic(d: Drafter, strategy: DynamicTree, root_token, root: torch.Tensor, q_root: Support,
+def draft_dynamic(d: DraftRunner, strategy: DynamicTree, root_token, root: torch.Tensor, q_root: Support,
                   root_feat: torch.Tensor) -> DraftedTree:
     """EAGLE-2 per image: beams by cumulative draft log-probability, then the `total` best nodes (drafts are
     deterministic top-k, so q is a point mass on each candidate)."""

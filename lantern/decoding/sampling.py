@@ -2,14 +2,15 @@
 
 Distributions are kept on their support: `Support(probs, ids)` holds the K most likely tokens in descending
 order (K = top-k when it is on, else the whole vocabulary), with top-p's removed tokens at probability 0.
-Everything the acceptance walk does happens on (..., K) instead of (..., V). Random draws come from one
-seeded generator on the runner's device (Gumbel-max), so the same seed on the same backend gives the same
-tokens.
+Everything the acceptance walk does happens on (..., K) instead of (..., V). Random draws (Gumbel-max) come
+from a `Draws` source: the step engine's per-slot counter-based streams (lantern.engine.draws: dim 0 of every
+draw is the image's slot, so an image's draws depend on its own seed only), or a seeded torch.Generator
+(single-purpose instruments and tests).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, Union
 
 import torch
 
@@ -119,23 +120,38 @@ def target_support(logits: torch.Tensor, cfg: SamplingConfig) -> Support:
     return warp(combine_cfg(logits, cfg.cfg_scale, cfg.use_cfg), cfg)
 
 
-def gumbel(shape, generator: torch.Generator, device) -> torch.Tensor:
-    u = torch.rand(shape, generator=generator, device=device).clamp_(1e-20, 1.0)
+class SlotStreams(Protocol):
+    def uniform(self, shape) -> torch.Tensor:
+        """Uniforms in (0, 1) of `shape`, dim 0 the image's slot."""
+
+
+Draws = Union[torch.Generator, SlotStreams]
+
+
+def uniform(draws: Draws, shape, device) -> torch.Tensor:
+    """Uniforms in [0, 1) of `shape` (the engine's streams: in (0, 1))."""
+    if isinstance(draws, torch.Generator):
+        return torch.rand(shape, generator=draws, device=device)
+    return draws.uniform(shape)
+
+
+def gumbel(shape, generator: Draws, device) -> torch.Tensor:
+    u = uniform(generator, shape, device).clamp_(1e-20, 1.0)
     return -torch.log(-torch.log(u))
 
 
-def categorical(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def categorical(probs: torch.Tensor, generator: Draws) -> torch.Tensor:
     """(..., K) -> (...) index of one draw per row (Gumbel-max: exact; zero-probability entries never win)."""
     return (probs.log() + gumbel(probs.shape, generator, probs.device)).argmax(-1)
 
 
-def draw(dist: Support, greedy: bool, generator: torch.Generator) -> torch.Tensor:
+def draw(dist: Support, greedy: bool, generator: Draws) -> torch.Tensor:
     """(..., K) support -> (...) token ids: its argmax, or one draw."""
     pick = dist.probs.argmax(-1) if greedy else categorical(dist.probs, generator)
     return dist.ids.gather(-1, pick[..., None])[..., 0]
 
 
-def candidates(dist: Support, n: int, greedy: bool, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def candidates(dist: Support, n: int, greedy: bool, generator: Draws) -> tuple[torch.Tensor, torch.Tensor]:
     """n children of a node: the top n (greedy) or n draws without replacement, in draw order (Gumbel top-k).
     Returns tokens (..., n) and valid (..., n): False where the distribution had fewer than n tokens."""
     n_take = min(n, dist.probs.shape[-1])

@@ -1,6 +1,6 @@
 """Drafting strategies: each owns its static widths, its depth and its scratch layout.
 
-`static_spec` (lantern.decoding.loop) and the profile suite derive every shape from these, never from the
+`static_spec` (lantern.engine.step) and the profile suite derive every shape from these, never from the
 method's name. The core pads every call to exactly these widths, so graph backends capture each step once.
 
 Cache layout per image row: the committed sequence fills slots 0 .. r-1 of the target cache (r = the root's

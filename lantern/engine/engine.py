@@ -1,0 +1,252 @@
+"""The step engine: a static-width batch of slots over one prepared runner and one DecodeConfig, refilled from a
+queue of requests as images finish (continuous batching). docs/engine.md describes the design."""
+from __future__ import annotations
+
+import itertools
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+import torch
+
+from lantern.caption_mask import CaptionMaskedRunner, caption_slots_visible
+from lantern.decoding.config import DecodeConfig
+from lantern.decoding.stats import GenerationStats
+from lantern.engine.draws import SlotDraws, check_seed
+from lantern.engine.proposers import make_proposer
+from lantern.engine.step import Slots, decode_step, prefill
+
+
+@dataclass(frozen=True)
+class SamplingOverrides:
+    """Per-request sampling. The step's static shape and its one compiled program fix these: each given value
+    must equal the engine's DecodeConfig.sampling (checked at submit); None takes the engine's."""
+
+    temperature: Optional[float] = None
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    cfg_scale: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class Request:
+    condition: object  # c2i: a class id; t2i: one caption embedding (P, C)
+    seed: int  # this request's own random stream
+    request_id: str = ""  # echoed back; the engine assigns one if empty
+    sampling: Optional[SamplingOverrides] = None
+    tokens: Optional[int] = None  # stop after this many tokens; None = the whole image
+
+
+@dataclass
+class RequestResult:
+    request_id: str
+    tokens: torch.Tensor  # (tokens,) int64 on the CPU, raster order (cancelled: those decided so far)
+    stats: GenerationStats  # this request's image
+    submitted_s: float  # time.perf_counter() stamps
+    started_s: float
+    finished_s: float
+    cancelled: bool = False
+
+
+@dataclass
+class StepReport:
+    slots_busy: int  # slots holding a request during the step
+    finished: list[RequestResult] = field(default_factory=list)
+    drafts: int = 0  # requests that offered drafts this step
+    draft_tokens: int = 0  # drafted tokens offered for verification
+    accepted_tokens: int = 0  # drafted tokens accepted (bonus tokens not counted)
+    accepted_per_position: list[int] = field(default_factory=list)  # requests accepting a draft at depth 1..D
+
+
+@dataclass
+class _Ticket:
+    request: Request
+    request_id: str
+    limit: int
+    submitted_s: float
+    started_s: float = 0.0
+    cancelled: bool = False
+
+
+class Engine:
+    """One static-width batch of slots over one prepared runner and one DecodeConfig. Single-threaded: one
+    thread owns it, and it owns its runner's caches while it has requests in flight (Pipeline.generate runs its
+    own engine to completion under the pipeline's lock; a service keeps one engine per pipeline). Every
+    request's tokens depend on its condition and seed only, not on the slot, the other requests or when it
+    arrived."""
+
+    def __init__(self, pipeline, decode: DecodeConfig, width: int, runner=None):
+        """runner: (optional) a runner prepared for this shape elsewhere (backend parity tests and benchmarks);
+        default: the pipeline's own, prepared once."""
+        self._width = pipeline.check(decode, width)
+        self._decode, self.pipeline = decode, pipeline
+        self.runner = runner if runner is not None else pipeline.runner(decode, self._width)
+        rule = pipeline._rule(decode, self.runner)
+        cfg = pipeline.config
+        self._t2i = cfg.model_type != "c2i"
+        cond = (torch.zeros(self._width, cfg.cls_token_num, cfg.caption_dim) if self._t2i
+                else torch.zeros(self._width, dtype=torch.long))
+        self._null = pipeline.target.null_condition(self._width).to(self.runner.device)
+        # t2i: LlamaGen's caption mask per slot (host copy, updated at refill); steps run on `_run`
+        self._visible = torch.ones(self._width, cfg.cls_token_num, dtype=torch.bool) if self._t2i else None
+        self._run = self.runner
+        draws = SlotDraws(self._width, self.runner.device)
+        self.proposer = make_proposer(self.runner, decode, rule, draws)
+        self.slots = Slots.allocate(self.runner, self._width, self.proposer.depth, cond, draws)
+        self._queue: deque[_Ticket] = deque()
+        self._held: list[Optional[_Ticket]] = [None] * self._width
+        self._ids = itertools.count()
+        self._known: set[str] = set()
+        self._dropped: list[RequestResult] = []  # cancelled while queued, reported at the next step
+        self.steps_run = 0
+
+    @property
+    def width(self) -> int:
+        return self._width
+
+    @property
+    def decode(self) -> DecodeConfig:
+        return self._decode
+
+    @property
+    def busy(self) -> int:
+        return sum(t is not None for t in self._held)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    def submit(self, request: Request) -> str:
+        """Queue a request (checked first: condition, seed, tokens, sampling); returns its id."""
+        self._condition(request.condition)
+        check_seed(request.seed)
+        block = self.pipeline.config.block_size
+        limit = block if request.tokens is None else request.tokens
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= block:
+            raise ValueError(f"tokens {request.tokens!r} must be an integer in 1..{block}")
+        self._check_sampling(request.sampling)
+        rid = request.request_id or f"request-{next(self._ids)}"
+        if rid in self._known:
+            raise ValueError(f"request_id {rid!r} is already queued or running")
+        self._known.add(rid)
+        self._queue.append(_Ticket(request, rid, limit, time.perf_counter()))
+        return rid
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop a queued request, or free a running one's slot at the next step; False if unknown."""
+        for t in self._queue:
+            if t.request_id == request_id:
+                self._queue.remove(t)
+                self._known.discard(request_id)
+                now = time.perf_counter()
+                self._dropped.append(RequestResult(request_id, torch.zeros(0, dtype=torch.long),
+                                                   GenerationStats(batch=self._width), t.submitted_s, now, now,
+                                                   cancelled=True))
+                return True
+        for t in self._held:
+            if t is not None and t.request_id == request_id:
+                t.cancelled = True
+                return True
+        return False
+
+    @torch.inference_mode()
+    def step(self) -> StepReport:
+        """Refill free slots from the queue, advance every busy slot by one step, return what finished."""
+        finished, self._dropped = self._dropped, []
+        self._refill()
+        busy = [i for i, t in enumerate(self._held) if t is not None]
+        if not busy:
+            return StepReport(0, finished, accepted_per_position=[0] * self.proposer.depth)
+        cancelled = [i for i in busy if self._held[i].cancelled]
+        if cancelled:
+            self.slots.busy[torch.tensor(cancelled, device=self.runner.device)] = False
+        report = decode_step(self._run, self.proposer, self.slots)
+        self.steps_run += 1
+        complete = self.slots.busy & (self.slots.emitted >= self.slots.limit)
+        packed = torch.cat([report, complete.long()]).tolist()  # the step's one transfer to the host
+        depth = self.proposer.depth
+        done = [i for i in busy if packed[4 + depth + i] or self._held[i].cancelled]
+        if done:
+            finished += self._collect(done)
+        drafts, draft_tokens, accepted, _ = packed[:4]
+        return StepReport(len(busy), finished, drafts, draft_tokens, accepted, packed[4:4 + depth])
+
+    def run(self, progress=None) -> list[RequestResult]:
+        """Step until the queue and the slots are empty; results in finishing order. progress: called with
+        the number of requests finished by each step."""
+        out = []
+        while self._queue or self.busy or self._dropped:
+            finished = self.step().finished
+            out += finished
+            if progress is not None and finished:
+                progress(len(finished))
+        return out
+
+    # --- inside ---------------------------------------------------------------------------------------
+
+    def _condition(self, condition) -> torch.Tensor:
+        """One request's condition, checked -> (1,) class id or (1, P, C) caption."""
+        if not self._t2i:
+            return self.pipeline._cond([condition])
+        return self.pipeline._cond(torch.as_tensor(condition, dtype=torch.float32)[None])
+
+    def _check_sampling(self, overrides: Optional[SamplingOverrides]) -> None:
+        if overrides is None:
+            return
+        mine = self._decode.sampling
+        for f in fields(overrides):
+            value = getattr(overrides, f.name)
+            if value is not None and value != getattr(mine, f.name):
+                raise ValueError(f"sampling {f.name}={value!r} differs from this engine's {getattr(mine, f.name)!r}; "
+                                 f"every request of an engine shares its sampling (docs/engine.md)")
+
+    def _refill(self) -> None:
+        free = [i for i, t in enumerate(self._held) if t is None]
+        if not (free and self._queue):
+            return
+        ref = getattr(self.runner, "engine_in_flight", None)
+        owner = ref() if ref is not None else None
+        if owner is not None and owner is not self and owner.busy:
+            raise RuntimeError(f"another engine has {owner.busy} requests in flight on this runner (its KV cache); "
+                               f"one engine per pipeline and decode configuration at a time (docs/engine.md)")
+        self.runner.engine_in_flight = weakref.ref(self)
+        take = []
+        while free and self._queue:
+            ticket, slot = self._queue.popleft(), free.pop(0)
+            ticket.started_s = time.perf_counter()
+            self._held[slot] = ticket
+            take.append((slot, ticket))
+        dev, s = self.runner.device, self.slots
+        idx = torch.tensor([slot for slot, _ in take], device=dev)
+        conds = torch.cat([self._condition(t.request.condition) for _, t in take])
+        s.cond[idx] = conds.to(dev, s.cond.dtype)
+        if self._t2i:
+            self._visible[idx.cpu()] = caption_slots_visible(conds)
+            visible = self._visible.repeat(self.sampling.rows_per_image, 1)
+            self._run = self.runner if visible.all() else CaptionMaskedRunner(self.runner, visible)
+        s.limit[idx] = torch.tensor([t.limit for _, t in take], device=dev)
+        s.busy[idx] = True
+        s.draws.admit(idx, torch.tensor([t.request.seed for _, t in take], dtype=torch.long, device=dev))
+        fresh = torch.zeros(self._width, dtype=torch.bool, device=dev)
+        fresh[idx] = True
+        prefill(self._run, self.proposer, s, self._null, fresh)
+
+    def _collect(self, done: list[int]) -> list[RequestResult]:
+        """The finished (or cancelled) slots' tokens and records: one transfer; the slots are free after."""
+        s, dev = self.slots, self.runner.device
+        idx = torch.tensor(done, device=dev)
+        rows = torch.cat([s.emitted[idx, None].double(), s.out[idx].double(), s.records.packed(idx)], 1).tolist()
+        s.busy[idx] = False
+        now, width, out = time.perf_counter(), s.out.shape[1], []
+        for slot, row in zip(done, rows):
+            t = self._held[slot]
+            n = min(int(row[0]), t.limit)
+            image = s.records.image_stats(row[1 + width:], n)
+            out.append(RequestResult(t.request_id, torch.tensor(row[1:1 + n], dtype=torch.long),
+                                     GenerationStats(images=[image], batch=self._width), t.submitted_s,
+                                     t.started_s, now, cancelled=t.cancelled))
+            self._held[slot] = None
+            self._known.discard(t.request_id)
+        return out

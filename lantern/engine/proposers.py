@@ -1,0 +1,196 @@
+"""What a step verifies: AR proposes nothing, a drafter proposes a tree (static or EAGLE-2 dynamic), Jacobi
+proposes its window. One small protocol; the step (lantern.engine.step) verifies, accepts, commits and emits
+for all of them.
+
+A proposer keeps its own per-slot state, (B, ...) tensors like the engine's, and answers:
+  reset(slots, fresh, first, features)  new requests took the `fresh` (B,) slots: start their state from the
+                                        prefill's distribution `first` (B, K) and features (R*B, D)
+  propose(slots) -> DraftedTree         every slot's candidates: node 0 is its root (the last accepted token)
+  distributions(logits)                 the verify logits as the acceptance reads them (`.index(nodes)`)
+  accept(p_nodes, tree) -> StepAcceptance
+  advance(slots, tree, acc, out, p_nodes, running, m, new_tokens, advance)   after the step moved every
+                                        running slot on by `advance` tokens (its last accepted pairs are
+                                        new_tokens[:, :m+1])
+Only the reset rows change in `reset`; rows that are not running carry garbage that no running row reads.
+"""
+from __future__ import annotations
+
+import torch
+
+from lantern.decoding.acceptance import Acceptance, DraftedTree, StepAcceptance, accept, accept_chain
+from lantern.decoding.config import DecodeConfig
+from lantern.decoding.drafting import DraftRunner, draft_dynamic, draft_static, on_rows
+from lantern.decoding.jacobi import CoupledNoise, redraw, spatial_prior
+from lantern.decoding.sampling import GuidedLogits, Support, combine_cfg, draw, target_support
+from lantern.decoding.strategy import StaticTree
+
+
+class Proposer:
+    depth = 0  # D: the longest run of drafts one step can accept
+    commits = False  # accepted nodes must be moved into place in the target's cache
+    drafter_calls = 0  # drafter steps per step
+
+    def __init__(self, runner, dcfg: DecodeConfig, rule: Acceptance, draws):
+        self.runner, self.dcfg, self.rule, self.draws = runner, dcfg, rule, draws
+        self.sampling = dcfg.sampling
+        self.vocab = runner.model_config.vocab_size
+
+    def reset(self, slots, fresh: torch.Tensor, first: Support, features: torch.Tensor) -> None:
+        """(optional) Start the fresh slots' state; default: no state."""
+
+    def distributions(self, logits: torch.Tensor):
+        """(R*B, N, V) verify logits -> each image's guided logits, warped where the acceptance reads them."""
+        return GuidedLogits(combine_cfg(logits, self.sampling.cfg_scale, self.sampling.use_cfg), self.sampling)
+
+    def advance(self, slots, tree, acc, out, p_nodes, running, m, new_tokens, advance) -> None:
+        """(optional) Move the slots' state on after a step; default: no state."""
+
+
+class NoProposal(Proposer):
+    """Plain AR: the root alone is verified, and the 'bonus' is the next token drawn from p after it."""
+
+    def __init__(self, runner, dcfg, rule, draws):
+        super().__init__(runner, dcfg, rule, draws)
+        dev = runner.device
+        self._tree = dict(depth=torch.zeros(1, 1, dtype=torch.long, device=dev),
+                          ancestors=torch.ones(1, 1, 1, dtype=torch.bool, device=dev),
+                          parents=torch.zeros(1, 0, dtype=torch.long, device=dev),
+                          children=torch.zeros(1, 0, 0, dtype=torch.long, device=dev),
+                          rank=torch.zeros(1, 1, dtype=torch.long, device=dev))
+
+    def propose(self, slots) -> DraftedTree:
+        b = slots.root.shape[0]
+        return DraftedTree(tokens=slots.root_tok[:, None], valid=torch.ones(b, 1, dtype=torch.bool,
+                                                                          device=slots.root.device),
+                           q=None, max_depth=0, **self._tree)
+
+    def accept(self, p_nodes, tree: DraftedTree) -> StepAcceptance:
+        b, dev = tree.tokens.shape[0], tree.tokens.device
+        bonus = draw(p_nodes.index(torch.zeros(b, 1, dtype=torch.long, device=dev)), self.sampling.greedy,
+                     self.draws)[:, 0]
+        zeros = torch.zeros(b, 0, device=dev)
+        return StepAcceptance(path=torch.zeros(b, 1, dtype=torch.long, device=dev),
+                              accepted=torch.zeros(b, dtype=torch.long, device=dev), bonus=bonus,
+                              tried=zeros.bool(), token_tv=torch.zeros(b, 1, device=dev), boost=zeros)
+
+
+class TreeProposal(Proposer):
+    """A drafter's tree: catch-up on the last accepted pairs, then a static tree (LANTERN++) or EAGLE-2's
+    dynamic one; a chain is accepted without the tree walk."""
+
+    commits = True
+
+    def __init__(self, runner, dcfg, rule, draws):
+        super().__init__(runner, dcfg, rule, draws)
+        self.strategy = dcfg.strategy
+        self.depth, self.drafter_calls = self.strategy.depth, self.strategy.drafter_calls
+        self.drafter = DraftRunner(runner, self.sampling, draws)
+        self._draft = draft_static if isinstance(self.strategy, StaticTree) else draft_dynamic
+        self.chain = isinstance(self.strategy, StaticTree) and self.strategy.tree.is_chain
+        self.pend_feats = self.pend_tokens = self.pend_count = None
+
+    def reset(self, slots, fresh, first, features) -> None:
+        a, rows = self.strategy.catchup_width, self.sampling.rows_per_image
+        feats = features[:, None].repeat(1, a, 1)  # (R*B, A, D) the root's pair, then padding
+        tokens = slots.root_tok[:, None].repeat(1, a)
+        count = torch.ones_like(slots.root)
+        if self.pend_feats is None:
+            self.pend_feats, self.pend_tokens, self.pend_count = feats, tokens, count
+            return
+        self.pend_feats = torch.where(on_rows(fresh, rows)[:, None, None], feats, self.pend_feats)
+        self.pend_tokens = torch.where(fresh[:, None], tokens, self.pend_tokens)
+        self.pend_count = torch.where(fresh, count, self.pend_count)
+
+    def propose(self, slots) -> DraftedTree:
+        with self.runner.phase("draft"):
+            q_root, root_feat = self.drafter.catch_up(self.pend_feats, self.pend_tokens, self.pend_count,
+                                                      slots.root)
+            return self._draft(self.drafter, self.strategy, slots.root_tok, slots.root, q_root, root_feat)
+
+    def accept(self, p_nodes, tree: DraftedTree) -> StepAcceptance:
+        greedy = self.sampling.greedy
+        if self.chain:
+            nodes = torch.arange(self.depth + 1, device=tree.tokens.device).expand(tree.tokens.shape[0], -1)
+            return accept_chain(p_nodes.index(nodes), tree.tokens, tree.valid, tree.q, self.rule, greedy,
+                                self.draws, self.vocab)
+        return accept(p_nodes, tree, self.rule, greedy, self.draws, self.vocab)
+
+    def advance(self, slots, tree, acc, out, p_nodes, running, m, new_tokens, advance) -> None:
+        hidden, rows = out.hidden, self.sampling.rows_per_image
+        path = on_rows(acc.path, rows)[..., None].expand(-1, -1, hidden.shape[-1])
+        self.pend_feats = hidden.gather(1, path)  # the accepted nodes' features: the next catch-up's pairs
+        self.pend_tokens = new_tokens
+        self.pend_count = torch.where(running, m + 1, self.pend_count)
+
+
+class WindowProposal(Proposer):
+    """Jacobi: the window of L drafts after the root, redrawn every step from the target's p at its positions
+    (lantern.decoding.jacobi: SJD, MC-SJD's coupled noise, the spatial prior). The verify writes node i at
+    its own position, so the accepted prefix is in place: no commit."""
+
+    chain = True
+
+    def __init__(self, runner, dcfg, rule, draws):
+        super().__init__(runner, dcfg, rule, draws)
+        self.window = self.depth = dcfg.strategy.window
+        self.nodes = torch.arange(self.window + 1, device=runner.device)
+        self.grid = runner.model_config.grid_size
+        self.above = dcfg.initial == "above"
+        self.coupled = dcfg.coupling == "gumbel" and not self.sampling.greedy
+        self.noise = None
+        self.q = self.drafts = None
+        dev, n = runner.device, self.window + 1
+        self._tree = dict(depth=self.nodes[None], ancestors=torch.ones(n, n, dtype=torch.bool, device=dev).tril()[None],
+                          parents=None, children=None, rank=torch.zeros(1, n, dtype=torch.long, device=dev))
+
+    def distributions(self, logits):
+        return target_support(logits, self.sampling)  # (B, L+1, K): every node is a parent
+
+    def _drafts(self, q: Support, root: torch.Tensor, rows=None) -> torch.Tensor:
+        """(B, L, K) -> (B, L) drafts at positions root + 1 .. root + L."""
+        g = self.noise.at(root[:, None] + self.nodes[1:], q.ids, self.draws, rows) if self.noise is not None else None
+        return redraw(q, g, self.sampling.greedy, self.draws)
+
+    def reset(self, slots, fresh, first, features) -> None:
+        b = fresh.shape[0]
+        if self.coupled and self.noise is None:
+            self.noise = CoupledNoise(b, self.window, self.vocab, self.runner.device)
+        if self.noise is not None:
+            self.noise.forget(fresh)
+        q = Support(*(x[:, None].expand(-1, self.window, -1) for x in first))  # never predicted: the last p
+        if self.above:
+            q = spatial_prior(q, torch.ones(b, self.window, dtype=torch.bool, device=fresh.device), slots.out,
+                              slots.emitted, self.grid, self.vocab)
+        drafts = self._drafts(q, slots.root, fresh)
+        if self.q is None:
+            self.q, self.drafts = q, drafts
+            return
+        keep = fresh[:, None, None]
+        self.q = Support(torch.where(keep, q.probs, self.q.probs), torch.where(keep, q.ids, self.q.ids))
+        self.drafts = torch.where(fresh[:, None], drafts, self.drafts)
+
+    def propose(self, slots) -> DraftedTree:
+        b = slots.root.shape[0]
+        return DraftedTree(tokens=torch.cat([slots.root_tok[:, None], self.drafts], 1),
+                           valid=torch.ones(b, self.window + 1, dtype=torch.bool, device=slots.root.device),
+                           q=None if self.sampling.greedy else self.q, max_depth=self.window, **self._tree)
+
+    def accept(self, p_nodes, tree) -> StepAcceptance:
+        return accept_chain(p_nodes, tree.tokens, tree.valid, tree.q, self.rule, self.sampling.greedy, self.draws,
+                            self.vocab)
+
+    def advance(self, slots, tree, acc, out, p_nodes, running, m, new_tokens, advance) -> None:
+        # window slot w now holds position root + 1 + w: p after node advance + w predicts it (if that node exists)
+        predicted_by = advance[:, None] + self.nodes[:-1]  # (B, L)
+        q = p_nodes.index(predicted_by.clamp(max=self.window))
+        if self.above:
+            q = spatial_prior(q, predicted_by > self.window, slots.out, slots.emitted, self.grid, self.vocab)
+        self.q, self.drafts = q, self._drafts(q, slots.root)
+
+
+def make_proposer(runner, dcfg: DecodeConfig, rule: Acceptance, draws) -> Proposer:
+    if dcfg.strategy is None:
+        return NoProposal(runner, dcfg, rule, draws)
+    if dcfg.jacobi:
+        return WindowProposal(runner, dcfg, rule, draws)
+    return TreeProposal(runner, dcfg, rule, draws)

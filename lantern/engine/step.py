@@ -1,0 +1,153 @@
+"""The one decode step, for every busy slot of a static-width batch, over any backend Runner.
+
+    propose -> verify (one static-shape target forward over every slot's nodes) -> accept -> commit -> emit
+
+Each slot holds one image: its root (the last accepted token, not yet in the cache) at position `root`, the
+tokens emitted so far, its request's token limit and its random stream. A slot that is not running (free,
+or its image complete) rides along as padding: nothing it computes is emitted, committed or recorded, its
+root and length stay frozen. Positions, lengths and masks are per-slot tensors, so every call keeps its static
+shape; nothing here reads a value back to the host. A new request enters its slot through `prefill`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from lantern.backends.base import Runner, StaticSpec
+from lantern.decoding.acceptance import Acceptance, DraftedTree
+from lantern.decoding.config import DecodeConfig
+from lantern.decoding.drafting import on_rows, window_mask
+from lantern.decoding.sampling import draw, target_support
+from lantern.engine.draws import SlotDraws
+from lantern.engine.proposers import Proposer
+from lantern.engine.records import SlotRecords
+
+
+def static_spec(dcfg: DecodeConfig, model_config, batch: int, dtype: str) -> StaticSpec:
+    """Every shape the step uses for `batch` slots (B, a static width of the runner)."""
+    rows = dcfg.sampling.rows_per_image * batch
+    p = model_config.cls_token_num
+    strategy = dcfg.strategy
+    if strategy is None:
+        return StaticSpec(batch=rows, max_len=_round8(p + model_config.block_size), prefix_len=p,
+                          verify_widths=(dcfg.verify_width,), dtype=dtype, commit_width=1)
+    return StaticSpec(batch=rows, max_len=_round8(p + model_config.block_size + strategy.scratch), prefix_len=p,
+                      verify_widths=(dcfg.verify_width,), draft_widths=strategy.draft_widths, dtype=dtype,
+                      commit_width=strategy.commit_pairs)
+
+
+def _round8(n: int) -> int:
+    return (n + 7) // 8 * 8
+
+
+def acceptance_rule(dcfg: DecodeConfig, proximity: Optional[torch.Tensor], device) -> Acceptance:
+    """The decode config's acceptance rule with its proximity table placed on `device` (as int64, read every
+    step). Build it once per pipeline and configuration: a relaxed rule builds its neighbourhood bitset on first
+    use, which costs more than a whole step."""
+    near = proximity.to(device) if proximity is not None else None  # its compact integer type, indexed directly
+    return Acceptance(dcfg.acceptance, k=dcfg.k, delta=dcfg.delta, lam=dcfg.lam, form=dcfg.form, proximity=near)
+
+
+@dataclass
+class Slots:
+    """The device state of every slot, (B, ...) each."""
+
+    cond: torch.Tensor  # (B,) class ids or (B, P, C) caption embeddings: each slot's condition
+    root: torch.Tensor  # (B,) the root's position
+    root_tok: torch.Tensor  # (B,)
+    emitted: torch.Tensor  # (B,) tokens decided so far
+    limit: torch.Tensor  # (B,) tokens the slot's request wants
+    busy: torch.Tensor  # (B,) bool: a request holds the slot
+    out: torch.Tensor  # (B, block + D + 2) tokens; the last column absorbs padding
+    draws: SlotDraws
+    records: SlotRecords
+
+    @classmethod
+    def allocate(cls, runner: Runner, width: int, depth: int, cond: torch.Tensor, draws: SlotDraws) -> "Slots":
+        dev, block = runner.device, runner.model_config.block_size
+        long = dict(dtype=torch.long, device=dev)
+        return cls(cond=cond.to(dev), root=torch.full((width,), runner.spec.prefix_len, **long),
+                   root_tok=torch.zeros(width, **long), emitted=torch.zeros(width, **long),
+                   limit=torch.zeros(width, **long), busy=torch.zeros(width, dtype=torch.bool, device=dev),
+                   out=torch.zeros(width, block + depth + 2, **long), draws=draws,
+                   records=SlotRecords(width, block, depth, dev))
+
+
+def condition_rows(cond: torch.Tensor, dcfg: DecodeConfig, null: torch.Tensor) -> torch.Tensor:
+    """[cond; uncond] rows for CFG (LlamaGen's layout), or cond alone. null: the null condition, one per image."""
+    return torch.cat([cond, null]) if dcfg.sampling.use_cfg else cond
+
+
+def prefill(runner: Runner, proposer: Proposer, slots: Slots, null: torch.Tensor, fresh: torch.Tensor) -> None:
+    """New requests hold the `fresh` (B,) slots (their condition, seed and limit already placed): one
+    static-shape prefill of every row, of which only the fresh rows' results are kept. A busy row's prefix is
+    rewritten with what it held (its own condition, the same computation), so its image goes on unchanged."""
+    spec, dev, sc = runner.spec, runner.device, proposer.sampling
+    with runner.phase("prefill"):
+        s = torch.arange(spec.max_len, device=dev)
+        mask = s[None, :] <= torch.arange(spec.prefix_len, device=dev)[:, None]  # (P, S) causal over the prefix
+        rows = condition_rows(slots.cond, proposer.dcfg, null)
+        out = runner.prefill(rows, mask[None].expand(spec.batch, -1, -1).contiguous())
+        logits, features = out.logits[:, -1], out.hidden[:, -1]  # (R*B, V), (R*B, D)
+        slots.draws.begin()
+        first = target_support(logits, sc)  # (B, K)
+        tok = draw(first, sc.greedy, slots.draws)
+        slots.root_tok = torch.where(fresh, tok, slots.root_tok)
+        slots.root = torch.where(fresh, spec.prefix_len, slots.root)
+        slots.emitted = torch.where(fresh, 1, slots.emitted)
+        slots.out[:, 0] = torch.where(fresh, tok, slots.out[:, 0])
+        slots.records.admit(fresh)
+        proposer.reset(slots, fresh, first, features)
+
+
+def decode_step(runner: Runner, proposer: Proposer, slots: Slots) -> torch.Tensor:
+    """Every running slot moves on by one step. Returns this step's report (D + 4,) int64 on the device:
+    [requests drafting, draft tokens, accepted draft tokens, images running, accepted at depth 1 .. D]."""
+    spec, dev, rows = runner.spec, runner.device, proposer.sampling.rows_per_image
+    depth = proposer.depth
+    running = slots.busy & (slots.emitted < slots.limit)
+    slots.draws.begin(running)  # a running slot's stream moves on to its next step
+    tree = proposer.propose(slots)
+    b, n = tree.tokens.shape
+    # at most limit - emitted - 1 drafts fit in the image; slots not running accept none
+    room = torch.where(running, slots.limit - slots.emitted - 1, -1)
+    tree.valid = tree.valid & (tree.depth <= room[:, None])
+    with runner.phase("verify"):
+        out = _verify(runner, tree, slots.root, n, torch.arange(spec.max_len, device=dev), rows)
+        p_nodes = proposer.distributions(out.logits)
+    with runner.phase("accept"):
+        acc = proposer.accept(p_nodes, tree)
+    m = torch.where(running, acc.accepted, -1)  # slots not running: nothing to emit or commit
+    steps = torch.arange(depth + 1, device=dev)
+    if proposer.commits:
+        with runner.phase("commit"):
+            dst = slots.root[:, None] + steps  # (B, D+1)
+            src = torch.where(steps[None] <= m[:, None], slots.root[:, None] + acc.path, dst)  # padding: itself
+            runner.commit(on_rows(src, rows), on_rows(dst, rows))
+    drafted = tree.tokens.gather(1, acc.path[:, 1:])
+    new_tokens = torch.where(steps[None] < m[:, None], torch.cat([drafted, acc.bonus[:, None]], 1),
+                             acc.bonus[:, None])  # (B, D+1): the accepted drafts, then the bonus
+    col = torch.where(steps[None] <= m[:, None], slots.emitted[:, None] + steps, slots.out.shape[1] - 1)
+    slots.out.scatter_(1, col, new_tokens)
+    slots.records.add(running, acc, tree.rank.expand(b, -1))
+    advance = torch.where(running, m + 1, 0)
+    slots.root_tok = torch.where(running, acc.bonus, slots.root_tok)
+    slots.root, slots.emitted = slots.root + advance, slots.emitted + advance
+    proposer.advance(slots, tree, acc, out, p_nodes, running, m, new_tokens, advance)
+    drafts = tree.valid[:, 1:].sum(-1)  # (B,) draft tokens offered
+    accepted = torch.where(running, acc.accepted, 0)
+    per_depth = (accepted[:, None] >= steps[None, 1:]).sum(0)  # (D,)
+    return torch.cat([torch.stack([(running & (drafts > 0)).sum(), torch.where(running, drafts, 0).sum(),
+                                   accepted.sum(), running.sum()]), per_depth])
+
+
+def _verify(runner: Runner, tree: DraftedTree, root: torch.Tensor, n: int, slots: torch.Tensor, rows: int):
+    """One target forward over every slot's N nodes: node i at position root + depth(i), cache slot root + i."""
+    b = root.shape[0]
+    positions = root[:, None] + tree.depth.expand(b, -1)
+    node_slots = root[:, None] + torch.arange(n, device=root.device)
+    mask = window_mask(tree.ancestors, root, slots[None] < root[:, None])  # committed cache + own ancestors
+    return runner.verify(on_rows(tree.tokens, rows), on_rows(positions, rows), on_rows(node_slots, rows),
+                         on_rows(mask, rows))

@@ -1,0 +1,115 @@
+"""Static chunks against continuous batching: a stream of mixed requests (random classes, one method at a time)
+through the step engine at several batch widths; images/s and per-image latency.
+
+Static chunks: `width` requests at a time, each chunk running until its slowest image is done (what a
+batch-at-a-time loop does). Continuous: the whole stream queued at once, a slot taking the next request as
+soon as its image finishes. Both see the stream at t = 0, so latency = finish - stream start; the same
+requests (classes, seeds) and the same warmed-up runner in both. Prints a markdown table (and --json).
+
+    python tools/bench_engine.py [--model BUNDLE] [--backend cpu] [--methods ar lantern++ mc-sjd]
+                                 [--widths 4 16] [--images 64]
+    python tools/bench_engine.py --quick      # a tiny random model: checks the tool runs, numbers mean nothing
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+from lantern.api import Pipeline
+from lantern.decoding import SamplingConfig, method_preset
+from lantern.engine import Engine, Request
+
+
+def tiny_pipeline(backend: str) -> tuple[Pipeline, SamplingConfig]:
+    """Random GPT-test models (no download): for --quick."""
+    from lantern.config import gpt_preset
+    from lantern.models.drafter import Drafter
+    from lantern.models.gpt import GPT
+    from lantern.proximity import build_proximity_table
+    torch.manual_seed(0)
+    cfg = gpt_preset("GPT-test")
+    target = GPT(cfg).eval()
+    with torch.no_grad():
+        target.output.weight.mul_(8.0)
+    codebook = torch.nn.functional.normalize(torch.randn(cfg.vocab_size, 8), dim=1)
+    proximity = build_proximity_table(codebook, cfg.vocab_size - 1)
+    return Pipeline(target, Drafter(cfg).eval(), proximity, backend=backend), SamplingConfig(cfg_scale=2.0, top_k=20)
+
+
+QUICK_OVERRIDES = {"mc-sjd": dict(window=4), "sjd": dict(window=4), "mc-sjd-relaxed": dict(window=4),
+                   "eagle2": dict(dynamic_depth=3, dynamic_total=10), "lantern": dict(dynamic_depth=3, dynamic_total=10)}
+
+
+def stream(engine: Engine, requests: list[Request], chunk: int | None) -> dict:
+    """Run the requests (all arriving at t0) in chunks of `chunk` (None: continuously) -> figures."""
+    t0 = time.perf_counter()
+    results = []
+    groups = [requests] if chunk is None else [requests[i:i + chunk] for i in range(0, len(requests), chunk)]
+    for group in groups:
+        for r in group:
+            engine.submit(r)
+        results += engine.run()
+    wall = time.perf_counter() - t0
+    latency = sorted(r.finished_s - t0 for r in results)
+    return {"images": len(results), "wall_s": wall, "images_per_s": len(results) / wall,
+            "latency_mean_s": statistics.fmean(latency), "latency_p50_s": latency[len(latency) // 2],
+            "latency_p90_s": latency[min(len(latency) - 1, int(0.9 * len(latency)))],
+            "steps": engine.steps_run}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", help="bundle folder (default: the embedded model)")
+    ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--dtype")
+    ap.add_argument("--methods", nargs="+", default=["ar", "lantern++", "mc-sjd"])
+    ap.add_argument("--widths", type=int, nargs="+", default=[4, 16])
+    ap.add_argument("--images", type=int, default=64, help="requests in the stream")
+    ap.add_argument("--seed", type=int, default=0, help="classes and request seeds of the stream")
+    ap.add_argument("--quick", action="store_true", help="a tiny random model, 8 images: checks the tool runs")
+    ap.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    args = ap.parse_args()
+    if args.quick:
+        pipe, sampling = tiny_pipeline(args.backend)
+        args.images = min(args.images, 8)
+    else:
+        from lantern.bundle import load_bundle
+        bundle = load_bundle(args.model)
+        pipe = Pipeline.from_bundle(bundle, backend=args.backend, dtype=args.dtype)
+        sampling = SamplingConfig(**bundle.default_sampling)
+    rng = random.Random(args.seed)
+    requests = [Request(rng.randrange(pipe.config.num_classes), seed=rng.randrange(2 ** 62), request_id=str(i))
+                for i in range(args.images)]
+    rows = []
+    jobs = [(m, w) for m in args.methods for w in args.widths]
+    for method, width in tqdm(jobs, desc="runs", file=sys.stderr):
+        dcfg = method_preset(method, sampling, **(QUICK_OVERRIDES.get(method, {}) if args.quick else {}))
+        engine = Engine(pipe, dcfg, width)  # prepares and warms up the runner before anything is timed
+        static = stream(engine, requests, width)
+        engine = Engine(pipe, dcfg, width)
+        continuous = stream(engine, requests, None)
+        rows.append({"method": method, "width": width, "static": static, "continuous": continuous,
+                     "speedup": continuous["images_per_s"] / static["images_per_s"]})
+    if args.json:
+        print(json.dumps({"backend": pipe.backend.name, "dtype": pipe.dtype, "images": args.images,
+                          "quick": args.quick, "rows": rows}, indent=1))
+        return
+    print("| method | width | static images/s | continuous images/s | speed-up | static latency mean / p90 s "
+          "| continuous latency mean / p90 s |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        s, c = r["static"], r["continuous"]
+        print(f"| {r['method']} | {r['width']} | {s['images_per_s']:.3f} | {c['images_per_s']:.3f} | "
+              f"{r['speedup']:.2f}x | {s['latency_mean_s']:.2f} / {s['latency_p90_s']:.2f} | "
+              f"{c['latency_mean_s']:.2f} / {c['latency_p90_s']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

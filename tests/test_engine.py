@@ -94,6 +94,24 @@ def test_a_refill_that_keeps_the_slots_random_stream_is_caught(pipe, monkeypatch
         same_alone_and_among_others(pipe, "lantern++")
 
 
+@pytest.mark.parametrize("method", ["lantern++", "mc-sjd"])
+def test_a_requests_own_temperature_and_cfg_scale_are_what_an_engine_set_to_them_gives(pipe, method):
+    """Per-request temperature and CFG scale among requests with other settings: the same tokens as the
+    request alone in an engine whose own settings are those (where the lossless tests hold)."""
+    base = SamplingConfig(cfg_scale=2.0, top_k=20)
+    mine = SamplingConfig(cfg_scale=3.5, top_k=20, temperature=0.7)
+    own = Engine(pipe, method_preset(method, mine, **SAMPLED[method]), 3)
+    alone = run(own, [Request(1, seed=99, request_id="mine")])["mine"]
+    shared = Engine(pipe, method_preset(method, base, **SAMPLED[method]), 3)
+    others = [Request(c, seed=c, request_id=f"o{c}", sampling=SamplingOverrides(temperature=1.0 + c / 4))
+              for c in range(4)]
+    mixed = run(shared, others + [Request(1, seed=99, request_id="mine",
+                                          sampling=SamplingOverrides(temperature=0.7, cfg_scale=3.5))])
+    assert mixed["mine"] == alone
+    assert run(Engine(pipe, method_preset(method, base, **SAMPLED[method]), 3),
+               [Request(1, seed=99, request_id="mine")])["mine"] != alone
+
+
 def test_image_i_of_a_call_is_reproduced_alone_with_its_derived_seed(pipe):
     dcfg = method_preset("lantern++", SamplingConfig(cfg_scale=2.0), k=8)
     batch = pipe.generate([0, 3, 2, 1], dcfg, seed=11, batch=2).tokens
@@ -237,8 +255,13 @@ def test_requests_are_checked_before_they_queue(pipe):
         engine.submit(Request(0, seed=-1))
     with pytest.raises(ValueError, match=r"tokens 17 must be an integer in 1..16"):
         engine.submit(Request(0, seed=0, tokens=17))
-    with pytest.raises(ValueError, match=r"sampling top_k=7 differs from this engine's 5"):
+    with pytest.raises(ValueError, match=r"sampling top_k=7 differs from this engine's 5; per request only "
+                                         r"temperature and cfg_scale may differ"):
         engine.submit(Request(0, seed=0, sampling=SamplingOverrides(top_k=7)))
+    with pytest.raises(ValueError, match=r"cfg_scale=2.0: this engine runs without CFG"):
+        engine.submit(Request(0, seed=0, sampling=SamplingOverrides(cfg_scale=2.0)))
+    with pytest.raises(ValueError, match=r"temperature 0.0 must be > 0"):
+        engine.submit(Request(0, seed=0, sampling=SamplingOverrides(temperature=0.0)))
     engine.submit(Request(0, seed=0, request_id="a", sampling=SamplingOverrides(top_k=5)))
     with pytest.raises(ValueError, match=r"request_id 'a' is already queued or running"):
         engine.submit(Request(1, seed=0, request_id="a"))

@@ -11,6 +11,7 @@ import lantern.engine.proposers as proposers
 from lantern.api import Pipeline
 from lantern.config import GPTConfig
 from lantern.decoding import TREE_PRESETS, DecodeConfig, SamplingConfig, method_preset
+from lantern.decoding.sampling import GuidedLogits, combine_cfg
 from lantern.decoding.sampling import SamplingConfig as SC
 from lantern.models.drafter import Drafter
 from lantern.models.gpt import GPT
@@ -222,15 +223,8 @@ def test_broken_residual_fails_the_lossless_test(flat, monkeypatch):
 
 def test_verify_guided_with_another_cfg_scale_fails_the_lossless_test(flat, monkeypatch):
     """Verify rows guided with a different CFG scale than AR's: the test must notice."""
-    real = proposers.Proposer.distributions
-
-    def other_scale(self, logits):
-        kept, self.sampling = self.sampling, SC(**{**self.sampling.__dict__, "cfg_scale": 3.0})
-        try:
-            return real(self, logits)
-        finally:
-            self.sampling = kept
-    monkeypatch.setattr(proposers.Proposer, "distributions", other_scale)
+    monkeypatch.setattr(proposers.Proposer, "distributions",
+                        lambda self, logits: GuidedLogits(combine_cfg(logits, 3.0, True), self.sampling))
     assert min(run_lossless(flat, "static", 6000)) < LEVEL
 
 

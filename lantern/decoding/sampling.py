@@ -78,17 +78,25 @@ class Support(NamedTuple):
         return Support(self.probs.gather(1, at), self.ids.gather(1, at))
 
 
-def combine_cfg(logits: torch.Tensor, scale: float, use_cfg: bool) -> torch.Tensor:
-    """logits (R, ..., V) with rows [cond; uncond] -> (R/2, ..., V): u + s * (c - u)."""
+def per_image(value, like: torch.Tensor):
+    """A number, or a (B,) tensor of one value per image, shaped to broadcast over `like` (B, ...)."""
+    return value.view(-1, *([1] * (like.dim() - 1))) if isinstance(value, torch.Tensor) else value
+
+
+def combine_cfg(logits: torch.Tensor, scale, use_cfg: bool) -> torch.Tensor:
+    """logits (R, ..., V) with rows [cond; uncond] -> (R/2, ..., V): u + s * (c - u); scale a number or one per
+    image (B,)."""
     if not use_cfg:
         return logits
     cond, uncond = logits.float().chunk(2, dim=0)
-    return uncond + scale * (cond - uncond)
+    return uncond + per_image(scale, cond) * (cond - uncond)
 
 
 def warp(logits: torch.Tensor, cfg: SamplingConfig) -> Support:
-    """(..., V) guided logits -> the distribution after temperature, top-k and top-p, on its support."""
-    x = logits.float() if cfg.temperature == 1.0 else logits.float() / cfg.temperature
+    """(..., V) guided logits -> the distribution after temperature, top-k and top-p, on its support. The
+    temperature may be one per image ((B,) tensor; logits (B, ..., V))."""
+    t = cfg.temperature
+    x = logits.float() if not isinstance(t, torch.Tensor) and t == 1.0 else logits.float() / per_image(t, logits)
     k = cfg.support_size(x.shape[-1])
     if k < x.shape[-1] or cfg.top_p < 1.0:
         vals, ids = torch.topk(x, k, dim=-1)  # sorted, descending

@@ -10,8 +10,6 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-import torch
-
 
 @dataclass
 class ImageStats:
@@ -49,12 +47,6 @@ class GenerationStats:
     batch: int = 0  # the runner's static image width B
     phase_seconds: dict[str, float] = field(default_factory=dict)
     wall_seconds: float = 0.0  # decode wall time (VQ decode excluded)
-
-    @classmethod
-    def for_ar(cls, n_images: int, block: int, seconds: float) -> "GenerationStats":
-        """AR: every image takes one forward per token."""
-        return cls(images=[ImageStats(tokens=block, target_forwards=block) for _ in range(n_images)],
-                   wall_seconds=seconds)
 
     def merge(self, other: "GenerationStats") -> None:
         """Append another chunk's images."""
@@ -130,48 +122,3 @@ class GenerationStats:
             "wall_seconds": self.wall_seconds,
             "tokens_per_second": self.tokens / self.wall_seconds if self.wall_seconds else 0.0,
         }
-
-
-@dataclass
-class StepRecords:
-    """Per-step results of a speculative batch, kept on the device until the generation ends."""
-
-    running: list[torch.Tensor] = field(default_factory=list)  # (B,) bool
-    accepted: list[torch.Tensor] = field(default_factory=list)  # (B,)
-    tried: list[torch.Tensor] = field(default_factory=list)  # (B, D)
-    token_tv: list[torch.Tensor] = field(default_factory=list)  # (B, D+1)
-    boost: list[torch.Tensor] = field(default_factory=list)  # (B, D)
-    ranks: list[torch.Tensor] = field(default_factory=list)  # (B, D)
-
-    @property
-    def steps(self) -> int:
-        return len(self.running)
-
-    def add(self, running: torch.Tensor, acc, rank: torch.Tensor) -> None:
-        """acc: a StepAcceptance; rank (B, N) child rank of every node."""
-        self.running.append(running)
-        self.accepted.append(acc.accepted)
-        self.tried.append(acc.tried)
-        self.token_tv.append(acc.token_tv)
-        self.boost.append(acc.boost)
-        self.ranks.append(rank.gather(1, acc.path[:, 1:]))
-
-    def stats(self, active: torch.Tensor, block: int, seconds: float) -> GenerationStats:
-        """One transfer to the host; active (B,) marks real images."""
-        run, acc, tried, tv, boost, ranks = (torch.stack(x, 1).cpu().tolist() for x in (
-            self.running, self.accepted, self.tried, self.token_tv, self.boost, self.ranks))
-        images = []
-        for b in (i for i in range(len(active)) if active[i]):
-            st = ImageStats(tokens=block, target_forwards=1 + sum(run[b]))
-            for t in range(self.steps):
-                if not run[b][t]:
-                    continue
-                m = acc[b][t]
-                st.accepted_lengths.append(m + 1)
-                st.depth_tried.update(d + 1 for d, hit in enumerate(tried[b][t]) if hit)
-                st.depth_accepted.update(range(1, m + 1))
-                st.accepted_ranks.append(tuple(ranks[b][t][:m]))
-                st.token_tv += tv[b][t][: m + 1]
-                st.boost += boost[b][t][:m]
-            images.append(st)
-        return GenerationStats(images=images, batch=len(active), wall_seconds=seconds)

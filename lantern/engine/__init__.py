@@ -1,6 +1,7 @@
 """The step engine: one decode step for every method (AR, drafter trees, Jacobi windows as proposers),
 continuous batching over a static-width batch of slots, per-request seeds. docs/engine.md."""
 from lantern.engine.draws import derive_seed
-from lantern.engine.engine import Engine, Request, RequestResult, SamplingOverrides, StepReport
+from lantern.engine.engine import Engine, Request, RequestResult, StepReport
+from lantern.engine.sampling import SamplingOverrides
 
 __all__ = ["Engine", "Request", "RequestResult", "SamplingOverrides", "StepReport", "derive_seed"]

@@ -6,28 +6,19 @@ import itertools
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from lantern.caption_mask import CaptionMaskedRunner, caption_slots_visible
 from lantern.decoding.config import DecodeConfig
+from lantern.decoding.sampling import SamplingConfig
 from lantern.decoding.stats import GenerationStats
 from lantern.engine.draws import SlotDraws, check_seed
 from lantern.engine.proposers import make_proposer
+from lantern.engine.sampling import SamplingOverrides, SlotSampling, request_sampling
 from lantern.engine.step import Slots, decode_step, prefill
-
-
-@dataclass(frozen=True)
-class SamplingOverrides:
-    """Per-request sampling. The step's static shape and its one compiled program fix these: each given value
-    must equal the engine's DecodeConfig.sampling (checked at submit); None takes the engine's."""
-
-    temperature: Optional[float] = None
-    top_k: Optional[int] = None
-    top_p: Optional[float] = None
-    cfg_scale: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -65,6 +56,7 @@ class _Ticket:
     request: Request
     request_id: str
     limit: int
+    sampling: SamplingConfig
     submitted_s: float
     started_s: float = 0.0
     cancelled: bool = False
@@ -93,7 +85,8 @@ class Engine:
         self._visible = torch.ones(self._width, cfg.cls_token_num, dtype=torch.bool) if self._t2i else None
         self._run = self.runner
         draws = SlotDraws(self._width, self.runner.device)
-        self.proposer = make_proposer(self.runner, decode, rule, draws)
+        self.sampling = SlotSampling(decode.sampling, self._width, self.runner.device)
+        self.proposer = make_proposer(self.runner, decode, rule, draws, self.sampling)
         self.slots = Slots.allocate(self.runner, self._width, self.proposer.depth, cond, draws)
         self._queue: deque[_Ticket] = deque()
         self._held: list[Optional[_Ticket]] = [None] * self._width
@@ -126,12 +119,12 @@ class Engine:
         limit = block if request.tokens is None else request.tokens
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= block:
             raise ValueError(f"tokens {request.tokens!r} must be an integer in 1..{block}")
-        self._check_sampling(request.sampling)
+        sampling = request_sampling(self._decode.sampling, request.sampling)
         rid = request.request_id or f"request-{next(self._ids)}"
         if rid in self._known:
             raise ValueError(f"request_id {rid!r} is already queued or running")
         self._known.add(rid)
-        self._queue.append(_Ticket(request, rid, limit, time.perf_counter()))
+        self._queue.append(_Ticket(request, rid, limit, sampling, time.perf_counter()))
         return rid
 
     def cancel(self, request_id: str) -> bool:
@@ -192,16 +185,6 @@ class Engine:
             return self.pipeline._cond([condition])
         return self.pipeline._cond(torch.as_tensor(condition, dtype=torch.float32)[None])
 
-    def _check_sampling(self, overrides: Optional[SamplingOverrides]) -> None:
-        if overrides is None:
-            return
-        mine = self._decode.sampling
-        for f in fields(overrides):
-            value = getattr(overrides, f.name)
-            if value is not None and value != getattr(mine, f.name):
-                raise ValueError(f"sampling {f.name}={value!r} differs from this engine's {getattr(mine, f.name)!r}; "
-                                 f"every request of an engine shares its sampling (docs/engine.md)")
-
     def _refill(self) -> None:
         free = [i for i, t in enumerate(self._held) if t is None]
         if not (free and self._queue):
@@ -229,6 +212,7 @@ class Engine:
         s.limit[idx] = torch.tensor([t.limit for _, t in take], device=dev)
         s.busy[idx] = True
         s.draws.admit(idx, torch.tensor([t.request.seed for _, t in take], dtype=torch.long, device=dev))
+        self.sampling.admit(idx, [t.sampling for _, t in take])
         fresh = torch.zeros(self._width, dtype=torch.bool, device=dev)
         fresh[idx] = True
         prefill(self._run, self.proposer, s, self._null, fresh)

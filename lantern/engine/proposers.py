@@ -30,9 +30,10 @@ class Proposer:
     commits = False  # accepted nodes must be moved into place in the target's cache
     drafter_calls = 0  # drafter steps per step
 
-    def __init__(self, runner, dcfg: DecodeConfig, rule: Acceptance, draws):
+    def __init__(self, runner, dcfg: DecodeConfig, rule: Acceptance, draws, sampling):
+        """sampling: the engine's per-slot settings (lantern.engine.sampling.SlotSampling)."""
         self.runner, self.dcfg, self.rule, self.draws = runner, dcfg, rule, draws
-        self.sampling = dcfg.sampling
+        self.sampling = sampling
         self.vocab = runner.model_config.vocab_size
 
     def reset(self, slots, fresh: torch.Tensor, first: Support, features: torch.Tensor) -> None:
@@ -49,8 +50,8 @@ class Proposer:
 class NoProposal(Proposer):
     """Plain AR: the root alone is verified, and the 'bonus' is the next token drawn from p after it."""
 
-    def __init__(self, runner, dcfg, rule, draws):
-        super().__init__(runner, dcfg, rule, draws)
+    def __init__(self, runner, dcfg, rule, draws, sampling):
+        super().__init__(runner, dcfg, rule, draws, sampling)
         dev = runner.device
         self._tree = dict(depth=torch.zeros(1, 1, dtype=torch.long, device=dev),
                           ancestors=torch.ones(1, 1, 1, dtype=torch.bool, device=dev),
@@ -80,8 +81,8 @@ class TreeProposal(Proposer):
 
     commits = True
 
-    def __init__(self, runner, dcfg, rule, draws):
-        super().__init__(runner, dcfg, rule, draws)
+    def __init__(self, runner, dcfg, rule, draws, sampling):
+        super().__init__(runner, dcfg, rule, draws, sampling)
         self.strategy = dcfg.strategy
         self.depth, self.drafter_calls = self.strategy.depth, self.strategy.drafter_calls
         self.drafter = DraftRunner(runner, self.sampling, draws)
@@ -130,8 +131,8 @@ class WindowProposal(Proposer):
 
     chain = True
 
-    def __init__(self, runner, dcfg, rule, draws):
-        super().__init__(runner, dcfg, rule, draws)
+    def __init__(self, runner, dcfg, rule, draws, sampling):
+        super().__init__(runner, dcfg, rule, draws, sampling)
         self.window = self.depth = dcfg.strategy.window
         self.nodes = torch.arange(self.window + 1, device=runner.device)
         self.grid = runner.model_config.grid_size
@@ -188,9 +189,6 @@ class WindowProposal(Proposer):
         self.q, self.drafts = q, self._drafts(q, slots.root)
 
 
-def make_proposer(runner, dcfg: DecodeConfig, rule: Acceptance, draws) -> Proposer:
-    if dcfg.strategy is None:
-        return NoProposal(runner, dcfg, rule, draws)
-    if dcfg.jacobi:
-        return WindowProposal(runner, dcfg, rule, draws)
-    return TreeProposal(runner, dcfg, rule, draws)
+def make_proposer(runner, dcfg: DecodeConfig, rule: Acceptance, draws, sampling) -> Proposer:
+    kind = NoProposal if dcfg.strategy is None else WindowProposal if dcfg.jacobi else TreeProposal
+    return kind(runner, dcfg, rule, draws, sampling)

@@ -278,3 +278,21 @@ def test_a_second_engine_cannot_take_a_runner_with_requests_in_flight(pipe):
         second.step()
     first.run()
     assert len(second.run()) == 1
+
+
+def test_caption_conditions_run_through_the_engine():
+    """t2i: a request's condition is one caption embedding (P, C); sampled with CFG, each image alone equals
+    the same image among others (the prefix of 3 caption tokens is refilled per slot)."""
+    from lantern.config import GPTConfig
+    from lantern.models.gpt import GPT
+    cfg = GPTConfig(dim=32, n_layer=1, n_head=2, vocab_size=16, model_type="t2i", caption_dim=12, cls_token_num=3,
+                    block_size=9, multiple_of=16)
+    torch.manual_seed(0)
+    pipe = Pipeline(GPT(cfg).eval(), None, None, backend="cpu")
+    captions = torch.randn(4, 3, 12)
+    dcfg = method_preset("mc-sjd", SamplingConfig(cfg_scale=2.0), window=3)
+    together = pipe.generate(captions, dcfg, seed=3, batch=2).tokens
+    for i in range(4):
+        assert torch.equal(pipe.generate(captions[i:i + 1], dcfg, seed=derive_seed(3, i)).tokens[0], together[i])
+    with pytest.raises(ValueError, match=r"t2i conditions must be caption embeddings of shape \(n, 3, 12\)"):
+        Engine(pipe, dcfg, 2).submit(Request(torch.zeros(3, 5), seed=0))

@@ -62,7 +62,6 @@ def time_after(b: int, reps: int) -> float:
     """Median seconds of this checkout's acceptance phase for B images."""
     from lantern.decoding.acceptance import Acceptance, DraftedTree, accept
     from lantern.decoding.config import DecodeConfig
-    from lantern.decoding.loop import verify_distributions
     from lantern.decoding.sampling import GuidedLogits, SamplingConfig, candidates, combine_cfg, target_support
 
     strategy = DecodeConfig(drafting=TREE).strategy

@@ -167,9 +167,9 @@ def test_whole_generations_use_one_graph_per_static_step(fake, models, tiny, dra
 
     proximity = tiny[2]
     for cls, dcfg in configs:
-        ids = generate(runner, dcfg, cls, proximity)
+        ids = generate(models, runner, dcfg, cls, proximity)
         if dcfg.sampling.greedy:
-            assert torch.equal(ids, generate(eager, dcfg, cls, proximity))
+            assert torch.equal(ids, generate(models, eager, dcfg, cls, proximity))
 
     assert fake.keys == keys_after_warmup  # not one new key over whole generations
     steps = fake.step_events()

@@ -101,9 +101,7 @@ def step_loop(runner, rounds: int = 3, seed: int = 0) -> list[torch.Tensor]:
 
 def prepare(backend: str, models, spec: StaticSpec, **options):
     target, drafter = models
-    runner = get_backend(backend, **options).prepare(target, drafter if spec.draft_widths else None, spec)
-    runner_models[id(runner)] = models
-    return runner
+    return get_backend(backend, **options).prepare(target, drafter if spec.draft_widths else None, spec)
 
 
 RULES = {"exact": {}, "lantern": dict(k=4, delta=0.1), "lantern++": dict(k=4, lam=3.0)}
@@ -121,14 +119,12 @@ def decode_configs(drafting: str) -> list[tuple[int, object]]:
             for rule, params in rules.items() for cls in (0, 1)]
 
 
-def generate(runner, dcfg, cls: int, proximity, seed: int = 0) -> torch.Tensor:
-    """One image's token ids (block,) for class `cls` through the step engine on `runner`."""
-    engine = Engine(Pipeline(*runner_models[id(runner)], proximity, backend="cpu"), dcfg, 1, runner=runner)
+def generate(models, runner, dcfg, cls: int, proximity, seed: int = 0) -> torch.Tensor:
+    """One image's token ids (block,) for class `cls` through the step engine on `runner` (prepared from
+    models = (target, drafter))."""
+    engine = Engine(Pipeline(*models, proximity, backend="cpu"), dcfg, 1, runner=runner)
     engine.submit(Request(cls, seed))
     return engine.run()[0].tokens
-
-
-runner_models: dict = {}  # id(runner) -> (target, drafter) it was prepared from
 
 
 @pytest.mark.parametrize("drafting", list(DRAFTING))
@@ -148,10 +144,10 @@ def test_whole_generations_compile_each_static_step_once(models, tiny, drafting)
     proximity = tiny[2]
     with torch.compiler.set_stance("fail_on_recompile"):
         for cls, dcfg in configs:
-            ids = generate(graph, dcfg, cls, proximity)
+            ids = generate(models, graph, dcfg, cls, proximity)
             assert ids.shape == (cfg.block_size,)
             if dcfg.sampling.greedy:
-                assert torch.equal(ids, generate(eager, dcfg, cls, proximity))
+                assert torch.equal(ids, generate(models, eager, dcfg, cls, proximity))
     assert counter.frame_count == len(keys)
 
 
@@ -216,7 +212,7 @@ def test_inductor_greedy_ids_match_eager(models):
     graph.warmup()
     with torch.compiler.set_stance("fail_on_recompile"):
         for cls in (0, 1):
-            assert torch.equal(generate(graph, dcfg, cls, None), generate(eager, dcfg, cls, None))
+            assert torch.equal(generate(models, graph, dcfg, cls, None), generate(models, eager, dcfg, cls, None))
 
 
 def test_widths_outside_the_spec_are_refused(models):

@@ -53,8 +53,8 @@ def add_decode_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--relaxation", dest="form", choices=FORMS,
                    help="bounded (default: a fixed relaxed target per node, output within the recorded TV of the "
                         "target) | paper (the published per-candidate rules, distortion not bounded by delta)")
-    g.add_argument("--batch", type=number(int, 1), help="images per static step (default 16); more images run in "
-                                                        "chunks")
+    g.add_argument("--batch", type=number(int, 1), help="images per static step (default 16): the engine's slots; "
+                                                        "a finished image's slot takes the next image")
     g.add_argument("--greedy", action="store_true", help="argmax decoding (default: sampling)")
     g.add_argument("--temperature", type=number(float, 0, low_open=True), help="> 0 (default: the model's)")
     g.add_argument("--top-k", type=number(int, 0), help="0 = off (default: the model's)")

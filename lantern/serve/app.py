@@ -1,0 +1,108 @@
+"""The ASGI app (Starlette): POST /v1/images/generations, GET /health, /ready, /metrics.
+
+Status codes: 200 images; 422 a bad field (the error's `param` names it); 429 queue full (Retry-After); 503 not
+ready or draining; 504 the request's deadline passed (its images cancelled); 500 lantern's own bug. A client that
+disconnects has its images cancelled (logged with status 499, as nginx does). One log record per request on the
+`lantern.serve` logger, its fields in `extra={"fields": ...}` (lantern.serve.logs writes them as one JSON line).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from lantern.serve.schema import RequestError, parse_request
+from lantern.serve.service import ClientGone, DeadlineExceeded, QueueFull, Service, Unavailable
+from lantern.serve.worker import Cancelled, EngineFailed
+
+log = logging.getLogger("lantern.serve")
+
+
+def error(status: int, message: str, kind: str, param=None, headers=None) -> JSONResponse:
+    """OpenAI's error shape."""
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status,
+                        headers=headers)
+
+
+async def wait_disconnect(request: Request) -> None:
+    """Returns when the client goes away (after the body was read, the next ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def build_app(service: Service, start_worker: bool = True) -> Starlette:
+    """start_worker: the app's lifespan starts the engine worker and stops it (after the requests in flight) at
+    shutdown; a host that runs the worker itself (Ray) passes False."""
+
+    async def generations(request: Request) -> Response:
+        t0 = time.perf_counter()
+        entry = {"event": "request", "path": request.url.path,
+                 "client": request.client.host if request.client else None}
+        outcome, response = "error", None
+        try:
+            try:
+                body = await request.json()
+            except ValueError as e:
+                raise RequestError("body", f"the body is not valid JSON ({e}); allowed: a JSON object") from None
+            req = parse_request(body, service.info, service.config.timeout_s)
+            entry.update(n=req.n, class_id=req.condition, seed=req.seed, method=req.method)
+            out = await service.generate(req, wait_disconnect(request))
+            entry.update(id=out["id"], queue_wait_s=max(d["stats"]["queue_wait_s"] for d in out["data"]),
+                         decode_s=max(d["stats"]["decode_s"] for d in out["data"]),
+                         steps=[d["stats"]["steps"] for d in out["data"]])
+            outcome, response = "ok", JSONResponse(out)
+        except RequestError as e:
+            outcome, response = "bad_request", error(422, str(e), "invalid_request_error", e.field)
+        except ValueError as e:  # the engine refused a request the schema let through
+            outcome, response = "bad_request", error(422, str(e), "invalid_request_error")
+        except QueueFull as e:
+            outcome = "rejected"
+            response = error(429, str(e), "rate_limit_error", headers={"Retry-After": str(e.retry_after_s)})
+        except Unavailable as e:
+            outcome, response = "unavailable", error(503, f"not taking requests: {e}", "unavailable")
+        except DeadlineExceeded as e:
+            outcome, response = "timeout", error(504, str(e), "timeout")
+        except (ClientGone, Cancelled):
+            outcome, response = "cancelled", error(499, "the client disconnected", "cancelled")
+        except EngineFailed as e:
+            response = error(500, f"internal error: {e}", "server_error")
+        except Exception as e:  # noqa: BLE001  our bug: answered and logged with its trace
+            log.error("internal error", exc_info=True)
+            response = error(500, f"internal error: {e}", "server_error")
+        seconds = time.perf_counter() - t0
+        service.metrics.observe_request(outcome, seconds)
+        entry.update(status=response.status_code, outcome=outcome, total_s=round(seconds, 6))
+        if response.status_code != 200:
+            entry["error"] = json.loads(response.body)["error"]["message"]
+        log.info("request", extra={"fields": entry})
+        return response
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def ready(request: Request) -> Response:
+        return JSONResponse({"status": service.status(), "methods": dict(service.worker.described)},
+                            200 if service.ready else 503)
+
+    async def metrics(request: Request) -> Response:
+        return Response(service.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        if start_worker:
+            service.start()
+        yield
+        if start_worker:
+            await asyncio.to_thread(service.worker.stop)
+
+    return Starlette(routes=[Route("/v1/images/generations", generations, methods=["POST"]),
+                             Route("/health", health), Route("/ready", ready), Route("/metrics", metrics)],
+                     lifespan=lifespan)

@@ -1,0 +1,199 @@
+"""The one thread that owns the engines: it takes submissions and cancellations from the asyncio side through a
+command queue, steps every engine that has work, and resolves each image's future with its RequestResult.
+
+One engine per decoding method actually requested (an engine has one DecodeConfig): the default method's engine is
+built and warmed up before the service reports ready; another method's engine is built, in this thread, when a
+request first names it (its warm-up holds up the other engines' steps meanwhile). Busy engines take turns, one step
+each.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import traceback
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from lantern.serve.metrics import ServeMetrics
+from lantern.serve.serial_engine import Engine, Request
+
+log = logging.getLogger("lantern.serve")
+IDLE_POLL_S = 0.05  # how often an idle worker looks for commands
+
+
+class Cancelled(Exception):
+    """The image was cancelled (its client left, or its deadline passed) before it finished."""
+
+
+class EngineFailed(Exception):
+    """The engine raised while this image was in it: lantern's own bug (HTTP 500)."""
+
+
+@dataclass
+class Job:
+    request: Request
+    method: str
+    future: Future
+
+
+class EngineWorker:
+    def __init__(self, pipeline, make_decode: Callable[[str], tuple], default_method: str, width: int,
+                 queue_limit: int, metrics: ServeMetrics):
+        """make_decode(method) -> (DecodeConfig, what ran: the method, or auto's plan) of a named method or of
+        "auto" (called in the worker thread; auto may plan and calibrate). queue_limit: images that may wait for a
+        slot beyond the busy ones."""
+        self.pipeline, self.make_decode, self.default_method = pipeline, make_decode, default_method
+        self.width, self.queue_limit, self.metrics = width, queue_limit, metrics
+        self.ready = threading.Event()
+        self.failure: Optional[BaseException] = None  # warm-up failed: the service never becomes ready
+        self.described: dict[str, str] = {}  # engine key -> what it runs ("auto" -> the plan auto chose)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._engines: dict[str, Engine] = {}
+        self._jobs: dict[str, Job] = {}  # request id -> job, owned by the worker thread
+        self._outstanding = 0  # images admitted and not yet resolved
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="lantern-engine", daemon=True)
+
+    # ---- the asyncio side ----
+    def start(self) -> None:
+        self._thread.start()
+
+    def admit(self, n: int) -> bool:
+        """Reserve room for n images: False when the slots and the queue are full (the caller answers 429)."""
+        with self._lock:
+            if self._outstanding + n > self.capacity:
+                return False
+            self._outstanding += n
+            return True
+
+    def release(self, n: int) -> None:
+        """Give back room admitted but never submitted."""
+        with self._lock:
+            self._outstanding -= n
+
+    @property
+    def capacity(self) -> int:
+        return self.width * max(1, len(self._engines)) + self.queue_limit
+
+    @property
+    def outstanding(self) -> int:
+        with self._lock:
+            return self._outstanding
+
+    def submit(self, method: str, requests: list[Request]) -> list[Future]:
+        """Queue admitted images; each future resolves to its RequestResult, or raises Cancelled, ValueError (the
+        engine refused the request) or EngineFailed."""
+        jobs = [Job(r, method, Future()) for r in requests]
+        self._commands.put(("submit", jobs))
+        return [j.future for j in jobs]
+
+    def cancel(self, request_ids: list[str]) -> None:
+        self._commands.put(("cancel", list(request_ids)))
+
+    def stop(self, timeout: Optional[float] = None) -> None:
+        """Finish every admitted image, then end the thread."""
+        self._commands.put(("stop", None))
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ---- the worker thread ----
+    def _run(self) -> None:
+        try:
+            self._engine(self.default_method)
+        except BaseException as e:  # noqa: BLE001  reported by /ready and the serve command
+            self.failure = e
+            log.error("warm-up failed: %s", e, exc_info=True)
+            return
+        finally:
+            self.ready.set()
+        while not (self._stopping and not self._jobs):
+            self._take_commands(block=not self._jobs)
+            for name, engine in list(self._engines.items()):
+                if engine.busy or engine.waiting:
+                    self._step(name, engine)
+            self.metrics.slots_busy.set(sum(e.busy for e in self._engines.values()))
+            self.metrics.queue_depth.set(sum(e.waiting for e in self._engines.values()))
+
+    def _engine(self, method: str) -> tuple[str, Engine]:
+        """The engine serving `method`, built and warmed up on first use; "auto" is the default method's."""
+        key = self.default_method if method == "auto" else method
+        if key not in self._engines:
+            dcfg, self.described[key] = self.make_decode(key)
+            self.pipeline.runner(dcfg, self.width)  # prepared and warmed up now, not in a request's step
+            self._engines[key] = Engine(self.pipeline, dcfg, self.width)
+            self.metrics.slots.set(self.width * len(self._engines))
+        return key, self._engines[key]
+
+    def _take_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=IDLE_POLL_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, payload = command
+            if kind == "submit":
+                self._submit(payload)
+            elif kind == "cancel":
+                self._cancel(payload)
+            else:
+                self._stopping = True
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _submit(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            try:
+                _, engine = self._engine(job.method)
+                rid = engine.submit(job.request)
+            except ValueError as e:
+                self._resolve(job, error=e)
+                continue
+            except Exception as e:  # noqa: BLE001  our bug: the request fails, the service goes on
+                log.error("engine for %s failed to take a request: %s", job.method, e, exc_info=True)
+                self._resolve(job, error=EngineFailed(str(e)))
+                continue
+            self._jobs[rid] = job
+
+    def _cancel(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            job = self._jobs.pop(rid, None)
+            if job is not None:
+                self._engines[self._engine_key(job)].cancel(rid)
+                self._resolve(job, error=Cancelled(rid))
+
+    def _engine_key(self, job: Job) -> str:
+        return self.default_method if job.method == "auto" else job.method
+
+    def _step(self, name: str, engine: Engine) -> None:
+        try:
+            report = engine.step()
+        except Exception as e:  # noqa: BLE001  the engine's state is unknown: fail its images, build it anew
+            log.error("engine %s failed a step: %s\n%s", name, e, traceback.format_exc())
+            del self._engines[name]
+            for rid in [r for r, j in self._jobs.items() if self._engine_key(j) == name]:
+                self._resolve(self._jobs.pop(rid), error=EngineFailed(str(e)))
+            return
+        self.metrics.observe_step(name, report)
+        for result in report.finished:
+            job = self._jobs.pop(result.request_id, None)
+            if job is None:  # cancelled earlier: already answered
+                continue
+            if result.cancelled:
+                self._resolve(job, error=Cancelled(result.request_id))
+            else:
+                self.metrics.observe_image(name, result.started_s - result.submitted_s,
+                                           result.finished_s - result.started_s)
+                self._resolve(job, result=result)
+
+    def _resolve(self, job: Job, result=None, error: Optional[BaseException] = None) -> None:
+        with self._lock:
+            self._outstanding -= 1
+        if error is not None:
+            job.future.set_exception(error)
+        else:
+            job.future.set_result(result)

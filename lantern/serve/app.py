@@ -42,11 +42,8 @@ def build_app(service: Service, start_worker: bool = True) -> Starlette:
     """start_worker: the app's lifespan starts the engine worker and stops it (after the requests in flight) at
     shutdown; a host that runs the worker itself (Ray) passes False."""
 
-    async def generations(request: Request) -> Response:
-        t0 = time.perf_counter()
-        entry = {"event": "request", "path": request.url.path,
-                 "client": request.client.host if request.client else None}
-        outcome, response = "error", None
+    async def answer(request: Request, entry: dict) -> tuple[str, Response]:
+        """(outcome, response) of one generation request; `entry` gathers its log fields."""
         try:
             try:
                 body = await request.json()
@@ -54,36 +51,47 @@ def build_app(service: Service, start_worker: bool = True) -> Starlette:
                 raise RequestError("body", f"the body is not valid JSON ({e}); allowed: a JSON object") from None
             req = parse_request(body, service.info, service.config.timeout_s)
             entry.update(n=req.n, class_id=req.condition, seed=req.seed, method=req.method)
-            out = await service.generate(req, wait_disconnect(request))
-            entry.update(id=out["id"], queue_wait_s=max(d["stats"]["queue_wait_s"] for d in out["data"]),
-                         decode_s=max(d["stats"]["decode_s"] for d in out["data"]),
-                         steps=[d["stats"]["steps"] for d in out["data"]])
-            outcome, response = "ok", JSONResponse(out)
+            out = await service.generate(req, lambda: wait_disconnect(request))
         except RequestError as e:
-            outcome, response = "bad_request", error(422, str(e), "invalid_request_error", e.field)
+            return "bad_request", error(422, str(e), "invalid_request_error", e.field)
         except ValueError as e:  # the engine refused a request the schema let through
-            outcome, response = "bad_request", error(422, str(e), "invalid_request_error")
+            return "bad_request", error(422, str(e), "invalid_request_error")
         except QueueFull as e:
-            outcome = "rejected"
-            response = error(429, str(e), "rate_limit_error", headers={"Retry-After": str(e.retry_after_s)})
+            return "rejected", error(429, str(e), "rate_limit_error", headers={"Retry-After": str(e.retry_after_s)})
         except Unavailable as e:
-            outcome, response = "unavailable", error(503, f"not taking requests: {e}", "unavailable")
+            return "unavailable", error(503, f"not taking requests: {e}", "unavailable")
         except DeadlineExceeded as e:
-            outcome, response = "timeout", error(504, str(e), "timeout")
+            return "timeout", error(504, str(e), "timeout")
         except (ClientGone, Cancelled):
-            outcome, response = "cancelled", error(499, "the client disconnected", "cancelled")
+            return "cancelled", error(499, "the client disconnected", "cancelled")
         except EngineFailed as e:
-            response = error(500, f"internal error: {e}", "server_error")
+            return "error", error(500, f"internal error: {e}", "server_error")
         except Exception as e:  # noqa: BLE001  our bug: answered and logged with its trace
             log.error("internal error", exc_info=True)
-            response = error(500, f"internal error: {e}", "server_error")
-        seconds = time.perf_counter() - t0
-        service.metrics.observe_request(outcome, seconds)
-        entry.update(status=response.status_code, outcome=outcome, total_s=round(seconds, 6))
-        if response.status_code != 200:
-            entry["error"] = json.loads(response.body)["error"]["message"]
-        log.info("request", extra={"fields": entry})
-        return response
+            return "error", error(500, f"internal error: {e}", "server_error")
+        stats = [d["stats"] for d in out["data"]]
+        entry.update(id=out["id"], queue_wait_s=max(s["queue_wait_s"] for s in stats),
+                     decode_s=max(s["decode_s"] for s in stats), steps=[s["steps"] for s in stats])
+        return "ok", JSONResponse(out)
+
+    async def generations(request: Request) -> Response:
+        t0 = time.perf_counter()
+        entry = {"event": "request", "path": request.url.path,
+                 "client": request.client.host if request.client else None}
+        outcome, status = "cancelled", 499  # unless answered: the host cancelled the handler (client gone)
+        service.metrics.in_flight.inc()
+        try:
+            outcome, response = await answer(request, entry)
+            status = response.status_code
+            if status != 200:
+                entry["error"] = json.loads(response.body)["error"]["message"]
+            return response
+        finally:
+            service.metrics.in_flight.dec()
+            seconds = time.perf_counter() - t0
+            service.metrics.observe_request(outcome, seconds)
+            log.info("request", extra={"fields": {**entry, "status": status, "outcome": outcome,
+                                                  "total_s": round(seconds, 6)}})
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})

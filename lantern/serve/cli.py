@@ -2,7 +2,7 @@
 requests, finish those in flight, exit 0)."""
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import logging
 import signal
 import socket
@@ -15,8 +15,14 @@ SERVE_EXTRA_MODULES = ("starlette", "uvicorn", "prometheus_client")
 
 
 def missing_extra() -> list[str]:
-    """The `serve` extra's modules that are not installed."""
-    return [m for m in SERVE_EXTRA_MODULES if importlib.util.find_spec(m) is None]
+    """The `serve` extra's modules that cannot be imported."""
+    missing = []
+    for module in SERVE_EXTRA_MODULES:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(module)
+    return missing
 
 
 def add_serve_command(subparsers) -> None:
@@ -77,7 +83,11 @@ def cmd_serve(args) -> int:
         sock = socket.create_server((args.host, args.port))
     except OSError as e:
         raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
-    service = Service(config)
+    try:
+        service = Service(config)
+    except BaseException:
+        sock.close()
+        raise
     log = logging.getLogger("lantern.serve")
     log_json_to_stderr(log)
 

@@ -24,6 +24,7 @@ class ServeMetrics:
         for outcome in OUTCOMES:
             self.requests.labels(outcome)  # every outcome shows from the start, at 0
         self.images = Counter("lantern:images", "Images generated", ["method"], registry=r)
+        self.in_flight = Gauge("lantern:requests_in_flight", "HTTP generation requests being handled", registry=r)
         self.queue_depth = Gauge("lantern:queue_depth", "Images waiting for a slot", registry=r)
         self.slots_busy = Gauge("lantern:slots_busy", "Engine slots decoding an image", registry=r)
         self.slots = Gauge("lantern:slots", "Engine slots (the static batch width) over every engine", registry=r)

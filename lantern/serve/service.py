@@ -10,7 +10,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Awaitable, Optional
+from typing import Awaitable, Callable, Optional
 
 from PIL import Image
 
@@ -52,6 +52,9 @@ class ServeConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} {value!r} is not allowed; allowed: a finite number of seconds > 0")
+        if self.max_n > self.batch + self.queue:
+            raise ValueError(f"max_n {self.max_n} exceeds the slots and queue places ({self.batch} + {self.queue}): "
+                             f"such a request could never be admitted; allowed: max_n <= batch + queue")
         if self.timeout_s > self.max_timeout_s:
             raise ValueError(f"timeout_s {self.timeout_s} exceeds max_timeout_s {self.max_timeout_s}")
 
@@ -137,9 +140,10 @@ class Service:
         rate = self.metrics._rate()
         return max(1, math.ceil(self.worker.outstanding / rate)) if rate > 0 else 1
 
-    async def generate(self, req: ImageRequest, disconnected: Awaitable) -> dict:
+    async def generate(self, req: ImageRequest, disconnected: Callable[[], Awaitable]) -> dict:
         """Admit, queue, wait (for the images, the deadline or the client leaving, whichever comes first), encode.
-        Raises Unavailable, QueueFull, ValueError (the engine refused the request), DeadlineExceeded, ClientGone."""
+        disconnected(): an awaitable that returns when the client goes away. Raises Unavailable, QueueFull,
+        ValueError (the engine refused the request), DeadlineExceeded, ClientGone."""
         if not self.ready:
             raise Unavailable(self.status())
         if not self.worker.admit(req.n):
@@ -149,7 +153,7 @@ class Service:
                             sampling=req.sampling or None) for i in range(req.n)]
         futures = [asyncio.wrap_future(f) for f in self.worker.submit(req.method, requests)]
         images = asyncio.ensure_future(asyncio.gather(*futures))
-        gone = asyncio.ensure_future(disconnected)
+        gone = asyncio.ensure_future(disconnected())
         try:
             done, _ = await asyncio.wait({images, gone}, timeout=req.timeout_s, return_when=asyncio.FIRST_COMPLETED)
             if images not in done:

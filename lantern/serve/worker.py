@@ -147,6 +147,9 @@ class EngineWorker:
 
     def _submit(self, jobs: list[Job]) -> None:
         for job in jobs:
+            if not job.future.set_running_or_notify_cancel():  # its caller gave up already
+                self._resolve(job)
+                continue
             try:
                 _, engine = self._engine(job.method)
                 rid = engine.submit(job.request)
@@ -191,8 +194,11 @@ class EngineWorker:
                 self._resolve(job, result=result)
 
     def _resolve(self, job: Job, result=None, error: Optional[BaseException] = None) -> None:
+        """Free the job's room and answer its future (running from here on: a caller can no longer cancel it)."""
         with self._lock:
             self._outstanding -= 1
+        if job.future.cancelled():
+            return
         if error is not None:
             job.future.set_exception(error)
         else:

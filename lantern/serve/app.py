@@ -38,9 +38,9 @@ async def wait_disconnect(request: Request) -> None:
         pass
 
 
-def build_app(service: Service, start_worker: bool = True) -> Starlette:
-    """start_worker: the app's lifespan starts the engine worker and stops it (after the requests in flight) at
-    shutdown; a host that runs the worker itself (Ray) passes False."""
+def build_app(service: Service) -> Starlette:
+    """The app's lifespan starts the service's engine worker (unless its host started it already) and stops it at
+    shutdown, after the requests in flight."""
 
     async def answer(request: Request, entry: dict) -> tuple[str, Response]:
         """(outcome, response) of one generation request; `entry` gathers its log fields."""
@@ -105,11 +105,9 @@ def build_app(service: Service, start_worker: bool = True) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        if start_worker:
-            service.start()
+        service.start()
         yield
-        if start_worker:
-            await asyncio.to_thread(service.worker.stop)
+        await asyncio.to_thread(service.worker.stop)
 
     return Starlette(routes=[Route("/v1/images/generations", generations, methods=["POST"]),
                              Route("/health", health), Route("/ready", ready), Route("/metrics", metrics)],

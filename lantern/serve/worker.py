@@ -59,7 +59,13 @@ class EngineWorker:
 
     # ---- the asyncio side ----
     def start(self) -> None:
-        self._thread.start()
+        """Start the thread (once: a second call does nothing)."""
+        if self._thread.ident is None:
+            self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def admit(self, n: int) -> bool:
         """Reserve room for n images: False when the slots and the queue are full (the caller answers 429)."""

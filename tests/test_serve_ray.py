@@ -69,3 +69,17 @@ def test_bad_deployment_args_are_refused_naming_them(args, message):
 def test_args_from_the_command_line_are_typed():
     config = config_from_args({"batch": "8", "methods": "ar,eagle2", "allow_relaxed": "true", "timeout_s": "5"})
     assert config.batch == 8 and config.methods == ("ar", "eagle2") and config.allow_relaxed and config.timeout_s == 5.0
+
+
+def test_documented_config_file_is_valid_for_ray_serve():
+    """docs/serving-ray.yaml passes Ray Serve's own schema, and its args make a ServeConfig."""
+    from pathlib import Path
+
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+    doc = yaml.safe_load((Path(__file__).parents[1] / "docs" / "serving-ray.yaml").read_text())
+    app = ServeDeploySchema.model_validate(doc).applications[0]
+    assert app.import_path == "lantern.serve.ray_deployment:build"
+    config = config_from_args(app.args)
+    assert config.backend == "cuda" and config.batch == 16
+    assert app.deployments[0].ray_actor_options.num_gpus == 1

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import signal
 import socket
 import threading
 
@@ -93,11 +92,12 @@ def cmd_serve(args) -> int:
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
-            service.draining = True  # /ready turns 503 and new requests get 503 while in-flight ones finish
-            if sig == signal.SIGTERM:  # the way to stop a service: drain, then exit 0 (not re-raised)
-                self.should_exit = True
-            else:
-                super().handle_exit(sig, frame)
+            """SIGTERM or SIGINT: drain (new requests and /ready get 503, those in flight finish), then exit 0;
+            a second signal stops at once. Not re-raised after the drain, as uvicorn would."""
+            service.draining = True
+            if self.should_exit:
+                self.force_exit = True
+            self.should_exit = True
 
     server = Server(uvicorn.Config(build_app(service), log_level="warning", access_log=False, lifespan="on"))
     failed = threading.Event()

@@ -23,7 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from lantern.serve.app import build_app  # noqa: E402
 from lantern.serve.schema import ModelInfo, RequestError, parse_request  # noqa: E402
-from lantern.serve.service import ServeConfig, Service  # noqa: E402
+from lantern.serve.config import ServeConfig
+from lantern.serve.service import Service  # noqa: E402
 from tiny_bundle import write_tiny_bundle  # noqa: E402
 
 WAIT_S = 30  # the most any wait below takes on a loaded machine
@@ -253,19 +254,19 @@ def run_lantern(*args, **kwargs):
 
 
 def test_sigterm_finishes_the_requests_in_flight_then_exits_0(bundle_dir):
-    proc = run_lantern("serve", "--model", str(bundle_dir), "--method", "ar", "--batch", "2", "--max-n", "16",
-                       "--queue", "16", "--port", "0")
+    proc = run_lantern("serve", "--model", str(bundle_dir), "--method", "ar", "--batch", "2", "--max-n", "8",
+                       "--queue", "8", "--port", "0")
     try:
         url = json.loads(proc.stderr.readline())["url"]
         wait_until(lambda: _ready(url), "the subprocess service to be ready")
         answer = {}
-        request = threading.Thread(target=lambda: answer.update(r=generate(url, class_id=1, n=16)))
+        request = threading.Thread(target=lambda: answer.update(r=generate(url, class_id=1, n=8)))
         request.start()
         wait_until(lambda: metric_samples(url)[("lantern:requests_in_flight", ())] == 1, "the request in flight")
         proc.send_signal(signal.SIGTERM)
         assert request.is_alive()  # still decoding when the signal came
         request.join(WAIT_S)
-        assert answer["r"].status_code == 200 and len(answer["r"].json()["data"]) == 16
+        assert answer["r"].status_code == 200 and len(answer["r"].json()["data"]) == 8
         assert proc.wait(WAIT_S) == 0
         lines = [json.loads(line) for line in proc.stderr.read().splitlines() if line.startswith("{")]
         assert [x["status"] for x in lines if x.get("event") == "request"] == [200]
@@ -287,9 +288,11 @@ def _ready(url) -> bool:
 
 def test_serve_without_the_extra_exits_2_naming_it(monkeypatch, capsys):
     from lantern.cli import main
-    monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if not installed
+    for module in ("starlette", "uvicorn", "prometheus_client"):  # as if not installed
+        monkeypatch.setitem(sys.modules, module, None)
     assert main(["serve", "--port", "0"]) == 2
-    assert "needs the 'serve' extra (missing: uvicorn)" in capsys.readouterr().err
+    assert ("needs the 'serve' extra (missing: starlette, uvicorn, prometheus_client); install it with pip install "
+            "'lantern-decoding[serve]'") in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args, message", [

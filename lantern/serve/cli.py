@@ -26,7 +26,7 @@ def missing_extra() -> list[str]:
 
 def add_serve_command(subparsers) -> None:
     from lantern.decoding.config import METHODS
-    from lantern.serve.service import ServeConfig
+    from lantern.serve.config import ServeConfig
     d = ServeConfig()
     s = subparsers.add_parser("serve", help="an HTTP service: POST /v1/images/generations, /health, /ready, "
                                             "/metrics (needs the serve extra)")
@@ -55,7 +55,7 @@ def add_serve_command(subparsers) -> None:
 
 
 def config_from_args(args):
-    from lantern.serve.service import ServeConfig
+    from lantern.serve.config import ServeConfig
     methods = None
     if args.methods is not None:
         methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())

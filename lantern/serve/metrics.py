@@ -30,7 +30,7 @@ class ServeMetrics:
         self.slots = Gauge("lantern:slots", "Engine slots (the static batch width) over every engine", registry=r)
         self.images_per_second = Gauge("lantern:images_per_second",
                                        f"Images finished per second over the last {RATE_WINDOW_S:g} s", registry=r)
-        self.images_per_second.set_function(self._rate)
+        self.images_per_second.set_function(self.recent_rate)
         self.queue_wait = Histogram("lantern:queue_wait_seconds", "Per image: submitted to first step",
                                     buckets=LATENCY_BUCKETS, registry=r)
         self.decode = Histogram("lantern:decode_seconds", "Per image: first step to last", buckets=LATENCY_BUCKETS,
@@ -65,7 +65,8 @@ class ServeMetrics:
         with self._lock:
             self._finished.append(time.perf_counter())
 
-    def _rate(self) -> float:
+    def recent_rate(self) -> float:
+        """Images finished per second over the last RATE_WINDOW_S."""
         now = time.perf_counter()
         with self._lock:
             while self._finished and self._finished[0] < now - RATE_WINDOW_S:

@@ -16,7 +16,8 @@ from dataclasses import fields
 from ray import serve
 
 from lantern.serve.app import build_app
-from lantern.serve.service import ServeConfig, Service
+from lantern.serve.config import ServeConfig
+from lantern.serve.service import Service
 
 # What a replica asks for unless the config file says otherwise: one CPU, no GPU (ray_actor_options num_gpus: 1
 # gives each replica a GPU; Ray sets CUDA_VISIBLE_DEVICES for it). Autoscaling keeps about one full batch of

@@ -143,6 +143,15 @@ def test_prompt_may_name_the_class_and_a_speculative_method_reports_its_acceptan
     assert spec["method"] == "eagle2" and spec["steps"] <= 16 and spec["mean_accepted_length"] >= 1.0
 
 
+def test_sampling_override_runs_on_an_engine_of_its_own_and_stays_reproducible(served):
+    answers = [generate(served.url, class_id=2, seed=9, top_k=1, return_tokens=True).json()["data"][0]
+               for _ in range(2)]
+    assert answers[0]["tokens"] == answers[1]["tokens"] and answers[0]["stats"]["method"] == "ar top_k=1"
+    same_as_bundle = generate(served.url, class_id=2, seed=9, temperature=1.0).json()["data"][0]
+    assert same_as_bundle["stats"]["method"] == "ar"  # an override equal to the bundle's sampling changes nothing
+    assert "ar top_k=1" in httpx.get(f"{served.url}/ready", timeout=WAIT_S).json()["methods"]
+
+
 @pytest.mark.parametrize("body, field, allowed", [
     ({"class_id": 9}, "class_id", "allowed: an integer in 0..3"),
     ({"class_id": 1, "n": 0}, "n", "allowed: an integer in 1..12"),
@@ -238,7 +247,7 @@ def test_metrics_parse_as_prometheus_text_and_counters_add_up(served):
     # every image's tokens came from its verify steps: accepted drafts = tokens - steps (the prefill gave one)
     stats = [d["stats"] for a in answers for d in a.json()["data"]]
     assert accepted == sum(s["tokens"] - s["steps"] for s in stats)
-    assert after[("lantern:slots", ())] == 2 * BATCH  # the ar and eagle2 engines
+    assert after[("lantern:slots", ())] >= 2 * BATCH  # the ar and eagle2 engines at least
     assert after[("lantern:requests_in_flight", ())] == 0
 
 

@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from lantern.serve.schema import RequestError, parse_request
 from lantern.serve.service import ClientGone, DeadlineExceeded, QueueFull, Service, Unavailable
-from lantern.serve.worker import Cancelled, EngineFailed
+from lantern.serve.worker import Cancelled, EngineFailed, EnginesBusy
 
 log = logging.getLogger("lantern.serve")
 
@@ -58,6 +58,9 @@ def build_app(service: Service) -> Starlette:
             return "bad_request", error(422, str(e), "invalid_request_error")
         except QueueFull as e:
             return "rejected", error(429, str(e), "rate_limit_error", headers={"Retry-After": str(e.retry_after_s)})
+        except EnginesBusy as e:
+            return "rejected", error(429, f"{e}; retry later", "rate_limit_error",
+                                     headers={"Retry-After": str(service.retry_after_s())})
         except Unavailable as e:
             return "unavailable", error(503, f"not taking requests: {e}", "unavailable")
         except DeadlineExceeded as e:

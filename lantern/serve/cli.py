@@ -48,6 +48,9 @@ def add_serve_command(subparsers) -> None:
     s.add_argument("--max-timeout", type=number(float, 0, low_open=True), default=d.max_timeout_s,
                    help=f"the most a request's timeout may ask for (default {d.max_timeout_s:g})")
     s.add_argument("--max-n", type=number(int, 1), default=d.max_n, help=f"images per request (default {d.max_n})")
+    s.add_argument("--max-engines", type=number(int, 1), default=d.max_engines,
+                   help=f"engines kept at once, one per (method, sampling overrides) requested (default "
+                        f"{d.max_engines})")
     s.add_argument("--served-model-name", help="the `model` a request may name (default: the bundle folder's name)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=number(int, 0, 65535), default=8000, help="port (default 8000; 0: any free)")
@@ -62,7 +65,7 @@ def config_from_args(args):
     return ServeConfig(model=args.model, backend=args.backend, dtype=args.dtype, method=args.method,
                        methods=methods, allow_relaxed=args.allow_relaxed, batch=args.batch, queue=args.queue,
                        timeout_s=args.timeout, max_timeout_s=args.max_timeout, max_n=args.max_n,
-                       served_name=args.served_model_name)
+                       max_engines=args.max_engines, served_name=args.served_model_name)
 
 
 def cmd_serve(args) -> int:

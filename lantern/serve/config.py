@@ -24,12 +24,13 @@ class ServeConfig:
     timeout_s: float = 300.0  # a request's deadline unless it asks for less (its `timeout`)
     max_timeout_s: float = 3600.0  # the most a request's `timeout` may ask for
     max_n: int = 16  # images per request
+    max_engines: int = 4  # engines kept at once, one per (method, sampling overrides) requested
     served_name: Optional[str] = None  # the `model` a request may name (None: the bundle folder's name)
     backend_options: dict = field(default_factory=dict)
 
     def check(self) -> None:
         """Refuse a bad setting before any loading (ValueError naming it and what is allowed)."""
-        for name, low in (("batch", 1), ("queue", 0), ("max_n", 1)):
+        for name, low in (("batch", 1), ("queue", 0), ("max_n", 1), ("max_engines", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} {value!r} is not allowed; allowed: an integer >= {low}")

@@ -53,8 +53,8 @@ class StepReport:
 
 
 class Engine:
-    def __init__(self, pipeline, decode: DecodeConfig, width: int):
-        self.pipeline, self.decode, self.width = pipeline, decode, width
+    def __init__(self, pipeline, decode: DecodeConfig, width: int, runner=None):
+        self.pipeline, self.decode, self.width, self.runner = pipeline, decode, width, runner
         self._queue: deque = deque()
         self._ids = itertools.count()
 

@@ -8,6 +8,7 @@ import io
 import math
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Awaitable, Callable, Optional
 
@@ -21,7 +22,7 @@ from lantern.serve.config import ServeConfig
 from lantern.serve.metrics import ServeMetrics
 from lantern.serve.schema import ImageRequest, ModelInfo
 from lantern.serve.serial_engine import Request, derive_seed
-from lantern.serve.worker import EngineWorker
+from lantern.serve.worker import EngineKey, EngineWorker
 
 
 class Unavailable(Exception):
@@ -63,8 +64,10 @@ class Service:
                               methods=("auto", *[m for m in methods if m != "auto"]), max_n=config.max_n,
                               max_timeout_s=config.max_timeout_s)
         self.metrics = ServeMetrics()
-        self.worker = EngineWorker(self.pipe, self._decode, config.method, config.batch, config.queue, self.metrics)
+        self.worker = EngineWorker(self.pipe, self._decode, EngineKey(config.method), config.batch, config.queue,
+                                   config.max_engines, self.metrics)
         self.draining = False
+        self._choice = None  # auto's plan, made once at warm-up
 
     def _runs(self, method: str) -> bool:
         """Whether this pipeline can run a method at its presets (e.g. a relaxed preset's k may exceed a small
@@ -78,13 +81,16 @@ class Service:
     def _decode_named(self, method: str):
         return method_preset(method, self.sampling, **self.bundle.relaxation_defaults.get(method, {}))
 
-    def _decode(self, method: str) -> tuple:
-        """(DecodeConfig, what runs) for a method; auto plans for a full batch of slots (worker thread)."""
-        if method != "auto":
-            return self._decode_named(method), method
-        choice = self.pipe.plan(self.config.batch, self.sampling, batch=self.config.batch,
-                                allow_relaxed=self.config.allow_relaxed, progress=False)
-        return choice.decode, f"auto: {choice.plan.name}"
+    def _decode(self, key: EngineKey) -> tuple:
+        """(DecodeConfig, what runs) of an engine key (worker thread). auto plans once, for a full batch of slots
+        at the bundle's sampling; sampling overrides then replace the sampling of the plan's decode config."""
+        sampling = replace(self.sampling, **dict(key.sampling))
+        if key.method != "auto":
+            return replace(self._decode_named(key.method), sampling=sampling), str(key)
+        if self._choice is None:
+            self._choice = self.pipe.plan(self.config.batch, self.sampling, batch=self.config.batch,
+                                          allow_relaxed=self.config.allow_relaxed, progress=False)
+        return replace(self._choice.decode, sampling=sampling), f"auto: {self._choice.plan.name}"
 
     def start(self) -> None:
         self.worker.start()
@@ -114,9 +120,9 @@ class Service:
         if not self.worker.admit(req.n):
             raise QueueFull(self.retry_after_s())
         rid = uuid.uuid4().hex[:16]
-        requests = [Request(condition=req.condition, seed=derive_seed(req.seed, i), request_id=f"{rid}-{i}",
-                            sampling=req.sampling or None) for i in range(req.n)]
-        futures = [asyncio.wrap_future(f) for f in self.worker.submit(req.method, requests)]
+        requests = [Request(condition=req.condition, seed=derive_seed(req.seed, i), request_id=f"{rid}-{i}")
+                    for i in range(req.n)]
+        futures = [asyncio.wrap_future(f) for f in self.worker.submit(self.engine_key(req), requests)]
         images = asyncio.ensure_future(asyncio.gather(*futures))
         gone = asyncio.ensure_future(disconnected())
         try:
@@ -133,6 +139,13 @@ class Service:
         pngs = await asyncio.to_thread(self._pngs, [r.tokens for r in results])
         return self._response(req, rid, results, pngs)
 
+    def engine_key(self, req: ImageRequest) -> EngineKey:
+        """The engine a request runs on: its method ("auto": the server's) and the overrides that differ from the
+        bundle's sampling."""
+        method = self.config.method if req.method == "auto" else req.method
+        overrides = {k: v for k, v in req.sampling.items() if v != getattr(self.sampling, k)}
+        return EngineKey(method, tuple(sorted(overrides.items())))
+
     def _pngs(self, tokens: list) -> list[str]:
         import torch
         images = self.bundle.decode_images(torch.stack(tokens))
@@ -144,7 +157,7 @@ class Service:
         return out
 
     def _response(self, req: ImageRequest, rid: str, results: list, pngs: list[str]) -> dict:
-        key = self.config.method if req.method == "auto" else req.method
+        key = str(self.engine_key(req))
         runs = self.worker.described.get(key, key)
         data = []
         for i, (result, png) in enumerate(zip(results, pngs)):

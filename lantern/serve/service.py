@@ -56,8 +56,9 @@ class Service:
         can_run = [m for m in supported_methods(self.bundle.drafter is not None, self.bundle.proximity is not None)
                    if self._runs(m)]
         methods = list(config.methods) if config.methods is not None else can_run
-        for method in {*methods, config.method} - {"auto"} - set(can_run):
-            raise ValueError(f"method {method!r} cannot run on this bundle; allowed: auto, {', '.join(can_run)}")
+        cannot = sorted({*methods, config.method} - {"auto"} - set(can_run))
+        if cannot:
+            raise ValueError(f"method {cannot[0]!r} cannot run on this bundle; allowed: auto, {', '.join(can_run)}")
         tcfg = self.pipe.config
         self.info = ModelInfo(name=config.served_name or Path(self.bundle.path).name, model_type=tcfg.model_type,
                               num_classes=tcfg.num_classes, image_size=self.bundle.vq.config.image_size,

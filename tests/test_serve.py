@@ -143,6 +143,23 @@ def test_prompt_may_name_the_class_and_a_speculative_method_reports_its_acceptan
     assert spec["method"] == "eagle2" and spec["steps"] <= 16 and spec["mean_accepted_length"] >= 1.0
 
 
+def test_images_are_the_librarys_for_the_same_seed_and_sampling(served, bundle_dir):
+    """Image i of a request seeded s is Pipeline.generate's image i for seed s (lantern.engine.derive_seed), also
+    with a per-request temperature, which runs on the default engine."""
+    from dataclasses import replace
+
+    from lantern.api import Pipeline
+    from lantern.bundle import load_bundle
+    from lantern.decoding.config import method_preset
+    pipe = Pipeline.from_bundle(load_bundle(bundle_dir))
+    for temperature in (1.0, 0.5):
+        dcfg = method_preset("ar", replace(pipe.defaults.sampling, temperature=temperature))
+        expected = pipe.generate([3, 3, 3], dcfg, seed=11).tokens.tolist()
+        out = generate(served.url, class_id=3, seed=11, n=3, temperature=temperature, return_tokens=True).json()
+        assert [d["tokens"] for d in out["data"]] == expected
+        assert {d["stats"]["method"] for d in out["data"]} == {"ar"}
+
+
 def test_sampling_override_runs_on_an_engine_of_its_own_and_stays_reproducible(served):
     answers = [generate(served.url, class_id=2, seed=9, top_k=1, return_tokens=True).json()["data"][0]
                for _ in range(2)]

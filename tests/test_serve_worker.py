@@ -61,7 +61,7 @@ class ScriptedEngine:
 def make_worker(monkeypatch):
     monkeypatch.setattr(worker_module, "Engine", ScriptedEngine)
     ScriptedEngine.explode.clear()
-    pipeline = SimpleNamespace(runner=lambda dcfg, width: object())
+    pipeline = SimpleNamespace(runner=lambda dcfg, width: object(), lock=threading.RLock())
     made = []
 
     def make(max_engines, steps=3):

@@ -18,10 +18,11 @@ from lantern.api import Pipeline
 from lantern.bundle import load_bundle
 from lantern.decoding.config import method_preset, supported_methods
 from lantern.decoding.sampling import SamplingConfig
+from lantern.engine import Request, SamplingOverrides, derive_seed
+from lantern.engine.sampling import PER_REQUEST
 from lantern.serve.config import ServeConfig
 from lantern.serve.metrics import ServeMetrics
 from lantern.serve.schema import ImageRequest, ModelInfo
-from lantern.serve.serial_engine import Request, derive_seed
 from lantern.serve.worker import EngineKey, EngineWorker
 
 
@@ -121,9 +122,12 @@ class Service:
         if not self.worker.admit(req.n):
             raise QueueFull(self.retry_after_s())
         rid = uuid.uuid4().hex[:16]
-        requests = [Request(condition=req.condition, seed=derive_seed(req.seed, i), request_id=f"{rid}-{i}")
-                    for i in range(req.n)]
-        futures = [asyncio.wrap_future(f) for f in self.worker.submit(self.engine_key(req), requests)]
+        key = self.engine_key(req)
+        per_request = {k: v for k, v in req.sampling.items() if k in PER_REQUEST and k not in dict(key.sampling)}
+        overrides = SamplingOverrides(**per_request) if per_request else None
+        requests = [Request(condition=req.condition, seed=derive_seed(req.seed, i), request_id=f"{rid}-{i}",
+                            sampling=overrides) for i in range(req.n)]
+        futures = [asyncio.wrap_future(f) for f in self.worker.submit(key, requests)]
         images = asyncio.ensure_future(asyncio.gather(*futures))
         gone = asyncio.ensure_future(disconnected())
         try:
@@ -141,11 +145,16 @@ class Service:
         return self._response(req, rid, results, pngs)
 
     def engine_key(self, req: ImageRequest) -> EngineKey:
-        """The engine a request runs on: its method ("auto": the server's) and the overrides that differ from the
-        bundle's sampling."""
+        """The engine a request runs on: its method ("auto": the server's) and the sampling an engine fixes that
+        the request sets apart from the bundle's: top_k, top_p, and a cfg_scale that turns guidance on (it adds
+        rows to the static shape). Temperature and any other cfg_scale go with the request to the engine
+        (lantern.engine.sampling)."""
         method = self.config.method if req.method == "auto" else req.method
-        overrides = {k: v for k, v in req.sampling.items() if v != getattr(self.sampling, k)}
-        return EngineKey(method, tuple(sorted(overrides.items())))
+        differ = {k: v for k, v in req.sampling.items() if v != getattr(self.sampling, k)}
+        fixed = {k: v for k, v in differ.items() if k not in PER_REQUEST}
+        if differ.get("cfg_scale", 1.0) > 1 and not self.sampling.use_cfg:
+            fixed["cfg_scale"] = differ["cfg_scale"]
+        return EngineKey(method, tuple(sorted(fixed.items())))
 
     def _pngs(self, tokens: list) -> list[str]:
         import torch

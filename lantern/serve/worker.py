@@ -5,7 +5,7 @@ An engine runs one DecodeConfig, so the worker keeps one engine per (method, sam
 requested, at most `max_engines` at once: the default one is built and warmed up before the service reports ready;
 another is built, in this thread, when a request first needs it (its warm-up holds up the other engines' steps
 meanwhile), replacing an idle one when the limit is reached. Each engine has a runner (KV cache) of its own. Busy
-engines take turns, one step each.
+engines take turns, one step each, under the pipeline's lock (so nothing else uses its runners meanwhile).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from lantern.serve.metrics import ServeMetrics
-from lantern.serve.serial_engine import Engine, Request
+from lantern.engine import Engine, Request
 
 log = logging.getLogger("lantern.serve")
 IDLE_POLL_S = 0.05  # how often an idle worker looks for commands
@@ -123,7 +123,8 @@ class EngineWorker:
     # ---- the worker thread ----
     def _run(self) -> None:
         try:
-            self._engine(self.default)
+            with self.pipeline.lock:
+                self._engine(self.default)
         except BaseException as e:  # noqa: BLE001  reported by /ready and the serve command
             self.failure = e
             log.error("warm-up failed: %s", e, exc_info=True)
@@ -190,7 +191,8 @@ class EngineWorker:
                 self._resolve(job)
                 continue
             try:
-                rid = self._engine(job.key).submit(job.request)
+                with self.pipeline.lock:
+                    rid = self._engine(job.key).submit(job.request)
             except (ValueError, EnginesBusy) as e:
                 self._resolve(job, error=e)
                 continue
@@ -209,7 +211,8 @@ class EngineWorker:
 
     def _step(self, key: EngineKey, engine: Engine) -> None:
         try:
-            report = engine.step()
+            with self.pipeline.lock:
+                report = engine.step()
         except Exception as e:  # noqa: BLE001  the engine's state is unknown: fail its images, build it anew
             log.error("engine %s failed a step: %s\n%s", key, e, traceback.format_exc())
             del self._engines[key]

@@ -187,8 +187,11 @@ def plot(record: dict, path: Path) -> None:
     for key in sorted({(r["mode"], r["method"]) for r in record["rows"]}):
         rows = [r for r in record["rows"] if (r["mode"], r["method"]) == key]
         ax.plot([r["clients"] for r in rows], [r["images_per_s"] for r in rows], marker="o", label=" ".join(key))
+    levels = sorted({r["clients"] for r in record["rows"]})
     ax.set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="images/s",
            title=f"lantern serve vs one process per image ({record['backend']})")
+    ax.set_xticks(levels, [str(c) for c in levels])
+    ax.minorticks_off()
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -325,6 +325,7 @@ def test_serve_without_the_extra_exits_2_naming_it(monkeypatch, capsys):
     (["--methods", "ar,nope"], "method 'nope' cannot run on this bundle"),
     (["--max-n", "100"], "max_n 100 exceeds the slots and queue places"),
     (["--batch", "0"], "argument --batch: 0 is not allowed"),
+    (["--backend", "tpu"], "unknown backend 'tpu'"),
 ])
 def test_bad_serve_flags_exit_2_before_serving(bundle_dir, capsys, args, message):
     from lantern.cli import main

@@ -25,14 +25,13 @@ def missing_extra() -> list[str]:
 
 
 def add_serve_command(subparsers) -> None:
+    from lantern.cli import add_backend_options
     from lantern.decoding.config import METHODS
     from lantern.serve.config import ServeConfig
     d = ServeConfig()
     s = subparsers.add_parser("serve", help="an HTTP service: POST /v1/images/generations, /health, /ready, "
                                             "/metrics (needs the serve extra)")
     s.add_argument("--model", help="bundle folder (default: the embedded model)")
-    s.add_argument("--backend", help="auto | cpu | cuda | ... (default: $LANTERN_BACKEND, else auto)")
-    s.add_argument("--dtype", help="fp32 | bf16 | fp16, what the backend supports (default: its preferred one)")
     s.add_argument("--method", choices=("auto", *METHODS), default=d.method,
                    help="what a request runs unless it names a method (auto: planned once, at warm-up, for a full "
                         "batch)")
@@ -54,10 +53,12 @@ def add_serve_command(subparsers) -> None:
     s.add_argument("--served-model-name", help="the `model` a request may name (default: the bundle folder's name)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=number(int, 0, 65535), default=8000, help="port (default 8000; 0: any free)")
+    add_backend_options(s)
     s.set_defaults(func=cmd_serve)
 
 
 def config_from_args(args):
+    from lantern.cli import backend_options
     from lantern.serve.config import ServeConfig
     methods = None
     if args.methods is not None:
@@ -65,7 +66,8 @@ def config_from_args(args):
     return ServeConfig(model=args.model, backend=args.backend, dtype=args.dtype, method=args.method,
                        methods=methods, allow_relaxed=args.allow_relaxed, batch=args.batch, queue=args.queue,
                        timeout_s=args.timeout, max_timeout_s=args.max_timeout, max_n=args.max_n,
-                       max_engines=args.max_engines, served_name=args.served_model_name)
+                       max_engines=args.max_engines, served_name=args.served_model_name,
+                       backend_options=backend_options(args))
 
 
 def cmd_serve(args) -> int:
@@ -79,8 +81,10 @@ def cmd_serve(args) -> int:
     from lantern.serve.logs import log_json_to_stderr
     from lantern.serve.service import Service
 
+    from lantern.backends import get_backend
     config = config_from_args(args)
     config.check()
+    get_backend(config.backend, **config.backend_options)  # an unknown or unavailable backend fails before loading
     try:  # the port is taken before any loading, so a busy port fails fast
         sock = socket.create_server((args.host, args.port))
     except OSError as e:

@@ -10,7 +10,7 @@ import time
 import uuid
 from dataclasses import replace
 from pathlib import Path
-from typing import Awaitable, Callable, Optional
+from typing import Awaitable, Callable
 
 from PIL import Image
 

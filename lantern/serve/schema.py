@@ -102,9 +102,9 @@ def parse_request(body: object, info: ModelInfo, default_timeout_s: float) -> Im
     if prompt is not None and not isinstance(prompt, str):
         raise RequestError("prompt", f"prompt {prompt!r} is not allowed; allowed: a string")
     if info.model_type != "c2i":
-        raise RequestError("prompt", "this is a text-to-image model: a prompt needs a prompt encoder to become its "
-                                     "caption embedding, and none is available for it (its bundle ships none), so "
-                                     "this service cannot take requests for it")
+        raise RequestError("prompt", "this is a text-to-image model, and this service has no prompt encoder to turn "
+                                     "a prompt into its caption embedding (serving prompts is not built yet; "
+                                     "`lantern generate --prompt ... --t5 PATH` generates from prompts)")
     class_id = _integer(body, "class_id", 0, info.num_classes - 1)
     if class_id is not None and prompt is not None and class_from_prompt(prompt, info) != class_id:
         raise RequestError("prompt", f"prompt {prompt!r} and class_id {class_id} disagree; give one of them")

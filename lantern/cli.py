@@ -1,4 +1,4 @@
-"""`lantern` command line: generate, eval, backends, profile, train, info, export-onnx.
+"""`lantern` command line: generate, eval, backends, profile, train, info, export-onnx, serve.
 
 Exit codes (lantern.exit_codes): 0 ok, 1 internal error (or a failed case or check), 2 bad usage or input,
 3 backend unavailable.
@@ -324,6 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_export_onnx_command(sub)
     from lantern.import_cli import add_import_command
     add_import_command(sub)
+    from lantern.serve.cli import add_serve_command
+    add_serve_command(sub)
     return parser
 
 

@@ -1,0 +1,126 @@
+"""`lantern serve`: flags, the check for the `serve` extra, and uvicorn with a graceful SIGTERM (stop taking
+requests, finish those in flight, exit 0)."""
+from __future__ import annotations
+
+import importlib
+import logging
+import socket
+import threading
+
+from lantern.cli_args import number
+from lantern.exit_codes import EXIT_INTERNAL, EXIT_OK
+
+SERVE_EXTRA_MODULES = ("starlette", "uvicorn", "prometheus_client")
+
+
+def missing_extra() -> list[str]:
+    """The `serve` extra's modules that cannot be imported."""
+    missing = []
+    for module in SERVE_EXTRA_MODULES:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(module)
+    return missing
+
+
+def add_serve_command(subparsers) -> None:
+    from lantern.cli import add_backend_options
+    from lantern.decoding.config import METHODS
+    from lantern.serve.config import ServeConfig
+    d = ServeConfig()
+    s = subparsers.add_parser("serve", help="an HTTP service: POST /v1/images/generations, /health, /ready, "
+                                            "/metrics (needs the serve extra)")
+    s.add_argument("--model", help="bundle folder (default: the embedded model)")
+    s.add_argument("--method", choices=("auto", *METHODS), default=d.method,
+                   help="what a request runs unless it names a method (auto: planned once, at warm-up, for a full "
+                        "batch)")
+    s.add_argument("--methods", help="comma-separated methods requests may name besides auto (default: every "
+                                     "method the bundle can run); each gets its own engine on first use")
+    s.add_argument("--allow-relaxed", action="store_true", help="auto may choose relaxed plans")
+    s.add_argument("--batch", type=number(int, 1), default=d.batch,
+                   help=f"slots per engine: images decoded together (default {d.batch})")
+    s.add_argument("--queue", type=number(int, 0), default=d.queue,
+                   help=f"images that may wait for a slot; beyond that, 429 (default {d.queue})")
+    s.add_argument("--timeout", type=number(float, 0, low_open=True), default=d.timeout_s,
+                   help=f"a request's deadline in seconds unless it asks for less (default {d.timeout_s:g})")
+    s.add_argument("--max-timeout", type=number(float, 0, low_open=True), default=d.max_timeout_s,
+                   help=f"the most a request's timeout may ask for (default {d.max_timeout_s:g})")
+    s.add_argument("--max-n", type=number(int, 1), default=d.max_n, help=f"images per request (default {d.max_n})")
+    s.add_argument("--max-engines", type=number(int, 1), default=d.max_engines,
+                   help=f"engines kept at once, one per (method, sampling overrides) requested (default "
+                        f"{d.max_engines})")
+    s.add_argument("--served-model-name", help="the `model` a request may name (default: the bundle folder's name)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=number(int, 0, 65535), default=8000, help="port (default 8000; 0: any free)")
+    add_backend_options(s)
+    s.set_defaults(func=cmd_serve)
+
+
+def config_from_args(args):
+    from lantern.cli import backend_options
+    from lantern.serve.config import ServeConfig
+    methods = None
+    if args.methods is not None:
+        methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    return ServeConfig(model=args.model, backend=args.backend, dtype=args.dtype, method=args.method,
+                       methods=methods, allow_relaxed=args.allow_relaxed, batch=args.batch, queue=args.queue,
+                       timeout_s=args.timeout, max_timeout_s=args.max_timeout, max_n=args.max_n,
+                       max_engines=args.max_engines, served_name=args.served_model_name,
+                       backend_options=backend_options(args))
+
+
+def cmd_serve(args) -> int:
+    missing = missing_extra()
+    if missing:
+        raise ValueError(f"lantern serve needs the 'serve' extra (missing: {', '.join(missing)}); install it with "
+                         f"pip install 'lantern-decoding[serve]'")
+    import uvicorn
+
+    from lantern.serve.app import build_app
+    from lantern.serve.logs import log_json_to_stderr
+    from lantern.serve.service import Service
+
+    from lantern.backends import get_backend
+    config = config_from_args(args)
+    config.check()
+    get_backend(config.backend, **config.backend_options)  # an unknown or unavailable backend fails before loading
+    try:  # the port is taken before any loading, so a busy port fails fast
+        sock = socket.create_server((args.host, args.port))
+    except OSError as e:
+        raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
+    try:
+        service = Service(config)
+    except BaseException:
+        sock.close()
+        raise
+    log = logging.getLogger("lantern.serve")
+    log_json_to_stderr(log)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            """SIGTERM or SIGINT: drain (new requests and /ready get 503, those in flight finish), then exit 0;
+            a second signal stops at once. Not re-raised after the drain, as uvicorn would."""
+            service.draining = True
+            if self.should_exit:
+                self.force_exit = True
+            self.should_exit = True
+
+    server = Server(uvicorn.Config(build_app(service), log_level="warning", access_log=False, lifespan="on"))
+    failed = threading.Event()
+
+    def stop_if_warmup_fails():
+        service.worker.ready.wait()
+        if service.worker.failure is not None:
+            failed.set()
+            server.should_exit = True
+
+    threading.Thread(target=stop_if_warmup_fails, daemon=True).start()
+    host, port = sock.getsockname()[:2]
+    log.info("listening", extra={"fields": {"event": "listening", "url": f"http://{host}:{port}",
+                                            "model": service.info.name, "backend": service.pipe.backend.name,
+                                            "batch": config.batch, "method": config.method}})
+    server.run(sockets=[sock])
+    code = EXIT_INTERNAL if failed.is_set() else EXIT_OK
+    log.info("stopped", extra={"fields": {"event": "stopped", "exit_code": code}})
+    return code

@@ -1,0 +1,45 @@
+"""The settings of a lantern service, every default in one place (no web or metrics imports here: the command
+line reads it to build its flags)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from lantern.api import DEFAULT_BATCH
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Everything `lantern serve` and the Ray deployment take; every default here."""
+
+    model: Optional[str] = None  # bundle folder (None: the embedded model)
+    backend: Optional[str] = None  # None: $LANTERN_BACKEND, else auto
+    dtype: Optional[str] = None  # None: the backend's preferred one
+    method: str = "auto"  # what a request without `method` (or with "auto") runs; auto plans once, at warm-up
+    methods: Optional[tuple[str, ...]] = None  # what requests may name besides auto (None: all the bundle can run)
+    allow_relaxed: bool = False  # auto may choose relaxed plans
+    batch: int = DEFAULT_BATCH  # slots per engine: images decoded together, one static step
+    queue: int = 64  # images that may wait for a slot; beyond, 429
+    timeout_s: float = 300.0  # a request's deadline unless it asks for less (its `timeout`)
+    max_timeout_s: float = 3600.0  # the most a request's `timeout` may ask for
+    max_n: int = 16  # images per request
+    max_engines: int = 4  # engines kept at once, one per (method, sampling overrides) requested
+    served_name: Optional[str] = None  # the `model` a request may name (None: the bundle folder's name)
+    backend_options: dict = field(default_factory=dict)
+
+    def check(self) -> None:
+        """Refuse a bad setting before any loading (ValueError naming it and what is allowed)."""
+        for name, low in (("batch", 1), ("queue", 0), ("max_n", 1), ("max_engines", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} {value!r} is not allowed; allowed: an integer >= {low}")
+        for name in ("timeout_s", "max_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} {value!r} is not allowed; allowed: a finite number of seconds > 0")
+        if self.max_n > self.batch + self.queue:
+            raise ValueError(f"max_n {self.max_n} exceeds the slots and queue places ({self.batch} + {self.queue}): "
+                             f"such a request could never be admitted; allowed: max_n <= batch + queue")
+        if self.timeout_s > self.max_timeout_s:
+            raise ValueError(f"timeout_s {self.timeout_s} exceeds max_timeout_s {self.max_timeout_s}")

@@ -1,0 +1,333 @@
+"""`lantern serve` end to end on an ephemeral loopback port with a tiny bundle: concurrent requests answered with
+decodable PNGs, same request + seed -> same image alone or under load, 422 / 429 / deadline / disconnect
+behaviours, /metrics parsed as Prometheus text with counters that add up, and SIGTERM draining the requests in
+flight before exiting 0. Every request loop is bounded in count and time."""
+import asyncio
+import base64
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+uvicorn = pytest.importorskip("uvicorn")
+from PIL import Image  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from lantern.serve.app import build_app  # noqa: E402
+from lantern.serve.schema import ModelInfo, RequestError, parse_request  # noqa: E402
+from lantern.serve.config import ServeConfig
+from lantern.serve.service import Service  # noqa: E402
+from tiny_bundle import write_tiny_bundle  # noqa: E402
+
+WAIT_S = 30  # the most any wait below takes on a loaded machine
+BATCH, QUEUE = 4, 8
+
+
+@pytest.fixture(scope="module")
+def bundle_dir(tmp_path_factory):
+    return write_tiny_bundle(tmp_path_factory.mktemp("serve") / "tiny")
+
+
+class ServerThread:
+    """uvicorn serving a Service's app in a thread, on an ephemeral 127.0.0.1 port."""
+
+    def __init__(self, service: Service):
+        self.service = service
+        sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(build_app(service), log_level="warning", access_log=False))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=5).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise AssertionError("the service did not become ready")
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(WAIT_S)
+
+
+@pytest.fixture(scope="module")
+def served(bundle_dir):
+    service = Service(ServeConfig(model=str(bundle_dir), method="ar", methods=("ar", "eagle2"), batch=BATCH,
+                                  queue=QUEUE, max_n=BATCH + QUEUE, timeout_s=WAIT_S))
+    with ServerThread(service) as server:
+        yield server
+
+
+@pytest.fixture
+def slow_steps(served, monkeypatch):
+    """Each engine step takes at least 20 ms, so a request is still decoding when the test acts on it."""
+    worker = served.service.worker
+    step = worker._step
+
+    def slow(name, engine):
+        time.sleep(0.02)
+        step(name, engine)
+    monkeypatch.setattr(worker, "_step", slow)
+
+
+def generate(url, client_timeout=WAIT_S, **body):
+    return httpx.post(f"{url}/v1/images/generations", json=body, timeout=client_timeout)
+
+
+async def generate_all(url, bodies):
+    async with httpx.AsyncClient(timeout=WAIT_S) as client:
+        return await asyncio.gather(*(client.post(f"{url}/v1/images/generations", json=b) for b in bodies))
+
+
+def metric_samples(url) -> dict:
+    """{(name, sorted labels): value} of every sample /metrics exposes."""
+    text = httpx.get(f"{url}/metrics", timeout=WAIT_S).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def wait_until(condition, what):
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def png(item) -> Image.Image:
+    image = Image.open(io.BytesIO(base64.b64decode(item["b64_json"])))
+    image.load()
+    return image
+
+
+def test_concurrent_requests_get_decodable_pngs_and_same_seed_gives_same_image_under_load(served):
+    alone = generate(served.url, class_id=2, seed=7, n=2, return_tokens=True).json()
+    bodies = [{"class_id": c % 4, "seed": 100 + c, "return_tokens": True} for c in range(10)]
+    bodies[5] = {"class_id": 2, "seed": 7, "n": 2, "return_tokens": True}  # the request made alone, now under load
+    answers = asyncio.run(generate_all(served.url, bodies))
+    assert [a.status_code for a in answers] == [200] * len(bodies)
+    for body, answer in zip(bodies, answers):
+        out = answer.json()
+        assert len(out["data"]) == body.get("n", 1) and out["seed"] == body["seed"]
+        for item in out["data"]:
+            image = png(item)
+            assert image.format == "PNG" and image.size == (8, 8)
+            assert item["class_id"] == body["class_id"] and len(item["tokens"]) == 16
+            assert item["stats"]["method"] == "ar" and item["stats"]["backend"] == "cpu"
+            assert item["stats"]["steps"] == 16 and item["stats"]["mean_accepted_length"] == 1.0
+    under_load = answers[5].json()["data"]
+    assert [d["tokens"] for d in under_load] == [d["tokens"] for d in alone["data"]]
+    assert [d["b64_json"] for d in under_load] == [d["b64_json"] for d in alone["data"]]
+    assert under_load[0]["tokens"] != under_load[1]["tokens"]  # image i of a request has its own seed
+
+
+def test_prompt_may_name_the_class_and_a_speculative_method_reports_its_acceptance(served):
+    by_prompt = generate(served.url, prompt="3", seed=5, return_tokens=True).json()["data"][0]
+    by_class = generate(served.url, class_id=3, seed=5, return_tokens=True).json()["data"][0]
+    assert by_prompt["tokens"] == by_class["tokens"]
+    spec = generate(served.url, class_id=3, seed=5, method="eagle2").json()["data"][0]["stats"]
+    assert spec["method"] == "eagle2" and spec["steps"] <= 16 and spec["mean_accepted_length"] >= 1.0
+
+
+def test_images_are_the_librarys_for_the_same_seed_and_sampling(served, bundle_dir):
+    """Image i of a request seeded s is Pipeline.generate's image i for seed s (lantern.engine.derive_seed), also
+    with a per-request temperature, which runs on the default engine."""
+    from dataclasses import replace
+
+    from lantern.api import Pipeline
+    from lantern.bundle import load_bundle
+    from lantern.decoding.config import method_preset
+    pipe = Pipeline.from_bundle(load_bundle(bundle_dir))
+    for temperature in (1.0, 0.5):
+        dcfg = method_preset("ar", replace(pipe.defaults.sampling, temperature=temperature))
+        expected = pipe.generate([3, 3, 3], dcfg, seed=11).tokens.tolist()
+        out = generate(served.url, class_id=3, seed=11, n=3, temperature=temperature, return_tokens=True).json()
+        assert [d["tokens"] for d in out["data"]] == expected
+        assert {d["stats"]["method"] for d in out["data"]} == {"ar"}
+
+
+def test_sampling_override_runs_on_an_engine_of_its_own_and_stays_reproducible(served):
+    answers = [generate(served.url, class_id=2, seed=9, top_k=1, return_tokens=True).json()["data"][0]
+               for _ in range(2)]
+    assert answers[0]["tokens"] == answers[1]["tokens"] and answers[0]["stats"]["method"] == "ar top_k=1"
+    same_as_bundle = generate(served.url, class_id=2, seed=9, temperature=1.0).json()["data"][0]
+    assert same_as_bundle["stats"]["method"] == "ar"  # an override equal to the bundle's sampling changes nothing
+    assert "ar top_k=1" in httpx.get(f"{served.url}/ready", timeout=WAIT_S).json()["methods"]
+
+
+@pytest.mark.parametrize("body, field, allowed", [
+    ({"class_id": 9}, "class_id", "allowed: an integer in 0..3"),
+    ({"class_id": 1, "n": 0}, "n", "allowed: an integer in 1..12"),
+    ({"class_id": 1, "response_format": "url"}, "response_format", "allowed: 'b64_json'"),
+    ({"class_id": 1, "temperature": 0}, "temperature", "allowed: a finite number > 0"),
+    ({"class_id": 1, "method": "lantern"}, "method", "allowed: auto, ar, eagle2"),
+    ({"class_id": 1, "colour": "red"}, "colour", "allowed: prompt, n"),
+    ({"prompt": "a cat"}, "prompt", "allowed: a class number 0..3"),
+    ({}, "class_id", "allowed: an integer in 0..3"),
+    ({"class_id": 1, "size": "1024x1024"}, "size", "allowed: '8x8'"),
+    ({"class_id": 1, "timeout": -1}, "timeout", "allowed: a finite number of seconds"),
+    ({"class_id": 1, "seed": "x"}, "seed", "allowed: an integer"),
+])
+def test_bad_request_gets_422_naming_the_field_and_what_is_allowed(served, body, field, allowed):
+    r = generate(served.url, **body)
+    assert r.status_code == 422
+    err = r.json()["error"]
+    assert err["param"] == field and allowed in err["message"]
+
+
+def test_body_that_is_not_json_gets_422(served):
+    r = httpx.post(f"{served.url}/v1/images/generations", content=b"{not json", timeout=WAIT_S)
+    assert r.status_code == 422 and r.json()["error"]["param"] == "body"
+
+
+def test_text_to_image_model_without_prompt_encoder_is_refused_naming_what_is_missing():
+    info = ModelInfo(name="t", model_type="t2i", num_classes=1, image_size=8, methods=("auto",), max_n=1,
+                     max_timeout_s=1.0)
+    with pytest.raises(RequestError, match="prompt encoder") as e:
+        parse_request({"prompt": "a red bicycle"}, info, 1.0)
+    assert e.value.field == "prompt"
+
+
+def test_full_queue_gets_429_with_retry_after(served):
+    worker = served.service.worker
+    room = worker.capacity - worker.outstanding
+    assert worker.admit(room)  # every slot and queue place taken
+    try:
+        r = generate(served.url, class_id=1)
+        assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
+        assert r.json()["error"]["type"] == "rate_limit_error"
+    finally:
+        worker.release(room)
+    assert generate(served.url, class_id=1).status_code == 200  # room again
+
+
+def test_deadline_cancels_the_images_and_answers_504(served, slow_steps):
+    before = metric_samples(served.url)
+    r = generate(served.url, class_id=1, n=BATCH + QUEUE, timeout=0.2)
+    assert r.status_code == 504 and "deadline" in r.json()["error"]["message"]
+    wait_until(lambda: served.service.worker.outstanding == 0, "the cancelled images to free their slots")
+    after = metric_samples(served.url)
+    key = ("lantern:requests_total", (("outcome", "timeout"),))
+    assert after[key] == before[key] + 1
+
+
+def test_client_that_disconnects_frees_its_slots(served, slow_steps):
+    before = metric_samples(served.url)
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+        httpx.post(f"{served.url}/v1/images/generations", json={"class_id": 0, "n": BATCH + QUEUE}, timeout=0.3)
+    wait_until(lambda: served.service.worker.outstanding == 0, "the disconnected client's images to be cancelled")
+    after = metric_samples(served.url)
+    key = ("lantern:requests_total", (("outcome", "cancelled"),))
+    assert after[key] == before[key] + 1
+
+
+def test_metrics_parse_as_prometheus_text_and_counters_add_up(served):
+    before = metric_samples(served.url)
+    bodies = [{"class_id": c % 4, "seed": c, "n": 1 + c % 2, "method": "eagle2", "return_tokens": True}
+              for c in range(4)]
+    answers = asyncio.run(generate_all(served.url, bodies))
+    bad = generate(served.url, class_id=7)
+    after = metric_samples(served.url)
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    images = sum(b["n"] for b in bodies)
+    assert all(a.status_code == 200 for a in answers) and bad.status_code == 422
+    assert delta("lantern:requests_total", outcome="ok") == len(bodies)
+    assert delta("lantern:requests_total", outcome="bad_request") == 1
+    assert delta("lantern:request_seconds_count") == len(bodies) + 1
+    assert delta("lantern:images_total", method="eagle2") == images
+    assert delta("lantern:queue_wait_seconds_count") == delta("lantern:decode_seconds_count") == images
+    accepted = delta("lantern:spec_decode_num_accepted_tokens_total", method="eagle2")
+    per_position = sum(v - before.get(k, 0.0) for k, v in after.items()
+                       if k[0] == "lantern:spec_decode_num_accepted_tokens_per_pos_total"
+                       and ("method", "eagle2") in k[1])
+    assert accepted == per_position
+    assert delta("lantern:spec_decode_num_draft_tokens_total", method="eagle2") >= accepted
+    assert delta("lantern:spec_decode_num_drafts_total", method="eagle2") >= 1
+    # every image's tokens came from its verify steps: accepted drafts = tokens - steps (the prefill gave one)
+    stats = [d["stats"] for a in answers for d in a.json()["data"]]
+    assert accepted == sum(s["tokens"] - s["steps"] for s in stats)
+    assert after[("lantern:slots", ())] >= 2 * BATCH  # the ar and eagle2 engines at least
+    assert after[("lantern:requests_in_flight", ())] == 0
+
+
+def test_health_and_ready(served):
+    assert httpx.get(f"{served.url}/health", timeout=WAIT_S).json() == {"status": "ok"}
+    ready = httpx.get(f"{served.url}/ready", timeout=WAIT_S)
+    assert ready.status_code == 200 and ready.json()["methods"]["ar"] == "ar"
+
+
+def run_lantern(*args, **kwargs):
+    return subprocess.Popen([sys.executable, "-m", "lantern.cli", *args], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, **kwargs)
+
+
+def test_sigterm_finishes_the_requests_in_flight_then_exits_0(bundle_dir):
+    proc = run_lantern("serve", "--model", str(bundle_dir), "--method", "ar", "--batch", "2", "--max-n", "8",
+                       "--queue", "8", "--port", "0")
+    try:
+        url = json.loads(proc.stderr.readline())["url"]
+        wait_until(lambda: _ready(url), "the subprocess service to be ready")
+        answer = {}
+        request = threading.Thread(target=lambda: answer.update(r=generate(url, class_id=1, n=8)))
+        request.start()
+        wait_until(lambda: metric_samples(url)[("lantern:requests_in_flight", ())] == 1, "the request in flight")
+        proc.send_signal(signal.SIGTERM)
+        assert request.is_alive()  # still decoding when the signal came
+        request.join(WAIT_S)
+        assert answer["r"].status_code == 200 and len(answer["r"].json()["data"]) == 8
+        assert proc.wait(WAIT_S) == 0
+        lines = [json.loads(line) for line in proc.stderr.read().splitlines() if line.startswith("{")]
+        assert [x["status"] for x in lines if x.get("event") == "request"] == [200]
+        assert lines[-1]["event"] == "stopped" and lines[-1]["exit_code"] == 0
+        with pytest.raises(httpx.TransportError):
+            generate(url, class_id=1)  # no longer listening
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _ready(url) -> bool:
+    try:
+        return httpx.get(f"{url}/ready", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def test_serve_without_the_extra_exits_2_naming_it(monkeypatch, capsys):
+    from lantern.cli import main
+    for module in ("starlette", "uvicorn", "prometheus_client"):  # as if not installed
+        monkeypatch.setitem(sys.modules, module, None)
+    assert main(["serve", "--port", "0"]) == 2
+    assert ("needs the 'serve' extra (missing: starlette, uvicorn, prometheus_client); install it with pip install "
+            "'lantern-decoding[serve]'") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--methods", "ar,nope"], "method 'nope' cannot run on this bundle"),
+    (["--max-n", "100"], "max_n 100 exceeds the slots and queue places"),
+    (["--batch", "0"], "argument --batch: 0 is not allowed"),
+    (["--backend", "tpu"], "unknown backend 'tpu'"),
+])
+def test_bad_serve_flags_exit_2_before_serving(bundle_dir, capsys, args, message):
+    from lantern.cli import main
+    assert main(["serve", "--model", str(bundle_dir), "--port", "0", *args]) == 2
+    assert message in capsys.readouterr().err

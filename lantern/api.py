@@ -69,6 +69,7 @@ class Pipeline:
         self.backend = get_backend(backend, **backend_options)
         self.dtype = dtype or self.backend.capabilities().dtypes[0]
         self.backend.check_dtype(self.dtype)
+        self.backend.check_family(self.config.family)
         self._runners: dict = {}
         self._rules: dict = {}  # (rule parameters, device) -> Acceptance, its neighbourhood built once
         self.text_encoder = None  # t2i: a lantern.text.T5Conditioner, so generate() takes prompts
@@ -136,6 +137,12 @@ class Pipeline:
     def _cond(self, conditions) -> torch.Tensor:
         if self.config.model_type == "c2i":
             return torch.tensor(check_classes(list(conditions), self.config.num_classes), dtype=torch.long)
+        if self.config.model_type == "prompt":
+            rows = torch.as_tensor(conditions)
+            if rows.dim() != 2 or rows.dtype != torch.long or rows.shape[1] != self.config.cls_token_num:
+                raise ValueError(f"prompt conditions must be token rows of shape (n, {self.config.cls_token_num}) "
+                                 f"(int64), got {tuple(rows.shape)} {rows.dtype}")
+            return rows
         if isinstance(conditions, (list, tuple)) and conditions and all(isinstance(c, str) for c in conditions):
             if self.text_encoder is None:
                 raise ValueError("prompts need a text encoder: set pipeline.text_encoder = "
@@ -209,7 +216,7 @@ class Pipeline:
             real = part.shape[0]
             active = torch.arange(width) < real
             part = torch.cat([part, part[:1].expand(width - real, *part.shape[1:])])  # padding images
-            rows = condition_rows(part, dcfg, self.target.null_condition(width))
+            rows = condition_rows(part, dcfg, self.target.unconditional(part))
             run = runner
             if self.config.model_type == "t2i" and not (visible := caption_slots_visible(part)).all():
                 run = CaptionMaskedRunner(runner, visible.repeat(dcfg.sampling.rows_per_image, 1))  # LlamaGen's mask

@@ -42,8 +42,7 @@ class SharedWeights:
         if key not in cache:
             t = parse_dtype(dtype)
             # own copies, so preparing never changes the caller's fp32 models
-            tc = copy.deepcopy(target).to(device=device, dtype=t).eval().requires_grad_(False)
-            tc.rope = tc.rope.float()  # rotations stay in fp32 whatever the weights' dtype
+            tc = target.placed(device, t)
             dc = (copy.deepcopy(drafter).to(device=device, dtype=t).eval().requires_grad_(False)
                   if drafter is not None else None)
             cache[key] = (target, drafter, tc, dc)  # the originals are kept so their ids stay theirs

@@ -139,11 +139,13 @@ def cmd_generate(args) -> dict:
     from lantern.api import Pipeline, check_classes
     from lantern.backends import get_backend
     from lantern.bundle import load_bundle
+    from lantern.family_cli import cmd_generate_family, is_family_folder
     from lantern.images import save_images
     from lantern.profile.cli import apply_profile
-
     from lantern.prompts_cli import check_prompt_args, encode_prompts, wants_prompts
 
+    if is_family_folder(args.model):
+        return cmd_generate_family(args)
     check_method_flags(args)
     prompts = check_prompt_args(args) if wants_prompts(args) else None
     apply_profile(args)  # a --profile supplies backend, dtype, threads and the tree tuned for this batch width
@@ -280,8 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate images (default model: the embedded bundle)")
-    g.add_argument("--model", help="bundle folder (default: the embedded model)")
+    g.add_argument("--model", help="bundle folder, or a transformers model folder of a supported family "
+                                   "(docs/model-families.md) (default: the embedded model)")
     g.add_argument("--classes", type=int, nargs="+", default=[0, 1, 2, 3], help="class ids, one image each")
+    g.add_argument("--num-images", type=number(int, 1), default=1,
+                   help="model-family folders: images per prompt (default 1)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--out", default="out", help="folder for the PNGs and grid.png")
     g.add_argument("--scale", type=number(int, 1), default=4, help="upscale factor of the written PNGs, >= 1")

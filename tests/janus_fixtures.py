@@ -1,7 +1,6 @@
 """Tiny random Janus folders, built offline: config, weights (save_pretrained), generation config, tokenizer."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -64,10 +63,3 @@ def make_janus_folder(folder: Path, seed: int = 0, std: float = 0.3, guidance: f
     model.save_pretrained(folder)
     write_tokenizer(folder)
     return model
-
-
-def edit_config(folder: Path, edit) -> None:
-    path = folder / "config.json"
-    cfg = json.loads(path.read_text())
-    edit(cfg)
-    path.write_text(json.dumps(cfg))

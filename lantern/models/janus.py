@@ -127,6 +127,18 @@ class JanusTarget(nn.Module):
         return placed
 
 
+def janus_target(model, prompt_len: int, bos: int, boi: int, pad: int) -> JanusTarget:
+    """A JanusTarget over a JanusForConditionalGeneration for prompts of `prompt_len` tokens."""
+    cfg = model.config
+    text = cfg.text_config
+    heads = text.num_attention_heads
+    shape = JanusShape(cls_token_num=prompt_len, block_size=cfg.vision_config.num_image_tokens,
+                       grid_size=cfg.vq_config.num_patches, vocab_size=cfg.vq_config.num_embeddings,
+                       n_layer=text.num_hidden_layers, n_head=heads, kv_heads=text.num_key_value_heads,
+                       head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads, dim=text.hidden_size)
+    return JanusTarget(model, shape, bos, boi, pad)
+
+
 @dataclass
 class JanusFamily:
     """A Janus folder, loaded: the transformers model, its tokenizer and image-generation token ids."""
@@ -193,14 +205,7 @@ class JanusFamily:
     def target(self, prompt_len: int) -> JanusTarget:
         """The target for prompts of `prompt_len` tokens (one static prefix length), built once per length."""
         if prompt_len not in self._targets:
-            text = self.model.config.text_config
-            heads = text.num_attention_heads
-            shape = JanusShape(cls_token_num=prompt_len, block_size=self.image_tokens, grid_size=self.grid_size,
-                               vocab_size=self.image_vocab, n_layer=text.num_hidden_layers, n_head=heads,
-                               kv_heads=text.num_key_value_heads,
-                               head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-                               dim=text.hidden_size)
-            self._targets[prompt_len] = JanusTarget(self.model, shape, self.bos, self.boi, self.pad)
+            self._targets[prompt_len] = janus_target(self.model, prompt_len, self.bos, self.boi, self.pad)
         return self._targets[prompt_len]
 
     @torch.no_grad()

@@ -70,6 +70,9 @@ class Pipeline:
         self.dtype = dtype or self.backend.capabilities().dtypes[0]
         self.backend.check_dtype(self.dtype)
         self.backend.check_family(self.config.family)
+        if drafter is not None and self.config.family != "llamagen":
+            raise ValueError(f"a drafter was given for a {self.config.family} target, but lantern's drafters are "
+                             f"EAGLE heads over LlamaGen targets only; run a Jacobi method (sjd, mc-sjd) or AR")
         self._runners: dict = {}
         self._rules: dict = {}  # (rule parameters, device) -> Acceptance, its neighbourhood built once
         self.text_encoder = None  # t2i: a lantern.text.T5Conditioner, so generate() takes prompts

@@ -17,6 +17,7 @@ from lantern.decoding import DecodeConfig, SamplingConfig, method_preset
 from lantern.decoding.sampling import warp
 from lantern.config import gpt_preset
 from lantern.models.family import TargetModel, TargetShape, inspect_folder, load_family
+from lantern.models.drafter import Drafter
 from lantern.models.gpt import GPT
 from lantern.models.janus import JanusTarget
 from test_speculative import LEVEL, pvalues
@@ -137,6 +138,12 @@ def test_onnx_reports_the_family_unavailable(janus):
     pytest.importorskip("onnxruntime")
     with pytest.raises(BackendUnavailable, match="onnx: unavailable for the janus family"):
         Pipeline(family.target(5), backend="onnx")
+
+
+def test_a_llamagen_drafter_for_a_janus_target_is_refused(janus):
+    _, _, family = janus
+    with pytest.raises(ValueError, match="drafters are EAGLE heads over LlamaGen targets only"):
+        Pipeline(family.target(5), Drafter(gpt_preset("GPT-test")), backend="cpu")
 
 
 def test_tokens_decode_to_pixels_through_janus_vq(janus):

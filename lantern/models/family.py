@@ -81,8 +81,10 @@ class FolderInfo:
 # config.json model_type -> (family, the transformers class lantern loads)
 FAMILIES = {"janus": ("janus", "JanusForConditionalGeneration")}
 # model types lantern knows but cannot run yet, and why
-NOT_YET = {"chameleon": "transformers' ChameleonVQVAE has an encoder only, so image tokens cannot be turned into "
-                        "pixels through transformers; lantern does not run Chameleon/Anole targets yet"}
+NOT_YET = {"chameleon": "lantern does not run Chameleon/Anole targets yet: transformers' ChameleonVQVAE has an "
+                        "encoder only (no way from image tokens to pixels), and Anole's CFG row is a shorter prompt "
+                        "(BOS, BOI) at its own positions, which lantern's static layout cannot express yet "
+                        "(docs/model-families.md)"}
 EXTRA = "families"  # the pyproject extra that brings transformers
 
 

@@ -85,11 +85,9 @@ def family_info(model: str) -> dict:
     for name in sorted(registered()):
         cls = backend_class(name)
         avail = cls.availability()
-        if not avail.ok:
-            backends[name] = f"unavailable: {avail.reason}"
-            continue
-        fam = cls().supports_family(info.family)
-        backends[name] = "runs" if fam.ok else f"unavailable: {fam.reason}"
+        fam = cls.supports_family(info.family)
+        reasons = [r.reason for r in (avail, fam) if not r.ok]
+        backends[name] = "runs" if not reasons else "unavailable: " + "; ".join(reasons)
     return {**family.describe(), "methods": ["ar", "sjd", "mc-sjd"],
             "methods_not_available": {"eagle2, lantern, lantern++": "no drafter for this family yet",
                                       "mc-sjd-relaxed": "no proximity table for this family yet",

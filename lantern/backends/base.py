@@ -276,7 +276,8 @@ class Backend(ABC):
     def prepare(self, target, drafter, spec: StaticSpec) -> Runner:
         """Place the models (and a drafter, or None) for this spec; allocate caches once."""
 
-    def supports_family(self, family: str) -> Availability:
+    @classmethod
+    def supports_family(cls, family: str) -> Availability:
         """(optional) Whether this backend runs targets of a model family (lantern.models.family); default:
         every family, as backends that call the torch step modules do."""
         return Availability(True)

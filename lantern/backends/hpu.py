@@ -135,7 +135,8 @@ class HPUBackend(SharedWeights, Backend):
                                        + " or ".join(str(folder) for folder, _ in SYSFS_DEVICES) + ")")
         return Availability(True)
 
-    def supports_family(self, family: str) -> Availability:
+    @classmethod
+    def supports_family(cls, family: str) -> Availability:
         if family != "llamagen":
             return Availability(False, "HPU graphs of transformers modules have not been run on a Gaudi yet, so "
                                        "lantern does not claim them")

@@ -2,17 +2,22 @@
 (transformers model folders, lantern.models.family). Every input is checked before weights are loaded."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from lantern.cli_args import UsageError, check_writable
 
 
 def is_family_folder(model) -> bool:
-    """A folder whose config.json is a transformers config (a `model_type`), not a lantern bundle."""
+    """A folder whose config.json is a transformers config (it names a `model_type`), not a lantern bundle; what
+    else is wrong with a folder is left to the loader that reports it."""
     if not model:
         return False
-    from lantern.models.family import inspect_folder
-    return inspect_folder(model).family != "bundle"
+    path = Path(model) / "config.json"
+    try:
+        return path.is_file() and "model_type" in json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return False
 
 
 def check_family_request(args):
@@ -107,7 +112,6 @@ def print_family_info(out: dict) -> None:
 
 
 def info_command(args) -> int:
-    import json
     out = family_info(args.model)
     if args.json:
         print(json.dumps(out))

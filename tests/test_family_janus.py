@@ -253,3 +253,10 @@ def test_prompt_and_method_misuse_exit_2(janus, capsys):
     assert main(["generate", "--model", folder, "--prompt", "a cat", "--no-images"]) == 2  # auto
     assert "--method auto" in capsys.readouterr().err
     assert main(["generate", "--prompt", "a cat", "--method", "ar", "--no-images"]) == 2  # no --model
+
+
+def test_without_transformers_a_family_folder_exits_2_naming_the_extra(janus, monkeypatch, capsys):
+    import sys
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now raises ImportError
+    code = main(["generate", "--model", str(janus[0]), "--prompt", "a cat", "--method", "ar", "--no-images"])
+    assert code == 2 and "lantern-decoding[families]" in capsys.readouterr().err

@@ -157,7 +157,8 @@ class JanusFamily:
 
     @classmethod
     def load(cls, info: FolderInfo) -> "JanusFamily":
-        from transformers import AutoTokenizer, GenerationConfig, JanusForConditionalGeneration
+        """Check the folder's generation token ids, tokenizer, RoPE and grid, then load weights and tokenizer."""
+        from transformers import AutoTokenizer, GenerationConfig, JanusConfig, JanusForConditionalGeneration
         root = info.path
         gen = GenerationConfig.from_pretrained(root) if (root / "generation_config.json").exists() else None
         ids = {"bos": getattr(gen, "bos_token_id", None), "pad": getattr(gen, "pad_token_id", None),
@@ -168,15 +169,16 @@ class JanusFamily:
                              f"image prompt and CFG's unconditional prompt from them)")
         if not any((root / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
             raise ValueError(f"{root} has no tokenizer (tokenizer.json): a prompt cannot be turned into tokens")
-        model = JanusForConditionalGeneration.from_pretrained(root).eval().requires_grad_(False)
-        rope_type = model.model.language_model.rotary_emb.rope_type
+        config = JanusConfig.from_pretrained(root)
+        rope_type = (getattr(config.text_config, "rope_parameters", None) or {}).get("rope_type", "default")
         if rope_type not in STATIC_ROPE:
             raise ValueError(f"{root}: rope type {rope_type!r} changes with the sequence length; supported: "
                              f"{', '.join(STATIC_ROPE)}")
-        grid = model.config.vq_config.num_patches
+        grid = config.vq_config.num_patches
         if grid * grid != info.image_tokens:
             raise ValueError(f"{root}: vision_config.num_image_tokens {info.image_tokens} is not the VQ grid "
                              f"{grid} x {grid}")
+        model = JanusForConditionalGeneration.from_pretrained(root, config=config).eval().requires_grad_(False)
         tokenizer = AutoTokenizer.from_pretrained(root)
         guidance = getattr(gen, "guidance_scale", None)
         sampling = {"cfg_scale": float(guidance) if guidance else 5.0, "temperature": 1.0, "top_k": 0,

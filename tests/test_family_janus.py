@@ -260,3 +260,14 @@ def test_without_transformers_a_family_folder_exits_2_naming_the_extra(janus, mo
     monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now raises ImportError
     code = main(["generate", "--model", str(janus[0]), "--prompt", "a cat", "--method", "ar", "--no-images"])
     assert code == 2 and "lantern-decoding[families]" in capsys.readouterr().err
+
+
+def test_a_janus_folder_whose_rope_changes_with_length_exits_2(janus, tmp_path, capsys):
+    import shutil
+    folder = tmp_path / "copy"
+    shutil.copytree(janus[0], folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["text_config"]["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    code = main(["generate", "--model", str(folder), "--prompt", "a cat", "--method", "ar", "--no-images"])
+    assert code == 2 and "rope type 'dynamic'" in capsys.readouterr().err

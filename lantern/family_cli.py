@@ -20,59 +20,69 @@ def is_family_folder(model) -> bool:
         return False
 
 
-def check_family_request(args):
-    """Everything a family generation needs, checked before loading: returns the folder's FolderInfo."""
+def check_family_request(args) -> list[str]:
+    """Everything a family generation needs, checked before loading: returns the prompts."""
     from lantern.backends import get_backend
+    from lantern.cli import backend_options
     from lantern.models.family import inspect_folder, require_transformers
-    if not args.model:
-        raise UsageError("--prompt needs --model <folder> (a transformers model folder, e.g. Janus-Pro)")
+    from lantern.text import read_prompts
     info = inspect_folder(args.model)
-    if info.family == "bundle":
-        raise UsageError(f"--prompt: {args.model} is a lantern bundle of a class-conditional model; it takes "
-                         f"--classes, not a prompt")
-    if args.prompt is None:
-        raise UsageError(f"{args.model} is a {info.family} model: it generates from --prompt TEXT")
-    if not args.prompt.strip():
-        raise UsageError("--prompt is empty")
+    prompts = read_prompts(args.prompt, args.prompts_file)
+    if not prompts:
+        raise UsageError(f"{args.model} is a {info.family} model: it generates from --prompt TEXT (repeatable) or "
+                         f"--prompts-file FILE")
+    if args.t5:
+        raise UsageError(f"--t5 encodes prompts for LlamaGen t2i bundles; a {info.family} folder uses its own "
+                         f"tokenizer")
     if args.method == "auto":
         raise UsageError(f"--method auto has no acceptance records or calibration for {info.family} models yet; "
                          f"name a method: ar, or sjd / mc-sjd (no drafter needed)")
     if args.profile:
         raise UsageError("--profile tunes LlamaGen bundles; leave it out for a model-family folder")
     require_transformers()
-    from lantern.cli import backend_options
     get_backend(args.backend, **backend_options(args)).check_family(info.family)
     if not args.no_images:
         check_writable(Path(args.out), "--out", folder=True)
-    return info
+    return prompts
 
 
 def cmd_generate_family(args) -> dict:
+    """--num-images images of each prompt; prompts of one token length share a pipeline (one static shape)."""
+    import torch
+
     from lantern.api import Pipeline
     from lantern.cli import backend_options, check_method_flags, decode_config_from_args
+    from lantern.decoding.stats import GenerationStats
     from lantern.images import save_images
     from lantern.models.family import load_family
 
     check_method_flags(args)
-    check_family_request(args)
+    prompts = check_family_request(args)
     family = load_family(args.model)
-    rows = family.prompt_rows(args.prompt).expand(args.num_images, -1).contiguous()
-    target = family.target(rows.shape[1])
-    pipe = Pipeline(target, backend=args.backend, dtype=args.dtype, **backend_options(args))
+    rows = [family.prompt_rows(p).expand(args.num_images, -1).contiguous() for p in prompts]
     dcfg = decode_config_from_args(args, family)
-    batch = pipe.check(dcfg, args.batch)
-    result = pipe.generate(rows, dcfg, seed=args.seed, progress=not args.json, batch=batch)
+    pipes, tokens, stats, result = {}, [], GenerationStats(), None
+    for r in rows:
+        length = r.shape[1]
+        if length not in pipes:
+            pipes[length] = Pipeline(family.target(length), backend=args.backend, dtype=args.dtype,
+                                     **backend_options(args))
+        pipe = pipes[length]
+        result = pipe.generate(r, dcfg, seed=args.seed, progress=not args.json, batch=pipe.check(dcfg, args.batch))
+        tokens.append(result.tokens)
+        stats.merge(result.stats)
+    tokens = torch.cat(tokens)
     paths, grid = [], None
     if not args.no_images:
-        images = family.decode_images(result.tokens)
-        names = [f"{i:03d}_seed{args.seed}" for i in range(len(images))]
+        images = family.decode_images(tokens)
+        names = [f"{i:03d}_prompt{i // args.num_images}_seed{args.seed}" for i in range(len(images))]
         paths, grid = save_images(images, Path(args.out), names, scale=args.scale)
-    s = result.stats.summary()
+    s = stats.summary()
     return {
         "backend": result.backend, "device": result.device, "dtype": result.dtype, "mode": args.method,
-        "family": family.family, "prompt": args.prompt, "prompt_tokens": rows.shape[1],
+        "family": family.family, "prompts": prompts, "prompt_tokens": [r.shape[1] for r in rows],
         "decode": dcfg.to_dict(), "seed": args.seed, "image_paths": paths, "grid_path": grid,
-        "tokens": result.tokens.tolist(), "batch": s["batch"], "num_tokens": s["tokens"],
+        "tokens": tokens.tolist(), "batch": s["batch"], "num_tokens": s["tokens"],
         "target_forwards": s["target_forwards"], "step_compression": s["step_compression"],
         "mean_accepted_length": s["mean_accepted_length"], "phase_seconds": s["phase_seconds"],
         "wall_seconds": s["wall_seconds"], "peak_memory_bytes": result.profile["memory"]["peak_bytes"],

@@ -204,11 +204,13 @@ def test_a_wrong_cfg_counterpart_fails_the_lossless_test(flat, monkeypatch):
 def test_generate_and_info_from_a_folder(janus, tmp_path, capsys):
     folder, hf, family = janus
     out = tmp_path / "out"
-    code = main(["generate", "--model", str(folder), "--prompt", PROMPT, "--method", "mc-sjd", "--window", "4",
-                 "--greedy", "--cfg-scale", "3", "--num-images", "2", "--out", str(out), "--json"])
+    code = main(["generate", "--model", str(folder), "--prompt", PROMPT, "--prompt", "a blue dog", "--method",
+                 "mc-sjd", "--window", "4", "--greedy", "--cfg-scale", "3", "--num-images", "2", "--out", str(out),
+                 "--json"])
     res = json.loads(capsys.readouterr().out)
-    assert code == 0 and res["family"] == "janus" and len(res["image_paths"]) == 2
-    assert res["tokens"][0] == hf_greedy(hf, family.prompt_rows(PROMPT), 3.0)[0].tolist()
+    assert code == 0 and res["family"] == "janus" and len(res["image_paths"]) == 4
+    assert res["tokens"][0] == res["tokens"][1] == hf_greedy(hf, family.prompt_rows(PROMPT), 3.0)[0].tolist()
+    assert res["tokens"][2] == hf_greedy(hf, family.prompt_rows("a blue dog"), 3.0)[0].tolist()
     assert main(["info", "--model", str(folder), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["family"] == "janus" and info["backends"]["cpu"] == "runs"
@@ -252,7 +254,9 @@ def test_prompt_and_method_misuse_exit_2(janus, capsys):
     assert "--prompt" in capsys.readouterr().err
     assert main(["generate", "--model", folder, "--prompt", "a cat", "--no-images"]) == 2  # auto
     assert "--method auto" in capsys.readouterr().err
-    assert main(["generate", "--prompt", "a cat", "--method", "ar", "--no-images"]) == 2  # no --model
+    assert main(["generate", "--model", folder, "--prompt", "a cat", "--t5", folder, "--method", "ar",
+                 "--no-images"]) == 2  # --t5 is for LlamaGen t2i bundles
+    assert "--t5" in capsys.readouterr().err
 
 
 def test_without_transformers_a_family_folder_exits_2_naming_the_extra(janus, monkeypatch, capsys):

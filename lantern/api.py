@@ -73,6 +73,10 @@ class Pipeline:
         self.backend = get_backend(backend, **backend_options)
         self.dtype = dtype or self.backend.capabilities().dtypes[0]
         self.backend.check_dtype(self.dtype)
+        self.backend.check_family(self.config.family)
+        if drafter is not None and self.config.family != "llamagen":
+            raise ValueError(f"a drafter was given for a {self.config.family} target, but lantern's drafters are "
+                             f"EAGLE heads over LlamaGen targets only; run a Jacobi method (sjd, mc-sjd) or AR")
         self._runners: dict = {}
         self._rules: dict = {}  # (rule parameters, device) -> Acceptance, its neighbourhood built once
         self.text_encoder = None  # t2i: a lantern.text.T5Conditioner, so generate() takes prompts
@@ -141,6 +145,12 @@ class Pipeline:
     def _cond(self, conditions) -> torch.Tensor:
         if self.config.model_type == "c2i":
             return torch.tensor(check_classes(list(conditions), self.config.num_classes), dtype=torch.long)
+        if self.config.model_type == "prompt":
+            rows = torch.as_tensor(conditions)
+            if rows.dim() != 2 or rows.dtype != torch.long or rows.shape[1] != self.config.cls_token_num:
+                raise ValueError(f"prompt conditions must be token rows of shape (n, {self.config.cls_token_num}) "
+                                 f"(int64), got {tuple(rows.shape)} {rows.dtype}")
+            return rows
         if isinstance(conditions, (list, tuple)) and conditions and all(isinstance(c, str) for c in conditions):
             if self.text_encoder is None:
                 raise ValueError("prompts need a text encoder: set pipeline.text_encoder = "

@@ -140,11 +140,13 @@ def cmd_generate(args) -> dict:
     from lantern.backends import get_backend
     from lantern.bundle import load_bundle
     from lantern.engine import derive_seed
+    from lantern.family_cli import cmd_generate_family, is_family_folder
     from lantern.images import save_images
     from lantern.profile.cli import apply_profile
-
     from lantern.prompts_cli import check_prompt_args, encode_prompts, wants_prompts
 
+    if is_family_folder(args.model):
+        return cmd_generate_family(args)
     check_method_flags(args)
     prompts = check_prompt_args(args) if wants_prompts(args) else None
     apply_profile(args)  # a --profile supplies backend, dtype, threads and the tree tuned for this batch width
@@ -282,8 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate images (default model: the embedded bundle)")
-    g.add_argument("--model", help="bundle folder (default: the embedded model)")
+    g.add_argument("--model", help="bundle folder, or a transformers model folder of a supported family "
+                                   "(docs/model-families.md) (default: the embedded model)")
     g.add_argument("--classes", type=int, nargs="+", default=[0, 1, 2, 3], help="class ids, one image each")
+    g.add_argument("--num-images", type=number(int, 1), default=1,
+                   help="model-family folders: images per prompt (default 1)")
     g.add_argument("--seed", type=int, default=0,
                    help="image i draws from its own seed derived from this one (image 0: this seed itself; the "
                         "JSON's 'seeds' and the file names give each): --seed <that> --classes <its class> "

@@ -52,6 +52,10 @@ class GPTConfig:
             raise ValueError(f"head_dim {self.head_dim} must be a multiple of 4 for 2D RoPE")
 
     @property
+    def family(self) -> str:
+        return "llamagen"
+
+    @property
     def head_dim(self) -> int:
         return self.dim // self.n_head
 

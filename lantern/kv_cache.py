@@ -53,5 +53,9 @@ class StaticKVCache(nn.Module):
                 buf.index_copy_(0, dst, buf.index_select(0, src))
 
     @property
+    def dtype(self) -> torch.dtype:
+        return self.k0.dtype
+
+    @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers() if b.is_floating_point())

@@ -175,10 +175,12 @@ class Runner(ABC):
         """(optional) Start a new peak-memory window; default: nothing to reset."""
 
     def dummy_condition(self) -> torch.Tensor:
-        """A valid condition of the prepared batch: class 0, or an all-zero caption."""
+        """A valid condition of the prepared batch: class 0, an all-zero caption, or a prompt of token 0."""
         cfg, b = self.model_config, self.spec.batch
         if cfg.model_type == "c2i":
             return torch.zeros(b, dtype=torch.long, device=self.device)
+        if cfg.model_type == "prompt":
+            return torch.zeros(b, cfg.cls_token_num, dtype=torch.long, device=self.device)
         return torch.zeros(b, cfg.cls_token_num, cfg.caption_dim, device=self.device)
 
     @contextlib.contextmanager
@@ -273,6 +275,18 @@ class Backend(ABC):
     @abstractmethod
     def prepare(self, target, drafter, spec: StaticSpec) -> Runner:
         """Place the models (and a drafter, or None) for this spec; allocate caches once."""
+
+    @classmethod
+    def supports_family(cls, family: str) -> Availability:
+        """(optional) Whether this backend runs targets of a model family (lantern.models.family); default:
+        every family, as backends that call the torch step modules do."""
+        return Availability(True)
+
+    def check_family(self, family: str) -> None:
+        """Raise BackendUnavailable, with the reason, for a family this backend does not run."""
+        avail = self.supports_family(family)
+        if not avail.ok:
+            raise BackendUnavailable(f"{self.name}: unavailable for the {family} family: {avail.reason}")
 
     def check_dtype(self, dtype: str) -> None:
         allowed = self.capabilities().dtypes

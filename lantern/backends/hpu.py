@@ -135,6 +135,13 @@ class HPUBackend(SharedWeights, Backend):
                                        + " or ".join(str(folder) for folder, _ in SYSFS_DEVICES) + ")")
         return Availability(True)
 
+    @classmethod
+    def supports_family(cls, family: str) -> Availability:
+        if family != "llamagen":
+            return Availability(False, "HPU graphs of transformers modules have not been run on a Gaudi yet, so "
+                                       "lantern does not claim them")
+        return Availability(True)
+
     def capabilities(self) -> Capabilities:
         return Capabilities(device=f"{DEVICE_TYPE}:{self.device_index}", dtypes=("bf16", "fp32"),
                             supports_graphs=True,

@@ -292,6 +292,13 @@ class ONNXBackend(Backend):
                             timer="time.perf_counter (run_with_iobinding is synchronous)",
                             memory_source="process RSS (psutil) + ORT profiler mem_in_use_peak")
 
+    @classmethod
+    def supports_family(cls, family: str) -> Availability:
+        if family != "llamagen":
+            return Availability(False, "the ONNX export traces lantern's own LlamaGen modules only "
+                                       "(lantern.backends.onnx_export)")
+        return Availability(True)
+
     def providers(self) -> list:
         return [self.provider]
 

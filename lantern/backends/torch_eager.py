@@ -41,9 +41,9 @@ class SharedWeights:
         key = (id(target), id(drafter), str(device), dtype)
         if key not in cache:
             t = parse_dtype(dtype)
-            # own copies, so preparing never changes the caller's fp32 models
-            tc = copy.deepcopy(target).to(device=device, dtype=t).eval().requires_grad_(False)
-            tc.rope = tc.rope.float()  # rotations stay in fp32 whatever the weights' dtype
+            # the target places itself (lantern.models.family: a copy where device or dtype differ) and the drafter
+            # is copied, so preparing never changes the caller's models
+            tc = target.placed(device, t)
             dc = (copy.deepcopy(drafter).to(device=device, dtype=t).eval().requires_grad_(False)
                   if drafter is not None else None)
             cache[key] = (target, drafter, tc, dc)  # the originals are kept so their ids stay theirs

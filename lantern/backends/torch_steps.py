@@ -22,7 +22,7 @@ class TargetPrefill(nn.Module):
 
     def forward(self, cond: torch.Tensor, mask: torch.Tensor):
         """cond (B,) or (B, P, C); mask (B, P, S) -> logits (B, 1, V), hidden (B, 1, D) at position P-1."""
-        h = self.target.embed_condition(cond).to(self.target.tok_embeddings.weight.dtype)
+        h = self.target.embed_condition(cond).to(self.cache.dtype)
         hidden = self.target.forward_cached(h, self.positions, mask, self.cache, self.positions)
         last = hidden[:, -1:]
         return self.target.head(last), last
@@ -35,7 +35,7 @@ class TargetStep(nn.Module):
 
     def forward(self, tokens, positions, slots, mask):
         """tokens, positions, slots (B, T); mask (B, T, S) -> logits (B, T, V), hidden (B, T, D)."""
-        hidden = self.target.forward_cached(self.target.tok_embeddings(tokens), positions, mask,
+        hidden = self.target.forward_cached(self.target.embed_tokens(tokens), positions, mask,
                                             self.cache, slots)
         return self.target.head(hidden), hidden
 

@@ -23,7 +23,7 @@ from lantern.engine.step import Slots, decode_step, prefill
 
 @dataclass(frozen=True)
 class Request:
-    condition: object  # c2i: a class id; t2i: one caption embedding (P, C)
+    condition: object  # c2i: a class id; t2i: one caption embedding (P, C); prompt: one token row (P,)
     seed: int  # this request's own random stream
     request_id: str = ""  # echoed back; the engine assigns one if empty
     sampling: Optional[SamplingOverrides] = None
@@ -77,10 +77,11 @@ class Engine:
         self.runner = runner if runner is not None else pipeline.runner(decode, self._width)
         rule = pipeline._rule(decode, self.runner)
         cfg = pipeline.config
-        self._t2i = cfg.model_type != "c2i"
-        cond = (torch.zeros(self._width, cfg.cls_token_num, cfg.caption_dim) if self._t2i
-                else torch.zeros(self._width, dtype=torch.long))
-        self._null = pipeline.target.null_condition(self._width).to(self.runner.device)
+        self._kind = cfg.model_type  # c2i: class ids; t2i: caption embeddings; prompt: token rows
+        self._t2i = self._kind == "t2i"
+        cond = {"c2i": lambda: torch.zeros(self._width, dtype=torch.long),
+                "t2i": lambda: torch.zeros(self._width, cfg.cls_token_num, cfg.caption_dim),
+                "prompt": lambda: torch.zeros(self._width, cfg.cls_token_num, dtype=torch.long)}[self._kind]()
         # t2i: LlamaGen's caption mask per slot (host copy, updated at refill); steps run on `_run`
         self._visible = torch.ones(self._width, cfg.cls_token_num, dtype=torch.bool) if self._t2i else None
         self._run = self.runner
@@ -181,8 +182,10 @@ class Engine:
 
     def _condition(self, condition) -> torch.Tensor:
         """One request's condition, checked -> (1,) class id or (1, P, C) caption."""
-        if not self._t2i:
+        if self._kind == "c2i":
             return self.pipeline._cond([condition])
+        if self._kind == "prompt":
+            return self.pipeline._cond(torch.as_tensor(condition)[None])
         return self.pipeline._cond(torch.as_tensor(condition, dtype=torch.float32)[None])
 
     def _refill(self) -> None:
@@ -215,7 +218,7 @@ class Engine:
         self.sampling.admit(idx, [t.sampling for _, t in take])
         fresh = torch.zeros(self._width, dtype=torch.bool, device=dev)
         fresh[idx] = True
-        prefill(self._run, self.proposer, s, self._null, fresh)
+        prefill(self._run, self.proposer, s, self.pipeline.target.unconditional(s.cond), fresh)
 
     def _collect(self, done: list[int]) -> list[RequestResult]:
         """The finished (or cancelled) slots' tokens and records: one transfer; the slots are free after."""

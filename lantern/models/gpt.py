@@ -1,4 +1,5 @@
-"""LlamaGen-compatible GPT (same module names, so LlamaGen state_dicts load key for key).
+"""LlamaGen-compatible GPT (same module names, so LlamaGen state_dicts load key for key); a
+`lantern.models.family.TargetModel` natively.
 
 Two ways in:
 - `forward_full(tokens, cond)`: the whole sequence with a causal mask, no cache (training, references).
@@ -8,6 +9,7 @@ Two ways in:
 """
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 import torch
@@ -159,6 +161,19 @@ class GPT(nn.Module):
         if self.config.model_type == "c2i":
             return torch.full((batch,), self.config.null_class, dtype=torch.long, device=device)
         return self.cls_embedding.uncond_embedding[None].expand(batch, -1, -1).to(device)
+
+    def unconditional(self, cond: torch.Tensor) -> torch.Tensor:
+        """The CFG counterpart of condition rows: the null condition, one per row."""
+        return self.null_condition(cond.shape[0], cond.device)
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.tok_embeddings(tokens)
+
+    def placed(self, device: torch.device, dtype: torch.dtype) -> "GPT":
+        """A frozen copy on `device` in `dtype` (the caller's model is never changed); RoPE stays in fp32."""
+        placed = copy.deepcopy(self).to(device=device, dtype=dtype).eval().requires_grad_(False)
+        placed.rope = placed.rope.float()  # rotations stay in fp32 whatever the weights' dtype
+        return placed
 
     def rope_at(self, positions: torch.Tensor) -> torch.Tensor:
         """(B, T) sequence positions -> (B, T, hd/2, 2); positions past the last image token are clamped

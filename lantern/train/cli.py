@@ -97,6 +97,9 @@ def add_train_commands(subparsers) -> None:
 
 def _info(args: argparse.Namespace) -> int:
     from lantern.bundle import bundle_methods, describe_bundle, verify_bundle
+    from lantern.family_cli import info_command, is_family_folder
+    if is_family_folder(args.model):
+        return info_command(args)
     problems = verify_bundle(args.model)
     if args.json:
         from lantern.bundle import DEFAULT_BUNDLE
@@ -113,7 +116,7 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def add_info_command(subparsers) -> None:
-    p = subparsers.add_parser("info", help="what a bundle is, how it was made, what it measures")
-    p.add_argument("--model", help="bundle folder (default: the embedded model)")
+    p = subparsers.add_parser("info", help="what a bundle or model-family folder is, and what runs on it")
+    p.add_argument("--model", help="bundle folder or transformers model folder (default: the embedded model)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_info)

@@ -1,0 +1,130 @@
+"""`lantern generate --model <folder> --prompt ...` and `lantern info --model <folder>` for model-family folders
+(transformers model folders, lantern.models.family). Every input is checked before weights are loaded."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from lantern.cli_args import UsageError, check_writable
+
+
+def is_family_folder(model) -> bool:
+    """A folder whose config.json is a transformers config (it names a `model_type`), not a lantern bundle; what
+    else is wrong with a folder is left to the loader that reports it."""
+    if not model:
+        return False
+    path = Path(model) / "config.json"
+    try:
+        return path.is_file() and "model_type" in json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return False
+
+
+def check_family_request(args) -> list[str]:
+    """Everything a family generation needs, checked before loading: returns the prompts."""
+    from lantern.backends import get_backend
+    from lantern.cli import backend_options
+    from lantern.models.family import inspect_folder, require_transformers
+    from lantern.text import read_prompts
+    info = inspect_folder(args.model)
+    prompts = read_prompts(args.prompt, args.prompts_file)
+    if not prompts:
+        raise UsageError(f"{args.model} is a {info.family} model: it generates from --prompt TEXT (repeatable) or "
+                         f"--prompts-file FILE")
+    if args.t5:
+        raise UsageError(f"--t5 encodes prompts for LlamaGen t2i bundles; a {info.family} folder uses its own "
+                         f"tokenizer")
+    if args.method == "auto":
+        raise UsageError(f"--method auto has no acceptance records or calibration for {info.family} models yet; "
+                         f"name a method: ar, or sjd / mc-sjd (no drafter needed)")
+    if args.profile:
+        raise UsageError("--profile tunes LlamaGen bundles; leave it out for a model-family folder")
+    require_transformers()
+    get_backend(args.backend, **backend_options(args)).check_family(info.family)
+    if not args.no_images:
+        check_writable(Path(args.out), "--out", folder=True)
+    return prompts
+
+
+def cmd_generate_family(args) -> dict:
+    """--num-images images of each prompt; prompts of one token length share a pipeline (one static shape)."""
+    import torch
+
+    from lantern.api import Pipeline
+    from lantern.cli import backend_options, check_method_flags, decode_config_from_args
+    from lantern.decoding.stats import GenerationStats
+    from lantern.images import save_images
+    from lantern.models.family import load_family
+
+    check_method_flags(args)
+    prompts = check_family_request(args)
+    family = load_family(args.model)
+    rows = [family.prompt_rows(p).expand(args.num_images, -1).contiguous() for p in prompts]
+    dcfg = decode_config_from_args(args, family)
+    pipes, tokens, stats, result = {}, [], GenerationStats(), None
+    for r in rows:
+        length = r.shape[1]
+        if length not in pipes:
+            pipes[length] = Pipeline(family.target(length), backend=args.backend, dtype=args.dtype,
+                                     **backend_options(args))
+        pipe = pipes[length]
+        result = pipe.generate(r, dcfg, seed=args.seed, progress=not args.json, batch=pipe.check(dcfg, args.batch))
+        tokens.append(result.tokens)
+        stats.merge(result.stats)
+    tokens = torch.cat(tokens)
+    paths, grid = [], None
+    if not args.no_images:
+        images = family.decode_images(tokens)
+        names = [f"{i:03d}_prompt{i // args.num_images}_seed{args.seed}" for i in range(len(images))]
+        paths, grid = save_images(images, Path(args.out), names, scale=args.scale)
+    s = stats.summary()
+    return {
+        "backend": result.backend, "device": result.device, "dtype": result.dtype, "mode": args.method,
+        "family": family.family, "prompts": prompts, "prompt_tokens": [r.shape[1] for r in rows],
+        "decode": dcfg.to_dict(), "seed": args.seed, "image_paths": paths, "grid_path": grid,
+        "tokens": tokens.tolist(), "batch": s["batch"], "num_tokens": s["tokens"],
+        "target_forwards": s["target_forwards"], "step_compression": s["step_compression"],
+        "mean_accepted_length": s["mean_accepted_length"], "phase_seconds": s["phase_seconds"],
+        "wall_seconds": s["wall_seconds"], "peak_memory_bytes": result.profile["memory"]["peak_bytes"],
+        "memory": result.profile["memory"], "warmup_seconds": result.profile["warmup_s"], "stats": s, "plan": None,
+    }
+
+
+def family_info(model: str) -> dict:
+    """What a family folder is and what lantern runs on it: methods, and each registered backend's verdict."""
+    from lantern.backends import backend_class, registered
+    from lantern.models.family import inspect_folder, load_family
+    info = inspect_folder(model)
+    family = load_family(model)
+    backends = {}
+    for name in sorted(registered()):
+        cls = backend_class(name)
+        avail = cls.availability()
+        fam = cls.supports_family(info.family)
+        reasons = [r.reason for r in (avail, fam) if not r.ok]
+        backends[name] = "runs" if not reasons else "unavailable: " + "; ".join(reasons)
+    return {**family.describe(), "methods": ["ar", "sjd", "mc-sjd"],
+            "methods_not_available": {"eagle2, lantern, lantern++": "no drafter for this family yet",
+                                      "mc-sjd-relaxed": "no proximity table for this family yet",
+                                      "auto": "no acceptance records or calibration for this family yet"},
+            "backends": backends}
+
+
+def print_family_info(out: dict) -> None:
+    print(f"{out['path']}: {out['family']} ({out['architecture']}), language model {out['language_model']}")
+    print(f"image: {out['image_tokens']} tokens ({out['grid']} grid) over a VQ codebook of {out['image_vocab']}; "
+          f"default sampling " + ", ".join(f"{k} {v}" for k, v in out["default_sampling"].items()))
+    print("methods: " + ", ".join(out["methods"]) + " (prompt with --prompt TEXT)")
+    for what, why in out["methods_not_available"].items():
+        print(f"  not available: {what}: {why}")
+    for name, verdict in out["backends"].items():
+        print(f"backend {name:<11} {verdict}")
+
+
+def info_command(args) -> int:
+    out = family_info(args.model)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print_family_info(out)
+    return 0

@@ -1,0 +1,140 @@
+"""The model-family seam: what the decoding core and the backends need from a target, written down once.
+
+A target is any `nn.Module` that satisfies `TargetModel` below. LlamaGen's GPT (lantern.models.gpt) does so
+natively; other families (lantern.models.janus) wrap the modules of a `transformers` model loaded from a local
+folder, holding its weights by reference. docs/model-families.md describes the seam and each family.
+
+A folder's family is read from its config.json (`model_type`) before any weights are loaded: `inspect_folder`
+refuses an architecture lantern does not run, or a config without an image vocabulary, with a ValueError that
+names what is missing (exit code 2 on the command line).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from lantern.kv_cache import StaticKVCache
+
+
+@runtime_checkable
+class TargetShape(Protocol):
+    """The static facts of a target (its `config`) that runners, caches and the decoding core read."""
+
+    family: str  # "llamagen", "janus", ...
+    model_type: str  # what a condition is: "c2i" class ids (B,), "t2i" caption embeddings (B, P, C), "prompt" token ids (B, P)
+    cls_token_num: int  # P, the prefix (condition) positions before the first image token
+    block_size: int  # image tokens per image, raster order over a grid_size x grid_size grid
+    grid_size: int  # Jacobi's spatial prior reads the token one grid row up
+    vocab_size: int  # V, the image-token vocabulary: logits are (..., V), tokens are 0..V-1
+    n_layer: int  # KV cache layers
+    kv_heads: int
+    head_dim: int
+    dim: int  # width of the hidden states a drafter reads
+
+
+@runtime_checkable
+class TargetModel(Protocol):
+    """What every backend step calls. Tokens are image-vocabulary indices 0..V-1 everywhere; a family whose
+    image tokens live inside a larger vocabulary maps them in `embed_tokens` and restricts logits in `head`
+    (so warping, acceptance and CFG never see a non-image token)."""
+
+    config: TargetShape
+
+    def embed_condition(self, cond: torch.Tensor) -> torch.Tensor:
+        """Condition rows -> prefix embeddings (B, P, D)."""
+
+    def unconditional(self, cond: torch.Tensor) -> torch.Tensor:
+        """The CFG counterpart of condition rows `cond`, one row each, of the same shape (LlamaGen: the null
+        class or its learned null caption; Janus: the prompt with every token but BOS and BOI set to pad)."""
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Image tokens (B, T) -> input embeddings (B, T, D)."""
+
+    def forward_cached(self, h: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: StaticKVCache,
+                       slots: torch.Tensor) -> torch.Tensor:
+        """h (B, T, D) at sequence `positions` (B, T), written into the preallocated `cache` at `slots` (B, T),
+        attending by `mask` (B, T, s) bool over the cache's first s slots. Returns final-normed hidden (B, T, D)."""
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden (B, T, D) -> float32 logits over the image vocabulary (B, T, V)."""
+
+    def placed(self, device: torch.device, dtype: torch.dtype) -> "TargetModel":
+        """The target on `device` in `dtype`, frozen, for a runner; the caller's model is never changed (a copy
+        where device or dtype differ; a family may return itself where they already match)."""
+
+
+@dataclass(frozen=True)
+class FolderInfo:
+    """What a model folder is, read from its config.json alone."""
+
+    path: Path
+    family: str  # "bundle" (a lantern bundle) or a family name
+    architecture: str
+    image_vocab: int = 0
+    image_tokens: int = 0
+
+
+# config.json model_type -> (family, the transformers class lantern loads)
+FAMILIES = {"janus": ("janus", "JanusForConditionalGeneration")}
+# model types lantern knows but cannot run yet, and why
+NOT_YET = {"chameleon": "lantern does not run Chameleon/Anole targets yet: transformers' ChameleonVQVAE has an "
+                        "encoder only (no way from image tokens to pixels), and Anole's CFG row is a shorter prompt "
+                        "(BOS, BOI) at its own positions, which lantern's static layout cannot express yet "
+                        "(docs/model-families.md)"}
+EXTRA = "families"  # the pyproject extra that brings transformers
+
+
+def inspect_folder(path: str | Path) -> FolderInfo:
+    """Classify a model folder by its config.json, before loading anything; ValueError names what is wrong."""
+    root = Path(path)
+    cfg_path = root / "config.json"
+    if not cfg_path.is_file():
+        raise ValueError(f"{root} is not a model folder: config.json is missing")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
+    if "target" in cfg and "vq" in cfg:
+        return FolderInfo(root, "bundle", "LlamaGen GPT")
+    model_type = cfg.get("model_type")
+    if model_type in NOT_YET:
+        raise ValueError(f"{root}: model_type {model_type!r} is not supported: {NOT_YET[model_type]}")
+    if model_type not in FAMILIES:
+        raise ValueError(f"{root}: model_type {model_type!r} (architectures {cfg.get('architectures')}) is not an "
+                         f"image-token generator lantern runs; supported: a lantern bundle, "
+                         + ", ".join(f"{t} ({arch})" for t, (_, arch) in FAMILIES.items()))
+    family, arch = FAMILIES[model_type]
+    if family == "janus":
+        vocab = (cfg.get("vq_config") or {}).get("num_embeddings")
+        tokens = (cfg.get("vision_config") or {}).get("num_image_tokens")
+        if not isinstance(vocab, int) or vocab < 1:
+            raise ValueError(f"{cfg_path} has no image vocabulary: vq_config.num_embeddings is missing (Janus "
+                             f"generates VQ tokens from that codebook)")
+        if not isinstance(tokens, int) or tokens < 1:
+            raise ValueError(f"{cfg_path} does not say how many tokens an image has: "
+                             f"vision_config.num_image_tokens is missing")
+        return FolderInfo(root, family, arch, vocab, tokens)
+    raise AssertionError(f"family {family} has no config check")  # every FAMILIES entry has one above
+
+
+def require_transformers():
+    """transformers, or a ValueError naming the extra that installs it."""
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError(f"model families need transformers: pip install 'lantern-decoding[{EXTRA}]'") from None
+    return transformers
+
+
+def load_family(path: str | Path):
+    """A family folder's loaded model (lantern.models.janus.JanusFamily, ...)."""
+    info = inspect_folder(path)
+    if info.family == "bundle":
+        raise ValueError(f"{info.path} is a lantern bundle, not a transformers model folder")
+    require_transformers()
+    from lantern.models.janus import JanusFamily
+    return JanusFamily.load(info)

@@ -1,0 +1,225 @@
+"""Janus / Janus-Pro targets: transformers' `JanusForConditionalGeneration` from a local folder, image mode.
+
+Janus generates images with a Llama language model between two image-only ends: VQ token -> generation
+embedding -> generation aligner (input side), final hidden -> generation head over the VQ codebook (output
+side); its VQ model decodes tokens to pixels. The condition is the token prompt `prompt + <begin_of_image>`
+(BOS first), and CFG's unconditional row is that prompt with every token but BOS and BOI set to pad, as
+transformers' `generate(generation_mode="image")` builds it.
+
+`JanusTarget` is a lantern.models.family.TargetModel over those modules (held by reference, no copies): its
+`forward_cached` runs the Llama layers' own projections, norms and MLPs, with attention over lantern's static
+KV cache at explicit positions and slots. The image vocabulary is the VQ codebook, which is exactly the
+generation head's output and the generation embeddings' input, so tokens need no mapping.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lantern.kv_cache import StaticKVCache
+from lantern.models.family import FolderInfo
+from lantern.models.gpt import attention_bias
+
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # rope types whose frequencies do not depend on length
+
+
+@dataclass(frozen=True)
+class JanusShape:
+    """A Janus target's lantern.models.family.TargetShape for one prompt length."""
+
+    cls_token_num: int  # the prompt's tokens, BOI included
+    block_size: int
+    grid_size: int
+    vocab_size: int
+    n_layer: int
+    n_head: int
+    kv_heads: int
+    head_dim: int
+    dim: int
+    family: str = "janus"
+    model_type: str = "prompt"
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([-b, a], dim=-1)
+
+
+class JanusTarget(nn.Module):
+    def __init__(self, hf_model, shape: JanusShape, bos: int, boi: int, pad: int):
+        super().__init__()
+        self.config = shape
+        self.bos, self.boi, self.pad = bos, boi, pad
+        janus = hf_model.model
+        lm = janus.language_model
+        self.prompt_embeddings = lm.embed_tokens
+        self.layers = lm.layers
+        self.norm = lm.norm
+        self.generation_embeddings = janus.generation_embeddings
+        self.generation_aligner = janus.generation_aligner
+        self.generation_head = janus.generation_head
+        rotary = lm.rotary_emb
+        self.rope_scaling = float(rotary.attention_scaling)
+        self.register_buffer("inv_freq", rotary.inv_freq.detach().float().clone(), persistent=False)  # (hd/2,)
+
+    # --- condition rows -----------------------------------------------------------------------
+    def embed_condition(self, cond: torch.Tensor) -> torch.Tensor:
+        """Prompt token rows (B, P) -> (B, P, D)."""
+        return self.prompt_embeddings(cond)
+
+    def unconditional(self, cond: torch.Tensor) -> torch.Tensor:
+        keep = (cond == self.bos) | (cond == self.boi)
+        return torch.where(keep, cond, torch.full_like(cond, self.pad))
+
+    # --- image tokens in and out --------------------------------------------------------------
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.generation_aligner(self.generation_embeddings(tokens))
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.generation_head(hidden).float()
+
+    # --- the language model over lantern's static cache ---------------------------------------
+    def rope_at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, T) positions -> cos, sin (B, T, 1, hd) in `dtype`, computed in fp32 as transformers does."""
+        freqs = positions[..., None].float() * self.inv_freq  # (B, T, hd/2)
+        emb = torch.cat([freqs, freqs], dim=-1)[:, :, None]
+        return (emb.cos() * self.rope_scaling).to(dtype), (emb.sin() * self.rope_scaling).to(dtype)
+
+    def forward_cached(self, h: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: StaticKVCache,
+                       slots: torch.Tensor) -> torch.Tensor:
+        B, T, _ = h.shape
+        cfg = self.config
+        cos, sin = self.rope_at(positions, h.dtype)
+        flat = cache.flat(slots)
+        bias = attention_bias(mask, h.dtype)  # (B, 1, T, s)
+        live = mask.shape[-1]
+        rep = cfg.n_head // cfg.kv_heads
+        for i, layer in enumerate(self.layers):
+            attn, x = layer.self_attn, layer.input_layernorm(h)
+            q = attn.q_proj(x).view(B, T, cfg.n_head, cfg.head_dim)
+            k = attn.k_proj(x).view(B, T, cfg.kv_heads, cfg.head_dim)
+            v = attn.v_proj(x).view(B, T, cfg.kv_heads, cfg.head_dim)
+            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+            keys, values = cache.update(i, k, v, flat)  # (B, Hkv, S, hd)
+            keys, values = keys[:, :, :live], values[:, :, :live]
+            if rep > 1:
+                keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=bias,
+                                                 scale=attn.scaling)  # (B, H, T, hd)
+            h = h + attn.o_proj(out.transpose(1, 2).reshape(B, T, cfg.n_head * cfg.head_dim))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
+    def placed(self, device: torch.device, dtype: torch.dtype) -> "JanusTarget":
+        """Itself where its weights already are on `device` in `dtype` (frozen: runners never write weights),
+        else a converted copy of its modules."""
+        params = list(self.parameters())
+        if all(p.device == device and p.dtype == dtype for p in params):
+            return self.eval().requires_grad_(False)
+        placed = copy.deepcopy(self).to(device=device, dtype=dtype).eval().requires_grad_(False)
+        placed.inv_freq = placed.inv_freq.float()  # rotations stay in fp32
+        return placed
+
+
+def janus_target(model, prompt_len: int, bos: int, boi: int, pad: int) -> JanusTarget:
+    """A JanusTarget over a JanusForConditionalGeneration for prompts of `prompt_len` tokens."""
+    cfg = model.config
+    text = cfg.text_config
+    heads = text.num_attention_heads
+    shape = JanusShape(cls_token_num=prompt_len, block_size=cfg.vision_config.num_image_tokens,
+                       grid_size=cfg.vq_config.num_patches, vocab_size=cfg.vq_config.num_embeddings,
+                       n_layer=text.num_hidden_layers, n_head=heads, kv_heads=text.num_key_value_heads,
+                       head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads, dim=text.hidden_size)
+    return JanusTarget(model, shape, bos, boi, pad)
+
+
+@dataclass
+class JanusFamily:
+    """A Janus folder, loaded: the transformers model, its tokenizer and image-generation token ids."""
+
+    path: Path
+    model: nn.Module  # JanusForConditionalGeneration
+    tokenizer: object
+    bos: int
+    boi: int
+    pad: int
+    default_sampling: dict
+    relaxation_defaults: dict = field(default_factory=dict)
+    _targets: dict = field(default_factory=dict)
+
+    family = "janus"
+
+    @classmethod
+    def load(cls, info: FolderInfo) -> "JanusFamily":
+        """Check the folder's generation token ids, tokenizer, RoPE and grid, then load weights and tokenizer."""
+        from transformers import AutoTokenizer, GenerationConfig, JanusConfig, JanusForConditionalGeneration
+        root = info.path
+        gen = GenerationConfig.from_pretrained(root) if (root / "generation_config.json").exists() else None
+        ids = {"bos": getattr(gen, "bos_token_id", None), "pad": getattr(gen, "pad_token_id", None),
+               "boi": (getattr(gen, "generation_kwargs", None) or {}).get("boi_token_id")}
+        missing = [f"{name}_token_id" for name, value in ids.items() if not isinstance(value, int)]
+        if missing:
+            raise ValueError(f"{root}/generation_config.json must give {', '.join(missing)} (Janus builds its "
+                             f"image prompt and CFG's unconditional prompt from them)")
+        if not any((root / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
+            raise ValueError(f"{root} has no tokenizer (tokenizer.json): a prompt cannot be turned into tokens")
+        config = JanusConfig.from_pretrained(root)
+        rope_type = (getattr(config.text_config, "rope_parameters", None) or {}).get("rope_type", "default")
+        if rope_type not in STATIC_ROPE:
+            raise ValueError(f"{root}: rope type {rope_type!r} changes with the sequence length; supported: "
+                             f"{', '.join(STATIC_ROPE)}")
+        grid = config.vq_config.num_patches
+        if grid * grid != info.image_tokens:
+            raise ValueError(f"{root}: vision_config.num_image_tokens {info.image_tokens} is not the VQ grid "
+                             f"{grid} x {grid}")
+        model = JanusForConditionalGeneration.from_pretrained(root, config=config).eval().requires_grad_(False)
+        tokenizer = AutoTokenizer.from_pretrained(root)
+        guidance = getattr(gen, "guidance_scale", None)
+        sampling = {"cfg_scale": float(guidance) if guidance else 5.0, "temperature": 1.0, "top_k": 0,
+                    "top_p": 1.0}  # Janus-Pro's reference sampling: CFG 5, plain softmax
+        return cls(root, model, tokenizer, default_sampling=sampling, **ids)
+
+    @property
+    def image_tokens(self) -> int:
+        return self.model.config.vision_config.num_image_tokens
+
+    @property
+    def grid_size(self) -> int:
+        return self.model.config.vq_config.num_patches
+
+    @property
+    def image_vocab(self) -> int:
+        return self.model.config.vq_config.num_embeddings
+
+    def prompt_rows(self, prompt: str) -> torch.Tensor:
+        """A prompt's condition row (1, P): BOS, the prompt's tokens, BOI (Janus's processor in image mode)."""
+        if not prompt.strip():
+            raise ValueError("the prompt is empty")
+        ids = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        return torch.tensor([[self.bos, *ids, self.boi]], dtype=torch.long)
+
+    def target(self, prompt_len: int) -> JanusTarget:
+        """The target for prompts of `prompt_len` tokens (one static prefix length), built once per length."""
+        if prompt_len not in self._targets:
+            self._targets[prompt_len] = janus_target(self.model, prompt_len, self.bos, self.boi, self.pad)
+        return self._targets[prompt_len]
+
+    @torch.no_grad()
+    def decode_images(self, tokens: torch.Tensor) -> np.ndarray:
+        """(B, block) image tokens -> uint8 images (B, H, W, 3) through Janus's VQ decoder."""
+        pixels = self.model.decode_image_tokens(torch.as_tensor(tokens, dtype=torch.long))  # (B, H, W, 3) in [-1, 1]
+        return ((pixels.float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).numpy()
+
+    def describe(self) -> dict:
+        text = self.model.config.text_config
+        return {"path": str(self.path), "family": self.family, "architecture": "JanusForConditionalGeneration",
+                "language_model": f"{text.num_hidden_layers} layers x hidden {text.hidden_size} x "
+                                  f"{text.num_attention_heads} heads ({text.num_key_value_heads} kv)",
+                "image_vocab": self.image_vocab, "image_tokens": self.image_tokens,
+                "grid": f"{self.grid_size}x{self.grid_size}", "default_sampling": self.default_sampling}

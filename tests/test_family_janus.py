@@ -1,0 +1,277 @@
+"""Janus targets through transformers (lantern.models.janus): verify-logit parity with transformers' own forward
+over lantern's static cache (chains and trees), greedy AR and Jacobi equal to transformers' image generation with
+CFG, the sampling path lossless (SJD, MC-SJD) with a broken CFG counterpart caught, backends, bad input."""
+import copy
+import itertools
+import json
+
+import pytest
+import torch
+
+from janus_fixtures import BOI, BOS, PAD, make_janus_folder
+from lantern.api import Pipeline
+from lantern.backends import get_backend
+from lantern.backends.base import BackendUnavailable, StaticSpec
+from lantern.cli import main
+from lantern.decoding import DecodeConfig, SamplingConfig, method_preset
+from lantern.decoding.sampling import warp
+from lantern.config import gpt_preset
+from lantern.models.family import TargetModel, TargetShape, inspect_folder, load_family
+from lantern.models.drafter import Drafter
+from lantern.models.gpt import GPT
+from lantern.models.janus import JanusTarget
+from test_speculative import LEVEL, pvalues
+
+PROMPT = "a red cat on the mat"
+
+
+@pytest.fixture(scope="module")
+def janus(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("janus")
+    hf = make_janus_folder(folder)
+    family = load_family(folder)
+    return folder, hf, family
+
+
+def hf_logits(hf, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """transformers' own teacher-forced forward: prompt rows (B, P) then image tokens (B, L) through the
+    generation embeddings + aligner -> language model -> generation head; logits (B, L + 1, V) from P - 1 on."""
+    with torch.no_grad():
+        h = torch.cat([hf.get_input_embeddings()(rows), hf.prepare_embeddings_for_image_generation(tokens)], 1)
+        hidden = hf.model.language_model(inputs_embeds=h).last_hidden_state
+        return hf.model.generation_head(hidden[:, rows.shape[1] - 1:]).float()
+
+
+def test_both_targets_satisfy_the_seam(janus):
+    _, _, family = janus
+    assert isinstance(family.target(5), TargetModel)
+    assert isinstance(GPT(gpt_preset("GPT-test")), TargetModel)
+    assert isinstance(family.target(5).config, TargetShape) and isinstance(gpt_preset("GPT-test"), TargetShape)
+
+
+def test_the_target_holds_the_transformers_weights_without_copies(janus):
+    _, _, family = janus
+    hf = family.model  # the model loaded from the folder
+    target = family.target(7)
+    assert target.layers[0].self_attn.q_proj.weight.data_ptr() == \
+        hf.model.language_model.layers[0].self_attn.q_proj.weight.data_ptr()
+    assert target.generation_head.vision_head.weight is hf.model.generation_head.vision_head.weight
+    assert target.placed(torch.device("cpu"), torch.float32) is target  # fp32 on the cpu: nothing copied
+
+
+def test_prompt_rows_and_their_cfg_counterpart(janus):
+    _, _, family = janus
+    rows = family.prompt_rows(PROMPT)
+    assert rows[0, 0] == BOS and rows[0, -1] == BOI and rows.shape[1] == len(PROMPT.split()) + 2
+    uncond = family.target(rows.shape[1]).unconditional(rows)
+    assert uncond[0, 0] == BOS and uncond[0, -1] == BOI and (uncond[0, 1:-1] == PAD).all()
+
+
+@pytest.mark.parametrize("dtype, atol", [("fp32", 1e-4), ("bf16", 0.3)])
+def test_verify_logits_over_the_static_cache_equal_transformers_forward(janus, dtype, atol):
+    """Prefill, then a 3-token chain and a tree (two siblings that must not see each other) verified in one
+    step each: every node's logits equal transformers' teacher-forced forward of its own path, in the same
+    dtype (bf16: within bf16's rounding of logits of magnitude ~10)."""
+    _, hf, family = janus
+    if dtype == "bf16":
+        hf = copy.deepcopy(hf).to(torch.bfloat16)
+    rows = family.prompt_rows(PROMPT)
+    p = rows.shape[1]
+    target = family.target(p)
+    runner = get_backend("cpu").prepare(target, None, StaticSpec(batch=1, max_len=p + 8, prefix_len=p,
+                                                                  verify_widths=(3,), dtype=dtype))
+    slots = torch.arange(runner.spec.max_len)
+    out = runner.prefill(rows, (slots[None, :] <= torch.arange(p)[:, None])[None])
+    chain = torch.tensor([[5, 17, 2]])
+    want = hf_logits(hf, rows, chain)  # (1, 4, V)
+    assert torch.allclose(out.logits[:, -1], want[:, 0], atol=atol)
+    positions = p + torch.arange(3)[None]
+    mask = (slots[None, None, :] <= positions[:, :, None])
+    got = runner.verify(chain, positions, positions.clone(), mask).logits
+    assert torch.allclose(got, want[:, 1:], atol=atol)
+    # a tree: root 5 at position p, siblings 17 and 30 both at p + 1, each seeing the prefix, the root and itself
+    tree = torch.tensor([[5, 17, 30]])
+    positions = torch.tensor([[p, p + 1, p + 1]])
+    tree_slots = p + torch.arange(3)[None]
+    mask = slots[None, None, :] < p
+    mask = mask.expand(1, 3, -1).clone()
+    mask[0, :, p] = True  # every node sees the root
+    mask[0, 1, p + 1] = mask[0, 2, p + 2] = True  # and itself
+    got = runner.verify(tree, positions, tree_slots, mask).logits
+    assert torch.allclose(got[:, :2], hf_logits(hf, rows, torch.tensor([[5, 17]]))[:, 1:], atol=atol)
+    assert torch.allclose(got[:, 2], hf_logits(hf, rows, torch.tensor([[5, 30]]))[:, 2], atol=atol)
+
+
+def hf_greedy(hf, rows, cfg_scale):
+    with torch.no_grad():
+        return hf.generate(rows, attention_mask=torch.ones_like(rows), generation_mode="image", do_sample=False,
+                           guidance_scale=cfg_scale)
+
+
+@pytest.mark.parametrize("method, kw", [("ar", {}), ("mc-sjd", dict(window=4)), ("sjd", dict(window=6))])
+def test_greedy_lantern_equals_transformers_image_generation_with_cfg(janus, method, kw):
+    _, hf, family = janus
+    rows = family.prompt_rows(PROMPT)
+    pipe = Pipeline(family.target(rows.shape[1]), backend="cpu")
+    want = hf_greedy(hf, rows, 3.0)
+    dcfg = method_preset(method, SamplingConfig(greedy=True, cfg_scale=3.0), **kw)
+    got = pipe.generate(rows.expand(2, -1), dcfg, batch=2).tokens  # two images of one prompt in one batch
+    assert torch.equal(got, want.expand(2, -1))
+    assert len(set(want[0].tolist())) > 3  # a real sequence, not one repeated token
+
+
+def test_cpu_graph_runs_janus_token_for_token(janus):
+    """Every step captured whole (fullgraph) and never recompiled after warm-up; dynamo's eager backend
+    keeps the compile cheap (the graphs are what inductor compiles; the benchmark tool uses inductor)."""
+    _, hf, family = janus
+    rows = family.prompt_rows("a blue dog")
+    dcfg = method_preset("mc-sjd", SamplingConfig(greedy=True, cfg_scale=3.0), window=4)
+    pipe = Pipeline(family.target(rows.shape[1]), backend="cpu-graph", compiler="eager")
+    pipe.runner(dcfg, 1)  # prepared and warmed up: every static step compiled here
+    with torch.compiler.set_stance("fail_on_recompile"):
+        got = pipe.generate(rows, dcfg, batch=1).tokens
+    assert torch.equal(got, hf_greedy(hf, rows, 3.0))
+
+
+def test_onnx_reports_the_family_unavailable(janus):
+    _, _, family = janus
+    pytest.importorskip("onnxruntime")
+    with pytest.raises(BackendUnavailable, match="onnx: unavailable for the janus family"):
+        Pipeline(family.target(5), backend="onnx")
+
+
+def test_a_llamagen_drafter_for_a_janus_target_is_refused(janus):
+    _, _, family = janus
+    with pytest.raises(ValueError, match="drafters are EAGLE heads over LlamaGen targets only"):
+        Pipeline(family.target(5), Drafter(gpt_preset("GPT-test")), backend="cpu")
+
+
+def test_tokens_decode_to_pixels_through_janus_vq(janus):
+    _, hf, family = janus
+    tokens = torch.randint(0, family.image_vocab, (2, family.image_tokens))
+    images = family.decode_images(tokens)
+    assert images.dtype.name == "uint8" and images.shape[0] == 2 and images.shape[-1] == 3
+    with torch.no_grad():
+        want = ((hf.decode_image_tokens(tokens) + 1) * 127.5).round().clamp(0, 255)
+    assert (torch.from_numpy(images).float() == want).all()
+
+
+# --- lossless, end to end --------------------------------------------------------------------------------
+
+SAMPLING = SamplingConfig(temperature=1.3, top_k=5, top_p=0.95, cfg_scale=1.5)
+
+
+@pytest.fixture(scope="module")
+def flat(tmp_path_factory):
+    """6 image tokens, 2x2 images, and the exact AR distribution of all 4 tokens from transformers' forward."""
+    folder = tmp_path_factory.mktemp("janus-flat")
+    hf = make_janus_folder(folder, seed=3, std=0.5, vocab=6, grid=2, hidden=16, layers=1, heads=2, kv_heads=1)
+    family = load_family(folder)
+    rows = family.prompt_rows("a red cat")
+    target = family.target(rows.shape[1])
+    seqs = torch.tensor(list(itertools.product(range(6), repeat=4)))
+    n = len(seqs)
+    lc = hf_logits(hf, rows.expand(n, -1), seqs[:, :-1])
+    lu = hf_logits(hf, target.unconditional(rows).expand(n, -1), seqs[:, :-1])
+    probs = warp(lu + SAMPLING.cfg_scale * (lc - lu), SAMPLING).dense(6)  # (S, 4, V)
+    expected = probs.gather(-1, seqs[:, :, None])[..., 0].prod(1)
+    return Pipeline(target, backend="cpu"), rows, expected
+
+
+def lossless_pvalues(flat, coupling: str, images: int = 6000):
+    pipe, rows, expected = flat
+    dcfg = DecodeConfig(sampling=SAMPLING, drafting="jacobi", coupling=coupling, window=2)
+    toks = pipe.generate(rows.expand(images, -1), dcfg, seed=0, batch=images).tokens
+    counts = torch.bincount((toks * torch.tensor([216, 36, 6, 1])).sum(1), minlength=6 ** 4).float()
+    return pvalues(counts, expected)
+
+
+@pytest.mark.parametrize("coupling", ["none", "gumbel"])
+def test_jacobi_sampling_on_janus_reproduces_transformers_ar_distribution(flat, coupling):
+    """SJD and MC-SJD (exact acceptance), CFG + temperature + top-k + top-p on a 2x2 Janus: the joint of the 4
+    tokens and each marginal equal AR's exact distribution computed from transformers' own forward."""
+    assert min(lossless_pvalues(flat, coupling)) > LEVEL
+
+
+def test_a_wrong_cfg_counterpart_fails_the_lossless_test(flat, monkeypatch):
+    """The unconditional row left as the prompt itself (CFG then guides nowhere): the test must notice."""
+    monkeypatch.setattr(JanusTarget, "unconditional", lambda self, cond: cond)
+    assert min(lossless_pvalues(flat, "gumbel")) < LEVEL
+
+
+# --- the command line ------------------------------------------------------------------------------------
+
+def test_generate_and_info_from_a_folder(janus, tmp_path, capsys):
+    folder, hf, family = janus
+    out = tmp_path / "out"
+    code = main(["generate", "--model", str(folder), "--prompt", PROMPT, "--prompt", "a blue dog", "--method",
+                 "mc-sjd", "--window", "4", "--greedy", "--cfg-scale", "3", "--num-images", "2", "--out", str(out),
+                 "--json"])
+    res = json.loads(capsys.readouterr().out)
+    assert code == 0 and res["family"] == "janus" and len(res["image_paths"]) == 4
+    assert res["tokens"][0] == res["tokens"][1] == hf_greedy(hf, family.prompt_rows(PROMPT), 3.0)[0].tolist()
+    assert res["tokens"][2] == hf_greedy(hf, family.prompt_rows("a blue dog"), 3.0)[0].tolist()
+    assert main(["info", "--model", str(folder), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["family"] == "janus" and info["backends"]["cpu"] == "runs"
+    assert "mc-sjd" in info["methods"]
+
+
+def bad_folder(tmp_path, cfg: dict):
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+@pytest.mark.parametrize("cfg, names", [
+    ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, "'llama'"),
+    ({"model_type": "chameleon"}, "'chameleon' is not supported"),
+    ({"model_type": "janus", "vision_config": {"num_image_tokens": 4}}, "vq_config.num_embeddings"),
+])
+def test_bad_folders_exit_2_naming_what_is_missing_before_any_work(tmp_path, capsys, cfg, names):
+    folder = bad_folder(tmp_path / "model", cfg)
+    out = tmp_path / "out"
+    code = main(["generate", "--model", str(folder), "--prompt", "a cat", "--method", "ar", "--out", str(out),
+                 "--json"])
+    err = json.loads(capsys.readouterr().out)["error"]
+    assert code == 2 and names in err and not out.exists()
+    with pytest.raises(ValueError, match=names.strip("'")):
+        inspect_folder(folder)
+
+
+def test_a_janus_folder_without_generation_token_ids_exits_2(janus, tmp_path, capsys):
+    import shutil
+    folder = tmp_path / "copy"
+    shutil.copytree(janus[0], folder)
+    (folder / "generation_config.json").unlink()
+    code = main(["generate", "--model", str(folder), "--prompt", "a cat", "--method", "ar", "--no-images"])
+    assert code == 2 and "boi_token_id" in capsys.readouterr().err
+
+
+def test_prompt_and_method_misuse_exit_2(janus, capsys):
+    folder = str(janus[0])
+    assert main(["generate", "--model", folder, "--method", "ar", "--no-images"]) == 2  # no --prompt
+    assert "--prompt" in capsys.readouterr().err
+    assert main(["generate", "--model", folder, "--prompt", "a cat", "--no-images"]) == 2  # auto
+    assert "--method auto" in capsys.readouterr().err
+    assert main(["generate", "--model", folder, "--prompt", "a cat", "--t5", folder, "--method", "ar",
+                 "--no-images"]) == 2  # --t5 is for LlamaGen t2i bundles
+    assert "--t5" in capsys.readouterr().err
+
+
+def test_without_transformers_a_family_folder_exits_2_naming_the_extra(janus, monkeypatch, capsys):
+    import sys
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now raises ImportError
+    code = main(["generate", "--model", str(janus[0]), "--prompt", "a cat", "--method", "ar", "--no-images"])
+    assert code == 2 and "lantern-decoding[families]" in capsys.readouterr().err
+
+
+def test_a_janus_folder_whose_rope_changes_with_length_exits_2(janus, tmp_path, capsys):
+    import shutil
+    folder = tmp_path / "copy"
+    shutil.copytree(janus[0], folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["text_config"]["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    code = main(["generate", "--model", str(folder), "--prompt", "a cat", "--method", "ar", "--no-images"])
+    assert code == 2 and "rope type 'dynamic'" in capsys.readouterr().err

@@ -1,0 +1,169 @@
+"""Verify cost per family: one target step over N tokens (N = 1 .. 64) against one AR step, real shapes on random
+weights, so users see what speculation can gain per family.
+
+A step verifies N tokens of one image with CFG (2 rows), attending over the prompt and half an image of cache
+slots, on a prepared, warmed-up runner; cost(N) / cost(1) is what a speculative step must win back in accepted
+tokens. Shapes:
+    janus-pro-1b     Janus-Pro-1B (Llama 24 x 2048, 16384-code VQ, 576 tokens) through transformers' Janus modules
+    llamagen-xl      LlamaGen GPT-XL c2i (36 x 1280, 256 tokens), lantern's own GPT
+    anole-7b         Chameleon 7B: reported unavailable while lantern has no Chameleon target
+    tiny-janus       a 2-layer Janus, to check the tool runs (--quick)
+A shape whose weights exceed --max-gib runs with the most layers that fit, and the record names how many.
+Writes results/family-verify-cost-<backend>.{json,md} (or --out).
+
+    python tools/bench_family_verify_cost.py [--models janus-pro-1b llamagen-xl] [--dtypes fp32 bf16]
+    python tools/bench_family_verify_cost.py --quick --out /tmp/verify-cost   # a tiny check, numbers meaningless
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from lantern.backends import get_backend
+from lantern.backends.base import DTYPES, dummy_step_inputs
+from lantern.config import gpt_preset
+from lantern.models.family import NOT_YET
+from lantern.models.gpt import GPT
+from lantern.profile.measure import step_spec, summarize
+from results_io import utc_now, write_results
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT_TOKENS = 32  # a typical Janus image prompt (chat template + caption + <begin_of_image>)
+WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+
+JANUS_SHAPES = {
+    "janus-pro-1b": dict(text=dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
+                                   num_attention_heads=16, num_key_value_heads=16, vocab_size=102400),
+                         vision=dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, image_size=384,
+                                     patch_size=16, num_image_tokens=576, projection_dim=2048),
+                         vq=dict(embed_dim=8, num_embeddings=16384, projection_dim=2048,
+                                 image_token_embed_dim=2048)),
+    "tiny-janus": dict(text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=64),
+                       vision=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                                   patch_size=8, num_image_tokens=16, projection_dim=64, depth=1),
+                       vq=dict(embed_dim=8, num_embeddings=48, latent_channels=32, base_channels=32,
+                               channel_multiplier=[1, 2], num_res_blocks=1, projection_dim=64,
+                               image_token_embed_dim=64)),
+}
+UNAVAILABLE = {"anole-7b": f"unavailable: {NOT_YET['chameleon']}"}
+
+
+def janus_params(shape: dict, layers: int) -> int:
+    """Approximate parameters of a Janus model with `layers` language-model layers (vision tower included)."""
+    t, v = shape["text"], shape["vision"]
+    per_layer = 4 * t["hidden_size"] ** 2 + 3 * t["hidden_size"] * t["intermediate_size"]
+    vision = v["num_hidden_layers"] * 12 * v["hidden_size"] ** 2
+    return layers * per_layer + 2 * t["vocab_size"] * t["hidden_size"] + vision
+
+
+def layers_that_fit(shape: dict, max_bytes: float) -> int:
+    layers = shape["text"]["num_hidden_layers"]
+    while layers > 1 and janus_params(shape, layers) * 4 > max_bytes:  # built in fp32, then cast
+        layers -= 1
+    return layers
+
+
+def build_janus(shape: dict, layers: int):
+    from lantern.models.family import require_transformers
+    from lantern.models.janus import janus_target
+    transformers = require_transformers()
+    config = transformers.JanusConfig(text_config=dict(model_type="llama", **{**shape["text"],
+                                                                             "num_hidden_layers": layers}),
+                                      vision_config=shape["vision"], vq_config=shape["vq"])
+    model = transformers.JanusForConditionalGeneration(config).eval().requires_grad_(False)
+    return janus_target(model, PROMPT_TOKENS, bos=0, boi=1, pad=2)
+
+
+def curve(backend, target, dtype: str, widths, warmup: int, repeats: int) -> dict:
+    """Median seconds of one verify step of each width N, attending over the prompt and half an image (what a
+    step costs mid-image, also on a runner that attends only the slots in use)."""
+    cfg = target.config
+    middle = cfg.cls_token_num + cfg.block_size // 2
+    out = {}
+    for n in tqdm(widths, desc=f"{dtype} widths", unit="width", file=sys.stderr):
+        spec = step_spec(cfg, 2, dtype, n)
+        runner = backend.prepare(target, None, spec)
+        runner.warmup()
+        inputs = dummy_step_inputs(spec, n, runner.device)
+        with runner.attend_at_least(middle):
+            for _ in range(warmup):
+                runner.verify(*inputs)
+            runner.reset_times()
+            for _ in range(repeats):
+                with runner.phase("verify"):
+                    runner.verify(*inputs)
+        out[str(n)] = summarize(runner.times["verify"].seconds)["median_s"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="+", default=["janus-pro-1b", "llamagen-xl", "anole-7b"],
+                    choices=[*JANUS_SHAPES, "llamagen-xl", *UNAVAILABLE])
+    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
+    ap.add_argument("--widths", type=int, nargs="+", default=list(WIDTHS))
+    ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--max-gib", type=float, default=12.0, help="weights budget; bigger shapes lose layers")
+    ap.add_argument("--quick", action="store_true", help="tiny-janus (and anole-7b's status), widths 1 2 4, 2 "
+                                                         "repeats: checks the tool, not the machine")
+    ap.add_argument("--out", help="output stem (default results/family-verify-cost-<backend>)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.quick:
+        args.models, args.widths, args.repeats, args.warmup = ["tiny-janus", "anole-7b"], [1, 2, 4], 2, 1
+    backend = get_backend(args.backend)
+    record = {"date": utc_now(), "backend": args.backend, "threads": torch.get_num_threads(),
+              "rows": "one image with CFG (2 rows)", "models": {}}
+    for name in args.models:
+        if name in UNAVAILABLE:
+            record["models"][name] = {"status": UNAVAILABLE[name]}
+            continue
+        if name in JANUS_SHAPES:
+            shape = JANUS_SHAPES[name]
+            layers = layers_that_fit(shape, args.max_gib * 2 ** 30)
+            target = build_janus(shape, layers)
+            full = shape["text"]["num_hidden_layers"]
+            label = name if layers == full else f"{name} shape with {layers} of {full} layers (largest that fits)"
+        else:
+            target, label = GPT(gpt_preset("GPT-XL", vocab_size=16384)).eval(), name
+        entry = {"label": label, "layers": target.config.n_layer, "dim": target.config.dim,
+                 "prefix": target.config.cls_token_num, "image_tokens": target.config.block_size, "curves": {}}
+        for dtype in args.dtypes:
+            backend.check_dtype(dtype)
+            entry["curves"][dtype] = curve(backend, target, dtype, args.widths, args.warmup, args.repeats)
+        record["models"][name] = entry
+        del target
+    stem = Path(args.out) if args.out else ROOT / "results" / f"family-verify-cost-{args.backend}"
+    write_results(stem, record, markdown)
+
+
+def markdown(rec: dict) -> str:
+    lines = [f"Verify cost, `{rec['backend']}`, {rec['threads']} threads, {rec['rows']}; median seconds per step "
+             f"and cost(N) / cost(1); {rec['date']}.", ""]
+    for name, entry in rec["models"].items():
+        if "status" in entry:
+            lines += [f"**{name}**: {entry['status']}", ""]
+            continue
+        lines += [f"**{entry['label']}** ({entry['layers']} layers x {entry['dim']}, prefix {entry['prefix']}, "
+                  f"{entry['image_tokens']} image tokens)", "", "| N | " + " | ".join(entry["curves"]) + " |",
+                  "|---|" + "---|" * len(entry["curves"])]
+        widths = next(iter(entry["curves"].values()))
+        for n in widths:
+            cells = [f"{1e3 * c[n]:.1f} ms ({c[n] / c['1']:.2f}x)" if "1" in c else f"{1e3 * c[n]:.1f} ms"
+                     for c in entry["curves"].values()]
+            lines.append(f"| {n} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

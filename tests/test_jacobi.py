@@ -17,7 +17,7 @@ from lantern.decoding.sampling import Support, warp
 from lantern.models.gpt import GPT
 from lantern.proximity import build_proximity_table
 from test_backend_onnx import needs_ort
-from lantern.profile.host_transfers import counted_steps, per_step
+from host_transfers import counted_steps, per_step
 from test_speculative import LEVEL, SAMPLING, ar_distribution, flat_micro, pvalue, pvalues, sampled_counts
 
 JACOBI = {"sjd": dict(drafting="jacobi", coupling="none"), "mc-sjd": dict(drafting="jacobi", coupling="gumbel"),

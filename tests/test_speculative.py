@@ -14,7 +14,7 @@ from lantern.decoding import TREE_PRESETS, DecodeConfig, SamplingConfig, method_
 from lantern.decoding.sampling import SamplingConfig as SC
 from lantern.models.drafter import Drafter
 from lantern.models.gpt import GPT
-from lantern.profile.host_transfers import counted_steps, per_step
+from host_transfers import counted_steps, per_step
 
 SIGNIFICANCE = 1e-3
 

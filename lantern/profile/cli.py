@@ -19,8 +19,8 @@ def add_profile_commands(subparsers) -> None:
     sub = prof.add_subparsers(dest="profile_command", required=True)
 
     r = sub.add_parser("run", help="measure one hardware profile into a results file (resumable)")
-    r.add_argument("--profile", help="profile NAME (profiles/NAME.toml) or a .toml FILE (default: built-in "
-                                     "defaults on the selected backend)")
+    r.add_argument("--profile", help="profile NAME (a shipped one, or NAME.toml on the search path: docs/profiles.md) "
+                                     "or a .toml FILE (default: built-in defaults on the selected backend)")
     r.add_argument("--backend", help="override the profile's backend (default: the profile's, else "
                                      "$LANTERN_BACKEND, else auto)")
     r.add_argument("--model", help="auto | bundle | bundle:PATH | random:PRESET (default: the profile's)")

@@ -392,8 +392,10 @@ def test_auto_source_prefers_the_embedded_bundle(tmp_path, monkeypatch, tiny):
     monkeypatch.setitem(sys.modules, "lantern.bundle", fake)
     monkeypatch.setattr("importlib.util.find_spec", lambda name: object() if name == "lantern.bundle" else None)
     src = load_source("auto")
-    assert src.info["kind"] == "bundle" and src.info["name"] == f"bundle:{tmp_path}" and src.default_cfg_scale == 3.0
+    # the embedded bundle is recorded by name, never by the folder it is installed in
+    assert src.info["kind"] == "bundle" and src.info["name"] == "bundle" and src.default_cfg_scale == 3.0
     assert load_source(src.info["name"]).info == src.info  # the recorded name loads the same source again
+    assert load_source(f"bundle:{tmp_path}").info["name"] == f"bundle:{tmp_path}"  # a bundle elsewhere: its path
     assert src.target is target and src.info["manifest_files"] == {"target.safetensors": "ab12"}
 
 

@@ -37,11 +37,8 @@ DEFAULT_BUNDLE = Path(__file__).parent / "assets" / "default"
 
 
 def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def load_weights_strict(module: torch.nn.Module, path: str | Path) -> dict[str, torch.Tensor]:

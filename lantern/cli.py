@@ -192,7 +192,9 @@ def cmd_eval(args) -> dict:
     from lantern.backends import get_backend
     from lantern.bundle import load_bundle
     from lantern.evaluate import EVAL_CHUNK, evaluate
+    from lantern.extras import require
 
+    require("sklearn", "lantern eval (the held-out digits it scores against)")
     check_method_flags(args)
     options = backend_options(args)
     get_backend(args.backend, **options)

@@ -32,10 +32,9 @@ class DigitsSplit:
 
 
 def _raw_digits() -> tuple[np.ndarray, np.ndarray]:
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as e:  # scikit-learn is a training extra, not a runtime dependency
-        raise ImportError("lantern.data needs scikit-learn: pip install 'lantern[train]'") from e
+    from lantern.extras import require
+    require("sklearn", "the embedded digits data (lantern.data)")
+    from sklearn.datasets import load_digits
     d = load_digits()
     return d.images.astype(np.float32), d.target.astype(np.int64)  # (1797, 8, 8) in 0..16, (1797,)
 

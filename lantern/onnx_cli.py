@@ -83,7 +83,10 @@ def cmd_export_onnx(args: argparse.Namespace) -> dict:
     from lantern.backends.onnx_runtime import ONNXBackend
     from lantern.decoding import SamplingConfig, method_preset
     from lantern.engine.step import static_spec
+    from lantern.extras import require
 
+    require("onnx", "lantern export-onnx")
+    require("onnxruntime", "lantern export-onnx")
     avail = ONNXBackend.availability()
     if not avail.ok:
         raise BackendUnavailable(f"onnx: {avail.reason}")

@@ -1,7 +1,8 @@
 """The user's cache folder for what lantern measures or builds once per machine or model: exported ONNX graphs,
 `--method auto`'s latency calibrations and acceptance records.
 
-$LANTERN_CACHE_DIR, else $XDG_CACHE_HOME/lantern, else ~/.cache/lantern.
+$LANTERN_CACHE_DIR, else the platform's user cache folder for lantern (platformdirs: $XDG_CACHE_HOME/lantern or
+~/.cache/lantern on Linux, ~/Library/Caches/lantern on macOS, %LOCALAPPDATA%\\lantern\\Cache on Windows).
 """
 from __future__ import annotations
 
@@ -11,14 +12,15 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+import platformdirs
+
 CACHE_ENV = "LANTERN_CACHE_DIR"
 
 
 def cache_root() -> Path:
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV])
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "lantern"
+    return Path(platformdirs.user_cache_dir("lantern", appauthor=False))
 
 
 def read_json(path: Path) -> Optional[dict]:

@@ -3,7 +3,7 @@ import torch
 
 import lantern.engine.proposers as proposers
 from lantern.engine import Engine, Request
-from lantern.profile.host_transfers import counted_steps, per_step
+from host_transfers import counted_steps, per_step
 
 
 def check_host_budget(pipe, dcfg, phase: str, monkeypatch) -> None:

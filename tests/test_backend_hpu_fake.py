@@ -25,7 +25,7 @@ from lantern.engine.step import static_spec
 from test_graph_mode import DRAFTING, decode_configs, generate, spec_for, step_loop
 
 NOT_INSTALLED = ("hpu: habana_frameworks is not installed (install Habana's PyTorch bridge, then "
-                 "pip install lantern[hpu])")
+                 "pip install 'lantern-decoding[hpu]')")
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,8 @@ try:
     HAVE_ORT = True
 except ImportError:
     HAVE_ORT = False
-needs_ort = pytest.mark.skipif(not HAVE_ORT, reason="onnxruntime is not installed (pip install lantern[onnx])")
+needs_ort = pytest.mark.skipif(not HAVE_ORT,
+                               reason="onnxruntime is not installed (pip install 'lantern-decoding[onnx]')")
 
 REL_TOL = 1e-4
 PRESETS = {name: compile_tree(paths) for name, paths in TREE_PRESETS.items()}
@@ -72,7 +73,7 @@ def commit_pairs(base: int, path: list[int], width: int) -> tuple[torch.Tensor, 
 @pytest.fixture(scope="module")
 def runners(models, spec, tmp_path_factory):
     if not HAVE_ORT:
-        pytest.skip("onnxruntime is not installed (pip install lantern[onnx])")
+        pytest.skip("onnxruntime is not installed (pip install 'lantern-decoding[onnx]')")
     target, drafter = models
     onnx = ONNXBackend(threads=1, cache_dir=str(tmp_path_factory.mktemp("onnx-cache"))).prepare(target, drafter, spec)
     return onnx, get_backend("cpu").prepare(target, drafter, spec)
@@ -305,10 +306,11 @@ def test_unavailable_without_onnxruntime(monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_ort)
-    assert ONNXBackend.availability().reason == "onnxruntime is not installed (pip install lantern[onnx])"
-    with pytest.raises(BackendUnavailable, match=r"^onnx: onnxruntime is not installed \(pip install lantern\[onnx\]\)$"):
+    assert ONNXBackend.availability().reason == "onnxruntime is not installed (pip install 'lantern-decoding[onnx]')"
+    with pytest.raises(BackendUnavailable,
+                       match=r"^onnx: onnxruntime is not installed \(pip install 'lantern-decoding\[onnx\]'\)$"):
         get_backend("onnx")
-    assert "pip install lantern[onnx-gpu]" in ONNXCUDABackend.availability().reason
+    assert "pip install 'lantern-decoding[onnx-gpu]'" in ONNXCUDABackend.availability().reason
 
 
 @needs_ort

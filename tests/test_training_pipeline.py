@@ -53,8 +53,9 @@ def test_target_learns(tiny):
 
 def test_drafter_agrees_with_target_beyond_chance(tiny):
     r = tiny["drafter"]
+    # both rows the drafter serves with classifier-free guidance: the class's and the null class's
     assert r["top1_agreement_cond"] > 5 / TINY_GPT.vocab_size, r
-    assert 0 <= r["top1_agreement_uncond"] <= 1
+    assert r["top1_agreement_uncond"] > 5 / TINY_GPT.vocab_size, r
 
 
 def test_self_samples_are_pipeline_ar_batches_cached_per_chunk(tiny):

@@ -6,13 +6,22 @@ import torch
 from lantern.decoding.trees import TREE_PRESETS, compile_tree, load_tree, validate_paths
 
 
-def test_presets_have_the_documented_shapes():
-    per_depth = lambda p: [sum(1 for q in p if len(q) == d) for d in range(1, max(map(len, p)) + 1)]  # noqa: E731
-    assert per_depth(TREE_PRESETS["lantern++-57"]) == [5, 13, 16, 14, 9]
-    assert len(TREE_PRESETS["eagle1-25"]) == 25 and len(TREE_PRESETS["wide-63"]) == 63
-    assert max(max(p) for p in TREE_PRESETS["lantern++-57"]) == 4  # child ranks 0..4
-    for paths in TREE_PRESETS.values():
-        validate_paths(paths)
+def test_every_preset_is_a_valid_tree_of_the_size_its_name_says():
+    """A preset's name ends in its number of drafted nodes (what users pick by, and what the profile suite's
+    verify sizes N = nodes + 1 are chosen for); a chain is one path per depth."""
+    for name, paths in TREE_PRESETS.items():
+        validate_paths(paths)  # prefix-closed, no duplicates, sibling ranks 0, 1, 2, ...
+        assert len(set(paths)) == int(name.rsplit("-", 1)[1]), name
+        if name.startswith("chain-"):
+            assert sorted(paths) == [(0,) * d for d in range(1, len(paths) + 1)], name
+        assert compile_tree(paths).size == len(paths) + 1
+
+
+def test_lantern_pp_57_has_the_shape_docs_algorithms_md_gives_it():
+    """docs/algorithms.md: "57 nodes over depth 5"; each node a candidate among the top 5 of its parent."""
+    paths = TREE_PRESETS["lantern++-57"]
+    t = compile_tree(paths)
+    assert t.depth == 5 and t.size == 58 and {r for p in paths for r in p} == set(range(5))
 
 
 def test_compiled_buffers_are_consistent():

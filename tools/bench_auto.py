@@ -4,14 +4,12 @@ For each backend (cpu fp32, cpu bf16, onnx fp32 by default) and each number of i
 class 0..B-1, decoded together), with every seed: AR, each preset as `lantern generate --method NAME` runs it (the
 bundle's relaxation defaults applied), `auto` (lossless unless the bundle validates a relaxation) and
 `auto --allow-relaxed`, back to back. Wall time is the decode loop's (runner preparation,
-warm-up and auto's one-off calibration excluded and reported apart). Timing on a shared 2-core machine drifts by
-10-20% over minutes, so every method runs the first seed, and AR, auto and the methods within 1.5x of the fastest (the
-ones a choice can hinge on) run every seed `--repeats` times, in passes each in its own random order (seeded by the
-setting, so a rerun repeats it: with a fixed alternating order the entries at the ends ran twice back to back, and
-a periodic disturbance of this host met the same entries again and again), and each seed counts the median of its
-repeats: this VM has fast spells as well as slow ones (in three runs of this tool, 1332 runs, 3-4%
-took at most 0.85x the median of their seed's three and 2-6% at least 1.15x), so a seed's fastest repeat would
-count a lucky spell when one happens. Reported: median wall per method over its seeds;
+warm-up and auto's one-off calibration excluded and reported apart). A machine's speed drifts over minutes, so every
+method runs the first seed, and AR, auto and the methods within 1.5x of the fastest (the ones a choice can hinge on)
+run every seed `--repeats` times, in passes each in its own random order (seeded by the setting, so a rerun repeats
+it; a fixed order would run the entries at its ends twice back to back and let a periodic disturbance meet the same
+entries every pass), and each seed counts the median of its repeats, so a lucky fast spell counts no more than an
+unlucky slow one. Reported: median wall per method over its seeds;
 auto / the fastest method it could have chosen from (auto: AR, the lossless presets and the presets whose
 relaxation the bundle validated, which auto may run without being asked; --allow-relaxed: every
 preset), as the median over seeds of the two walls' ratio on the same seed (paired, so a slow spell of the machine

@@ -2,7 +2,7 @@
 
 Structural, not a timing (any machine state will do): a whole LANTERN++ generation of the embedded model for
 10 images (one call; the previous revision decodes them one at a time), every host transfer counted by
-lantern/profile/host_transfers.py, divided by the verify steps. "before" runs the previous revision in its own
+tests/host_transfers.py, divided by the verify steps. "before" runs the previous revision in its own
 environment (`--before-python`, see tools/bench_acceptance.py) with the same counter loaded from this checkout.
 Writes results/host-transfers.{json,md}.
 
@@ -19,7 +19,7 @@ from pathlib import Path
 from results_io import utc_now, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
-COUNTER = ROOT / "lantern" / "profile" / "host_transfers.py"
+COUNTER = ROOT / "tests" / "host_transfers.py"
 BUNDLE = ROOT / "lantern" / "assets" / "default"  # both revisions decode this checkout's model
 
 MEASURE = r"""
@@ -63,7 +63,7 @@ def main() -> None:
 
 def markdown(rec: dict) -> str:
     lines = ["LANTERN++ (57-node tree) on the embedded model, 10 images, one generation; host transfers counted by "
-             f"lantern/profile/host_transfers.py; {rec['date']}.", "",
+             f"tests/host_transfers.py; {rec['date']}.", "",
              "| code | verify calls | host transfers | per verify call | elements moved | per verify call |",
              "|---|---|---|---|---|---|"]
     for name, r in rec["rows"].items():

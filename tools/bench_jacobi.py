@@ -5,7 +5,7 @@ window, relaxed MC-SJD, and EAGLE-style methods (the trained drafter, exact acce
 batch) the methods run back to back, in alternating order, so drift in machine load hits all of them alike;
 speed-up = AR's decode wall time / the method's over the same images. With `--repeats R` every job runs R
 times per method and counts its median run (the middle one by wall time; of an even R, the faster middle one):
-this shared VM has fast spells as well as slow ones, and a fastest run would count a lucky one. Quality: the
+a machine has fast spells as well as slow ones, and a fastest run would count a lucky one. Quality: the
 bundle's evaluator (class accuracy, Frechet distance to held-out real images), per setting and method. Writes
 results/jacobi-<backend>.{json,md}. Timing wants a quiet machine.
 

@@ -173,8 +173,8 @@ def markdown(result: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="GPT-test, few reps: a smoke run, nothing written")
-    # 1 by default: on a 2-core machine shared with other jobs, torch's OpenMP pool of 2 waits at barriers
-    # for a descheduled thread (over a second per GPT-small step here), which would say nothing about ONNX
+    # 1 by default: where other jobs share the cores, torch's OpenMP pool waits at barriers for a descheduled
+    # thread, which would say nothing about ONNX
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=21)
     ap.add_argument("--cache-dir", default=None, help="ONNX graph cache (default: a temporary folder)")

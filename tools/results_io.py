@@ -7,6 +7,8 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from lantern.profile.environment import provenance
+
 
 def utc_now() -> str:
     return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -14,8 +16,10 @@ def utc_now() -> str:
 
 def write_results(stem: str | Path, record: dict, markdown: Callable[[dict], str],
                   plot: Optional[Callable[[dict, Path], None]] = None) -> None:
+    """Every record names the machine, the lantern commit and the command that wrote it ("provenance")."""
     out = Path(stem)
     out.parent.mkdir(parents=True, exist_ok=True)
+    record = {**record, "provenance": provenance()}
     out.with_suffix(".json").write_text(json.dumps(record, indent=2))
     table = markdown(record)
     out.with_suffix(".md").write_text(table)

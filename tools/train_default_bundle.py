@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reuse-target", help="take the tokenizer, evaluator and target (and their reports) from this "
                                            "bundle, built with the same target settings; train only the drafter")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a shared 2-core box)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: steady on cores shared with other work)")
     args = ap.parse_args(argv)
     if not (args.base or args.reuse_target):
         ap.error("give --base (a full rebuild) or --reuse-target (the drafter stage alone)")

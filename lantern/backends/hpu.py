@@ -27,7 +27,7 @@ from lantern.backends.gaudi_config import GaudiSettings, load_gaudi_config
 from lantern.backends.torch_eager import SharedWeights
 from lantern.backends.torch_graph import CapturedRunner
 
-INSTALL_HINT = "install Habana's PyTorch bridge, then pip install lantern[hpu]"
+INSTALL_HINT = "install Habana's PyTorch bridge, then pip install 'lantern-decoding[hpu]'"
 LAZY_ENV = "PT_HPU_LAZY_MODE"
 DEVICE_TYPE = "hpu"
 # where the habanalabs driver registers Gaudi devices: the accel subsystem, or its own class on older kernels

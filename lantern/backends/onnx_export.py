@@ -222,8 +222,7 @@ def folder_sha256(folder: Path) -> str:
     for path in sorted(p for p in folder.iterdir() if p.is_file() and p.name != MANIFEST):
         h.update(path.name.encode() + b"\0")
         with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
+            hashlib.file_digest(f, lambda: h)  # feeds the file's bytes into the running hash
     return h.hexdigest()
 
 

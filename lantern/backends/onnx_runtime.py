@@ -25,7 +25,8 @@ from lantern.backends.onnx_export import cache_rows, ensure_graphs
 OPT_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED",
               "all": "ORT_ENABLE_ALL"}
 NUMPY = {torch.int64: np.int64, torch.bool: np.bool_, torch.float32: np.float32, torch.float16: np.float16}
-INSTALL_HINT = {"onnx": "pip install lantern[onnx]", "onnx-cuda": "pip install lantern[onnx-gpu]"}
+INSTALL_HINT = {"onnx": "pip install 'lantern-decoding[onnx]'",
+                "onnx-cuda": "pip install 'lantern-decoding[onnx-gpu]'"}
 
 
 def _import_ort(name: str):

@@ -19,8 +19,8 @@ def add_profile_commands(subparsers) -> None:
     sub = prof.add_subparsers(dest="profile_command", required=True)
 
     r = sub.add_parser("run", help="measure one hardware profile into a results file (resumable)")
-    r.add_argument("--profile", help="profile NAME (profiles/NAME.toml) or a .toml FILE (default: built-in "
-                                     "defaults on the selected backend)")
+    r.add_argument("--profile", help="profile NAME (a shipped one, or NAME.toml on the search path: docs/profiles.md) "
+                                     "or a .toml FILE (default: built-in defaults on the selected backend)")
     r.add_argument("--backend", help="override the profile's backend (default: the profile's, else "
                                      "$LANTERN_BACKEND, else auto)")
     r.add_argument("--model", help="auto | bundle | bundle:PATH | random:PRESET (default: the profile's)")
@@ -33,7 +33,10 @@ def add_profile_commands(subparsers) -> None:
     c = sub.add_parser("compare", help="merge results files into report.md and PNG plots")
     c.add_argument("files", nargs="+", help="results files (any machines and backends)")
     c.add_argument("--out", default="results/report", help="folder for report.md and the plots")
-    c.add_argument("--no-plots", action="store_true", help="Markdown only")
+    shown = c.add_mutually_exclusive_group()
+    shown.add_argument("--plots", action="store_true", help="require the PNG plots: exit 2 if matplotlib is missing "
+                                                            "(default: plots when matplotlib is installed)")
+    shown.add_argument("--no-plots", action="store_true", help="Markdown only")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_compare, show=print_compare)
 
@@ -80,13 +83,21 @@ def print_run(out: dict) -> None:
 
 
 def cmd_compare(args) -> dict:
+    from lantern.extras import available, install_hint, require
     from lantern.profile.report import compare
+    if args.plots:
+        require("matplotlib", "lantern profile compare --plots")
+    with_plots = not args.no_plots and available("matplotlib")
     check_writable(Path(args.out), "--out", folder=True)
-    return compare(args.files, args.out, with_plots=not args.no_plots)
+    out = compare(args.files, args.out, with_plots=with_plots)
+    out["plots_skipped"] = None if with_plots or args.no_plots else install_hint("matplotlib")
+    return out
 
 
 def print_compare(out: dict) -> None:
     print(f"report: {out['report']}  ({len(out['runs'])} runs)")
+    if out["plots_skipped"]:
+        print(f"plots skipped: {out['plots_skipped']}")
     for name, path in out["plots"].items():
         print(f"plot {name}: {path}")
 

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import os
 import platform
+import shlex
 import socket
 import subprocess
+import sys
 from importlib import metadata
 from pathlib import Path
 from typing import Optional
@@ -80,3 +82,17 @@ def collect() -> dict:
         "lantern": lantern.__version__,
         "lantern_git": git_revision(),
     }
+
+
+PROVENANCE_FIELDS = ("machine", "commit", "command")  # what every committed results file names
+
+
+def provenance(command: Optional[list[str]] = None) -> dict:
+    """Where a results file comes from: the machine (CPU model, cores, accelerator), the lantern commit and the
+    command that wrote it (default: this process's command line). A field that cannot be known is None and named
+    in "missing"."""
+    acc = accelerator()["name"]
+    record = {"machine": f"{cpu_model()}, {os.cpu_count()} logical cores" + (f", {acc}" if acc else ""),
+              "commit": git_revision(), "command": shlex.join(command if command is not None else sys.argv)}
+    record["missing"] = [k for k in PROVENANCE_FIELDS if record[k] is None]
+    return record

@@ -7,6 +7,8 @@ Schema version 2 (`"schema": "lantern-profile-results"`, `"schema_version": 2`):
     model          the ModelSource record: kind (bundle | random), name, config, note
     environment    CPU model, cores, accelerator, driver, python/torch/onnxruntime versions, lantern version
                    and git revision, hostname, platform
+    provenance     {"machine", "commit", "command", "missing"}: what every committed results file names
+                   (lantern.profile.environment.provenance)
     started_at, updated_at   ISO-8601 UTC
     complete       true once every planned case has a record
     cases          {case_id: case}; the case ids, B being the images per step (a batch size of the profile):
@@ -35,8 +37,10 @@ A generate result holds "wall" (a latency record over the timed passes, each pas
 image and verify step), "step_compression" (per image), "verify_steps" (steps of the batched loop, each
 advancing all B images, summed over the passes), the tree's shape, phase times and memory.
 
+    migrated_from  (optional) a file upgraded from version 1 by lantern.profile.migrate: what it lacks
+
 Version 1 measured whole generations one image at a time under ids "generate/{method}[/{tree}]"; it is
-refused with a message saying how to measure again.
+refused with a message naming `python -m lantern.profile.migrate FILE`, which upgrades it.
 """
 from __future__ import annotations
 
@@ -72,9 +76,9 @@ def validate(data, where: str) -> dict:
     if version in RETIRED_VERSIONS:
         name = (data.get("profile") or {}).get("name", "NAME")
         raise SchemaError(f"{where}: results schema version {version} is incompatible; this lantern reads version "
-                          f"{SCHEMA_VERSION} only ({RETIRED_VERSIONS[version]}). Measure again with "
-                          f"`lantern profile run --profile {name} --fresh` (replaces this file) or with `--out "
-                          f"NEW.json` (keeps it), or read it with the lantern that wrote it")
+                          f"{SCHEMA_VERSION} only ({RETIRED_VERSIONS[version]}). Upgrade it with `python -m "
+                          f"lantern.profile.migrate {where}` (carries over what version 1 measured), or measure "
+                          f"again with `lantern profile run --profile {name} --fresh`")
     if version != SCHEMA_VERSION:
         raise SchemaError(f"{where}: results schema version {version!r} is incompatible; this lantern reads "
                           f"version {SCHEMA_VERSION} only (rerun `lantern profile run` with this lantern, or "

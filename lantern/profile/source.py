@@ -57,8 +57,9 @@ def _bundle_source(path: Optional[str]) -> ModelSource:
         raise ValueError("this lantern has no lantern.bundle module; use model = \"random:GPT-small\"")
     from lantern.bundle import load_bundle
     b = load_bundle(path)
-    # the name is a valid source spec, so `tune --measure` reloads exactly this bundle
-    info = {"kind": "bundle", "name": f"bundle:{b.path}", "config": b.target.config.to_dict(),
+    # the name is a valid source spec, so `tune --measure` reloads exactly this bundle; the embedded one is named
+    # "bundle", never by the folder it happens to be installed in (its files' hashes say which model it was)
+    info = {"kind": "bundle", "name": f"bundle:{path}" if path else "bundle", "config": b.target.config.to_dict(),
             "has_drafter": b.drafter is not None, "has_proximity": b.proximity is not None,
             "manifest_files": b.manifest.get("files", {}),
             "note": "trained bundle: acceptance and speed-ups are the model's own"}

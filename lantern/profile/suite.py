@@ -192,7 +192,8 @@ class Suite:
         profile["settings_hash"] = self.profile.settings_hash()
         stamp = now()
         return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "profile": profile, "backend": backend_record,
-                "model": model_record, "environment": environment.collect(), "started_at": stamp,
+                "model": model_record, "environment": environment.collect(),
+                "provenance": environment.provenance(), "started_at": stamp,
                 "updated_at": stamp, "complete": False, "cases": {}}
 
     def resume_or_start(self, backend_record: dict, model_record: dict) -> dict:
@@ -210,6 +211,7 @@ class Suite:
                 raise ValueError(f"{self.out} was measured with another {what} ({was!r}, now {now_!r}); pass "
                                  f"--fresh to start over or --out to write elsewhere")
         old["environment"] = fresh["environment"]
+        old["provenance"] = fresh["provenance"]
         old["profile"] = fresh["profile"]  # same settings; names and tuned tree may have changed
         return old
 

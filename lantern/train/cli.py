@@ -25,9 +25,11 @@ def _common(p: argparse.ArgumentParser, steps: int, batch: int, lr: float) -> No
 def _train(args: argparse.Namespace) -> int:
     import torch
 
+    from lantern.extras import require
     from lantern.train.pipeline import load_target, load_vq
     from lantern.train.tokens import token_dataset
 
+    require("sklearn", "lantern train (the embedded digits data)", extra="train")
     if args.steps < 1 or args.batch < 1 or args.lr <= 0:
         raise ValueError(f"--steps {args.steps}, --batch {args.batch} must be >= 1 and --lr {args.lr} > 0")
     torch.set_num_threads(args.threads)

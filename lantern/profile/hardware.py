@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from lantern import atomic_io
 from lantern.decoding.config import METHODS
 from lantern.decoding.sampling import SamplingConfig
 from lantern.decoding.trees import TREE_PRESETS
@@ -306,9 +307,9 @@ def write_tuned(profile_path: Path, tuned: dict, trees: dict) -> dict[int, Path]
     files = {}
     for batch, (fields, paths) in sorted(trees.items()):
         files[batch] = profile_path.with_suffix(f".tuned.b{batch}.json")
-        files[batch].write_text(json.dumps([list(p) for p in paths]) + "\n")
+        atomic_io.write_json(files[batch], [list(p) for p in paths], indent=None)
         table += ["", f"[tuned.b{batch}]", f"tree_file = {_toml_value(files[batch].name)}"]
         table += [f"{k} = {_toml_value(v)}" for k, v in fields.items()]
-    profile_path.write_text("\n".join(lines + table) + "\n")
+    atomic_io.write_text(profile_path, "\n".join(lines + table) + "\n")
     tomllib.loads(profile_path.read_text())  # what we wrote must read back
     return files

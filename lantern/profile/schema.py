@@ -41,10 +41,10 @@ refused with a message saying how to measure again.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Optional
+
+from lantern import atomic_io
 
 SCHEMA = "lantern-profile-results"
 SCHEMA_VERSION = 2
@@ -124,15 +124,7 @@ def save_results(data: dict, path: str | Path) -> None:
     """Validate, then write atomically (a crash mid-write never leaves half a file to resume from)."""
     path = Path(path)
     validate(data, str(path))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=False)
-        f.write("\n")
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would hide the results from the other users of a shared box
-    os.replace(tmp, path)
+    atomic_io.write_json(path, data)
 
 
 # -- case ids (the scheme is in the module doc) -------------------------------------------------------------------

@@ -299,53 +299,55 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
     def tick() -> None:
         bar.n = min(clock() - t0 - prepare_s, budget)
         bar.refresh()
-    first_run = 0.0  # seconds the last first run took, warm-up included
-    for plan in todo:  # round 1, narrowest verify first
-        bar.set_postfix_str(plan.name)
-        timed = [p for p in todo if ratios[p.name]]
-        floor = WIDER_SLACK * max((ratios[p.name][0] for p in timed if not decoded[p.name].needs_drafter
-                                   and width_of[p.name] <= width_of[plan.name]), default=0.0)
-        best = min([per_chunk_s(p.name, ratios[p.name][0]) for p in timed] + known, default=math.inf)
-        if plan != AR and timed and (per_chunk_s(plan.name, floor) > CONTENDER * best or not fits(first_run)):
-            floors[plan.name] = floor
-        else:
-            start, prepared = clock(), prepare_s
-            time_plan(plan, FIRST_STEPS)
-            first_run = clock() - start - (prepare_s - prepared)  # with its warm-up
+    try:
+        first_run = 0.0  # seconds the last first run took, warm-up included
+        for plan in todo:  # round 1, narrowest verify first
+            bar.set_postfix_str(plan.name)
+            timed = [p for p in todo if ratios[p.name]]
+            floor = WIDER_SLACK * max((ratios[p.name][0] for p in timed if not decoded[p.name].needs_drafter
+                                       and width_of[p.name] <= width_of[plan.name]), default=0.0)
+            best = min([per_chunk_s(p.name, ratios[p.name][0]) for p in timed] + known, default=math.inf)
+            if plan != AR and timed and (per_chunk_s(plan.name, floor) > CONTENDER * best or not fits(first_run)):
+                floors[plan.name] = floor
+            else:
+                start, prepared = clock(), prepare_s
+                time_plan(plan, FIRST_STEPS)
+                first_run = clock() - start - (prepare_s - prepared)  # with its warm-up
+            tick()
+        measured = [p for p in todo if ratios[p.name]]
+        if measured:
+            estimate = {p.name: per_chunk_s(p.name, ratios[p.name][0]) for p in measured}
+            best = min([*estimate.values(), *known])
+            contenders = [p for p in measured if p == AR or estimate[p.name] <= CONTENDER * best]
+            r, out_of_time = 1, False
+            while contenders and r < MAX_ROUNDS and not out_of_time:
+                if r >= ROUNDS:
+                    estimate = {p.name: per_chunk_s(p.name, statistics.median(ratios[p.name])) for p in measured}
+                    best = min(estimate[p.name] for p in contenders)
+                    contenders = [p for p in contenders if estimate[p.name] <= CLOSE * best]  # the leader at least
+                for plan in (contenders if r % 2 else contenders[::-1]):  # alternating order
+                    if not fits(took[plan.name] * TIMED_STEPS):
+                        out_of_time = True
+                        break
+                    bar.set_postfix_str(plan.name)
+                    time_plan(plan, TIMED_STEPS)
+                    tick()
+                r += 1
+            if len(ar_steps) < 2 or fits(statistics.median(ar_steps) * TIMED_STEPS + entry["fixed_s"]):
+                # a closing reference: the load at the end of the timing against its start (`disturbance`)
+                ar_steps.append(step_seconds(ar, float(block - 1), TIMED_STEPS, 0.5))
+            entry["ar_reference_s"] = list(ar_steps)
+            ar_s = statistics.median(ar_steps)
+            for plan in measured:
+                entry["plans"][plan.name] = {"step_s": statistics.median(ratios[plan.name]) * ar_s,
+                                             "ratio_to_ar": [round(x, 4) for x in ratios[plan.name]],
+                                             "attended": attended_by_plan.get(plan.name, 0.5)}
+            for name, floor in floors.items():
+                entry["plans"][name] = {"step_s": floor * ar_s, "lower_bound": True}
         tick()
-    measured = [p for p in todo if ratios[p.name]]
-    if measured:
-        estimate = {p.name: per_chunk_s(p.name, ratios[p.name][0]) for p in measured}
-        best = min([*estimate.values(), *known])
-        contenders = [p for p in measured if p == AR or estimate[p.name] <= CONTENDER * best]
-        r, out_of_time = 1, False
-        while contenders and r < MAX_ROUNDS and not out_of_time:
-            if r >= ROUNDS:
-                estimate = {p.name: per_chunk_s(p.name, statistics.median(ratios[p.name])) for p in measured}
-                best = min(estimate[p.name] for p in contenders)
-                contenders = [p for p in contenders if estimate[p.name] <= CLOSE * best]  # the leader at least
-            for plan in (contenders if r % 2 else contenders[::-1]):  # alternating order
-                if not fits(took[plan.name] * TIMED_STEPS):
-                    out_of_time = True
-                    break
-                bar.set_postfix_str(plan.name)
-                time_plan(plan, TIMED_STEPS)
-                tick()
-            r += 1
-        if len(ar_steps) < 2 or fits(statistics.median(ar_steps) * TIMED_STEPS + entry["fixed_s"]):
-            # a closing reference: the load at the end of the timing against its start (`disturbance`)
-            ar_steps.append(step_seconds(ar, float(block - 1), TIMED_STEPS, 0.5))
-        entry["ar_reference_s"] = list(ar_steps)
-        ar_s = statistics.median(ar_steps)
-        for plan in measured:
-            entry["plans"][plan.name] = {"step_s": statistics.median(ratios[plan.name]) * ar_s,
-                                         "ratio_to_ar": [round(x, 4) for x in ratios[plan.name]],
-                                         "attended": attended_by_plan.get(plan.name, 0.5)}
-        for name, floor in floors.items():
-            entry["plans"][name] = {"step_s": floor * ar_s, "lower_bound": True}
-    tick()
-    bar.total = bar.n  # done: it ends full, at the seconds it took
-    bar.close()
+        bar.total = bar.n  # done: it ends full, at the seconds it took
+    finally:  # closed before an error is reported, so the message is the last line
+        bar.close()
     entry["seconds"] = entry.get("seconds", 0.0) + clock() - t0 - prepare_s
     entry["prepare_s"] = entry.get("prepare_s", 0.0) + prepare_s
     entry["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

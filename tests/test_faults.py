@@ -305,3 +305,29 @@ def _ar():
     from lantern.decoding.config import method_preset
     from lantern.decoding.sampling import SamplingConfig
     return method_preset("ar", SamplingConfig())
+
+
+@pytest.mark.parametrize("line, message", [
+    ('threads = "many"', "threads must be an integer, got 'many'"),
+    ("batch_sizes = 4", "batch_sizes must be an array, got 4"),
+    ("repeats = 2.5", "repeats must be an integer, got 2.5"),
+    ("dtype = 3", "dtype must be a string, got 3"),
+])
+def test_a_profile_value_of_the_wrong_type_names_file_and_key(tmp_path, capsys, line, message):
+    profile = tmp_path / "mine.toml"
+    profile.write_text(f'name = "mine"\n{line}\n')
+    code, err = run(capsys, "generate", "--profile", str(profile), "--method", "ar", "--no-images")
+    assert code == 2 and f"{profile}: {message}" in err and "Traceback" not in err
+
+
+def test_a_results_file_missing_a_field_names_file_case_and_field(tmp_path, capsys):
+    from lantern.profile.schema import SCHEMA, SCHEMA_VERSION, SchemaError, load_results
+    case = {"kind": "verify", "status": "ok", "params": {"batch": 1, "N": 1}, "result": {"latency": {}}}
+    data = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "profile": {}, "backend": {}, "model": {},
+            "environment": {}, "started_at": "", "updated_at": "", "complete": True, "cases": {"verify/b1/N1": case}}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(SchemaError, match=f"{path}: ok case 'verify/b1/N1' has no result field 'memory'"):
+        load_results(path)
+    code, err = run(capsys, "profile", "compare", str(path), "--out", str(tmp_path / "report"))
+    assert code == 2 and "has no result field 'memory'" in err and "Traceback" not in err

@@ -233,6 +233,14 @@ def load_profile(spec: str) -> HardwareProfile:
     return profile_from_dict(data, path)
 
 
+FIELD_TYPES = {**dict.fromkeys(("name", "description", "backend", "device", "dtype", "model"), str),
+               **dict.fromkeys(("threads", "seed", "warmup", "repeats", "generation_warmup", "generation_repeats"),
+                               int),
+               **dict.fromkeys(("backend_options", "verify_sizes_by_batch", "sampling", "probe", "tuned"), dict),
+               **dict.fromkeys(("batch_sizes", "verify_sizes", "draft_sizes", "methods", "trees", "classes"),
+                               list)}  # what each key of a profile file holds (TOML: table = dict, array = list)
+
+
 def profile_from_dict(data: dict, path: Optional[Path] = None) -> HardwareProfile:
     where = str(path) if path else "profile"
     data = dict(data)
@@ -241,6 +249,11 @@ def profile_from_dict(data: dict, path: Optional[Path] = None) -> HardwareProfil
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"{where}: unknown keys {unknown}; allowed: {sorted(known)}")
+    for key, value in data.items():
+        kind = FIELD_TYPES[key]
+        if isinstance(value, bool) or not isinstance(value, (kind, tuple) if kind is list else kind):
+            what = {str: "a string", int: "an integer", dict: "a table", list: "an array"}[kind]
+            raise ValueError(f"{where}: {key} must be {what}, got {value!r}")
     try:
         data["sampling"] = sampling_table(data.get("sampling", {}))
         probe = dict(data.get("probe", {}))

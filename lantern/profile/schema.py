@@ -53,6 +53,9 @@ RETIRED_VERSIONS = {1: "version 1 timed whole generations one image at a time; v
 CASE_KINDS = ("backend", "verify", "draft", "generate", "acceptance", "calibration")
 BATCHED_KINDS = ("verify", "draft", "generate")  # measured per batch size: params["batch"]
 CASE_STATUSES = ("ok", "failed")
+RESULT_FIELDS = {"backend": (), "verify": ("latency", "memory"), "draft": ("latency", "memory"),
+                 "generate": ("wall", "images", "verify_steps"), "acceptance": ("offered", "accepted", "rates"),
+                 "calibration": ("fixed_s", "plans")}  # what the report, the tuner and auto read of an ok case
 STEP_SIZE = {"verify": "N", "draft": "W"}  # the param that sizes a step case
 TOP_LEVEL = {"schema": str, "schema_version": int, "profile": dict, "backend": dict, "model": dict,
              "environment": dict, "started_at": str, "updated_at": str, "complete": bool, "cases": dict}
@@ -105,6 +108,10 @@ def _validate_case(case_id: str, case, where: str) -> None:
                           f"step), got {batch!r}")
     if status == "ok" and not isinstance(case.get("result"), dict):
         raise SchemaError(f"{where}: ok case {case_id!r} has no result object")
+    if status == "ok":
+        for name in RESULT_FIELDS[case["kind"]]:
+            if not isinstance(case["result"].get(name), (dict, list, int, float)):
+                raise SchemaError(f"{where}: ok case {case_id!r} has no result field {name!r}")
     if status == "failed" and not isinstance(case.get("error"), str):
         raise SchemaError(f"{where}: failed case {case_id!r} has no error message")
 

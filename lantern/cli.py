@@ -1,7 +1,7 @@
 """`lantern` command line: generate, eval, backends, profile, train, info, export-onnx, serve.
 
 Exit codes (lantern.exit_codes): 0 ok, 1 internal error (or a failed case or check), 2 bad usage or input,
-3 backend unavailable.
+3 backend unavailable, 130 stopped by Ctrl-C, 143 stopped by SIGTERM (docs/reliability.md).
 
 With --json, a command prints exactly one JSON object on stdout (errors too: {"error": ..., "exit_code": ...}).
 """

@@ -7,6 +7,8 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from lantern import atomic_io
+
 
 def utc_now() -> str:
     return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -16,9 +18,9 @@ def write_results(stem: str | Path, record: dict, markdown: Callable[[dict], str
                   plot: Optional[Callable[[dict, Path], None]] = None) -> None:
     out = Path(stem)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(record, indent=2))
+    atomic_io.write_text(out.with_suffix(".json"), json.dumps(record, indent=2))
     table = markdown(record)
-    out.with_suffix(".md").write_text(table)
+    atomic_io.write_text(out.with_suffix(".md"), table)
     if plot is not None:
         plot(record, out.with_suffix(".png"))
     print(table)

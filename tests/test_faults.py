@@ -331,3 +331,21 @@ def test_a_results_file_missing_a_field_names_file_case_and_field(tmp_path, caps
         load_results(path)
     code, err = run(capsys, "profile", "compare", str(path), "--out", str(tmp_path / "report"))
     assert code == 2 and "has no result field 'memory'" in err and "Traceback" not in err
+
+
+def test_a_run_whose_calibration_was_disturbed_keeps_ar(tiny, tmp_path, monkeypatch):
+    """A timing that makes MC-SJD look 100x cheaper than AR, with its AR references 50x apart: auto keeps AR, says
+    why, and stores nothing."""
+    from lantern.api import Pipeline
+    from lantern.decoding.sampling import SamplingConfig
+    from lantern.plan.choose import choose
+    monkeypatch.setenv(user_cache.CACHE_ENV, str(tmp_path))
+    pipe = Pipeline(tiny[0], backend="cpu")  # no drafter: the Jacobi plans, the fewest to record
+
+    def disturbed(pipe, plans, sampling, width, per_chunk, entry=None, progress=True, attended=None):
+        return {"fixed_s": 0.01, "ar_reference_s": [0.001, 0.05, 0.05], "seconds": 1.0, "prepare_s": 0.0,
+                "plans": {p.name: {"step_s": 0.001 if p.name == "ar" else 1e-5} for p in plans}}
+    monkeypatch.setattr(calibration, "measure_width", disturbed)
+    choice = choose(pipe, 1, SamplingConfig(top_k=5), progress=False)
+    assert choice.plan.name == "ar" and "calibration disturbed (its AR reference steps" in choice.cost_source
+    assert not list((tmp_path / "calibration").glob("*.json"))

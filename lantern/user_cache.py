@@ -55,7 +55,8 @@ def check_location(folder: Path, variable: str) -> Path:
     """Create `folder` if needed and prove it writable (one probe file, removed at once); raise CacheUnusable
     naming the variable it comes from, the path and why not. Returns the folder."""
     folder = Path(folder)
-    hint = f" (set {CACHE_ENV} to a writable folder)" if variable != CACHE_ENV else ""
+    derived = variable == "XDG_CACHE_HOME" or variable.startswith("HOME")  # not a folder the user named for lantern
+    hint = f" (set {CACHE_ENV} to a writable folder)" if derived else ""
     if folder.exists() and not folder.is_dir():
         raise CacheUnusable(f"cache folder {folder} (from {variable}) is a file, not a folder{hint}")
     try:

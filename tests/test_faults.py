@@ -174,7 +174,7 @@ def test_an_unusable_cache_fails_the_command_before_any_work(tmp_path, monkeypat
     monkeypatch.setenv("LANTERN_ONNX_CACHE", str(a_file))
     code, err = run(capsys, "generate", "--model", str(bundle_dir), "--classes", "1", "--no-images", "--method",
                     "ar", "--backend", "onnx")
-    assert code == 2 and f"cache folder {a_file} (from LANTERN_ONNX_CACHE) is a file" in err
+    assert code == 2 and f"cache folder {a_file} (from LANTERN_ONNX_CACHE) is a file, not a folder\n" in err
 
 
 # -- disturbed calibrations -------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from lantern.plan import calibration
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_bundle import write_tiny_bundle  # noqa: E402
 
+pytestmark = pytest.mark.skipif(os.name != "posix", reason="POSIX signals (SIGKILL) and process semantics")
 TIMEOUT_S = 240  # a loaded CI machine is slow; a hung process fails the test instead of hanging it
 STOPS = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGKILL: -signal.SIGKILL}
 

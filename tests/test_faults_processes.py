@@ -107,55 +107,65 @@ def test_concurrent_first_runs_measure_once_and_store_what_a_solo_run_measures(t
         assert max(a, b) / min(a, b) <= calibration.DISTURBED, (shared, solo)
 
 
-def test_stopped_generation_leaves_only_whole_images(tmp_path, bundle_dir):
-    """Stopped while writing forty images: every PNG present opens, a stopped run leaves no temporary, and
-    the next run into the killed one's folder succeeds and clears what the kill left."""
-    classes = [str(c % 4) for c in range(40)]
-    victims = {sig: Lantern(tmp_path, sig.name, "generate", "--model", str(bundle_dir), "--method", "ar",
-                            "--classes", *classes, "--scale", "32", "--out", str(tmp_path / sig.name),
-                            LANTERN_CACHE_DIR=str(tmp_path / "cache"))
+def seed_acceptance_record(bundle_dir: Path, caches: list[Path], monkeypatch) -> None:
+    """Measure the bundle's acceptance record once, here, and copy it into each cache: the victims of a stopped
+    calibration go straight to calibrating."""
+    import shutil
+
+    from lantern.api import Pipeline
+    from lantern.bundle import load_bundle
+    from lantern.plan.candidates import candidate_plans
+    from lantern.plan.choose import runnable, steps_by_plan
+    first = caches[0]
+    monkeypatch.setenv("LANTERN_CACHE_DIR", str(first))
+    pipe = Pipeline.from_bundle(load_bundle(bundle_dir), backend="cpu")
+    sampling = pipe.defaults.sampling
+    plans, _ = runnable(pipe, candidate_plans(False, False), sampling)
+    steps_by_plan(pipe, plans, sampling, pipe.model_key, None, False, [None])
+    for cache in caches[1:]:
+        shutil.copytree(first / "records", cache / "records")
+
+
+def test_stopped_generation_and_calibration_leave_whole_files_and_a_usable_cache(tmp_path, bundle_dir, monkeypatch):
+    """Stopped while writing images, or while calibrating: every PNG present opens, every cache entry present is
+    whole and of its shape (the stopped calibration stored nothing), a stopped run leaves no temporary, and the
+    next run into the killed ones' folder and cache succeeds: it calibrates (the killed run's lock does not hold
+    it) and clears the temporaries the kill left."""
+    classes = [str(c % 4) for c in range(24)]
+    seed_acceptance_record(bundle_dir, [tmp_path / f"cache-{sig.name}" for sig in STOPS], monkeypatch)
+    writers = {sig: Lantern(tmp_path, f"write-{sig.name}", "generate", "--model", str(bundle_dir), "--method", "ar",
+                            "--classes", *classes, "--scale", "16", "--out", str(tmp_path / f"out-{sig.name}"),
+                            LANTERN_CACHE_DIR=str(tmp_path / "unused"))
                for sig in STOPS}
-    for sig, victim in victims.items():
-        out = tmp_path / sig.name
-        victim.wait_until(lambda: out.is_dir() and any(out.glob("*.png")), "image written")
-        victim.proc.send_signal(sig)
-    check_stopped(victims)
+    calibrators = {sig: Lantern(tmp_path, f"calibrate-{sig.name}", "generate", "--model", str(bundle_dir), "--classes",
+                                "1", "--no-images", LANTERN_CACHE_DIR=str(tmp_path / f"cache-{sig.name}"),
+                                **{calibration.BUDGET_ENV: "60"})
+                   for sig in STOPS}
+    for sig, writer in writers.items():
+        out = tmp_path / f"out-{sig.name}"
+        writer.wait_until(lambda: out.is_dir() and any(out.glob("*.png")), "image written")
+        writer.proc.send_signal(sig)
+    for sig, calibrator in calibrators.items():
+        calibrator.wait_until(lambda: "calibrating 1 image(s) per step" in calibrator.stderr, "calibration")
+        calibrator.proc.send_signal(sig)
+    check_stopped(writers)
+    check_stopped(calibrators)
     for sig in STOPS:
-        out = tmp_path / sig.name
+        out, cache = tmp_path / f"out-{sig.name}", tmp_path / f"cache-{sig.name}"
         for png in out.glob("*.png"):
             with Image.open(png) as im:
                 im.load()  # a half-written PNG raises here
-        if sig != signal.SIGKILL:
-            assert temporaries(out) == []
-    again = Lantern(tmp_path, "again", "generate", "--model", str(bundle_dir), "--method", "ar", "--classes", "1",
-                    "--out", str(tmp_path / "SIGKILL"), LANTERN_CACHE_DIR=str(tmp_path / "cache"))
-    assert again.wait() == 0, again.stderr[-2000:]
-    assert temporaries(tmp_path / "SIGKILL") == []
-
-
-def test_stopped_calibration_leaves_a_usable_cache(tmp_path, bundle_dir):
-    """Stopped while calibrating: every cache entry present is whole and of its shape, the lock of a killed run
-    does not hold the next one, which calibrates and succeeds."""
-    victims = {sig: Lantern(tmp_path, sig.name, "generate", "--model", str(bundle_dir), "--classes", "1",
-                            "--no-images", LANTERN_CACHE_DIR=str(tmp_path / sig.name),
-                            **{calibration.BUDGET_ENV: "60"})
-               for sig in STOPS}
-    for sig, victim in victims.items():
-        victim.wait_until(lambda: "calibrating 1 image(s) per step" in victim.stderr, "calibration")
-        victim.proc.send_signal(sig)
-    check_stopped(victims)
-    for sig in STOPS:
-        cache = tmp_path / sig.name
-        assert not list(cache.rglob("*.corrupt-*"))
+        assert not list(cache.rglob("*.corrupt-*")) and not list((cache / "calibration").glob("*.json"))
         for path in cache.rglob("*.json"):
-            json.loads(path.read_text())  # whole: the acceptance record, written before the calibration began
-        assert not list((cache / "calibration").glob("*.json"))  # the stopped calibration stored nothing
+            json.loads(path.read_text())
         if sig != signal.SIGKILL:
-            assert temporaries(cache) == []
-    again = Lantern(tmp_path, "again", "generate", "--model", str(bundle_dir), "--classes", "1", "--no-images",
-                    LANTERN_CACHE_DIR=str(tmp_path / "SIGKILL"), **{calibration.BUDGET_ENV: "1"})
+            assert temporaries(out) == [] and temporaries(cache) == []
+    again = Lantern(tmp_path, "again", "generate", "--model", str(bundle_dir), "--classes", "1", "--out",
+                    str(tmp_path / "out-SIGKILL"), LANTERN_CACHE_DIR=str(tmp_path / "cache-SIGKILL"),
+                    **{calibration.BUDGET_ENV: "1"})
     assert again.wait() == 0, again.stderr[-2000:]
-    assert "waiting for another lantern process" not in again.stderr
+    assert "waiting for another lantern process" not in again.stderr and "calibrating" in again.stderr
+    assert temporaries(tmp_path / "out-SIGKILL") == [] and temporaries(tmp_path / "cache-SIGKILL") == []
 
 
 def test_stopped_export_leaves_whole_graphs(tmp_path):

@@ -25,7 +25,7 @@ STOPS = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGKILL: -signal.SIGKIL
 
 @pytest.fixture(scope="module")
 def bundle_dir(tmp_path_factory):
-    return write_tiny_bundle(tmp_path_factory.mktemp("tiny-bundle"))
+    return write_tiny_bundle(tmp_path_factory.mktemp("tiny-bundle"), drafter_too=False)
 
 
 class Lantern:

@@ -3,6 +3,7 @@ generates images' tokens with any decoding method, returning them with their sta
 from __future__ import annotations
 
 import hashlib
+import numbers
 import sys
 import threading
 import time
@@ -41,9 +42,13 @@ def check_classes(classes: Sequence[int], num_classes: int) -> list[int]:
         raise ValueError("no class ids given")
     out = []
     for c in classes:
-        if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < num_classes:
+        if isinstance(c, torch.Tensor) and c.dim() == 0 and not c.is_floating_point() and not c.is_complex():
+            c = c.item()  # a 0-d integer tensor (e.g. an element of a tensor of class ids)
+        if isinstance(c, bool) or not isinstance(c, numbers.Integral):  # numbers.Integral: numpy's integers too
+            raise ValueError(f"class id {c!r} is not an integer; allowed: integers 0..{num_classes - 1}")
+        if not 0 <= c < num_classes:
             raise ValueError(f"class id {c!r} is out of range; allowed: integers 0..{num_classes - 1}")
-        out.append(c)
+        out.append(int(c))
     return out
 
 

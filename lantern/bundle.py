@@ -41,9 +41,35 @@ def sha256_file(path: str | Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def read_json_object(path: Path) -> dict:
+    """A bundle's JSON file as a dict; ValueError naming the file when it is not UTF-8 JSON or not an object."""
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def from_section(config: dict, section: str, make, where: Path):
+    """make(config[section]) (a model config and its model), or ValueError naming the file and the field."""
+    if not isinstance(config.get(section), dict):
+        raise ValueError(f"{where}: field {section!r} is missing or not an object")
+    try:
+        return make(config[section])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"{where}: field {section!r} is malformed ({type(e).__name__}: {e})") from None
+
+
 def load_weights_strict(module: torch.nn.Module, path: str | Path) -> dict[str, torch.Tensor]:
     """Load a safetensors file into `module`, refusing (ValueError) any missing, unexpected or mis-shaped key."""
-    state = load_file(str(path))
+    try:
+        state = load_file(str(path))
+    except Exception as e:  # noqa: BLE001  safetensors raises its own error types for a damaged header
+        raise ValueError(f"{path} is not a readable safetensors file ({type(e).__name__})") from None
     load_into(module, state, str(path))
     return state
 
@@ -64,7 +90,9 @@ def verify_bundle(path: str | Path | None = None) -> list[str]:
     mpath = root / "manifest.json"
     if not mpath.exists():
         return [f"{mpath} is missing"]
-    manifest = json.loads(mpath.read_text())
+    manifest = read_json_object(mpath)
+    if not isinstance(manifest.get("files", {}), dict):
+        return [f"{mpath}: field 'files' must be an object of file name -> sha256"]
     problems = []
     for name, digest in sorted(manifest.get("files", {}).items()):
         f = root / name
@@ -133,13 +161,15 @@ def load_bundle(path: str | Path | None = None, verify: bool = True) -> Bundle:
         problems = verify_bundle(root)
         if problems:
             raise ValueError(f"bundle {root} failed verification: " + "; ".join(problems))
-    config = json.loads((root / "config.json").read_text())
-    manifest = json.loads((root / "manifest.json").read_text()) if (root / "manifest.json").exists() else {}
+    config = read_json_object(root / "config.json")
+    manifest = read_json_object(root / "manifest.json") if (root / "manifest.json").exists() else {}
+    if not isinstance(config.get("sampling", {}), dict):
+        raise ValueError(f"{root / 'config.json'}: field 'sampling' must be an object")
 
     linked = manifest.get("linked", {})
-    vq = VQModel(VQConfig.from_dict(config["vq"]))
+    vq = from_section(config, "vq", lambda c: VQModel(VQConfig.from_dict(c)), root / "config.json")
     load_model_weights(vq, root, "vq", linked)
-    target = GPT(GPTConfig.from_dict(config["target"]))
+    target = from_section(config, "target", lambda c: GPT(GPTConfig.from_dict(c)), root / "config.json")
     target_state = load_model_weights(target, root, "target", linked)
     if target.config.vocab_size != vq.config.codebook_size or target.config.grid_size != vq.config.grid_size:
         raise ValueError(f"target vocab {target.config.vocab_size} / grid {target.config.grid_size} does not match "
@@ -159,7 +189,8 @@ def load_bundle(path: str | Path | None = None, verify: bool = True) -> Bundle:
 
     evaluator = None
     if (root / "evaluator.safetensors").exists():
-        evaluator = Classifier(ClassifierConfig.from_dict(config["evaluator"]))
+        evaluator = from_section(config, "evaluator", lambda c: Classifier(ClassifierConfig.from_dict(c)),
+                                 root / "config.json")
         load_weights_strict(evaluator, root / "evaluator.safetensors")
         evaluator.eval()
 

@@ -1,7 +1,7 @@
 """`lantern` command line: generate, eval, backends, profile, train, info, export-onnx, serve.
 
 Exit codes (lantern.exit_codes): 0 ok, 1 internal error (or a failed case or check), 2 bad usage or input,
-3 backend unavailable.
+3 backend unavailable, 130 stopped by Ctrl-C, 143 stopped by SIGTERM (docs/reliability.md).
 
 With --json, a command prints exactly one JSON object on stdout (errors too: {"error": ..., "exit_code": ...}).
 """
@@ -14,7 +14,8 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-from lantern.cli_args import Parser, UsageError, check_writable, number
+from lantern.cli_args import (SEED_RANGE, Parser, Stopped, UsageError, check_writable, expected_failure, number,
+                              stopped_by_signals)
 from lantern.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED_CASES, EXIT_INTERNAL, EXIT_OK, EXIT_UNAVAILABLE
 from lantern.profile.cli import add_profile_commands
 from lantern.train.cli import add_info_command, add_train_commands
@@ -141,7 +142,7 @@ def cmd_generate(args) -> dict:
     from lantern.bundle import load_bundle
     from lantern.engine import derive_seed
     from lantern.family_cli import cmd_generate_family, is_family_folder
-    from lantern.images import save_images
+    from lantern.images import check_outputs, save_images
     from lantern.profile.cli import apply_profile
     from lantern.prompts_cli import check_prompt_args, encode_prompts, wants_prompts
 
@@ -160,16 +161,19 @@ def cmd_generate(args) -> dict:
     if prompts is None:
         check_classes(args.classes, bundle.target.config.num_classes)  # before auto measures anything
     conditions = args.classes if prompts is None else encode_prompts(args, bundle, prompts)
+    seeds = [derive_seed(args.seed, i) for i in range(len(conditions))]  # each image's own seed
+    kind = "class" if prompts is None else "prompt"
+    if not args.no_images:
+        names = image_names(kind, args.classes if prompts is None else range(len(seeds)), seeds)
+        check_outputs(Path(args.out), names, bundle.vq.config.image_size, args.scale)
     pipe = Pipeline.from_bundle(bundle, backend=args.backend, dtype=args.dtype, **options)
     dcfg, batch, choice = decode_plan(args, bundle, pipe, len(conditions), None if prompts else list(args.classes))
     result = pipe.generate(conditions, dcfg, seed=args.seed, progress=not args.json, batch=batch)
-    seeds = [derive_seed(args.seed, i) for i in range(len(result.conditions))]  # each image's own seed
     paths, grid = [], None
     if not args.no_images:
         images = bundle.decode_images(result.tokens)
-        kind = "class" if prompts is None else "prompt"
-        names = [f"{i:03d}_{kind}{c}_seed{s}" for i, (c, s) in enumerate(zip(result.conditions, seeds))]
-        paths, grid = save_images(images, Path(args.out), names, scale=args.scale)
+        paths, grid = save_images(images, Path(args.out), image_names(kind, result.conditions, seeds),
+                                  scale=args.scale)
     s = result.stats.summary()
     return {
         "backend": result.backend, "device": result.device, "dtype": result.dtype, "mode": args.method,
@@ -183,6 +187,10 @@ def cmd_generate(args) -> dict:
         "memory": result.profile["memory"], "warmup_seconds": result.profile["warmup_s"], "stats": s,
         "plan": None if choice is None else {**choice.to_dict(), "measured_seconds": s["wall_seconds"]},
     }
+
+
+def image_names(kind: str, conditions, seeds: list[int]) -> list[str]:
+    return [f"{i:03d}_{kind}{c}_seed{s}" for i, (c, s) in enumerate(zip(conditions, seeds))]
 
 
 def cmd_eval(args) -> dict:
@@ -199,9 +207,19 @@ def cmd_eval(args) -> dict:
     options = backend_options(args)
     get_backend(args.backend, **options)
     bundle = load_bundle(args.model)
+    if bundle.evaluator is None:
+        raise UsageError(f"bundle {bundle.path} has no evaluator.safetensors; `lantern eval` needs one")
     pipe = Pipeline.from_bundle(bundle, backend=args.backend, dtype=args.dtype, **options)
     num_classes = bundle.target.config.num_classes
     n_classes = len(check_classes(args.classes, num_classes)) if args.classes else num_classes
+    if n_classes * args.n_per_class < 2:
+        raise UsageError(f"eval needs at least 2 images (a Frechet distance needs their covariance); --classes "
+                         f"{' '.join(map(str, args.classes or []))} with --n-per-class {args.n_per_class} makes "
+                         f"{n_classes * args.n_per_class}: raise --n-per-class or name more --classes")
+    last_seed = args.seed + -(-n_classes * args.n_per_class // EVAL_CHUNK) - 1  # each chunk: the next seed
+    if last_seed > SEED_RANGE[1]:
+        raise UsageError(f"--seed {args.seed}: eval seeds its chunks {args.seed}..{last_seed}, past the generator's "
+                         f"range; allowed: an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1] - (last_seed - args.seed)}]")
     dcfg, batch, choice = decode_plan(args, bundle, pipe, min(n_classes * args.n_per_class, EVAL_CHUNK))
     stats = []
     from tqdm import tqdm
@@ -291,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--classes", type=int, nargs="+", default=[0, 1, 2, 3], help="class ids, one image each")
     g.add_argument("--num-images", type=number(int, 1), default=1,
                    help="model-family folders: images per prompt (default 1)")
-    g.add_argument("--seed", type=int, default=0,
+    g.add_argument("--seed", type=number(int, *SEED_RANGE), default=0,
                    help="image i draws from its own seed derived from this one (image 0: this seed itself; the "
                         "JSON's 'seeds' and the file names give each): --seed <that> --classes <its class> "
                         "reproduces one image alone")
@@ -311,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model", help="bundle folder (default: the embedded model)")
     e.add_argument("--classes", type=int, nargs="+", help="class ids (default: all)")
     e.add_argument("--n-per-class", type=number(int, 1), default=10)
-    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--seed", type=number(int, *SEED_RANGE), default=0)
     e.add_argument("--json", action="store_true")
     add_decode_options(e)
     add_backend_options(e)
@@ -345,12 +363,18 @@ def main(argv=None) -> int:
         return _fail(str(e), EXIT_BAD_INPUT, "--json" in argv)
     as_json = getattr(args, "json", False)
     try:
-        out = args.func(args)
+        with stopped_by_signals():
+            out = args.func(args)
+    except Stopped as e:
+        return _fail(str(e), e.code, as_json)
     except BackendUnavailable as e:
         return _fail(str(e), EXIT_UNAVAILABLE, as_json)
     except (ValueError, FileNotFoundError) as e:
         return _fail(str(e), EXIT_BAD_INPUT, as_json)
     except Exception as e:  # noqa: BLE001  anything else is our bug: say so, with the trace on stderr
+        expected = expected_failure(e, args)
+        if expected:
+            return _fail(expected, EXIT_BAD_INPUT, as_json)
         traceback.print_exc()
         return _fail(f"internal error: {e}", EXIT_INTERNAL, as_json)
     if isinstance(out, int):  # the command printed its own output

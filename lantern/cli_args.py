@@ -7,11 +7,18 @@ location that cannot be written before anything is generated; `Parser` reports a
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import os
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Optional
+
+from lantern.atomic_io import check_fits
+
+
+SEED_RANGE = (0, 2 ** 63 - 1)  # a request's seed keys its own counter-based random stream (lantern.engine.draws)
 
 
 class UsageError(ValueError):
@@ -62,6 +69,7 @@ def check_writable(path: Path, what: str, folder: bool) -> None:
     """Raise ValueError unless `path` (a folder, or a file when not `folder`) can be created or written.
     The nearest existing ancestor gets one probe file, removed at once, so nothing is left behind."""
     path = Path(path)
+    check_fits(path, what)
     if path.exists() and folder != path.is_dir():
         raise ValueError(f"{what} {path} exists and is {'not ' if folder else ''}a folder")
     base: Optional[Path] = path if path.exists() and folder else path.parent
@@ -75,3 +83,58 @@ def check_writable(path: Path, what: str, folder: bool) -> None:
         raise ValueError(f"{what} {path} cannot be written: {base} is not writable ({e.strerror})") from None
     os.close(fd)
     os.unlink(probe)
+
+
+class Stopped(BaseException):
+    """Ctrl-C (SIGINT) or SIGTERM: the command stops where it is; its writes are atomic, so nothing it leaves is
+    half a file. code: 128 + the signal's number, the shell's convention."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+@contextmanager
+def stopped_by_signals():
+    """Within: SIGINT and SIGTERM raise Stopped (in the main thread; elsewhere nothing changes)."""
+    import signal
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    names = {signal.SIGINT: "interrupted (Ctrl-C)", signal.SIGTERM: "terminated (SIGTERM)"}
+
+    def stop(signum, frame):
+        raise Stopped(f"{names[signum]}; stopped, nothing half-written", 128 + signum)
+    previous = {sig: signal.signal(sig, stop) for sig in names}
+    try:
+        yield
+    except KeyboardInterrupt:  # a SIGINT delivered before the handler was installed, or re-raised by a library
+        raise Stopped(f"{names[signal.SIGINT]}; stopped, nothing half-written", 128 + signal.SIGINT) from None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+FLAGS_FOR_MEMORY = {"generate": "--batch (images per step), fewer --classes or a smaller --scale",
+                    "eval": "--batch (images per step)", "profile": "the batch sizes measured"}
+FILESYSTEM_ERRORS = {getattr(errno, name) for name in ("ENAMETOOLONG", "ENOSPC", "EDQUOT", "EACCES", "EPERM", "EROFS",
+                                                      "ENOTDIR", "EISDIR", "EEXIST", "ENOENT")
+                     if hasattr(errno, name)}  # (EDQUOT is not defined everywhere)
+
+
+def expected_failure(e: Exception, args) -> str:
+    """The message for a failure that is the request's or the machine's, not lantern's (exit 2): memory that
+    cannot be allocated for the requested size (naming the flag to change), a file the filesystem refuses. ''
+    for anything else (lantern's own bug)."""
+    import torch
+    text = str(e)
+    if isinstance(e, (MemoryError, torch.OutOfMemoryError)) or (
+            isinstance(e, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())):
+        flag = FLAGS_FOR_MEMORY.get(getattr(args, "command", ""), "the request's size")
+        detail = text.splitlines()[0][:200] if text else type(e).__name__
+        return f"not enough memory for this request ({detail}); lower {flag}"
+    if isinstance(e, OSError) and e.errno in FILESYSTEM_ERRORS:
+        where = f" {e.filename}" if e.filename else ""
+        return f"cannot use{where}: {e.strerror or e}"
+    return ""

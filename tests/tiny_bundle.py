@@ -14,7 +14,8 @@ from lantern.train.common import save_weights
 from conftest import make_models
 
 
-def write_tiny_bundle(root: Path, cfg_scale: float = 1.0) -> Path:
+def write_tiny_bundle(root: Path, cfg_scale: float = 1.0, drafter_too: bool = True) -> Path:
+    """drafter_too=False: the target alone, so `--method auto` has only the Jacobi plans to record and calibrate."""
     root.mkdir(parents=True, exist_ok=True)
     cfg = gpt_preset("GPT-test")
     target, drafter, proximity = make_models(cfg)
@@ -23,8 +24,10 @@ def write_tiny_bundle(root: Path, cfg_scale: float = 1.0) -> Path:
                       norm_groups=4, image_size=8)
     save_weights(VQModel(vq_cfg), root / "vq.safetensors")
     save_weights(target, root / "target.safetensors")
-    save_weights(drafter, root / "drafter.safetensors", metadata={"target_hash": weights_hash(target.state_dict())})
-    save_file({"neighbours": proximity.to(torch.int32).contiguous()}, str(root / "proximity.safetensors"))
+    if drafter_too:
+        save_weights(drafter, root / "drafter.safetensors",
+                     metadata={"target_hash": weights_hash(target.state_dict())})
+        save_file({"neighbours": proximity.to(torch.int32).contiguous()}, str(root / "proximity.safetensors"))
     config = {"vq": asdict(vq_cfg), "target": asdict(cfg),
               "sampling": {"cfg_scale": cfg_scale, "temperature": 1.0, "top_k": 0}}
     (root / "config.json").write_text(json.dumps(config))

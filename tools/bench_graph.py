@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch._dynamo.utils import counters
 
+from lantern import atomic_io
 from lantern.api import Pipeline
 from lantern.config import gpt_preset
 from lantern.decoding import SamplingConfig, method_preset
@@ -188,8 +189,8 @@ def main(argv=None) -> int:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(record, indent=1))
-    out.with_suffix(".md").write_text(markdown(record))
+    atomic_io.write_text(out.with_suffix(".json"), json.dumps(record, indent=1))
+    atomic_io.write_text(out.with_suffix(".md"), markdown(record))
     print(markdown(record))
     return 0 if all(r["ids_equal_eager"] for r in results) else 1
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from lantern import atomic_io
 from lantern.api import Pipeline
 from lantern.bundle import load_bundle
 from lantern.decoding import DecodeConfig, SamplingConfig, method_preset
@@ -131,8 +132,8 @@ def main() -> None:
               "settings": {k: {"rows": rows, "real_image_reference": ref} for k, (rows, ref) in settings.items()}}
     out = Path(args.out or ROOT / "results" / f"jacobi-{args.backend}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(record, indent=2))
-    out.with_suffix(".md").write_text(markdown(record))
+    atomic_io.write_text(out.with_suffix(".json"), json.dumps(record, indent=2))
+    atomic_io.write_text(out.with_suffix(".md"), markdown(record))
     print(markdown(record))
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from lantern import atomic_io
 from lantern.api import Pipeline
 from lantern.backends import StaticSpec, get_backend
 from lantern.config import gpt_preset
@@ -208,8 +209,8 @@ def main() -> None:
     if not args.quick:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
-        out.with_suffix(".md").write_text(text)
+        atomic_io.write_text(out.with_suffix(".json"), json.dumps(result, indent=1, default=str))
+        atomic_io.write_text(out.with_suffix(".md"), text)
         print(f"wrote {out}.json and {out}.md")
 
 

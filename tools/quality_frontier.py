@@ -20,6 +20,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from lantern import atomic_io
 from lantern.api import Pipeline
 from lantern.bundle import DEFAULT_BUNDLE, load_bundle, weights_hash
 from lantern.decoding import SamplingConfig, method_preset
@@ -131,7 +132,7 @@ def main() -> None:
         path = DEFAULT_BUNDLE / "manifest.json"
         manifest = json.loads(path.read_text())
         manifest["relaxation_defaults"] = chosen
-        path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        atomic_io.write_text(path, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 
 def markdown(rec: dict) -> str:

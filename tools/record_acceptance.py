@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from lantern import atomic_io
 from lantern.api import Pipeline
 from lantern.bundle import DEFAULT_BUNDLE, load_bundle
 from lantern.decoding.sampling import SamplingConfig
@@ -54,7 +55,7 @@ def main() -> None:
         path = DEFAULT_BUNDLE / "manifest.json"
         manifest = json.loads(path.read_text())
         manifest.setdefault("acceptance_records", {})[args.dtype] = record
-        path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        atomic_io.write_text(path, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         print(f"wrote acceptance_records[{args.dtype!r}] into {path}")
 
 

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from lantern import atomic_io
 from lantern.profile.environment import provenance
 
 
@@ -20,9 +21,9 @@ def write_results(stem: str | Path, record: dict, markdown: Callable[[dict], str
     out = Path(stem)
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {**record, "provenance": provenance()}
-    out.with_suffix(".json").write_text(json.dumps(record, indent=2))
+    atomic_io.write_text(out.with_suffix(".json"), json.dumps(record, indent=2))
     table = markdown(record)
-    out.with_suffix(".md").write_text(table)
+    atomic_io.write_text(out.with_suffix(".md"), table)
     if plot is not None:
         plot(record, out.with_suffix(".png"))
     print(table)

@@ -22,7 +22,6 @@ import copy
 import hashlib
 import json
 import os
-import shutil
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,7 +32,8 @@ from torch import nn
 
 from lantern.kv_cache import slot_rows
 from lantern.models.checkpoint import model_hash
-from lantern.user_cache import cache_root
+from lantern import atomic_io
+from lantern.user_cache import cache_root, cache_source, check_location, entry_lock
 
 FORMAT_VERSION = 4  # bump when the graphs' inputs, outputs or maths change: older cache files become stale
 OPSET = 17
@@ -44,6 +44,20 @@ GRAPH, MANIFEST = "model.onnx", "manifest.json"  # the files of one graph's fold
 
 def default_cache_dir() -> Path:
     return Path(os.environ[CACHE_ENV]) if os.environ.get(CACHE_ENV) else cache_root() / "onnx"
+
+
+def usable_cache_dir(cache_dir: Optional[Path] = None) -> Path:
+    """The graph cache (`cache_dir`, else $LANTERN_ONNX_CACHE, else the user cache's onnx/), created and checked
+    writable (CacheUnusable naming where it comes from), with the temporaries of killed exports removed."""
+    if cache_dir is not None:
+        source = "the cache_dir argument"
+    elif os.environ.get(CACHE_ENV):
+        source = CACHE_ENV
+    else:
+        source = cache_source()
+    folder = check_location(Path(cache_dir) if cache_dir is not None else default_cache_dir(), source)
+    atomic_io.remove_stale(folder)
+    return folder
 
 
 class FunctionalKV:
@@ -252,21 +266,24 @@ def ensure_graph(key: GraphKey, target, drafter, cache_dir: Path, force: bool = 
     problem = "export forced" if force else check_cached(key, cache_dir)
     if not problem:
         return folder / GRAPH
-    if problem != "not cached" and not force:
-        warnings.warn(f"onnx: rebuilding {key.stem}: {problem}", RuntimeWarning, stacklevel=2)
-    tmp = cache_dir / f".{key.stem}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    export_graph(key, target, drafter, tmp / GRAPH)
-    manifest = {"key": asdict(key), "sha256": folder_sha256(tmp), "torch": torch.__version__, "opset": OPSET}
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(tmp, folder)
+    with entry_lock(folder, f"the ONNX graph {key.stem}"):
+        if not force:  # another process may have exported it while this one waited
+            problem = check_cached(key, cache_dir)
+            if not problem:
+                return folder / GRAPH
+            if problem != "not cached":
+                warnings.warn(f"onnx: rebuilding {key.stem}: {problem}", RuntimeWarning, stacklevel=2)
+        with atomic_io.atomic_folder(folder) as tmp:
+            export_graph(key, target, drafter, tmp / GRAPH)
+            manifest = {"key": asdict(key), "sha256": folder_sha256(tmp), "torch": torch.__version__,
+                        "opset": OPSET}
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
     return folder / GRAPH
 
 
 def ensure_graphs(target, drafter, spec, cache_dir: Optional[Path] = None, force: bool = False) -> dict[str, Path]:
     """Step name -> path of every graph a runner for `spec` needs, exporting what is not cached."""
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    cache_dir = usable_cache_dir(cache_dir)
     if spec.draft_widths and drafter is None:
         raise ValueError("StaticSpec has draft widths but no drafter was given")
     h_target = model_hash(target)

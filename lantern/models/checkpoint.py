@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lantern.atomic_io import atomic_path
+
 WRAPPER_KEYS = ("model", "module", "state_dict")
 STRIP_PREFIXES = ("module.", "_orig_mod.")
 IGNORED_KEYS = ("freqs_cis",)
@@ -24,9 +26,12 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
-        sd = load_file(str(path))
+        try:
+            sd = load_file(str(path))
+        except Exception as e:  # noqa: BLE001  safetensors raises its own error types for a damaged header
+            raise ValueError(f"checkpoint {path} is not a readable safetensors file ({type(e).__name__})") from None
     else:
-        sd = torch.load(path, map_location="cpu", weights_only=True)
+        sd = _torch_load(path)
         for key in WRAPPER_KEYS:
             if isinstance(sd, dict) and key in sd and isinstance(sd[key], dict):
                 sd = sd[key]
@@ -41,6 +46,28 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         if k not in IGNORED_KEYS:
             out[k] = v
     return out
+
+
+def _torch_load(path: Path):
+    """torch.load of tensors and plain data only (never code): a file holding anything else is refused with
+    what lantern accepts; torch's own advice (to load with weights_only=False, executing the pickle) is not
+    passed on."""
+    import pickle
+    import zipfile
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "unsupported global" not in str(e).lower():  # not a refused object: a file that is no checkpoint
+            raise ValueError(f"checkpoint {path} is not a readable PyTorch checkpoint (truncated or another "
+                             f"format); lantern reads LlamaGen .pt/.pth files and .safetensors") from None
+        raise ValueError(f"checkpoint {path} holds Python objects besides tensors, which lantern does not load (a "
+                         f"pickle can run code); re-save it as a state_dict of tensors (torch.save(model.state_dict()"
+                         f", ...)) or as .safetensors") from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as e:
+        if isinstance(e, OSError) and not isinstance(e, zipfile.BadZipFile) and e.filename:
+            raise
+        raise ValueError(f"checkpoint {path} is not a readable PyTorch checkpoint (truncated or another format: "
+                         f"{type(e).__name__}); lantern reads LlamaGen .pt/.pth files and .safetensors") from None
 
 
 def load_into(model: nn.Module, state: dict[str, torch.Tensor], what: str) -> None:
@@ -75,11 +102,12 @@ def save_checkpoint(model: nn.Module, path: str | Path) -> None:
     """LlamaGen's layout for .pt ({"model": state_dict}); plain tensors for .safetensors."""
     path = Path(path)
     sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    if path.suffix == ".safetensors":
-        from safetensors.torch import save_file
-        save_file(sd, str(path))
-    else:
-        torch.save({"model": sd}, path)
+    with atomic_path(path) as tmp:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import save_file
+            save_file(sd, str(tmp))
+        else:
+            torch.save({"model": sd}, tmp)
 
 
 def weights_hash(state: dict[str, torch.Tensor]) -> str:

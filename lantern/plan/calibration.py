@@ -17,7 +17,10 @@ the slots it reads. Per width w:
     seconds            the timing; prepare_s: preparing runners and exporting graphs, which later runs reuse
 
 Cached per (machine, backend, dtype, threads, model) in the user cache (calibration/<key>.json), measured once
-per missing (plan, width) and refreshed by `lantern profile run`.
+per missing (plan, width) and refreshed by `lantern profile run`. One process measures a calibration at a time
+(the others wait for it, then read it: `cached_or_measured`). A calibration whose repeated runs of the same thing
+disagree beyond what its pairing can absorb (`disturbance`: another process loaded the machine while it timed)
+is not stored, and the run that measured it keeps AR. LANTERN_CALIBRATION_BUDGET sets BUDGET_S.
 """
 from __future__ import annotations
 
@@ -38,7 +41,8 @@ import torch
 
 from lantern.decoding.sampling import SamplingConfig
 from lantern.plan.candidates import AR, Plan
-from lantern.user_cache import cache_root, read_json, write_json
+from lantern.user_cache import (cache_root, entry_folder, entry_lock, field_problem, is_number, read_entry,
+                                 write_entry)
 
 FIXED_REPEATS = 3
 FIRST_STEPS = 6  # loop steps per timed run in round 1 (every plan)
@@ -49,6 +53,9 @@ BUDGET_S = 30.0  # a width's timing (preparing runners apart) starts no run it e
 CONTENDER = 1.5  # a plan contends when its estimated seconds per chunk are within this factor of the best
 CLOSE = 1.15  # rounds past ROUNDS time only the plans this close to the best: the choice hinges on them
 WIDER_SLACK = 0.9  # a step with a wider verify costs at least this fraction of a narrower one's (timing noise)
+BUDGET_ENV = "LANTERN_CALIBRATION_BUDGET"  # seconds, overrides BUDGET_S (a slow machine may want less)
+DISTURBED = 3.0  # runs of the same thing this many times apart: the machine was loaded while timing (a concurrent
+# calibration made them 80-100x apart); the pairing with AR absorbs a slow spell, not one that starts within a pair
 
 
 @dataclass(frozen=True)
@@ -76,15 +83,106 @@ def calibration_path(key: dict) -> Path:
     return cache_root() / "calibration" / f"{key['backend']}-{key['dtype']}-{digest}.json"
 
 
+def calibration_problem(data: dict) -> str:
+    """'' if `data` has a cached calibration's shape, else what is wrong (the entry is then measured again)."""
+    wrong = field_problem(data, "key", dict) or field_problem(data, "widths", dict)
+    if wrong:
+        return wrong
+    for width, entry in data["widths"].items():
+        where = f"widths[{width!r}]"
+        if not width.isdigit() or int(width) < 1:
+            return f"{where}: a batch width is a whole number >= 1"
+        if not isinstance(entry, dict):
+            return f"{where} must be an object"
+        wrong = field_problem(entry, "fixed_s", (int, float)) or field_problem(entry, "plans", dict)
+        if wrong:
+            return f"{where}: {wrong}"
+        if not is_number(entry["fixed_s"]) or entry["fixed_s"] < 0:
+            return f"{where}: fixed_s must be a finite number >= 0"
+        for name, plan in entry["plans"].items():
+            if not isinstance(plan, dict) or not is_number(plan.get("step_s")) or plan["step_s"] < 0:
+                return f"{where}.plans[{name!r}]: step_s must be a finite number >= 0"
+    return ""
+
+
 def load_calibration(key: dict) -> dict:
-    data = read_json(calibration_path(key))
+    data = read_entry(calibration_path(key), calibration_problem)
     return data if data and data.get("key") == key else {"key": key, "widths": {}}
 
 
 def save_calibration(data: dict) -> Path:
     path = calibration_path(data["key"])
-    write_json(path, data)
+    entry_folder(path.parent.name)
+    write_entry(path, data)
     return path
+
+
+def budget_s() -> float:
+    """Seconds a width's timing may take: $LANTERN_CALIBRATION_BUDGET, else BUDGET_S."""
+    text = os.environ.get(BUDGET_ENV)
+    if not text:
+        return BUDGET_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{BUDGET_ENV}={text!r} is not allowed; allowed: a finite number of seconds > 0 "
+                         f"(default {BUDGET_S:g})")
+    return value
+
+
+def disturbance(entry: dict) -> str:
+    """'' when the repeated runs of a width's timing agree, else how they disagree. Disturbed: the median of the
+    fixed cost's repeats, or of the AR reference runs, more than DISTURBED times their fastest (a slow spell
+    over half of them: a late wake-up of one run on a busy machine is noise the medians absorb), AR timed
+    more than DISTURBED times away from its own reference, or a plan timed as no slower than the fixed cost."""
+    def spread(values: list, what: str) -> str:
+        if len(values) < 2:
+            return ""
+        fastest, middle = min(values), statistics.median(values)
+        if fastest <= 0 or middle / fastest > DISTURBED:
+            return (f"{what} took {fastest * 1e3:.3g} ms at the fastest and {middle * 1e3:.3g} ms at the median, "
+                    f"more than {DISTURBED:g}x apart")
+        return ""
+    ar_self = entry["plans"].get(AR.name, {}).get("ratio_to_ar", [])
+    ar_ratio = statistics.median(ar_self) if ar_self else 1.0
+    zero = [name for name, v in entry["plans"].items() if not v.get("lower_bound") and v["step_s"] <= 0]
+    return (spread(entry.get("fixed_runs_s", []), "its fixed-cost runs")
+            or spread(entry.get("ar_reference_s", []), "its AR reference steps")
+            or (f"AR timed at {ar_ratio:.2f}x its own reference run" if not 1 / DISTURBED <= ar_ratio <= DISTURBED
+                else "")
+            or (f"{', '.join(zero)} timed no slower than the fixed cost alone" if zero else ""))
+
+
+def cached_or_measured(key: dict, width: int, names: Sequence[str],
+                       measure: Callable[[dict | None], dict]) -> tuple[dict, str, str]:
+    """The calibration entry at `width` holding every plan in `names`: the cached one if it does; else, holding
+    the calibration's lock, the cached one read again (another process may have measured it while this one
+    waited) and measure(entry or None) -> entry for what it still lacks, stored unless disturbed.
+    Returns (entry, where it is cached, '' or why it was not stored)."""
+    path = calibration_path(key)
+
+    def lacking(entry) -> bool:
+        return not entry or any(name not in entry["plans"] for name in names)
+    entry = load_calibration(key)["widths"].get(str(width))
+    if not lacking(entry):
+        return entry, str(path), ""
+    entry_folder(path.parent.name)
+    with entry_lock(path, f"the calibration at {width} image(s) per step"):
+        data = load_calibration(key)
+        entry = data["widths"].get(str(width))
+        if not lacking(entry):
+            return entry, str(path), ""
+        entry = measure(entry)
+        why = disturbance(entry)
+        if why:
+            print(f"lantern: calibration disturbed ({why}: another process loaded the machine?); not cached, "
+                  f"measured again next run; this run keeps AR", file=sys.stderr)
+            return entry, str(path), why
+        data["widths"][str(width)] = entry
+        save_calibration(data)
+    return entry, str(path), ""
 
 
 def conditions(config, n: int) -> torch.Tensor | list[int]:
@@ -154,13 +252,16 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
         pipe.runner(dcfg, width)
         prepare_s += clock() - t
 
+    budget = budget_s()
+
     def fits(seconds: float) -> bool:
-        return clock() - t0 - prepare_s + seconds <= BUDGET_S
+        return clock() - t0 - prepare_s + seconds <= budget
 
     prepare(ar)
     if "fixed_s" not in entry:
         _short_run(pipe, ar, width, 1)
-        entry["fixed_s"] = statistics.median(_short_run(pipe, ar, width, 1)[0] for _ in range(FIXED_REPEATS))
+        entry["fixed_runs_s"] = [_short_run(pipe, ar, width, 1)[0] for _ in range(FIXED_REPEATS)]
+        entry["fixed_s"] = statistics.median(entry["fixed_runs_s"])
     todo = [p for p in plans if p.name not in entry["plans"]]
     decoded = {p.name: p.decode(sampling) for p in todo}  # each plan's config, compiled once
     width_of = {p.name: decoded[p.name].verify_width for p in todo}
@@ -191,56 +292,62 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
              if not v.get("lower_bound")]
     floors: dict[str, float] = {}  # plan -> the step ratio to AR it costs at least
     # progress in seconds of timing against the budget: how many runs it takes depends on what they measure
-    bar = tqdm(total=BUDGET_S, desc=f"calibrating {width} image(s) per step", file=sys.stderr,
+    bar = tqdm(total=budget, desc=f"calibrating {width} image(s) per step", file=sys.stderr,
                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s{postfix}",
                disable=not progress or not todo)
 
     def tick() -> None:
-        bar.n = min(clock() - t0 - prepare_s, BUDGET_S)
+        bar.n = min(clock() - t0 - prepare_s, budget)
         bar.refresh()
-    first_run = 0.0  # seconds the last first run took, warm-up included
-    for plan in todo:  # round 1, narrowest verify first
-        bar.set_postfix_str(plan.name)
-        timed = [p for p in todo if ratios[p.name]]
-        floor = WIDER_SLACK * max((ratios[p.name][0] for p in timed if not decoded[p.name].needs_drafter
-                                   and width_of[p.name] <= width_of[plan.name]), default=0.0)
-        best = min([per_chunk_s(p.name, ratios[p.name][0]) for p in timed] + known, default=math.inf)
-        if plan != AR and timed and (per_chunk_s(plan.name, floor) > CONTENDER * best or not fits(first_run)):
-            floors[plan.name] = floor
-        else:
-            start, prepared = clock(), prepare_s
-            time_plan(plan, FIRST_STEPS)
-            first_run = clock() - start - (prepare_s - prepared)  # with its warm-up
+    try:
+        first_run = 0.0  # seconds the last first run took, warm-up included
+        for plan in todo:  # round 1, narrowest verify first
+            bar.set_postfix_str(plan.name)
+            timed = [p for p in todo if ratios[p.name]]
+            floor = WIDER_SLACK * max((ratios[p.name][0] for p in timed if not decoded[p.name].needs_drafter
+                                       and width_of[p.name] <= width_of[plan.name]), default=0.0)
+            best = min([per_chunk_s(p.name, ratios[p.name][0]) for p in timed] + known, default=math.inf)
+            if plan != AR and timed and (per_chunk_s(plan.name, floor) > CONTENDER * best or not fits(first_run)):
+                floors[plan.name] = floor
+            else:
+                start, prepared = clock(), prepare_s
+                time_plan(plan, FIRST_STEPS)
+                first_run = clock() - start - (prepare_s - prepared)  # with its warm-up
+            tick()
+        measured = [p for p in todo if ratios[p.name]]
+        if measured:
+            estimate = {p.name: per_chunk_s(p.name, ratios[p.name][0]) for p in measured}
+            best = min([*estimate.values(), *known])
+            contenders = [p for p in measured if p == AR or estimate[p.name] <= CONTENDER * best]
+            r, out_of_time = 1, False
+            while contenders and r < MAX_ROUNDS and not out_of_time:
+                if r >= ROUNDS:
+                    estimate = {p.name: per_chunk_s(p.name, statistics.median(ratios[p.name])) for p in measured}
+                    best = min(estimate[p.name] for p in contenders)
+                    contenders = [p for p in contenders if estimate[p.name] <= CLOSE * best]  # the leader at least
+                for plan in (contenders if r % 2 else contenders[::-1]):  # alternating order
+                    if not fits(took[plan.name] * TIMED_STEPS):
+                        out_of_time = True
+                        break
+                    bar.set_postfix_str(plan.name)
+                    time_plan(plan, TIMED_STEPS)
+                    tick()
+                r += 1
+            if len(ar_steps) < 2 or fits(statistics.median(ar_steps) * TIMED_STEPS + entry["fixed_s"]):
+                # a closing reference: the load at the end of the timing against its start (`disturbance`)
+                ar_steps.append(step_seconds(ar, float(block - 1), TIMED_STEPS, 0.5))
+            entry["ar_reference_s"] = list(ar_steps)
+            ar_s = statistics.median(ar_steps)
+            for plan in measured:
+                entry["plans"][plan.name] = {"step_s": statistics.median(ratios[plan.name]) * ar_s,
+                                             "ratio_to_ar": [round(x, 4) for x in ratios[plan.name]],
+                                             "attended": attended_by_plan.get(plan.name, 0.5)}
+            for name, floor in floors.items():
+                entry["plans"][name] = {"step_s": floor * ar_s, "lower_bound": True}
         tick()
-    measured = [p for p in todo if ratios[p.name]]
-    if measured:
-        estimate = {p.name: per_chunk_s(p.name, ratios[p.name][0]) for p in measured}
-        best = min([*estimate.values(), *known])
-        contenders = [p for p in measured if p == AR or estimate[p.name] <= CONTENDER * best]
-        r, out_of_time = 1, False
-        while contenders and r < MAX_ROUNDS and not out_of_time:
-            if r >= ROUNDS:
-                estimate = {p.name: per_chunk_s(p.name, statistics.median(ratios[p.name])) for p in measured}
-                best = min(estimate[p.name] for p in contenders)
-                contenders = [p for p in contenders if estimate[p.name] <= CLOSE * best]  # the leader at least
-            for plan in (contenders if r % 2 else contenders[::-1]):  # alternating order
-                if not fits(took[plan.name] * TIMED_STEPS):
-                    out_of_time = True
-                    break
-                bar.set_postfix_str(plan.name)
-                time_plan(plan, TIMED_STEPS)
-                tick()
-            r += 1
-        ar_s = statistics.median(ar_steps)
-        for plan in measured:
-            entry["plans"][plan.name] = {"step_s": statistics.median(ratios[plan.name]) * ar_s,
-                                         "ratio_to_ar": [round(x, 4) for x in ratios[plan.name]],
-                                         "attended": attended_by_plan.get(plan.name, 0.5)}
-        for name, floor in floors.items():
-            entry["plans"][name] = {"step_s": floor * ar_s, "lower_bound": True}
-    tick()
-    bar.total = bar.n  # done: it ends full, at the seconds it took
-    bar.close()
+        bar.total = bar.n  # done: it ends full, at the seconds it took
+    finally:  # closed before an error is reported, so the message is the last line
+        bar.close()
     entry["seconds"] = entry.get("seconds", 0.0) + clock() - t0 - prepare_s
     entry["prepare_s"] = entry.get("prepare_s", 0.0) + prepare_s
     entry["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

@@ -12,7 +12,9 @@ is a bug.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import numbers
 import statistics
 import sys
 import time
@@ -23,6 +25,7 @@ from lantern.decoding.config import DecodeConfig
 from lantern.decoding.sampling import SamplingConfig
 from lantern.plan import calibration, records
 from lantern.plan.candidates import AR, RELAXED_METHODS, Plan, candidate_plans
+from lantern.user_cache import usable_root
 
 MIN_SPEEDUP = 1.25  # a speculative plan must be predicted this much faster than AR: a prediction within 20% of
 # the measured speed-up (what auto is held to; on a 2-core VM whose wide steps have two speeds, misses reach 24%)
@@ -118,6 +121,11 @@ def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] =
     order (c2i), to predict each image from its class's steps (None: every image from all the record's);
     min_speedup: the predicted speed-up over AR a plan needs to be chosen."""
     check_min_speedup(min_speedup)
+    if isinstance(n_images, bool) or not isinstance(n_images, numbers.Integral) or n_images < 1:
+        raise ValueError(f"n_images {n_images!r} is not allowed; allowed: an integer >= 1 (the images to plan for)")
+    n_images = int(n_images)
+    calibration.budget_s()  # a bad $LANTERN_CALIBRATION_BUDGET, and
+    usable_root()  # a cache folder that cannot be used, are refused before anything is measured
     if classes is not None and len(classes) != n_images:
         raise ValueError(f"{len(classes)} class ids given for {n_images} images")
     validated = validated or {}
@@ -159,7 +167,7 @@ def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] =
         r["predicted_speedup"] = ar_s / r["predicted_seconds"] if r["predicted_seconds"] else 1.0
     # a lower bound (a plan too slow to be worth timing) is never chosen
     best = min((r for r in rows if not r.get("lower_bound")), key=lambda r: r["predicted_seconds"])
-    if best["predicted_speedup"] < min_speedup:
+    if best["predicted_speedup"] < min_speedup or costs.get("disturbed"):  # a disturbed timing: AR, the safe plan
         best = rows[0]
     plan = next(p for p in plans if p.name == best["plan"])
     pipe.release(keep=plan.decode(sampling), batch=width)  # the chosen plan keeps the runner it was timed on
@@ -177,18 +185,27 @@ def steps_by_plan(pipe, plans: list[Plan], sampling: SamplingConfig, key: str, s
     record = records.load_record(key, sampling, pipe.dtype, shipped_records)
     missing = [p for p in plans if records.plan_steps(record, p, block) is None]
     t0 = time.perf_counter()
-    if missing:
-        print(f"lantern: measuring the acceptance of {len(missing)} plan(s) for this model, sampling and dtype, "
-              f"once ({RECORD_IMAGES} images each; cached in {records.record_path(key, sampling, pipe.dtype)})",
-              file=sys.stderr)
-        cond = calibration.conditions(pipe.config, RECORD_IMAGES)
-        records.measure_record(lambda p: pipe.generate(cond, p.decode(sampling), seed=0, batch=RECORD_IMAGES),
-                               missing, record, cond if isinstance(cond, list) else None, progress)
-        pipe.release()
-        records.save_record(record)
+    with records.locked(key, sampling, pipe.dtype) if missing else contextlib.nullcontext():
+        if missing:  # read again: another process may have measured them while this one waited
+            record = records.load_record(key, sampling, pipe.dtype, shipped_records)
+            missing = [p for p in plans if records.plan_steps(record, p, block) is None]
+        if missing:
+            _measure_record(pipe, missing, record, sampling, key, progress)
     per_image = {p.name: records.per_image_steps(records.plan_steps(record, p, block),
                                                  records.plan_conditions(record, p), wanted) for p in plans}
     return per_image, time.perf_counter() - t0 if missing else 0.0
+
+
+def _measure_record(pipe, missing: list[Plan], record: dict, sampling: SamplingConfig, key: str,
+                    progress: bool) -> None:
+    print(f"lantern: measuring the acceptance of {len(missing)} plan(s) for this model, sampling and dtype, "
+          f"once ({RECORD_IMAGES} images each; cached in {records.record_path(key, sampling, pipe.dtype)})",
+          file=sys.stderr)
+    cond = calibration.conditions(pipe.config, RECORD_IMAGES)
+    records.measure_record(lambda p: pipe.generate(cond, p.decode(sampling), seed=0, batch=RECORD_IMAGES),
+                           missing, record, cond if isinstance(cond, list) else None, progress)
+    pipe.release()
+    records.save_record(record)
 
 
 def machine_costs(pipe, plans: list[Plan], sampling: SamplingConfig, key: str, width: int,
@@ -197,20 +214,23 @@ def machine_costs(pipe, plans: list[Plan], sampling: SamplingConfig, key: str, w
     steps per plan: a plan is timed over the steps and at the attention width of the request's first chunk),
     where it is kept, and the seconds spent timing and preparing runners for it (0, 0 when it was cached)."""
     key_c = calibration.calibration_key(pipe.backend.name, pipe.dtype, key)
-    data = calibration.load_calibration(key_c)
-    entry = data["widths"].get(str(width))
-    lacking = [p for p in plans if not entry or p.name not in entry["plans"]]
     path = calibration.calibration_path(key_c)
-    if not lacking:
-        return entry, f"calibration cached in {path}", 0.0, 0.0
-    print(f"lantern: calibrating {len(lacking)} plan(s) on {pipe.backend.name} ({pipe.dtype}) at {width} "
-          f"image(s) per step, once (cached in {path}; `lantern profile run` refreshes it)", file=sys.stderr)
-    before = (entry or {}).get("seconds", 0.0), (entry or {}).get("prepare_s", 0.0)
-    first = {p.name: steps[p.name][:width] for p in lacking}  # the first chunk's images
-    per_chunk = {name: records.expected_max(images) for name, images in first.items()}
-    attended = {name: records.attended_fraction(images) for name, images in first.items()}
-    entry = calibration.measure_width(pipe, lacking, sampling, width, per_chunk, entry, progress, attended)
-    data["widths"][str(width)] = entry
-    calibration.save_calibration(data)
-    return (entry, f"calibration cached in {path}", entry["seconds"] - before[0],
-            entry["prepare_s"] - before[1])
+    before: list[float] = []  # (seconds, prepare_s) of the entry before measuring; empty when nothing was
+
+    def measure(entry: Optional[dict]) -> dict:
+        lacking = [p for p in plans if not entry or p.name not in entry["plans"]]
+        print(f"lantern: calibrating {len(lacking)} plan(s) on {pipe.backend.name} ({pipe.dtype}) at {width} "
+              f"image(s) per step, once (cached in {path}; `lantern profile run` refreshes it)", file=sys.stderr)
+        before.extend(((entry or {}).get("seconds", 0.0), (entry or {}).get("prepare_s", 0.0)))
+        first = {p.name: steps[p.name][:width] for p in lacking}  # the first chunk's images
+        per_chunk = {name: records.expected_max(images) for name, images in first.items()}
+        attended = {name: records.attended_fraction(images) for name, images in first.items()}
+        return calibration.measure_width(pipe, lacking, sampling, width, per_chunk, entry, progress, attended)
+    entry, where, disturbed = calibration.cached_or_measured(key_c, width, [p.name for p in plans], measure)
+    source = (f"calibration disturbed ({disturbed}), not cached" if disturbed
+              else f"calibration cached in {where}")
+    if disturbed:
+        entry = {**entry, "disturbed": disturbed}
+    if not before:
+        return entry, source, 0.0, 0.0
+    return entry, source, entry["seconds"] - before[0], entry["prepare_s"] - before[1]

@@ -34,7 +34,7 @@ from typing import Callable, Optional, Sequence
 
 from lantern.decoding.sampling import SamplingConfig
 from lantern.plan.candidates import AR, Plan
-from lantern.user_cache import cache_root, read_json, write_json
+from lantern.user_cache import cache_root, entry_folder, entry_lock, field_problem, read_entry, write_entry
 
 
 def sampling_key(sampling: SamplingConfig) -> str:
@@ -60,11 +60,34 @@ def shipped_for(shipped: Optional[dict], dtype: str) -> Optional[dict]:
     return shipped.get(dtype) or shipped.get("fp32") or next(iter(shipped.values()), None)
 
 
+def record_problem(data: dict) -> str:
+    """'' if `data` has a cached acceptance record's shape, else what is wrong (it is then measured again)."""
+    wrong = (field_problem(data, "model", str) or field_problem(data, "sampling", dict)
+             or field_problem(data, "dtype", str) or field_problem(data, "plans", dict))
+    if wrong:
+        return wrong
+    for name, entry in data["plans"].items():
+        steps = entry.get("steps") if isinstance(entry, dict) else None
+        if (not isinstance(steps, list) or not steps
+                or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in steps)):
+            return f"plans[{name!r}]: steps must be a non-empty list of whole numbers >= 0"
+        if entry.get("conditions") is not None and not isinstance(entry["conditions"], list):
+            return f"plans[{name!r}]: conditions must be a list or null"
+    return ""
+
+
+def locked(model: str, sampling: SamplingConfig, dtype: str):
+    """The record's lock (lantern.user_cache.entry_lock): one process measures it at a time."""
+    path = record_path(model, sampling, dtype)
+    entry_folder(path.parent.name)
+    return entry_lock(path, "an acceptance record")
+
+
 def load_record(model: str, sampling: SamplingConfig, dtype: str, shipped: Optional[dict] = None) -> dict:
     """The cached record for `dtype` merged over the bundle's shipped one (`shipped`: its records by dtype; see
     `shipped_for`), each only if it is for this model and sampling."""
     out = empty_record(model, sampling, dtype)
-    for rec in (shipped_for(shipped, dtype), read_json(record_path(model, sampling, dtype))):
+    for rec in (shipped_for(shipped, dtype), read_entry(record_path(model, sampling, dtype), record_problem)):
         if matches(rec, model, sampling):
             out["plans"].update({name: {"conditions": rec.get("conditions"), **entry}
                                  for name, entry in rec["plans"].items()})
@@ -160,7 +183,8 @@ def measure_record(generate: Callable[[Plan], object], plans: Sequence[Plan], re
 
 def save_record(record: dict) -> Path:
     path = record_path(record["model"], SamplingConfig(**record["sampling"]), record["dtype"])
-    write_json(path, record)
+    entry_folder(path.parent.name)
+    write_entry(path, record)
     return path
 
 

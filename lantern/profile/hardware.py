@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from lantern import atomic_io
 from lantern.decoding.config import METHODS
 from lantern.decoding.sampling import SamplingConfig
 from lantern.decoding.trees import TREE_PRESETS
@@ -232,6 +233,14 @@ def load_profile(spec: str) -> HardwareProfile:
     return profile_from_dict(data, path)
 
 
+FIELD_TYPES = {**dict.fromkeys(("name", "description", "backend", "device", "dtype", "model"), str),
+               **dict.fromkeys(("threads", "seed", "warmup", "repeats", "generation_warmup", "generation_repeats"),
+                               int),
+               **dict.fromkeys(("backend_options", "verify_sizes_by_batch", "sampling", "probe", "tuned"), dict),
+               **dict.fromkeys(("batch_sizes", "verify_sizes", "draft_sizes", "methods", "trees", "classes"),
+                               list)}  # what each key of a profile file holds (TOML: table = dict, array = list)
+
+
 def profile_from_dict(data: dict, path: Optional[Path] = None) -> HardwareProfile:
     where = str(path) if path else "profile"
     data = dict(data)
@@ -240,6 +249,11 @@ def profile_from_dict(data: dict, path: Optional[Path] = None) -> HardwareProfil
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"{where}: unknown keys {unknown}; allowed: {sorted(known)}")
+    for key, value in data.items():
+        kind = FIELD_TYPES[key]
+        if isinstance(value, bool) or not isinstance(value, (kind, tuple) if kind is list else kind):
+            what = {str: "a string", int: "an integer", dict: "a table", list: "an array"}[kind]
+            raise ValueError(f"{where}: {key} must be {what}, got {value!r}")
     try:
         data["sampling"] = sampling_table(data.get("sampling", {}))
         probe = dict(data.get("probe", {}))
@@ -306,9 +320,9 @@ def write_tuned(profile_path: Path, tuned: dict, trees: dict) -> dict[int, Path]
     files = {}
     for batch, (fields, paths) in sorted(trees.items()):
         files[batch] = profile_path.with_suffix(f".tuned.b{batch}.json")
-        files[batch].write_text(json.dumps([list(p) for p in paths]) + "\n")
+        atomic_io.write_json(files[batch], [list(p) for p in paths], indent=None)
         table += ["", f"[tuned.b{batch}]", f"tree_file = {_toml_value(files[batch].name)}"]
         table += [f"{k} = {_toml_value(v)}" for k, v in fields.items()]
-    profile_path.write_text("\n".join(lines + table) + "\n")
+    atomic_io.write_text(profile_path, "\n".join(lines + table) + "\n")
     tomllib.loads(profile_path.read_text())  # what we wrote must read back
     return files

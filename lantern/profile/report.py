@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 from typing import Optional
 
+from lantern import atomic_io
 from lantern.profile.schema import (batch_sizes, generation_case_id, load_results, ok_cases, ok_result,
                                     seconds_per_step, step_latencies)
 
@@ -355,5 +356,5 @@ def compare(paths: list[str | Path], out_dir: str | Path, with_plots: bool = Tru
     out_dir.mkdir(parents=True, exist_ok=True)
     plots = plot(files, out_dir) if with_plots else {}
     report = out_dir / "report.md"
-    report.write_text(markdown(files, plots))
+    atomic_io.write_text(report, markdown(files, plots))
     return {"report": str(report), "plots": {k: str(v) for k, v in plots.items()}, "runs": [n for n, _ in files]}

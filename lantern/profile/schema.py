@@ -45,10 +45,10 @@ refused with a message naming `python -m lantern.profile.migrate FILE`, which up
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Optional
+
+from lantern import atomic_io
 
 SCHEMA = "lantern-profile-results"
 SCHEMA_VERSION = 2
@@ -57,6 +57,9 @@ RETIRED_VERSIONS = {1: "version 1 timed whole generations one image at a time; v
 CASE_KINDS = ("backend", "verify", "draft", "generate", "acceptance", "calibration")
 BATCHED_KINDS = ("verify", "draft", "generate")  # measured per batch size: params["batch"]
 CASE_STATUSES = ("ok", "failed")
+RESULT_FIELDS = {"backend": (), "verify": ("latency", "memory"), "draft": ("latency", "memory"),
+                 "generate": ("wall", "images", "verify_steps"), "acceptance": ("offered", "accepted", "rates"),
+                 "calibration": ("fixed_s", "plans")}  # what the report, the tuner and auto read of an ok case
 STEP_SIZE = {"verify": "N", "draft": "W"}  # the param that sizes a step case
 TOP_LEVEL = {"schema": str, "schema_version": int, "profile": dict, "backend": dict, "model": dict,
              "environment": dict, "started_at": str, "updated_at": str, "complete": bool, "cases": dict}
@@ -109,6 +112,10 @@ def _validate_case(case_id: str, case, where: str) -> None:
                           f"step), got {batch!r}")
     if status == "ok" and not isinstance(case.get("result"), dict):
         raise SchemaError(f"{where}: ok case {case_id!r} has no result object")
+    if status == "ok":
+        for name in RESULT_FIELDS[case["kind"]]:
+            if not isinstance(case["result"].get(name), (dict, list, int, float)):
+                raise SchemaError(f"{where}: ok case {case_id!r} has no result field {name!r}")
     if status == "failed" and not isinstance(case.get("error"), str):
         raise SchemaError(f"{where}: failed case {case_id!r} has no error message")
 
@@ -128,15 +135,7 @@ def save_results(data: dict, path: str | Path) -> None:
     """Validate, then write atomically (a crash mid-write never leaves half a file to resume from)."""
     path = Path(path)
     validate(data, str(path))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=False)
-        f.write("\n")
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would hide the results from the other users of a shared box
-    os.replace(tmp, path)
+    atomic_io.write_json(path, data)
 
 
 # -- case ids (the scheme is in the module doc) -------------------------------------------------------------------

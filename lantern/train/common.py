@@ -12,6 +12,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from lantern import atomic_io
+
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
@@ -58,17 +60,17 @@ class Checkpoint:
     def save(self, model: torch.nn.Module, opt: torch.optim.Optimizer, config: dict, step: int,
              seconds: float) -> None:
         """seconds: wall time spent training up to `step`, over every run that resumed this checkpoint."""
-        tmp = self.path.with_suffix(".ckpt.tmp")
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "config": config, "step": step,
-                    "seconds": seconds}, tmp)
-        os.replace(tmp, self.path)
+        with atomic_io.atomic_path(self.path) as tmp:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "config": config, "step": step,
+                        "seconds": seconds}, tmp)
 
 
 def save_weights(model: torch.nn.Module, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
     """Float32 contiguous safetensors of a module's persistent state (optional string metadata)."""
     sd = {k: v.detach().float().contiguous() if v.is_floating_point() else v.detach().contiguous()
           for k, v in model.state_dict().items()}
-    save_file(sd, str(path), metadata=metadata)
+    with atomic_io.atomic_path(path) as tmp:
+        save_file(sd, str(tmp), metadata=metadata)
 
 
 def finished_report(out_dir: str | os.PathLike, name: str, start: int, steps: int, weights: str) -> dict | None:
@@ -81,7 +83,7 @@ def finished_report(out_dir: str | os.PathLike, name: str, start: int, steps: in
 
 
 def write_json(path: str | os.PathLike, obj: dict) -> None:
-    Path(path).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    atomic_io.write_json(path, obj, indent=2, sort_keys=True)
 
 
 def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:

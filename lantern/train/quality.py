@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from lantern import atomic_io
 from lantern.bundle import Bundle
 from lantern.evaluate import evaluate
 from lantern.models.checkpoint import weights_hash
@@ -41,7 +42,8 @@ def cached_evaluation(work: str | Path, bundle: Bundle, sampling: dict, n_per_cl
     report = evaluate(bundle, generate_and_keep, n_per_class=n_per_class, seed=seed, batch_size=batch_size)
     report["sampling"] = sampling
     codes = torch.cat(chunks).contiguous()
-    save_file({"codes": codes}, str(path), metadata={"key": key, "report": json.dumps(report)})
+    with atomic_io.atomic_path(path) as tmp:
+        save_file({"codes": codes}, str(tmp), metadata={"key": key, "report": json.dumps(report)})
     return report, codes
 
 

@@ -1,0 +1,353 @@
+"""Faults around a run (docs/reliability.md): writes that never leave half a file, cache entries that are
+corrupt or in a location that cannot be used, and refusals that name their cause before any work. The
+commands run in this process (lantern.cli.main) where they can; tests/test_faults_processes.py has the ones
+that need processes of their own (concurrent first runs, signals)."""
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from lantern import atomic_io, user_cache
+from lantern.cli import main
+from lantern.plan import calibration, records
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_bundle import write_tiny_bundle  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def bundle_dir(tmp_path_factory):
+    return write_tiny_bundle(tmp_path_factory.mktemp("tiny-bundle"), drafter_too=False)
+
+
+def run(capsys, *argv) -> tuple[int, str]:
+    """Exit code and stderr of `lantern *argv` run here."""
+    code = main(list(argv))
+    return code, capsys.readouterr().err
+
+
+# -- atomic writes ----------------------------------------------------------------------------------------------
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    path = tmp_path / "entry.json"
+    atomic_io.write_json(path, {"a": 1})
+    with pytest.raises(RuntimeError):
+        with atomic_io.atomic_path(path) as tmp:
+            tmp.write_text('{"a": ')  # half written, then the writer fails
+            raise RuntimeError("stopped mid-write")
+    assert json.loads(path.read_text()) == {"a": 1} and os.listdir(tmp_path) == ["entry.json"]
+    img = Image.new("RGB", (4, 4), "red")
+    atomic_io.save_image(img, tmp_path / "x.png")  # the format comes from the destination's suffix
+    assert Image.open(tmp_path / "x.png").format == "PNG"
+    with pytest.raises(ValueError, match="unknown image format"):
+        atomic_io.save_image(img, tmp_path / "x.notanimage")
+
+
+def test_a_folder_is_swapped_in_whole(tmp_path):
+    folder = tmp_path / "graph"
+    for version in ("old", "new"):
+        with atomic_io.atomic_folder(folder) as tmp:
+            (tmp / "model.onnx").write_text(version)
+            assert not (folder / "model.onnx").exists() or (folder / "model.onnx").read_text() == "old"
+    assert (folder / "model.onnx").read_text() == "new" and os.listdir(tmp_path) == ["graph"]
+
+
+def test_temporaries_of_dead_processes_and_old_ones_are_removed(tmp_path):
+    dead = 2 ** 22 + 12345  # above Linux's pid_max default: no such process
+    stale_file = tmp_path / f".a.png.lantern-{dead}-x1y2.tmp"
+    stale_dir = tmp_path / f".verify-w5.lantern-{dead}-abcd.tmp"
+    legacy = tmp_path / f".verify-w5-b1.tmp{dead}"  # an ONNX export folder of lantern 0.1.0
+    live = tmp_path / f".b.png.lantern-{os.getpid()}-q.tmp"
+    old_live = tmp_path / f".c.png.lantern-{os.getpid()}-r.tmp"
+    for p in (stale_file, live, old_live):
+        p.write_bytes(b"half")
+    for d in (stale_dir, legacy):
+        d.mkdir()
+        (d / "model.onnx").write_bytes(b"x" * 10)
+    day_ago = time.time() - atomic_io.STALE_AFTER_S - 1
+    os.utime(old_live, (day_ago, day_ago))
+    (tmp_path / "keep.png").write_bytes(b"a real output")
+    removed = atomic_io.remove_stale(tmp_path)
+    assert sorted(removed) == sorted([stale_file, stale_dir, legacy, old_live])
+    assert sorted(os.listdir(tmp_path)) == sorted([live.name, "keep.png"])
+
+
+def test_names_the_filesystem_cannot_take_are_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"--out: the name a+\.\.\. is 300 bytes; this filesystem allows 255"):
+        atomic_io.check_fits(tmp_path / ("a" * 300) / "x.png", "--out")
+    # a name that fits, but not with the temporary's prefix and suffix it is written under
+    with pytest.raises(ValueError, match="as it writes it under a temporary name first"):
+        atomic_io.check_fits(tmp_path / ("b" * 240 + ".png"), "--out")
+    atomic_io.check_fits(tmp_path / ("c" * 100 + ".png"), "--out")
+
+
+# -- cache entries ----------------------------------------------------------------------------------------------
+CORRUPTIONS = {
+    "not UTF-8": (b"\xff\xfe{", "is not UTF-8 text"),
+    "not JSON": (b'{"key": ', "is not valid JSON"),
+    "not an object": (b"[1, 2]", "is malformed: must be a JSON object, got list"),
+}
+
+
+@pytest.mark.parametrize("kind", ["calibration", "records"])
+@pytest.mark.parametrize("corruption", [*CORRUPTIONS, "wrong shape"])
+def test_a_corrupt_cache_entry_is_named_moved_aside_and_measured_again(tmp_path, monkeypatch, capsys, kind,
+                                                                        corruption):
+    monkeypatch.setenv(user_cache.CACHE_ENV, str(tmp_path))
+    from lantern.decoding.sampling import SamplingConfig
+    sampling = SamplingConfig()
+    key = calibration.calibration_key("cpu", "fp32", "model")
+    if kind == "calibration":
+        path, load = calibration.calibration_path(key), lambda: calibration.load_calibration(key)
+        wrong = {"key": key, "widths": {"1": {"fixed_s": "fast", "plans": {}}}}
+        empty = {"key": key, "widths": {}}
+    else:
+        path = records.record_path("model", sampling, "fp32")
+        load = lambda: records.load_record("model", sampling, "fp32")  # noqa: E731
+        wrong = {**records.empty_record("model", sampling, "fp32"), "plans": {"eagle2": {"steps": "many"}}}
+        empty = records.empty_record("model", sampling, "fp32")
+    data, message = (json.dumps(wrong).encode(), "is malformed") if corruption == "wrong shape" \
+        else CORRUPTIONS[corruption]
+    path.parent.mkdir(parents=True)
+    path.write_bytes(data)
+    assert load() == empty  # measured again, as if missing
+    err = capsys.readouterr().err
+    assert f"cache entry {path} {message}" in err and "measuring it again" in err
+    aside = [p for p in path.parent.iterdir() if ".corrupt-" in p.name]
+    assert not path.exists() and len(aside) == 1 and aside[0].read_bytes() == data
+
+
+def test_a_corrupt_onnx_manifest_is_rebuilt_not_fatal(tmp_path):
+    from lantern.backends.onnx_export import MANIFEST, GRAPH, GraphKey, check_cached
+    key = GraphKey("commit", 2, 1, 8, 1, "fp32", "0" * 64)
+    folder = tmp_path / key.stem
+    folder.mkdir()
+    (folder / GRAPH).write_bytes(b"graph")
+    (folder / MANIFEST).write_bytes(b"\xff\xfe")
+    assert "is unreadable" in check_cached(key, tmp_path)
+
+
+def test_unusable_cache_locations_are_named(tmp_path, monkeypatch):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    monkeypatch.setenv(user_cache.CACHE_ENV, str(a_file))
+    with pytest.raises(user_cache.CacheUnusable, match=f"cache folder {a_file} \\(from LANTERN_CACHE_DIR\\) is a "
+                                                      f"file, not a folder"):
+        user_cache.usable_root()
+    if Path("/proc/self").exists():
+        monkeypatch.setenv(user_cache.CACHE_ENV, "/proc/lantern-cache")  # not creatable, even by root (Linux)
+        with pytest.raises(user_cache.CacheUnusable, match="/proc/lantern-cache \\(from LANTERN_CACHE_DIR\\) cannot be "
+                                                          "used"):
+            user_cache.usable_root()
+    monkeypatch.delenv(user_cache.CACHE_ENV)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(a_file / "home"))  # a service user's HOME that does not exist (nor can)
+    with pytest.raises(user_cache.CacheUnusable, match=r"from HOME \(.*\)\) cannot be used: .*set LANTERN_CACHE_DIR"):
+        user_cache.usable_root()
+    from lantern.backends import onnx_export
+    monkeypatch.setenv(onnx_export.CACHE_ENV, str(a_file))
+    with pytest.raises(user_cache.CacheUnusable, match="from LANTERN_ONNX_CACHE"):
+        onnx_export.usable_cache_dir()
+    if os.geteuid() != 0:  # root writes into read-only folders
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o555)
+        monkeypatch.setenv(user_cache.CACHE_ENV, str(ro))
+        with pytest.raises(user_cache.CacheUnusable, match="cannot be used"):
+            user_cache.usable_root()
+
+
+def test_an_unusable_cache_fails_the_command_before_any_work(tmp_path, monkeypatch, capsys, bundle_dir):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    monkeypatch.setenv(user_cache.CACHE_ENV, str(a_file))
+    code, err = run(capsys, "generate", "--model", str(bundle_dir), "--classes", "1", "--no-images")
+    assert code == 2 and "LANTERN_CACHE_DIR" in err and str(a_file) in err
+    assert "calibrating" not in err and "measuring" not in err and "Traceback" not in err
+    monkeypatch.setenv(calibration.BUDGET_ENV, "soon")
+    monkeypatch.setenv(user_cache.CACHE_ENV, str(tmp_path / "cache"))
+    code, err = run(capsys, "generate", "--model", str(bundle_dir), "--classes", "1", "--no-images")
+    assert code == 2 and "LANTERN_CALIBRATION_BUDGET='soon' is not allowed" in err
+    monkeypatch.delenv(calibration.BUDGET_ENV)
+    monkeypatch.setenv("LANTERN_ONNX_CACHE", str(a_file))
+    code, err = run(capsys, "generate", "--model", str(bundle_dir), "--classes", "1", "--no-images", "--method",
+                    "ar", "--backend", "onnx")
+    assert code == 2 and f"cache folder {a_file} (from LANTERN_ONNX_CACHE) is a file, not a folder\n" in err
+
+
+# -- disturbed calibrations -------------------------------------------------------------------------------------
+def test_a_disturbed_calibration_is_named_and_not_stored(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(user_cache.CACHE_ENV, str(tmp_path))
+    calm = {"fixed_s": 0.01, "fixed_runs_s": [0.01, 0.011, 0.01], "ar_reference_s": [0.002, 0.0021, 0.0019],
+            "plans": {"ar": {"step_s": 0.002, "ratio_to_ar": [1.0, 1.02, 0.98]}, "eagle2": {"step_s": 0.003}}}
+    assert calibration.disturbance(calm) == ""
+    assert calibration.disturbance({**calm, "ar_reference_s": [0.002, 0.0021, 0.09]}) == ""  # one late wake-up
+    slowed = {**calm, "ar_reference_s": [0.002, 0.2, 0.21]}  # the other process ran through most of it
+    assert "AR reference steps took 2 ms at the fastest and 200 ms at the median" in calibration.disturbance(slowed)
+    self_ratio = {**calm, "plans": {**calm["plans"], "ar": {"step_s": 0.2, "ratio_to_ar": [100.0, 90.0]}}}
+    assert "AR timed at 95.00x its own reference run" in calibration.disturbance(self_ratio)
+    zero = {**calm, "plans": {**calm["plans"], "eagle2": {"step_s": 0.0}}}
+    assert "eagle2 timed no slower than the fixed cost alone" in calibration.disturbance(zero)
+    key = calibration.calibration_key("cpu", "fp32", "model")
+    entry, _, why = calibration.cached_or_measured(key, 1, ["ar"], lambda entry: dict(slowed))
+    assert why and entry["plans"]["ar"]["step_s"] == 0.002 and not calibration.calibration_path(key).exists()
+    assert "calibration disturbed" in capsys.readouterr().err
+    entry, _, why = calibration.cached_or_measured(key, 1, ["ar"], lambda entry: dict(calm))
+    assert not why and calibration.load_calibration(key)["widths"]["1"] == calm
+
+
+# -- refusals before any work -----------------------------------------------------------------------------------
+def test_late_refusals_now_come_first_and_name_their_cause(tmp_path, capsys, bundle_dir):
+    model = ["--model", str(bundle_dir), "--method", "ar"]
+    out = tmp_path / "out"
+    code, err = run(capsys, "generate", *model, "--seed", str(2 ** 64), "--out", str(out))
+    assert code == 2 and f"argument --seed: {2 ** 64} is not allowed; allowed: an integer in [-{2 ** 63}, " \
+                          f"{2 ** 64 - 1}]" in err
+    code, err = run(capsys, "generate", *model, "--classes", "1", "--out", str(tmp_path / ("a" * 300)))
+    assert code == 2 and "--out: the name" in err and "this filesystem allows 255" in err
+    code, err = run(capsys, "generate", *model, "--classes", "1", "--scale", "1000000", "--out", str(out))
+    assert code == 2 and "--scale 1000000 makes a grid of" in err and "allowed: --scale <=" in err
+    code, err = run(capsys, "eval", *model, "--classes", "1", "--n-per-class", "1")
+    assert code == 2 and "no evaluator.safetensors" in err and "eval:" not in err  # before the progress bar
+    code, err = run(capsys, "eval", "--method", "ar", "--classes", "1", "--n-per-class", "1")  # the embedded model
+    assert code == 2 and "eval needs at least 2 images" in err and "--n-per-class" in err
+    code, err = run(capsys, "eval", "--method", "ar", "--classes", "1", "--n-per-class", "60", "--seed",
+                    str(2 ** 64 - 1))
+    assert code == 2 and f"eval seeds its chunks {2 ** 64 - 1}..{2 ** 64}" in err and f"{2 ** 64 - 2}]" in err
+    assert not out.exists()
+
+
+def test_memory_that_cannot_be_allocated_names_the_flag(tmp_path, capsys, bundle_dir, monkeypatch):
+    from lantern.api import Pipeline
+
+    def too_big(self, dcfg, batch):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 1099511627776 bytes. Error code 12 (Cannot allocate memory)")
+    monkeypatch.setattr(Pipeline, "runner", too_big)
+    code, err = run(capsys, "generate", "--model", str(bundle_dir), "--method", "ar", "--no-images")
+    assert code == 2 and "not enough memory for this request" in err and "lower --batch" in err
+    assert "Traceback" not in err
+
+
+def write_config(bundle_dir: Path, tmp_path: Path, edit) -> Path:
+    import shutil
+    copy = tmp_path / "bundle"
+    shutil.copytree(bundle_dir, copy)
+    config = json.loads((copy / "config.json").read_text())
+    edit(config)
+    (copy / "config.json").write_text(json.dumps(config))
+    from lantern.bundle import sha256_file
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["files"]["config.json"] = sha256_file(copy / "config.json")  # so the edit is read, not refused
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    return copy
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c["target"].update(dim="wide"), "field 'target' is malformed"),
+    (lambda c: c.pop("vq"), "field 'vq' is missing or not an object"),
+    (lambda c: c.update(sampling=[1]), "field 'sampling' must be an object"),
+])
+def test_a_malformed_bundle_config_names_file_and_field(tmp_path, capsys, bundle_dir, edit, message):
+    copy = write_config(bundle_dir, tmp_path, edit)
+    code, err = run(capsys, "generate", "--model", str(copy), "--method", "ar", "--no-images")
+    assert code == 2 and f"{copy / 'config.json'}: {message}" in err and "Traceback" not in err
+
+
+def test_a_malformed_manifest_is_named(tmp_path, capsys, bundle_dir):
+    copy = write_config(bundle_dir, tmp_path, lambda c: None)
+    (copy / "manifest.json").write_text("{not json")
+    code, err = run(capsys, "generate", "--model", str(copy), "--method", "ar", "--no-images")
+    assert code == 2 and f"{copy / 'manifest.json'} is not valid JSON" in err
+
+
+def test_unloadable_checkpoints_are_named_and_the_pickle_is_never_run(tmp_path, capsys):
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "ran"),))
+    pickled = tmp_path / "pickled.pt"
+    torch.save({"model": {"w": torch.zeros(1)}, "extra": Payload()}, pickled)
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a checkpoint")
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
+    out = tmp_path / "graphs"
+    for path, message in [(pickled, "holds Python objects besides tensors"),
+                          (garbage, "is not a readable PyTorch checkpoint"),
+                          (broken, "is not a readable safetensors file")]:
+        code, err = run(capsys, "export-onnx", "--preset", "GPT-test", "--checkpoint", str(path), "--method", "ar",
+                        "--cfg-scale", "1",
+                        "--out", str(out))
+        assert code == 2 and f"checkpoint {path} {message}" in err, err
+        assert "weights_only" not in err and "Traceback" not in err
+    assert not (tmp_path / "ran").exists()  # the pickle's payload never ran
+
+
+def test_python_api_takes_numpy_and_torch_class_ids_and_refuses_plan_0(tiny):
+    from lantern.api import Pipeline, check_classes
+    assert check_classes([np.int64(1), torch.tensor(2), np.int32(0), 3], 4) == [1, 2, 0, 3]
+    for bad, message in [(1.0, "not an integer"), (torch.tensor([1, 2]), "not an integer"), (np.int64(9), "out of range")]:
+        with pytest.raises(ValueError, match=message):
+            check_classes([bad], 4)
+    target, drafter, proximity = tiny
+    pipe = Pipeline(target, drafter, proximity, backend="cpu")
+    result = pipe.generate(torch.tensor([1, 2]), _ar(), batch=2)
+    assert result.conditions == [1, 2]
+    from lantern.decoding.sampling import SamplingConfig
+    for n in (0, -1, 1.5):
+        with pytest.raises(ValueError, match=f"n_images {n!r} is not allowed; allowed: an integer >= 1"):
+            pipe.plan(n, SamplingConfig())
+
+
+def _ar():
+    from lantern.decoding.config import method_preset
+    from lantern.decoding.sampling import SamplingConfig
+    return method_preset("ar", SamplingConfig())
+
+
+@pytest.mark.parametrize("line, message", [
+    ('threads = "many"', "threads must be an integer, got 'many'"),
+    ("batch_sizes = 4", "batch_sizes must be an array, got 4"),
+    ("repeats = 2.5", "repeats must be an integer, got 2.5"),
+    ("dtype = 3", "dtype must be a string, got 3"),
+])
+def test_a_profile_value_of_the_wrong_type_names_file_and_key(tmp_path, capsys, line, message):
+    profile = tmp_path / "mine.toml"
+    profile.write_text(f'name = "mine"\n{line}\n')
+    code, err = run(capsys, "generate", "--profile", str(profile), "--method", "ar", "--no-images")
+    assert code == 2 and f"{profile}: {message}" in err and "Traceback" not in err
+
+
+def test_a_results_file_missing_a_field_names_file_case_and_field(tmp_path, capsys):
+    from lantern.profile.schema import SCHEMA, SCHEMA_VERSION, SchemaError, load_results
+    case = {"kind": "verify", "status": "ok", "params": {"batch": 1, "N": 1}, "result": {"latency": {}}}
+    data = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "profile": {}, "backend": {}, "model": {},
+            "environment": {}, "started_at": "", "updated_at": "", "complete": True, "cases": {"verify/b1/N1": case}}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(SchemaError, match=f"{path}: ok case 'verify/b1/N1' has no result field 'memory'"):
+        load_results(path)
+    code, err = run(capsys, "profile", "compare", str(path), "--out", str(tmp_path / "report"))
+    assert code == 2 and "has no result field 'memory'" in err and "Traceback" not in err
+
+
+def test_a_run_whose_calibration_was_disturbed_keeps_ar(tiny, tmp_path, monkeypatch):
+    """A timing that makes MC-SJD look 100x cheaper than AR, with its AR references 50x apart: auto keeps AR, says
+    why, and stores nothing."""
+    from lantern.api import Pipeline
+    from lantern.decoding.sampling import SamplingConfig
+    from lantern.plan.choose import choose
+    monkeypatch.setenv(user_cache.CACHE_ENV, str(tmp_path))
+    pipe = Pipeline(tiny[0], backend="cpu")  # no drafter: the Jacobi plans, the fewest to record
+
+    def disturbed(pipe, plans, sampling, width, per_chunk, entry=None, progress=True, attended=None):
+        return {"fixed_s": 0.01, "ar_reference_s": [0.001, 0.05, 0.05], "seconds": 1.0, "prepare_s": 0.0,
+                "plans": {p.name: {"step_s": 0.001 if p.name == "ar" else 1e-5} for p in plans}}
+    monkeypatch.setattr(calibration, "measure_width", disturbed)
+    choice = choose(pipe, 1, SamplingConfig(top_k=5), progress=False)
+    assert choice.plan.name == "ar" and "calibration disturbed (its AR reference steps" in choice.cost_source
+    assert not list((tmp_path / "calibration").glob("*.json"))

@@ -1,0 +1,193 @@
+"""Faults that need processes of their own (docs/reliability.md): two first runs on one cache at once, and
+SIGINT / SIGTERM / SIGKILL during generation, calibration and export. Afterwards every file present opens, no
+temporary is left by a stopped run, and the next run succeeds. The victims of one phase run side by side on the
+tiny bundle (tests/tiny_bundle.py), to keep the suite's time down."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from lantern.plan import calibration
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_bundle import write_tiny_bundle  # noqa: E402
+
+pytestmark = pytest.mark.skipif(os.name != "posix", reason="POSIX signals (SIGKILL) and process semantics")
+TIMEOUT_S = 240  # a loaded CI machine is slow; a hung process fails the test instead of hanging it
+STOPS = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGKILL: -signal.SIGKILL}
+
+
+@pytest.fixture(scope="module")
+def bundle_dir(tmp_path_factory):
+    return write_tiny_bundle(tmp_path_factory.mktemp("tiny-bundle"), drafter_too=False)
+
+
+class Lantern:
+    """`lantern *args` in a process of its own; its stderr goes to a file the test polls."""
+
+    def __init__(self, tmp: Path, name: str, *args, **env):
+        self.err_path = tmp / f"{name}.stderr"
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1]), **env}
+        with open(self.err_path, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "lantern.cli", *args], stdout=subprocess.DEVNULL,
+                                         stderr=err, env=full_env)
+
+    @property
+    def stderr(self) -> str:
+        return self.err_path.read_text(errors="replace")
+
+    def wait_until(self, ready, what: str) -> None:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not ready():
+            assert self.proc.poll() is None, f"ended ({self.proc.returncode}) before {what}: {self.stderr[-2000:]}"
+            assert time.monotonic() < deadline, f"no {what} in {TIMEOUT_S} s"
+            time.sleep(0.02)
+
+    def wait(self) -> int:
+        return self.proc.wait(timeout=TIMEOUT_S)
+
+
+def temporaries(folder: Path) -> list[str]:
+    return [p.name for p in folder.rglob("*") if ".lantern-" in p.name and p.name.endswith(".tmp")]
+
+
+def check_stopped(victims: dict) -> None:
+    """Each victim (signal -> Lantern) exits with its code; a stopped one (not killed) says so in one line."""
+    for sig, victim in victims.items():
+        code = victim.wait()
+        assert code == STOPS[sig], (sig, code, victim.stderr[-2000:])
+        if sig != signal.SIGKILL:
+            last = victim.stderr.strip().splitlines()[-1]
+            assert "Traceback" not in victim.stderr and last.startswith("lantern: error: ")
+            assert ("interrupted (Ctrl-C)" if sig == signal.SIGINT else "terminated (SIGTERM)") in last
+
+
+def test_concurrent_first_runs_measure_once_and_store_what_a_solo_run_measures(tmp_path, bundle_dir, monkeypatch):
+    """Two first runs on one cache: one measures the acceptance record and the calibration while the other waits,
+    then reads them. What is stored agrees with a calibration measured alone, within DISTURBED."""
+    env = {"LANTERN_CACHE_DIR": str(tmp_path / "shared"), calibration.BUDGET_ENV: "1"}
+    runs = [Lantern(tmp_path, f"run{i}", "generate", "--model", str(bundle_dir), "--classes", "1", "--no-images",
+                    **env) for i in range(2)]
+    assert [r.wait() for r in runs] == [0, 0], [r.stderr[-2000:] for r in runs]
+    errs = [r.stderr for r in runs]
+    disturbed = sum("calibration disturbed" in e for e in errs)
+    assert sum("calibrating" in e for e in errs) <= 1 + disturbed  # measured once (again only if not stored)
+    assert sum("measuring the acceptance" in e for e in errs) == 1
+    stored_paths = list((tmp_path / "shared" / "calibration").glob("*.json"))
+    if not stored_paths:  # each was disturbed by the load of the machine, which the test cannot control
+        assert disturbed == 2
+        pytest.skip("both calibrations were disturbed by other processes on this machine (nothing stored)")
+    (stored_path,) = stored_paths
+    stored = json.loads(stored_path.read_text())
+    assert calibration.calibration_problem(stored) == ""
+    shared = stored["widths"]["1"]
+    assert calibration.disturbance(shared) == ""
+
+    from lantern.api import Pipeline
+    from lantern.bundle import load_bundle
+    from lantern.plan.choose import choose
+    monkeypatch.setenv("LANTERN_CACHE_DIR", str(tmp_path / "solo"))
+    monkeypatch.setenv(calibration.BUDGET_ENV, "1")
+    pipe = Pipeline.from_bundle(load_bundle(bundle_dir), backend="cpu")
+    for _ in range(3):  # a disturbed reference is no reference: it is not stored, and measured again
+        choose(pipe, 1, pipe.defaults.sampling, progress=False)
+        solo_paths = list((tmp_path / "solo" / "calibration").glob("*.json"))
+        if solo_paths:
+            break
+    else:
+        pytest.skip("three solo calibrations were disturbed by other processes on this machine")
+    solo = json.loads(solo_paths[0].read_text())["widths"]["1"]
+    for a, b in [(shared["fixed_s"], solo["fixed_s"]), (shared["plans"]["ar"]["step_s"], solo["plans"]["ar"]["step_s"])]:
+        assert max(a, b) / min(a, b) <= calibration.DISTURBED, (shared, solo)
+
+
+def seed_acceptance_record(bundle_dir: Path, caches: list[Path], monkeypatch) -> None:
+    """Measure the bundle's acceptance record once, here, and copy it into each cache: the victims of a stopped
+    calibration go straight to calibrating."""
+    import shutil
+
+    from lantern.api import Pipeline
+    from lantern.bundle import load_bundle
+    from lantern.plan.candidates import candidate_plans
+    from lantern.plan.choose import runnable, steps_by_plan
+    first = caches[0]
+    monkeypatch.setenv("LANTERN_CACHE_DIR", str(first))
+    pipe = Pipeline.from_bundle(load_bundle(bundle_dir), backend="cpu")
+    sampling = pipe.defaults.sampling
+    plans, _ = runnable(pipe, candidate_plans(False, False), sampling)
+    steps_by_plan(pipe, plans, sampling, pipe.model_key, None, False, [None])
+    for cache in caches[1:]:
+        shutil.copytree(first / "records", cache / "records")
+
+
+def test_stopped_generation_and_calibration_leave_whole_files_and_a_usable_cache(tmp_path, bundle_dir, monkeypatch):
+    """Stopped while writing images, or while calibrating: every PNG present opens, every cache entry present is
+    whole and of its shape (the stopped calibration stored nothing), a stopped run leaves no temporary, and the
+    next run into the killed ones' folder and cache succeeds: it calibrates (the killed run's lock does not hold
+    it) and clears the temporaries the kill left."""
+    classes = [str(c % 4) for c in range(24)]
+    seed_acceptance_record(bundle_dir, [tmp_path / f"cache-{sig.name}" for sig in STOPS], monkeypatch)
+    writers = {sig: Lantern(tmp_path, f"write-{sig.name}", "generate", "--model", str(bundle_dir), "--method", "ar",
+                            "--classes", *classes, "--scale", "16", "--out", str(tmp_path / f"out-{sig.name}"),
+                            LANTERN_CACHE_DIR=str(tmp_path / "unused"))
+               for sig in STOPS}
+    calibrators = {sig: Lantern(tmp_path, f"calibrate-{sig.name}", "generate", "--model", str(bundle_dir), "--classes",
+                                "1", "--no-images", LANTERN_CACHE_DIR=str(tmp_path / f"cache-{sig.name}"),
+                                **{calibration.BUDGET_ENV: "60"})
+                   for sig in STOPS}
+    for sig, writer in writers.items():
+        out = tmp_path / f"out-{sig.name}"
+        writer.wait_until(lambda: out.is_dir() and any(out.glob("*.png")), "image written")
+        writer.proc.send_signal(sig)
+    for sig, calibrator in calibrators.items():
+        calibrator.wait_until(lambda: "calibrating 1 image(s) per step" in calibrator.stderr, "calibration")
+        calibrator.proc.send_signal(sig)
+    check_stopped(writers)
+    check_stopped(calibrators)
+    for sig in STOPS:
+        out, cache = tmp_path / f"out-{sig.name}", tmp_path / f"cache-{sig.name}"
+        for png in out.glob("*.png"):
+            with Image.open(png) as im:
+                im.load()  # a half-written PNG raises here
+        assert not list(cache.rglob("*.corrupt-*")) and not list((cache / "calibration").glob("*.json"))
+        for path in cache.rglob("*.json"):
+            json.loads(path.read_text())
+        if sig != signal.SIGKILL:
+            assert temporaries(out) == [] and temporaries(cache) == []
+    again = Lantern(tmp_path, "again", "generate", "--model", str(bundle_dir), "--classes", "1", "--out",
+                    str(tmp_path / "out-SIGKILL"), LANTERN_CACHE_DIR=str(tmp_path / "cache-SIGKILL"),
+                    **{calibration.BUDGET_ENV: "1"})
+    assert again.wait() == 0, again.stderr[-2000:]
+    assert "waiting for another lantern process" not in again.stderr and "calibrating" in again.stderr
+    assert temporaries(tmp_path / "out-SIGKILL") == [] and temporaries(tmp_path / "cache-SIGKILL") == []
+
+
+def test_stopped_export_leaves_whole_graphs(tmp_path):
+    """Stopped while exporting ONNX graphs: every graph folder present matches its manifest, no temporary folder
+    is left by a stopped run, and the next export into the killed one's folder succeeds and clears it."""
+    from lantern.backends.onnx_export import MANIFEST, folder_sha256
+
+    def export(name: str, out: Path) -> Lantern:
+        return Lantern(tmp_path, name, "export-onnx", "--preset", "GPT-test", "--method", "ar", "--cfg-scale",
+                       "1", "--batch", "1", "--out", str(out))
+    victims = {sig: export(sig.name, tmp_path / sig.name) for sig in STOPS}
+    for sig, victim in victims.items():
+        out = tmp_path / sig.name
+        victim.wait_until(lambda: out.is_dir() and temporaries(out), "export under way")
+        victim.proc.send_signal(sig)
+    check_stopped(victims)
+    for sig in STOPS:
+        out = tmp_path / sig.name
+        for manifest in out.glob(f"*/{MANIFEST}"):
+            assert json.loads(manifest.read_text())["sha256"] == folder_sha256(manifest.parent)
+        if sig != signal.SIGKILL:
+            assert temporaries(out) == []
+    again = export("again", tmp_path / "SIGKILL")
+    assert again.wait() == 0, again.stderr[-2000:]
+    assert temporaries(tmp_path / "SIGKILL") == []

@@ -8,6 +8,7 @@ requests (classes, seeds) and the same warmed-up runner in both. Prints a markdo
 
     python tools/bench_engine.py [--model BUNDLE] [--backend cpu] [--methods ar lantern++ mc-sjd]
                                  [--widths 4 16] [--images 64]
+    python tools/bench_engine.py --out results/engine-cpu   # writes the results file
     python tools/bench_engine.py --quick      # a tiny random model: checks the tool runs, numbers mean nothing
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tqdm import tqdm
 from lantern.api import Pipeline
 from lantern.decoding import SamplingConfig, method_preset
 from lantern.engine import Engine, Request
+from results_io import write_results
 
 
 def tiny_pipeline(backend: str) -> tuple[Pipeline, SamplingConfig]:
@@ -75,6 +77,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="classes and request seeds of the stream")
     ap.add_argument("--quick", action="store_true", help="a tiny random model, 8 images: checks the tool runs")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    ap.add_argument("--out", help="results stem: writes <stem>.json and <stem>.md (e.g. results/engine-cpu)")
     args = ap.parse_args()
     if args.quick:
         pipe, sampling = tiny_pipeline(args.backend)
@@ -97,19 +100,31 @@ def main() -> None:
         continuous = stream(engine, requests, None)
         rows.append({"method": method, "width": width, "static": static, "continuous": continuous,
                      "speedup": continuous["images_per_s"] / static["images_per_s"]})
+    record = {"backend": pipe.backend.name, "dtype": pipe.dtype, "images": args.images, "quick": args.quick,
+              "rows": rows}
     if args.json:
-        print(json.dumps({"backend": pipe.backend.name, "dtype": pipe.dtype, "images": args.images,
-                          "quick": args.quick, "rows": rows}, indent=1))
+        print(json.dumps(record, indent=1))
         return
-    print("| method | width | static images/s | continuous images/s | speed-up | static latency mean / p90 s "
-          "| continuous latency mean / p90 s |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        s, c = r["static"], r["continuous"]
-        print(f"| {r['method']} | {r['width']} | {s['images_per_s']:.3f} | {c['images_per_s']:.3f} | "
-              f"{r['speedup']:.2f}x | {s['latency_mean_s']:.2f} / {s['latency_p90_s']:.2f} | "
-              f"{c['latency_mean_s']:.2f} / {c['latency_p90_s']:.2f} |")
+    if args.out:
+        write_results(args.out, record, markdown)
+    else:
+        print(markdown(record))
 
+
+def markdown(record: dict) -> str:
+    lines = [f"Static chunks against continuous batching ({record['backend']} {record['dtype']}, a stream of "
+             f"{record['images']} requests with random classes and seeds; latency from the stream's start).", "",
+             "| method | width | static images/s | continuous images/s | speed-up | static latency mean / p90 s "
+             "| continuous latency mean / p90 s |", "|---|---|---|---|---|---|---|"]
+    for r in record["rows"]:
+        s, c = r["static"], r["continuous"]
+        lines.append(f"| {r['method']} | {r['width']} | {s['images_per_s']:.3f} | {c['images_per_s']:.3f} | "
+                     f"{r['speedup']:.2f}x | {s['latency_mean_s']:.2f} / {s['latency_p90_s']:.2f} | "
+                     f"{c['latency_mean_s']:.2f} / {c['latency_p90_s']:.2f} |")
+    prov = record.get("provenance")
+    if prov:
+        lines += ["", f"Machine: {prov['machine']}; commit {prov['commit']}; command `{prov['command']}`."]
+    return "\n".join(lines) + "\n"
 
 if __name__ == "__main__":
     main()

@@ -101,7 +101,7 @@ def main() -> None:
         rows.append({"method": method, "width": width, "static": static, "continuous": continuous,
                      "speedup": continuous["images_per_s"] / static["images_per_s"]})
     record = {"backend": pipe.backend.name, "dtype": pipe.dtype, "images": args.images, "quick": args.quick,
-              "rows": rows}
+              "torch_threads": torch.get_num_threads(), "rows": rows}
     if args.json:
         print(json.dumps(record, indent=1))
         return
@@ -113,7 +113,8 @@ def main() -> None:
 
 def markdown(record: dict) -> str:
     lines = [f"Static chunks against continuous batching ({record['backend']} {record['dtype']}, a stream of "
-             f"{record['images']} requests with random classes and seeds; latency from the stream's start).", "",
+             f"{record['images']} requests with random classes and seeds, {record['torch_threads']} torch thread(s); "
+             f"latency from the stream's start).", "",
              "| method | width | static images/s | continuous images/s | speed-up | static latency mean / p90 s "
              "| continuous latency mean / p90 s |", "|---|---|---|---|---|---|---|"]
     for r in record["rows"]:

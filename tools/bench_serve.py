@@ -159,7 +159,8 @@ def main() -> None:
               "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                                        text=True).stdout.strip(),
               "command": " ".join(sys.argv), "model": args.model or "embedded", "backend": args.backend,
-              "batch": args.batch, "per_client": args.per_client, "rows": rows}
+              "batch": args.batch, "per_client": args.per_client,
+              "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "rows": rows}
     write_results(args.out or ROOT / "results" / f"serve-{args.backend}", record, markdown, plot)
 
 
@@ -167,6 +168,8 @@ def markdown(record: dict) -> str:
     lines = [f"# lantern serve load test ({record['backend']}, service batch {record['batch']})", "",
              f"{record['date']}, commit {record['commit']}, {record['machine']['cpus']} CPUs; `{record['command']}`; "
              f"each client sends {record['per_client']} one-image requests in turn, mixed classes.", "",
+             f"Machine: {record['provenance']['machine'] if 'provenance' in record else record['machine']['cpu']}; "
+             f"OMP_NUM_THREADS={record.get('omp_num_threads') or 'unset'} (every process).", "",
              "| mode | method (ran) | clients | images/s | p50 s | p99 s |", "|---|---|---|---|---|---|"]
     for r in record["rows"]:
         lines.append(f"| {r['mode']} | {r['method']} ({r['ran']}) | {r['clients']} | {r['images_per_s']:.2f} | "

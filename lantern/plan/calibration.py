@@ -113,7 +113,8 @@ def tokens_for(steps: int, steps_per_chunk: float, block: int) -> int:
 
 def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: int, steps_per_chunk: dict,
                   entry: dict | None = None, progress: bool = True, attended: dict | None = None,
-                  clock: Callable[[], float] = time.perf_counter) -> dict:
+                  clock: Callable[[], float] = time.perf_counter, rounds: int = ROUNDS,
+                  max_rounds: int = MAX_ROUNDS, budget_s: float | None = None) -> dict:
     """Time every plan `entry` lacks at this width. steps_per_chunk: plan name -> the loop steps a chunk of
     `width` images needs (E[max] over its images, from the acceptance record; the block where unknown), to
     size the runs and to see which plans contend; attended: plan name -> the fraction of an image its steps
@@ -135,6 +136,7 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
       reference as long per step as its last ones; a first run, warm-up included, as long as the last
       first run). A plan whose first run does not fit is kept as its floor (`lower_bound`); the rounds stop
       at the first run that does not fit.
+    rounds / max_rounds / budget_s replace ROUNDS / MAX_ROUNDS / BUDGET_S (the first-run probe of choose.py).
     Preparing runners (and exporting graphs, for ONNX) is counted apart (`prepare_s`): every later run
     reuses what it made. The runners stay prepared, so the plan chosen runs on the very runner that was timed
     (on a 2-core EPYC VM the same plan's step has differed by 10-20% between runners and processes); the
@@ -154,8 +156,10 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
         pipe.runner(dcfg, width)
         prepare_s += clock() - t
 
+    budget = BUDGET_S if budget_s is None else budget_s
+
     def fits(seconds: float) -> bool:
-        return clock() - t0 - prepare_s + seconds <= BUDGET_S
+        return clock() - t0 - prepare_s + seconds <= budget
 
     prepare(ar)
     if "fixed_s" not in entry:
@@ -191,12 +195,12 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
              if not v.get("lower_bound")]
     floors: dict[str, float] = {}  # plan -> the step ratio to AR it costs at least
     # progress in seconds of timing against the budget: how many runs it takes depends on what they measure
-    bar = tqdm(total=BUDGET_S, desc=f"calibrating {width} image(s) per step", file=sys.stderr,
+    bar = tqdm(total=budget, desc=f"calibrating {width} image(s) per step", file=sys.stderr,
                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s{postfix}",
                disable=not progress or not todo)
 
     def tick() -> None:
-        bar.n = min(clock() - t0 - prepare_s, BUDGET_S)
+        bar.n = min(clock() - t0 - prepare_s, budget)
         bar.refresh()
     first_run = 0.0  # seconds the last first run took, warm-up included
     for plan in todo:  # round 1, narrowest verify first
@@ -218,8 +222,8 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
         best = min([*estimate.values(), *known])
         contenders = [p for p in measured if p == AR or estimate[p.name] <= CONTENDER * best]
         r, out_of_time = 1, False
-        while contenders and r < MAX_ROUNDS and not out_of_time:
-            if r >= ROUNDS:
+        while contenders and r < max_rounds and not out_of_time:
+            if r >= rounds:
                 estimate = {p.name: per_chunk_s(p.name, statistics.median(ratios[p.name])) for p in measured}
                 best = min(estimate[p.name] for p in contenders)
                 contenders = [p for p in contenders if estimate[p.name] <= CLOSE * best]  # the leader at least

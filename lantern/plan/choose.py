@@ -28,6 +28,9 @@ MIN_SPEEDUP = 1.25  # a speculative plan must be predicted this much faster than
 # the measured speed-up (what auto is held to; on a 2-core VM whose wide steps have two speeds, misses reach 24%)
 # then still measures at least 1.0x, as 1.25 * (1 - 0.2) = 1. Hardware that times steadily can ask for less.
 RECORD_IMAGES = 4  # images per plan when an acceptance record must be measured here
+# The first-run probe: every plan timed once (measure_width's round 1), in at most 6 s of timing (runners'
+# preparation apart: a few seconds for eager ones), so a cold machine decides within about 10 s.
+PROBE_ROUNDS = dict(rounds=1, max_rounds=1, budget_s=6.0)
 
 
 @dataclass
@@ -195,22 +198,42 @@ def machine_costs(pipe, plans: list[Plan], sampling: SamplingConfig, key: str, w
                   steps: dict[str, list[list[float]]], progress: bool) -> tuple[dict, str, float, float]:
     """This machine's calibration at `width` (plans it lacks measured here, once; steps: each requested image's
     steps per plan: a plan is timed over the steps and at the attention width of the request's first chunk),
-    where it is kept, and the seconds spent timing and preparing runners for it (0, 0 when it was cached)."""
+    where it is kept, and the seconds spent timing and preparing runners for it (0, 0 when it was cached).
+
+    Deciding must not cost more than the generation it decides for. A width never calibrated (or plans new to
+    a first-run entry) gets the first-run probe (PROBE_ROUNDS): every plan timed once, a bounded amount of
+    work, kept as a `provisional` entry. A provisional entry is refined (timed again in full, up to
+    calibration.BUDGET_S) by the first request whose predicted AR time is at least that budget."""
     key_c = calibration.calibration_key(pipe.backend.name, pipe.dtype, key)
     data = calibration.load_calibration(key_c)
     entry = data["widths"].get(str(width))
     lacking = [p for p in plans if not entry or p.name not in entry["plans"]]
     path = calibration.calibration_path(key_c)
-    if not lacking:
-        return entry, f"calibration cached in {path}", 0.0, 0.0
+    provisional = entry is None or bool(entry.get("provisional"))
+    refine = (entry is not None and provisional and not lacking
+              and predict_seconds(width, entry["fixed_s"], entry["plans"][AR.name]["step_s"], steps[AR.name])
+              >= calibration.BUDGET_S)
+    if not lacking and not refine:
+        kind = "first-run probe " if provisional else ""
+        return entry, f"{kind}calibration cached in {path}", 0.0, 0.0
+    if refine:
+        lacking, entry = plans, None
+    probe = provisional and not refine
     print(f"lantern: calibrating {len(lacking)} plan(s) on {pipe.backend.name} ({pipe.dtype}) at {width} "
-          f"image(s) per step, once (cached in {path}; `lantern profile run` refreshes it)", file=sys.stderr)
+          f"image(s) per step, {'a first-run probe' if probe else 'in full'} (cached in {path}; "
+          f"`lantern profile run` refreshes it)", file=sys.stderr)
     before = (entry or {}).get("seconds", 0.0), (entry or {}).get("prepare_s", 0.0)
     first = {p.name: steps[p.name][:width] for p in lacking}  # the first chunk's images
     per_chunk = {name: records.expected_max(images) for name, images in first.items()}
     attended = {name: records.attended_fraction(images) for name, images in first.items()}
-    entry = calibration.measure_width(pipe, lacking, sampling, width, per_chunk, entry, progress, attended)
+    entry = calibration.measure_width(pipe, lacking, sampling, width, per_chunk, entry, progress, attended,
+                                      **(PROBE_ROUNDS if probe else {}))
+    if probe:
+        entry["provisional"] = True
+    else:
+        entry.pop("provisional", None)
     data["widths"][str(width)] = entry
     calibration.save_calibration(data)
-    return (entry, f"calibration cached in {path}", entry["seconds"] - before[0],
+    kind = "first-run probe " if probe else ""
+    return (entry, f"{kind}calibration cached in {path}", entry["seconds"] - before[0],
             entry["prepare_s"] - before[1])

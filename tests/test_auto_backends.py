@@ -4,6 +4,8 @@ import json
 
 import pytest
 
+from lantern.backends.torch_eager import CPUBackend
+
 from lantern.api import ModelDefaults, Pipeline
 from lantern.decoding.sampling import SamplingConfig
 from lantern.plan import backend_choice, calibration, choose as choose_mod
@@ -40,6 +42,7 @@ def make_pipe_factory(models):
             made[name, dtype] = Pipeline(target, drafter, proximity, backend=name, dtype=dtype,
                                          defaults=ModelDefaults(sampling=SAMPLING))
         return made[name, dtype]
+    make.made = made
     return make
 
 
@@ -201,3 +204,40 @@ def test_the_full_calibration_does_more_work_than_the_probe(cache, tiny, monkeyp
         choose(pipe, 1, SAMPLING, batch=1, progress=False)
         counts.append(work["runs"])
     assert counts[1] > counts[0]
+
+
+class TwinBackend(CPUBackend):
+    """The eager CPU backend under another name: a second mode whose calibration this test can afford."""
+
+    name = "cpu-twin"
+
+
+def test_another_mode_is_calibrated_when_the_request_pays_or_when_asked(cache, tiny, monkeypatch):
+    monkeypatch.setattr(backend_choice, "candidate_backends", lambda dtype=None: (["cpu", "cpu-twin"], [], "fp32"))
+    make = make_pipe_factory(tiny)
+    twin = make("cpu", "fp32")
+    make.made.clear()
+    twin.backend = TwinBackend()
+    make.made["cpu-twin", "fp32"] = twin
+    eager = make("cpu", "fp32")
+    seed(eager, 1, {**everything(1000.0), "ar": 50.0, "mc-sjd/L4": 25.0}, prepare_s=FREE)
+    key = calibration.calibration_key("cpu-twin", "fp32", eager.model_key)
+    # its prepare cost unknown: the prior (30 s a runner) is more than the request: not calibrated
+    skipped = choose_backend(make, 1, SAMPLING, batch=1, progress=False)
+    assert {r["backend"]: r for r in skipped.backends}["cpu-twin"]["status"].startswith("not calibrated")
+    assert not twin.prepare_seconds and not calibration.load_calibration(key)["widths"]
+    # asked to (lantern profile calibrate): AR and the two best plans, one round, then weighed
+    asked = choose_backend(make, 1, SAMPLING, batch=1, progress=False, calibrate_all=True)
+    entry = calibration.load_calibration(key)["widths"]["1"]
+    ranked = sorted((r for r in choose(eager, 1, SAMPLING, batch=1, progress=False).candidates
+                     if "predicted_seconds" in r and not r.get("lower_bound") and r["plan"] != "ar"),
+                    key=lambda r: r["predicted_seconds"])
+    assert set(entry["plans"]) == {"ar", *(r["plan"] for r in ranked[:backend_choice.CROSS_PLANS])}
+    assert entry["provisional"] and asked.calibrated_s > 0
+    assert {r["backend"]: r for r in asked.backends}["cpu-twin"]["status"] == "weighed"
+    ledger = backend_choice.load_ledger(key)["widths"]["1"]
+    assert set(ledger) == set(entry["plans"]) and all(s > 0 for s in ledger.values())
+    # the ledger now knows the twin's runners prepare fast: a later request pays for what it lacks by itself
+    calibration.save_calibration({"key": key, "widths": {}})
+    paid = choose_backend(make, 1, SAMPLING, batch=1, progress=False)
+    assert {r["backend"]: r for r in paid.backends}["cpu-twin"]["status"] == "weighed"

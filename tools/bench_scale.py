@@ -70,7 +70,8 @@ def setting(models, bundle, shape: str, dtype: str, n: int, modes: list[str], me
             runs.setdefault((mode, m), []).append({
                 "wall_seconds": s["wall_seconds"], "step_compression": s["step_compression"],
                 "mean_accepted_length": s["mean_accepted_length"], "target_forwards": s["target_forwards"],
-                "verify_s": phase_median(result.profile, "verify"), "ar_step_s": phase_median(result.profile, "decode")})
+                "verify_s": phase_median(result.profile, "verify"),
+                "ar_step_s": phase_median(result.profile, "decode")})
     for pipe in pipes.values():
         pipe.release()
     median = {k: statistics.median(r["wall_seconds"] for r in v) for k, v in runs.items()}
@@ -172,7 +173,8 @@ def markdown(rec: dict) -> str:
     for r in rec["rows"]:
         fa = r["fastest_ar"]
         lines.append(f"| {r['shape']} | {r['dtype']} | {r['images']} | {r['method']} | {r['mode']} | "
-                     f"{r['median_s']:.2f} | {fmt(r['speedup_vs_fastest_ar'], suffix='x')} ({fa['mode'] if fa else '-'})"
+                     f"{r['median_s']:.2f} | {fmt(r['speedup_vs_fastest_ar'], suffix='x')} "
+                     f"({fa['mode'] if fa else '-'})"
                      f" | {fmt(r['speedup_vs_same_mode_ar'], suffix='x')} | {r['step_compression']:.2f} | "
                      f"{fmt(r['verify_cost_ratio'])} | {fmt(r['ceiling'], suffix='x')} | {r['prepare_s']:.1f} |")
     return "\n".join(lines) + "\n"

@@ -31,7 +31,8 @@ from lantern.plan.choose import MIN_SPEEDUP, PROBE_ROUNDS, Choice, allowed_relax
 from lantern.user_cache import cache_root, read_json, write_json
 
 # The modes auto weighs, per device family (the default backend first).
-FAMILIES: dict[str, tuple[str, ...]] = {"cpu": ("cpu", "cpu-graph", "onnx"), "cuda": ("cuda", "cuda-graph", "onnx-cuda")}
+FAMILIES: dict[str, tuple[str, ...]] = {"cpu": ("cpu", "cpu-graph", "onnx"),
+                                        "cuda": ("cuda", "cuda-graph", "onnx-cuda")}
 MODES: dict[str, str] = {"cpu": "eager", "cuda": "eager", "cpu-graph": "compiled", "cuda-graph": "compiled",
                          "onnx": "onnx", "onnx-cuda": "onnx", "hpu": "graphs"}
 # Seconds to prepare one runner in a mode never prepared on this machine: a prior used only until the first
@@ -111,7 +112,7 @@ class BackendChoice:
     prepare_source: str
     baseline: dict  # the fastest AR: backend, mode, predicted_seconds (prepare included)
     backends: list = field(default_factory=list)  # every mode: predictions, or why it was not weighed
-    calibrated_s: float = 0.0  # seconds spent calibrating other modes for this choice
+    calibrated_s: float = 0.0  # seconds spent calibrating (every mode) for this choice
 
     @property
     def backend(self) -> str:
@@ -142,7 +143,7 @@ class BackendChoice:
                 "predicted_total_seconds": self.predicted_s, "prepare_seconds": self.prepare_s,
                 "prepare_source": self.prepare_source, "fastest_ar": self.baseline,
                 "speedup_over_fastest_ar": self.speedup_over_fastest_ar, "backends": self.backends,
-                "calibration_seconds": self.choice.calibrated_s + self.calibrated_s}
+                "calibration_seconds": self.calibrated_s}
 
     def summary(self) -> str:
         return f"auto chose {self.why} ({self.choice.cost_source}; {self.choice.relaxed})"
@@ -152,14 +153,44 @@ def _weighable(choice: Choice) -> list[dict]:
     return [r for r in choice.candidates if "predicted_seconds" in r and not r.get("lower_bound")]
 
 
+def _other_mode(pipe, key: dict, ledger: dict, cross: list[Plan], sampling: SamplingConfig, width: int,
+                request_s: float, calibrate_all: bool, progress: bool,
+                steps_of: Callable[[list[Plan]], dict]) -> tuple[Optional[dict], str, float]:
+    """Another mode's calibration at `width` for the plans `cross`: (entry or None, why not, seconds spent).
+    What it lacks is measured (one round, as the first-run probe) when preparing its runners is expected to cost
+    no more than the request (`request_s`), or when `calibrate_all`."""
+    data = calibration.load_calibration(key)
+    entry = data["widths"].get(str(width))
+    lacking = [p for p in cross if not entry or p.name not in entry["plans"]]
+    if not lacking:
+        return entry, "", 0.0
+    cost = sum(prepare_cost(pipe, ledger, p, sampling, width)[0] for p in lacking)
+    if not calibrate_all and cost > request_s:
+        if entry and AR.name in entry["plans"]:
+            return entry, "", 0.0  # weighed on what it has
+        return None, (f"not calibrated: preparing it, about {cost:.0f} s, would cost more than this request's "
+                      f"predicted {request_s:.1f} s; `lantern profile calibrate` calibrates it ahead"), 0.0
+    steps = steps_of(lacking)
+    first = {p.name: steps[p.name][:width] for p in lacking}  # the first chunk's images
+    before = entry["seconds"] + entry.get("prepare_s", 0.0) if entry else 0.0
+    entry = calibration.measure_width(pipe, lacking, sampling, width,
+                                      {n: records.expected_max(v) for n, v in first.items()}, entry, progress,
+                                      {n: records.attended_fraction(v) for n, v in first.items()}, **PROBE_ROUNDS)
+    entry["provisional"] = True
+    data["widths"][str(width)] = entry
+    calibration.save_calibration(data)
+    record_prepared(pipe, key, width, lacking, sampling)
+    return entry, "", entry["seconds"] + entry["prepare_s"] - before
+
+
 def choose_backend(make_pipe: Callable[[str, str], object], n_images: int, sampling: SamplingConfig,
                    batch: Optional[int] = None, allow_relaxed: bool = False, validated: Optional[dict] = None,
                    shipped_records: Optional[dict] = None, progress: bool = True,
                    classes: Optional[Sequence[int]] = None, min_speedup: Optional[float] = None,
                    dtype: Optional[str] = None, calibrate_all: bool = False) -> BackendChoice:
     """The backend, mode and plan for the request. make_pipe(backend name, dtype) -> a Pipeline of the same
-    models on that backend in that dtype (`dtype` None: the default backend's preferred); calibrate_all: calibrate every mode
-    whatever the request (ahead of time) instead of only those the request can pay for."""
+    models on that backend in that dtype (`dtype` None: the default backend's preferred); calibrate_all:
+    calibrate every mode whatever the request (ahead of time) instead of only those the request can pay for."""
     min_speedup = MIN_SPEEDUP if min_speedup is None else min_speedup
     names, left_out, dtype = candidate_backends(dtype)
     if not names:
@@ -177,37 +208,24 @@ def choose_backend(make_pipe: Callable[[str, str], object], n_images: int, sampl
     ledgers = {names[0]: record_prepared(base_pipe, calibration.calibration_key(names[0], base_pipe.dtype, key),
                                          width, list(by_name.values()), sampling)}
     request_s = min(r["predicted_seconds"] for r in _weighable(base))
+    wanted = list(classes) if classes is not None else [None] * n_images
     ranked = sorted((r for r in _weighable(base) if r["plan"] != AR.name), key=lambda r: r["predicted_seconds"])
     cross = [AR, *(by_name[r["plan"]] for r in ranked[:CROSS_PLANS])]
-    rows, spent = list(left_out), 0.0
+    rows, spent = list(left_out), base.calibrated_s
     for name in names[1:]:
         pipe = make_pipe(name, dtype)
         pipe.__dict__["model_key"] = key  # the same models: hashed once
         key_c = calibration.calibration_key(name, pipe.dtype, key)
         ledgers[name] = load_ledger(key_c)
-        data = calibration.load_calibration(key_c)
-        entry = data["widths"].get(str(width))
-        lacking = [p for p in cross if not entry or p.name not in entry["plans"]]
-        if lacking:
-            cost = sum(prepare_cost(pipe, ledgers[name], p, sampling, width)[0] for p in lacking)
-            if calibrate_all or cost <= request_s:
-                wanted = list(classes) if classes is not None else [None] * n_images
-                steps, _ = steps_by_plan(pipe, lacking, sampling, key, shipped_records, False, wanted)
-                first = {p.name: steps[p.name][:width] for p in lacking}
-                before = entry["seconds"] + entry.get("prepare_s", 0.0) if entry else 0.0
-                entry = calibration.measure_width(
-                    pipe, lacking, sampling, width, {n: records.expected_max(v) for n, v in first.items()}, entry,
-                    progress, {n: records.attended_fraction(v) for n, v in first.items()}, **PROBE_ROUNDS)
-                entry["provisional"] = True
-                data["widths"][str(width)] = entry
-                calibration.save_calibration(data)
-                spent += entry["seconds"] + entry["prepare_s"] - before
-                ledgers[name] = record_prepared(pipe, key_c, width, lacking, sampling)
-            elif not entry or AR.name not in entry["plans"]:
-                rows.append({"backend": name, "mode": mode_of(name), "status": (
-                    f"not calibrated: preparing it, about {cost:.0f} s, would cost more than this request's "
-                    f"predicted {request_s:.1f} s; `lantern profile calibrate` calibrates it ahead")})
-                continue
+        entry, status, seconds = _other_mode(pipe, key_c, ledgers[name], cross, sampling, width, request_s,
+                                             calibrate_all, progress,
+                                             lambda plans, p=pipe: steps_by_plan(p, plans, sampling, key,
+                                                                                 shipped_records, False, wanted)[0])
+        spent += seconds
+        if entry is None:
+            rows.append({"backend": name, "mode": mode_of(name), "status": status})
+            continue
+        ledgers[name] = load_ledger(key_c)
         profile = calibration.ProfileCosts(f"{name} calibration on this machine",
                                            {str(width): {**entry, "model": key}})
         choices[name] = choose(pipe, n_images, sampling, batch=batch, progress=False, profile=profile, **common)

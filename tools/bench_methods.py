@@ -8,7 +8,10 @@ evaluator (class accuracy, Frechet distance to held-out real images). Writes
 results/methods-<backend>-<dtype>.{json,md,png}, naming the CPU, commit and command.
 
     python tools/bench_methods.py [--backend cpu] [--dtype bf16] [--per-class 2] [--greedy]
-                                  [--baseline-modes eager compiled onnx] [--tokens N]
+                                  [--baseline-modes eager compiled onnx] [--tokens N] [--quick]
+
+--quick checks that the tool runs (class 0, one image, AR and MC-SJD, eager baseline, 3 tokens, no quality, a
+temporary output); its numbers mean nothing.
 """
 from __future__ import annotations
 
@@ -41,7 +44,13 @@ def main() -> None:
                                                         "that runs the dtype here: eager, compiled, onnx)")
     ap.add_argument("--tokens", type=int, help="tokens per image (default: the whole image; fewer only to check "
                                                "the tool runs: quality is then not evaluated)")
+    ap.add_argument("--quick", action="store_true", help="a check that the tool runs; its numbers mean nothing")
     args = ap.parse_args()
+    if args.quick:
+        import tempfile
+        args.classes, args.per_class, args.methods, args.baseline_modes, args.tokens = [0], 1, ["ar", "mc-sjd"], \
+            ["eager"], 3
+        args.out = args.out or str(Path(tempfile.mkdtemp(prefix="lantern-methods-quick-")) / "methods")
     if args.threads:
         torch.set_num_threads(args.threads)
     bundle = load_bundle()
@@ -94,7 +103,7 @@ def main() -> None:
     out = Path(args.out or ROOT / "results" / f"methods-{args.backend}-{args.dtype}")
     record = {"backend": args.backend, "dtype": args.dtype, "threads": torch.get_num_threads(),
               "machine": platform.processor() or platform.machine(), "torch": torch.__version__, **provenance(),
-              "fastest_ar": fastest, "baseline_modes_left_out": left_out,
+              "fastest_ar": fastest, "baseline_modes_left_out": left_out, "quick": args.quick,
               "bundle": bundle.manifest.get("name", str(bundle.path)), "greedy": args.greedy,
               "cfg_scale": sampling.cfg_scale, "classes": classes, "per_class": args.per_class,
               "date": utc_now(), "rows": rows, "real_image_reference": reference}
@@ -114,6 +123,8 @@ def markdown(rec: dict) -> str:
              "| method | s / image | speed-up vs fastest AR | speed-up vs AR (same backend) | tau (mean accepted) | "
              "step compression | class acc. | Frechet dist. | max token TV (bounded rule) |",
              "|---|---|---|---|---|---|---|---|---|"]
+    if rec.get("quick"):
+        lines[1:1] = ["", "**--quick: a check that the tool runs; the numbers mean nothing.**"]
 
     def num(x):
         return "-" if x is None else f"{x:.2f}"

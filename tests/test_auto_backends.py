@@ -33,16 +33,24 @@ def cache(module_cache, monkeypatch):
     return module_cache
 
 
+class TwinBackend(CPUBackend):
+    """The eager CPU backend under another name: a second mode whose calibration this test can afford."""
+
+    name = "cpu-twin"
+
+
 def make_pipe_factory(models):
     target, drafter, proximity = models
     made = {}
 
     def make(name, dtype):
         if (name, dtype) not in made:
-            made[name, dtype] = Pipeline(target, drafter, proximity, backend=name, dtype=dtype,
-                                         defaults=ModelDefaults(sampling=SAMPLING))
+            pipe = Pipeline(target, drafter, proximity, backend="cpu" if name == TwinBackend.name else name,
+                            dtype=dtype, defaults=ModelDefaults(sampling=SAMPLING))
+            if name == TwinBackend.name:
+                pipe.backend = TwinBackend()
+            made[name, dtype] = pipe
         return made[name, dtype]
-    make.made = made
     return make
 
 
@@ -65,15 +73,17 @@ def everything(ms: float) -> dict:
 
 @pytest.fixture
 def two_modes(monkeypatch):
-    """This machine runs eager and compiled (ONNX left out, whether installed or not)."""
+    """This machine runs eager and a compiled mode (the eager backend under another name, so choosing it compiles
+    nothing; ONNX left out, whether installed or not)."""
     out = [{"backend": "onnx", "mode": "onnx", "status": "unavailable: left out by the test"}]
+    monkeypatch.setitem(backend_choice.MODES, TwinBackend.name, "compiled")
     monkeypatch.setattr(backend_choice, "candidate_backends",
-                        lambda dtype=None: (["cpu", "cpu-graph"], out, dtype or "fp32"))
+                        lambda dtype=None: (["cpu", TwinBackend.name], out, dtype or "fp32"))
 
 
 def test_compile_cost_decides_between_eager_and_compiled(cache, tiny, two_modes):
     make = make_pipe_factory(tiny)
-    eager, compiled = make("cpu", "fp32"), make("cpu-graph", "fp32")
+    eager, compiled = make("cpu", "fp32"), make(TwinBackend.name, "fp32")
     # compiled steps cost a fifth of eager ones; Jacobi L=4 half of AR on both
     seed(eager, 1, {**everything(1000.0), "ar": 1.0, "mc-sjd/L4": 0.5}, prepare_s=FREE)
     seed(compiled, 1, {"ar": 0.2, "mc-sjd/L4": 0.1}, prepare_s={"ar": 100.0, "mc-sjd/L4": 100.0})
@@ -83,23 +93,27 @@ def test_compile_cost_decides_between_eager_and_compiled(cache, tiny, two_modes)
     assert slow_compile.choice.plan.name == "mc-sjd/L4"
     assert slow_compile.baseline["backend"] == "cpu" and slow_compile.baseline["mode"] == "eager"
     rows = {r["backend"]: r for r in slow_compile.backends}
-    assert rows["cpu-graph"]["ar_prepare_seconds"] == 100.0 and rows["onnx"]["status"].startswith("unavailable")
+    assert rows[TwinBackend.name]["ar_prepare_seconds"] == 100.0 and rows["onnx"]["status"].startswith("unavailable")
     seed(compiled, 1, {"ar": 0.2, "mc-sjd/L4": 0.1}, prepare_s={"ar": 1e-4, "mc-sjd/L4": 1e-4})
     cached = choose_backend(make, 1, SAMPLING, batch=1, progress=False)
     # a cached compile costs next to nothing: compiled wins, and the baseline is the compiled AR
-    assert cached.backend == "cpu-graph" and cached.mode == "compiled" and cached.pipeline is compiled
-    assert cached.choice.plan.name == "mc-sjd/L4" and cached.baseline["backend"] == "cpu-graph"
+    assert cached.backend == TwinBackend.name and cached.mode == "compiled" and cached.pipeline is compiled
+    assert cached.choice.plan.name == "mc-sjd/L4" and cached.baseline["backend"] == TwinBackend.name
     out = cached.to_dict()
-    assert out["backend"] == "cpu-graph" and out["mode"] == "compiled" and "fastest AR, cpu-graph" in out["why"]
+    assert out["backend"] == TwinBackend.name and out["mode"] == "compiled"
+    assert f"fastest AR, {TwinBackend.name} (compiled)" in out["why"]
     assert out["fastest_ar"]["predicted_seconds"] == pytest.approx(cached.baseline["predicted_seconds"])
     assert out["speedup_over_fastest_ar"] == pytest.approx(cached.speedup_over_fastest_ar)
     json.dumps(out)  # the --json plan is plain data
-    assert not compiled.prepare_seconds  # deciding from its cached calibration compiled nothing
+    # deciding from its cached calibration prepared only the chosen runner, and the ledger learnt its cost
+    assert len(compiled.prepare_seconds) == 1
+    key = calibration.calibration_key(TwinBackend.name, "fp32", eager.model_key)
+    assert backend_choice.load_ledger(key)["widths"]["1"]["mc-sjd/L4"] < 1.0
 
 
 def test_a_plan_must_beat_the_fastest_ar_not_its_own_backends(cache, tiny, two_modes):
     make = make_pipe_factory(tiny)
-    eager, compiled = make("cpu", "fp32"), make("cpu-graph", "fp32")
+    eager, compiled = make("cpu", "fp32"), make(TwinBackend.name, "fp32")
     seed(eager, 1, {**everything(1000.0), "ar": 1.0, "mc-sjd/L4": 0.5}, prepare_s=FREE)
     mine = choose(eager, 1, SAMPLING, batch=1, progress=False)  # reads the tiny model's acceptance record
     steps = {r["plan"]: r["steps_per_image"] for r in mine.candidates if "steps_per_image" in r}
@@ -108,19 +122,19 @@ def test_a_plan_must_beat_the_fastest_ar_not_its_own_backends(cache, tiny, two_m
     ar_ms = 1e3 * steps["mc-sjd/L4"] * 0.5e-3 / steps["ar"] * 0.95
     seed(compiled, 1, {"ar": ar_ms, "mc-sjd/L4": 1e3}, prepare_s={"ar": 0.0, "mc-sjd/L4": 0.0})
     c = choose_backend(make, 1, SAMPLING, batch=1, progress=False)
-    assert c.choice.plan == AR and c.backend == "cpu-graph" and c.baseline["backend"] == "cpu-graph"
+    assert c.choice.plan == AR and c.backend == TwinBackend.name and c.baseline["backend"] == TwinBackend.name
 
 
 def test_an_uncalibrated_mode_is_calibrated_only_when_the_request_pays_for_it(cache, tiny, two_modes):
     make = make_pipe_factory(tiny)
-    eager, compiled = make("cpu", "fp32"), make("cpu-graph", "fp32")
+    eager, compiled = make("cpu", "fp32"), make(TwinBackend.name, "fp32")
     seed(eager, 1, {**everything(1000.0), "ar": 1.0, "mc-sjd/L4": 0.5}, prepare_s=FREE)
     c = choose_backend(make, 1, SAMPLING, batch=1, progress=False)
-    row = {r["backend"]: r for r in c.backends}["cpu-graph"]
+    row = {r["backend"]: r for r in c.backends}[TwinBackend.name]
     # the prior compile cost (AR and two plans) exceeds a sub-second request: not calibrated, nothing compiled
     assert row["status"].startswith("not calibrated") and "lantern profile calibrate" in row["status"]
     assert f"{3 * PRIOR_PREPARE_S['compiled']:.0f} s" in row["status"]
-    assert not compiled.prepare_seconds and c.backend == "cpu" and "not weighed: cpu-graph" in c.why
+    assert not compiled.prepare_seconds and c.backend == "cpu" and f"not weighed: {TwinBackend.name}" in c.why
 
 
 def test_pinned_backend_wins_over_auto(monkeypatch):
@@ -207,19 +221,10 @@ def test_the_full_calibration_does_more_work_than_the_probe(cache, tiny, monkeyp
     assert ar_runs == [1, 3]
 
 
-class TwinBackend(CPUBackend):
-    """The eager CPU backend under another name: a second mode whose calibration this test can afford."""
-
-    name = "cpu-twin"
-
-
 def test_another_mode_is_calibrated_when_the_request_pays_or_when_asked(cache, tiny, monkeypatch):
     monkeypatch.setattr(backend_choice, "candidate_backends", lambda dtype=None: (["cpu", "cpu-twin"], [], "fp32"))
     make = make_pipe_factory(tiny)
-    twin = make("cpu", "fp32")
-    make.made.clear()
-    twin.backend = TwinBackend()
-    make.made["cpu-twin", "fp32"] = twin
+    twin = make(TwinBackend.name, "fp32")
     eager = make("cpu", "fp32")
     seed(eager, 1, {**everything(1000.0), "ar": 50.0, "mc-sjd/L4": 25.0}, prepare_s=FREE)
     key = calibration.calibration_key("cpu-twin", "fp32", eager.model_key)

@@ -6,7 +6,8 @@ cost model, and counts a mode's one-time cost against the request:
 
 prepare is 0 when this process already holds the prepared runner; else the seconds its last preparation on this
 machine took (compile or export included; a warm compile or ONNX cache makes a later one cheaper, and the
-ledger keeps the latest); else PRIOR_PREPARE_S of its mode until measured. The baseline is the fastest AR over
+ledger keeps the latest: the chosen runner is prepared here and its seconds recorded); else PRIOR_PREPARE_S of
+its mode until measured. The baseline is the fastest AR over
 the modes, its own prepare counted: a speculative plan must be predicted min_speedup times faster than that.
 
 Deciding must not cost more than the generation it decides for. The default backend (eager) is calibrated as
@@ -253,6 +254,8 @@ def choose_backend(make_pipe: Callable[[str, str], object], n_images: int, sampl
         if other != name:
             pipe.release()
     pipes[name].release(keep=chosen.decode, batch=width)
+    pipes[name].runner(chosen.decode, width)  # prepared here, so the ledger learns what this preparation cost
+    record_prepared(pipes[name], calibration.calibration_key(name, pipes[name].dtype, key), width, [plan], sampling)
     return BackendChoice(pipes[name], chosen, mode_of(name), prep, source,
                          {"backend": fastest_ar[1], "mode": mode_of(fastest_ar[1]),
                           "predicted_seconds": fastest_ar[0], "prepare_seconds": fastest_ar[3]},

@@ -240,7 +240,8 @@ def test_another_mode_is_calibrated_when_the_request_pays_or_when_asked(cache, t
                     key=lambda r: r["predicted_seconds"])
     assert set(entry["plans"]) == {"ar", *(r["plan"] for r in ranked[:backend_choice.CROSS_PLANS])}
     assert entry["provisional"] and asked.calibrated_s > 0
-    assert {r["backend"]: r for r in asked.backends}["cpu-twin"]["status"] == "weighed"
+    twin_row = {r["backend"]: r for r in asked.backends}["cpu-twin"]
+    assert twin_row["status"] == "weighed" and twin_row["cost_source"].startswith("first-run probe calibration cached")
     ledger = backend_choice.load_ledger(key)["widths"]["1"]
     timed = {name for name, v in entry["plans"].items() if not v.get("lower_bound")}  # (a floor is never prepared)
     assert set(ledger) == timed and all(s > 0 for s in ledger.values())

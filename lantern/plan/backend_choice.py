@@ -230,6 +230,8 @@ def choose_backend(make_pipe: Callable[[str, str], object], n_images: int, sampl
         profile = calibration.ProfileCosts(f"{name} calibration on this machine",
                                            {str(width): {**entry, "model": key}})
         choices[name] = choose(pipe, n_images, sampling, batch=batch, progress=False, profile=profile, **common)
+        kind = "first-run probe " if entry.get("provisional") else ""
+        choices[name].cost_source = f"{kind}calibration cached in {calibration.calibration_path(key_c)}"
         pipes[name] = pipe
 
     options = []  # (total seconds, backend, candidate row, prepare seconds, its source)

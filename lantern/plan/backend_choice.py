@@ -14,7 +14,8 @@ Deciding must not cost more than the generation it decides for. The default back
 choose.py does it (a bounded first-run probe on a cold machine). Another mode is calibrated -- AR and the
 CROSS_PLANS plans the default backend ranks best, one round -- only when preparing its runners (by the ledger,
 else the prior) is expected to cost no more than the request's predicted seconds; otherwise it is reported as
-not calibrated, and `calibrate_all` (`lantern profile calibrate`) calibrates it ahead of time.
+not calibrated, and `calibrate_all` (`lantern profile calibrate`) calibrates it ahead of time, then prepares
+its runners once more to record what a later process pays with the compile and export caches warm.
 """
 from __future__ import annotations
 
@@ -180,6 +181,11 @@ def _other_mode(pipe, key: dict, ledger: dict, cross: list[Plan], sampling: Samp
     entry["provisional"] = True
     data["widths"][str(width)] = entry
     calibration.save_calibration(data)
+    if calibrate_all:  # ahead of time: prepare again, as a new process would with the compile / export caches warm
+        pipe.release()
+        for plan in lacking:
+            if not entry["plans"][plan.name].get("lower_bound"):
+                pipe.runner(plan.decode(sampling), width)
     record_prepared(pipe, key, width, lacking, sampling)
     return entry, "", entry["seconds"] + entry["prepare_s"] - before
 

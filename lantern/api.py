@@ -83,6 +83,7 @@ class Pipeline:
             raise ValueError(f"a drafter was given for a {self.config.family} target, but lantern's drafters are "
                              f"EAGLE heads over LlamaGen targets only; run a Jacobi method (sjd, mc-sjd) or AR")
         self._runners: dict = {}
+        self.prepare_seconds: dict = {}  # StaticSpec -> seconds its runner took to prepare and warm up (compile)
         self._rules: dict = {}  # (rule parameters, device) -> Acceptance, its neighbourhood built once
         self.text_encoder = None  # t2i: a lantern.text.T5Conditioner, so generate() takes prompts
         self.lock = threading.RLock()  # held by generate for the whole call (and by release)
@@ -135,10 +136,16 @@ class Pipeline:
         if spec not in self._runners:
             if spec.draft_widths and self.drafter is None:
                 raise ValueError(f"drafting {dcfg.drafting!r} needs a drafter, and this pipeline has none")
+            t0 = time.perf_counter()
             runner = self.backend.prepare(self.target, self.drafter if spec.draft_widths else None, spec)
             runner.warmup()
+            self.prepare_seconds[spec] = time.perf_counter() - t0
             self._runners[spec] = runner
         return self._runners[spec]
+
+    def prepared(self, dcfg: DecodeConfig, batch: int) -> bool:
+        """Whether the runner for this static shape is already prepared (its compile or export paid)."""
+        return static_spec(dcfg, self.config, batch, self.dtype) in self._runners
 
     def _rule(self, dcfg: DecodeConfig, runner: Runner) -> Acceptance:
         """The acceptance rule of `dcfg` on the runner's device, built once and reused by every generation."""

@@ -127,7 +127,16 @@ def decode_plan(args, bundle, pipe, n_images: int, classes: Optional[list[int]] 
     if args.method != "auto":
         dcfg = decode_config_from_args(args, bundle)
         return dcfg, pipe.check(dcfg, args.batch), None
+    from lantern.plan.backend_choice import choose_backend, pinned_backend
     from lantern.profile.cli import profile_costs
+    if pinned_backend(args.backend) is None and not getattr(args, "profile", None):  # auto weighs every mode too
+        choice = choose_backend(lambda name, dtype: pipe if (name, dtype) == (pipe.backend.name, pipe.dtype) else
+                                type(pipe).from_bundle(bundle, backend=name, dtype=dtype), n_images,
+                                sampling_from_args(args, bundle), batch=args.batch, allow_relaxed=args.allow_relaxed,
+                                validated=bundle.relaxation_defaults, shipped_records=bundle.acceptance_records,
+                                classes=classes, min_speedup=args.min_speedup, dtype=args.dtype)
+        print(f"lantern: {choice.summary()}", file=sys.stderr)
+        return choice.choice.decode, choice.choice.width, choice
     profile = profile_costs(args.profile) if getattr(args, "profile", None) else None
     choice = pipe.plan(n_images, sampling_from_args(args, bundle), batch=args.batch,
                        allow_relaxed=args.allow_relaxed, profile=profile, classes=classes,
@@ -168,6 +177,7 @@ def cmd_generate(args) -> dict:
         check_outputs(Path(args.out), names, bundle.vq.config.image_size, args.scale)
     pipe = Pipeline.from_bundle(bundle, backend=args.backend, dtype=args.dtype, **options)
     dcfg, batch, choice = decode_plan(args, bundle, pipe, len(conditions), None if prompts else list(args.classes))
+    pipe = getattr(choice, "pipeline", pipe)  # auto may have chosen another backend
     result = pipe.generate(conditions, dcfg, seed=args.seed, progress=not args.json, batch=batch)
     paths, grid = [], None
     if not args.no_images:
@@ -221,6 +231,7 @@ def cmd_eval(args) -> dict:
         raise UsageError(f"--seed {args.seed}: eval seeds its chunks {args.seed}..{last_seed}, past the generator's "
                          f"range; allowed: an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1] - (last_seed - args.seed)}]")
     dcfg, batch, choice = decode_plan(args, bundle, pipe, min(n_classes * args.n_per_class, EVAL_CHUNK))
+    pipe = getattr(choice, "pipeline", pipe)  # auto may have chosen another backend
     stats = []
     from tqdm import tqdm
     bar = tqdm(total=n_classes * args.n_per_class, desc="eval", unit="image", file=sys.stderr)

@@ -381,7 +381,8 @@ def test_cli_reports_the_plan_and_says_it_calibrates(tmp_path, monkeypatch):
     monkeypatch.setenv("LANTERN_CACHE_DIR", str(tmp_path / "cache"))  # the subprocesses inherit it
     seed_calibration(Pipeline.from_bundle(bundle, backend="cpu"), 1, {"mc-sjd/L16": 1.0}, skip="mc-sjd/L4",
                      validated=bundle.relaxation_defaults)
-    runs = [lantern("generate", "--classes", "3", "--no-images", "--json") for _ in range(2)]
+    runs = [lantern("generate", "--classes", "3", "--no-images", "--json", env={"LANTERN_BACKEND": ""})
+            for _ in range(2)]
     assert all(r.returncode == 0 for r in runs), runs[0].stderr
     first, second = (json.loads(r.stdout) for r in runs)
     assert "calibrating 1 plan(s) on cpu (fp32) at 1 image(s) per step" in runs[0].stderr
@@ -393,3 +394,9 @@ def test_cli_reports_the_plan_and_says_it_calibrates(tmp_path, monkeypatch):
     rows = {c["plan"]: c for c in plan["candidates"]}
     assert {"ar", "mc-sjd/L16", "eagle2", "exact/chain-5"} <= set(rows) and rows["mc-sjd/L4"]["step_ms"] > 0
     assert second["plan"]["plan"] == "mc-sjd/L16" and second["plan"]["calibration_seconds"] == 0.0
+    # no backend pinned: auto weighed the modes; compiled was never prepared here, and its prior compile cost is
+    # more than this sub-second request, so it stays eager and says why, against the fastest AR it knows
+    assert plan["backend"] == "cpu" and plan["mode"] == "eager" and plan["fastest_ar"]["backend"] == "cpu"
+    modes = {row["backend"]: row for row in plan["backends"]}
+    assert modes["cpu"]["status"] == "weighed" and modes["cpu-graph"]["status"].startswith("not calibrated")
+    assert "fastest AR, cpu (eager)" in plan["why"]

@@ -70,7 +70,9 @@ def check_stopped(victims: dict) -> None:
 
 def test_concurrent_first_runs_measure_once_and_store_what_a_solo_run_measures(tmp_path, bundle_dir, monkeypatch):
     """Two first runs on one cache: one measures the acceptance record and the calibration while the other waits,
-    then reads them. What is stored agrees with a calibration measured alone, within DISTURBED."""
+    then reads them. What is stored agrees with a calibration measured alone, within DISTURBED. Both refine a
+    first-run probe in full (a single-round probe on this loaded machine is too noisy to compare)."""
+    probe = seed_probe_to_refine(bundle_dir, [tmp_path / "shared", tmp_path / "solo"], monkeypatch)
     env = {"LANTERN_CACHE_DIR": str(tmp_path / "shared"), calibration.BUDGET_ENV: "1"}
     runs = [Lantern(tmp_path, f"run{i}", "generate", "--model", str(bundle_dir), "--classes", "1", "--no-images",
                     **env) for i in range(2)]
@@ -79,15 +81,14 @@ def test_concurrent_first_runs_measure_once_and_store_what_a_solo_run_measures(t
     disturbed = sum("calibration disturbed" in e for e in errs)
     assert sum("calibrating" in e for e in errs) <= 1 + disturbed  # measured once (again only if not stored)
     assert sum("measuring the acceptance" in e for e in errs) == 1
-    stored_paths = list((tmp_path / "shared" / "calibration").glob("*.json"))
-    if not stored_paths:  # each was disturbed by the load of the machine, which the test cannot control
+    (stored_path,) = list((tmp_path / "shared" / "calibration").glob("*.json"))
+    if stored_path.read_text() == probe:  # each was disturbed by the load of the machine, which the test cannot control
         assert disturbed == 2
         pytest.skip("both calibrations were disturbed by other processes on this machine (nothing stored)")
-    (stored_path,) = stored_paths
     stored = json.loads(stored_path.read_text())
     assert calibration.calibration_problem(stored) == ""
     shared = stored["widths"]["1"]
-    assert calibration.disturbance(shared) == ""
+    assert calibration.disturbance(shared) == "" and "provisional" not in shared
 
     from lantern.api import Pipeline
     from lantern.bundle import load_bundle
@@ -97,12 +98,12 @@ def test_concurrent_first_runs_measure_once_and_store_what_a_solo_run_measures(t
     pipe = Pipeline.from_bundle(load_bundle(bundle_dir), backend="cpu")
     for _ in range(3):  # a disturbed reference is no reference: it is not stored, and measured again
         choose(pipe, 1, pipe.defaults.sampling, progress=False)
-        solo_paths = list((tmp_path / "solo" / "calibration").glob("*.json"))
-        if solo_paths:
+        (solo_path,) = list((tmp_path / "solo" / "calibration").glob("*.json"))
+        if solo_path.read_text() != probe:
             break
     else:
         pytest.skip("three solo calibrations were disturbed by other processes on this machine")
-    solo = json.loads(solo_paths[0].read_text())["widths"]["1"]
+    solo = json.loads(solo_path.read_text())["widths"]["1"]
     for a, b in [(shared["fixed_s"], solo["fixed_s"]), (shared["plans"]["ar"]["step_s"], solo["plans"]["ar"]["step_s"])]:
         assert max(a, b) / min(a, b) <= calibration.DISTURBED, (shared, solo)
 
@@ -126,13 +127,34 @@ def seed_acceptance_record(bundle_dir: Path, caches: list[Path], monkeypatch) ->
         shutil.copytree(first / "records", cache / "records")
 
 
+def seed_probe_to_refine(bundle_dir: Path, caches: list[Path], monkeypatch) -> str:
+    """A first-run probe's (provisional) calibration in each cache whose AR is predicted to take 100 s: the next
+    request pays for refining it in full, a calibration long enough to be stopped midway. Returns its text."""
+    from lantern.api import Pipeline
+    from lantern.bundle import load_bundle
+    from lantern.plan.candidates import candidate_plans
+    from lantern.plan.choose import runnable
+    monkeypatch.setenv("LANTERN_CACHE_DIR", str(caches[0]))
+    pipe = Pipeline.from_bundle(load_bundle(bundle_dir), backend="cpu")
+    plans, _ = runnable(pipe, candidate_plans(False, False), pipe.defaults.sampling)
+    key = calibration.calibration_key("cpu", pipe.dtype, pipe.model_key)
+    data = {"key": key, "widths": {"1": {"fixed_s": 100.0, "provisional": True,
+                                         "plans": {p.name: {"step_s": 1e-3} for p in plans}}}}
+    for cache in caches:
+        monkeypatch.setenv("LANTERN_CACHE_DIR", str(cache))
+        calibration.save_calibration(data)
+    return calibration.calibration_path(key).read_text()
+
+
 def test_stopped_generation_and_calibration_leave_whole_files_and_a_usable_cache(tmp_path, bundle_dir, monkeypatch):
-    """Stopped while writing images, or while calibrating: every PNG present opens, every cache entry present is
-    whole and of its shape (the stopped calibration stored nothing), a stopped run leaves no temporary, and the
-    next run into the killed ones' folder and cache succeeds: it calibrates (the killed run's lock does not hold
-    it) and clears the temporaries the kill left."""
+    """Stopped while writing images, or while calibrating (refining a first-run probe in full): every PNG present
+    opens, every cache entry present is whole and of its shape (the stopped calibration stored nothing), a stopped
+    run leaves no temporary, and the next run into the killed ones' folder and cache succeeds: it calibrates (the
+    killed run's lock does not hold it) and clears the temporaries the kill left."""
     classes = [str(c % 4) for c in range(24)]
-    seed_acceptance_record(bundle_dir, [tmp_path / f"cache-{sig.name}" for sig in STOPS], monkeypatch)
+    caches = [tmp_path / f"cache-{sig.name}" for sig in STOPS]
+    seed_acceptance_record(bundle_dir, caches, monkeypatch)
+    probe = seed_probe_to_refine(bundle_dir, caches, monkeypatch)
     writers = {sig: Lantern(tmp_path, f"write-{sig.name}", "generate", "--model", str(bundle_dir), "--method", "ar",
                             "--classes", *classes, "--scale", "16", "--out", str(tmp_path / f"out-{sig.name}"),
                             LANTERN_CACHE_DIR=str(tmp_path / "unused"))
@@ -150,12 +172,14 @@ def test_stopped_generation_and_calibration_leave_whole_files_and_a_usable_cache
         calibrator.proc.send_signal(sig)
     check_stopped(writers)
     check_stopped(calibrators)
+    assert all("per step, in full" in c.stderr for c in calibrators.values())  # refining, not a probe
     for sig in STOPS:
         out, cache = tmp_path / f"out-{sig.name}", tmp_path / f"cache-{sig.name}"
         for png in out.glob("*.png"):
             with Image.open(png) as im:
                 im.load()  # a half-written PNG raises here
-        assert not list(cache.rglob("*.corrupt-*")) and not list((cache / "calibration").glob("*.json"))
+        assert not list(cache.rglob("*.corrupt-*"))
+        assert [p.read_text() for p in (cache / "calibration").glob("*.json")] == [probe]  # not replaced
         for path in cache.rglob("*.json"):
             json.loads(path.read_text())
         if sig != signal.SIGKILL:

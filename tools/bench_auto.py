@@ -15,11 +15,16 @@ relaxation the bundle validated, which auto may run without being asked; --allow
 preset), as the median over seeds of the two walls' ratio on the same seed (paired, so a slow spell of the machine
 counts on both); auto's predicted speed-up over AR vs the measured one. The noise floor: AR is timed twice per seed
 as two entries (`ar` and `ar again`, identical work on the same runner); their paired ratio and its spread over
-seeds say how far apart two identical configurations land on this machine. Writes
-results/auto-cpu.{json,md,png}. Timing wants a quiet machine.
+seeds say how far apart two identical configurations land on this machine.
+Every setting is also compared with the fastest AR on this machine (tools/fastest_ar.py: AR on every mode that runs
+the dtype here -- eager, compiled, ONNX -- on the same images, once per seed and repeat, in the same run), named in
+the table. Writes results/auto-cpu.{json,md,png}, naming the CPU, commit and command. Timing wants a quiet machine.
 
     python tools/bench_auto.py [--backends cpu:fp32 cpu:bf16 onnx:fp32] [--images 1 4 10] [--seeds 0 1 2 3 4]
-                               [--repeats 3]
+                               [--repeats 3] [--baseline-modes eager compiled onnx] [--quick]
+
+--quick checks that the tool runs (cpu fp32, one image, one seed, eager baseline, 3 tokens per image, a temporary
+cache and output); its numbers mean nothing.
 """
 from __future__ import annotations
 
@@ -36,8 +41,10 @@ from lantern.api import Pipeline
 from lantern.bundle import load_bundle
 from lantern.decoding.config import METHODS, method_preset
 from lantern.decoding.sampling import SamplingConfig
+from lantern.backends import resolve_name
+from lantern.plan.backend_choice import choose_backend
 from lantern.plan.choose import choose
-from lantern.profile.environment import cpu_model
+from fastest_ar import ARBaseline, provenance, runnable_modes
 from results_io import utc_now, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +53,8 @@ AR_AGAIN = "ar again"  # AR timed a second time per seed: the noise floor
 SCREEN = 1.5  # after the first seed, only methods within this factor of the fastest run the other seeds
 
 
-def setting(bundle, backend: str, dtype: str, n: int, seeds: list[int], repeats: int) -> dict:
+def setting(bundle, backend: str, dtype: str, n: int, seeds: list[int], repeats: int,
+            baseline_modes: list[str] | None = None, tokens: int | None = None) -> dict:
     pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend=backend, dtype=dtype)
     sampling = SamplingConfig(**bundle.default_sampling)
     classes = list(range(n))
@@ -61,13 +69,32 @@ def setting(bundle, backend: str, dtype: str, n: int, seeds: list[int], repeats:
     configs.update({name: (c.decode, c.width) for name, c in choices.items()})
     for dcfg, width in configs.values():  # prepare and warm every runner before timing
         pipe.generate(classes, dcfg, batch=width, tokens=2)
+    modes, left_out = runnable_modes(dtype, baseline_modes)
+    baseline = ARBaseline(bundle.target, bundle.drafter, bundle.proximity, dtype, sampling, modes, width=n)
     runs = {m: {} for m in configs}  # method -> seed -> the walls of its repeats
+    # auto with no backend pinned (what `lantern generate` runs): it may choose another mode; only where this
+    # setting's backend is the machine's default one
+    anywhere = None
+    if backend == resolve_name("auto"):
+        def make(name, d):
+            return pipe if (name, d) == (backend, dtype) else Pipeline(bundle.target, bundle.drafter, bundle.proximity,
+                                                                       backend=name, dtype=d)
+        anywhere = choose_backend(make, n, sampling, validated=bundle.relaxation_defaults,
+                                  shipped_records=bundle.acceptance_records, progress=False, classes=classes,
+                                  dtype=dtype)
+        anywhere.pipeline.generate(classes, anywhere.choice.decode, batch=anywhere.choice.width, tokens=2)
+    any_walls: dict[int, list[float]] = {}
 
     def run(names: list[str], seed: int) -> None:
         for m in names:
             dcfg, width = configs[m]
-            wall = pipe.generate(classes, dcfg, seed=seed, batch=width).stats.wall_seconds
+            wall = pipe.generate(classes, dcfg, seed=seed, batch=width, tokens=tokens).stats.wall_seconds
             runs[m].setdefault(seed, []).append(wall)
+        baseline.time(classes, seed, tokens=tokens)
+        if anywhere is not None:
+            c = anywhere.choice
+            result = anywhere.pipeline.generate(classes, c.decode, seed=seed, batch=c.width, tokens=tokens)
+            any_walls.setdefault(seed, []).append(result.stats.wall_seconds)
 
     run(list(configs), seeds[0])  # the screen: every method once
     best = min(r[seeds[0]][0] for r in runs.values())
@@ -85,6 +112,15 @@ def setting(bundle, backend: str, dtype: str, n: int, seeds: list[int], repeats:
            "speedup_vs_ar": {m: median["ar"] / median[m] for m in median}, "planning_s": planning,
            "auto_presets": allowed, "choices": {name: c.to_dict() for name, c in choices.items()},
            "noise_floor": paired(walls[AR_AGAIN], walls["ar"])}
+    by_mode = {m: statistics.median(w) for m, w in baseline.walls.items()}
+    fastest = min(by_mode, key=by_mode.get)
+    out["fastest_ar"] = {"mode": fastest, "median_s": by_mode[fastest], "median_by_mode": by_mode,
+                         "prepare_s": baseline.prepare_s, "modes_left_out": left_out}
+    out["speedup_vs_fastest_ar"] = {m: by_mode[fastest] / median[m] for m in median}
+    if anywhere is not None:
+        any_median = statistics.median(statistics.median(w) for w in any_walls.values())
+        out["auto_any_mode"] = {"choice": anywhere.to_dict(), "walls": any_walls, "median_s": any_median,
+                                "speedup_vs_fastest_ar": by_mode[fastest] / any_median}
     out["auto_vs_fastest"] = versus_fastest(out, configs, {"auto": allowed, "auto --allow-relaxed": list(METHODS)})
     return out
 
@@ -115,8 +151,20 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     ap.add_argument("--repeats", type=int, default=3, help="runs per method and seed (their median counts)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=str(ROOT / "results" / "auto-cpu"))
+    ap.add_argument("--baseline-modes", nargs="+", help="modes whose AR is the baseline (default: every mode that "
+                                                        "runs the dtype here: eager, compiled, onnx)")
+    ap.add_argument("--quick", action="store_true", help="a check that the tool runs; its numbers mean nothing")
+    ap.add_argument("--out", help="output stem (default results/auto-cpu; --quick: a temporary folder)")
     args = ap.parse_args()
+    args.tokens = None
+    if args.quick:
+        import os
+        import tempfile
+        tmp = Path(tempfile.mkdtemp(prefix="lantern-auto-quick-"))
+        os.environ["LANTERN_CACHE_DIR"] = str(tmp / "cache")
+        args.backends, args.images, args.seeds, args.repeats = ["cpu:fp32"], [1], [0], 1
+        args.baseline_modes, args.tokens, args.out = ["eager"], 3, args.out or str(tmp / "auto")
+    args.out = args.out or str(ROOT / "results" / "auto-cpu")
     for name in ("repeats", "threads"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} {getattr(args, name)} must be >= 1")
@@ -131,13 +179,14 @@ def main() -> None:
     for spec in tqdm(args.backends, desc="backends"):
         backend, dtype = spec.split(":")
         for n in args.images:
-            rows.append(setting(bundle, backend, dtype, n, args.seeds, args.repeats))
+            rows.append(setting(bundle, backend, dtype, n, args.seeds, args.repeats, args.baseline_modes,
+                                args.tokens))
             write_results(args.out, record(args, rows), markdown, plot)
 
 
 def record(args, rows: list[dict]) -> dict:
-    return {"date": utc_now(), "cpu": cpu_model(), "threads": args.threads, "seeds": args.seeds,
-            "repeats": args.repeats, "rows": rows}
+    return {"date": utc_now(), **provenance(), "threads": args.threads, "seeds": args.seeds,
+            "repeats": args.repeats, "quick": args.quick, "rows": rows}
 
 
 def markdown(rec: dict) -> str:
@@ -151,11 +200,16 @@ def markdown(rec: dict) -> str:
              "--allow-relaxed: every preset), median of per-seed ratios [range]; 'same config' when auto ran exactly "
              "that method's configuration (same plan, same runner), where any gap is noise. "
              "Calibration: seconds timing plans, + seconds preparing runners (exporting graphs), both once per "
-             "machine, backend, dtype and B.", ""]
+             "machine, backend, dtype and B. Fastest AR: AR on every mode that runs the dtype here, on the same "
+             "images in the same run (median over seeds and repeats); x fastest AR: its wall / the entry's.", ""]
+    if rec.get("commit"):
+        lines[-1:-1] = [f"Commit {rec['commit']}; `{rec['command']}`." + (
+            " **--quick: a check that the tool runs; the numbers mean nothing.**" if rec.get("quick") else "")]
     methods = [*(m for m in rec["rows"][0]["median_s"] if m not in AUTOS), *AUTOS]
     lines += ["| backend | B | " + " | ".join(methods) + " | noise floor | auto chose | auto / fastest | predicted vs "
               "measured speed-up (auto) | auto --allow-relaxed chose | its / fastest | predicted vs measured | "
-              "calibration (s) |", "|---|---|" + "---|" * (len(methods) + 8)]
+              "calibration (s) | fastest AR (mode) | auto x fastest AR | auto, no backend pinned: chose | its x "
+              "fastest AR (predicted) |", "|---|---|" + "---|" * (len(methods) + 12)]
     for r in rec["rows"]:
         cells = [f"{r['median_s'][m]:.2f} s ({r['speedup_vs_ar'][m]:.2f}x){'*' if len(r['walls'][m]) == 1 else ''}"
                  for m in methods]
@@ -167,8 +221,15 @@ def markdown(rec: dict) -> str:
                       f"{v['predicted_speedup']:.2f} vs {v['measured_speedup']:.2f}"]
         timing = sum(r["choices"][name]["calibration_seconds"] for name in AUTOS)
         prepare = sum(r["choices"][name]["calibration_prepare_seconds"] for name in AUTOS)
+        fa = r.get("fastest_ar")
+        versus = (f" | {fa['median_s']:.2f} s ({fa['mode']}) | {r['speedup_vs_fastest_ar']['auto']:.2f}x" if fa
+                  else " | - | -")
+        a = r.get("auto_any_mode")
+        versus += (f" | {a['choice']['plan']} on {a['choice']['backend']} ({a['choice']['mode']}) | "
+                   f"{a['speedup_vs_fastest_ar']:.2f}x ({a['choice']['speedup_over_fastest_ar']:.2f}x)" if a
+                   else " | - | -")
         lines.append(f"| {r['backend']} {r['dtype']} | {r['images']} | " + " | ".join(cells) +
-                     f" | {timing:.0f} + {prepare:.0f} |")
+                     f" | {timing:.0f} + {prepare:.0f}{versus} |")
     return "\n".join(lines) + "\n"
 
 

@@ -155,16 +155,17 @@ def disturbance(entry: dict) -> str:
             or (f"{', '.join(zero)} timed no slower than the fixed cost alone" if zero else ""))
 
 
-def cached_or_measured(key: dict, width: int, names: Sequence[str],
-                       measure: Callable[[dict | None], dict]) -> tuple[dict, str, str]:
-    """The calibration entry at `width` holding every plan in `names`: the cached one if it does; else, holding
-    the calibration's lock, the cached one read again (another process may have measured it while this one
-    waited) and measure(entry or None) -> entry for what it still lacks, stored unless disturbed.
-    Returns (entry, where it is cached, '' or why it was not stored)."""
+def cached_or_measured(key: dict, width: int, names: Sequence[str], measure: Callable[[dict | None], dict],
+                       stale: Callable[[dict], bool] = lambda entry: False) -> tuple[dict, str, str]:
+    """The calibration entry at `width` holding every plan in `names`: the cached one if it does and is not
+    `stale` (stale(entry): measure it again all the same, e.g. a first-run probe the request pays refining);
+    else, holding the calibration's lock, the cached one read again (another process may have measured it while
+    this one waited) and measure(entry or None) -> entry for what it still lacks (or, stale, anew), stored
+    unless disturbed. Returns (entry, where it is cached, '' or why it was not stored)."""
     path = calibration_path(key)
 
     def lacking(entry) -> bool:
-        return not entry or any(name not in entry["plans"] for name in names)
+        return not entry or any(name not in entry["plans"] for name in names) or stale(entry)
     entry = load_calibration(key)["widths"].get(str(width))
     if not lacking(entry):
         return entry, str(path), ""
@@ -211,7 +212,8 @@ def tokens_for(steps: int, steps_per_chunk: float, block: int) -> int:
 
 def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: int, steps_per_chunk: dict,
                   entry: dict | None = None, progress: bool = True, attended: dict | None = None,
-                  clock: Callable[[], float] = time.perf_counter) -> dict:
+                  clock: Callable[[], float] = time.perf_counter, rounds: int = ROUNDS,
+                  max_rounds: int = MAX_ROUNDS, budget: float | None = None) -> dict:
     """Time every plan `entry` lacks at this width. steps_per_chunk: plan name -> the loop steps a chunk of
     `width` images needs (E[max] over its images, from the acceptance record; the block where unknown), to
     size the runs and to see which plans contend; attended: plan name -> the fraction of an image its steps
@@ -233,6 +235,7 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
       reference as long per step as its last ones; a first run, warm-up included, as long as the last
       first run). A plan whose first run does not fit is kept as its floor (`lower_bound`); the rounds stop
       at the first run that does not fit.
+    rounds / max_rounds / budget replace ROUNDS / MAX_ROUNDS / budget_s() (the first-run probe of choose.py).
     Preparing runners (and exporting graphs, for ONNX) is counted apart (`prepare_s`): every later run
     reuses what it made. The runners stay prepared, so the plan chosen runs on the very runner that was timed
     (on a 2-core EPYC VM the same plan's step has differed by 10-20% between runners and processes); the
@@ -252,7 +255,7 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
         pipe.runner(dcfg, width)
         prepare_s += clock() - t
 
-    budget = budget_s()
+    budget = budget_s() if budget is None else budget
 
     def fits(seconds: float) -> bool:
         return clock() - t0 - prepare_s + seconds <= budget
@@ -320,8 +323,8 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
             best = min([*estimate.values(), *known])
             contenders = [p for p in measured if p == AR or estimate[p.name] <= CONTENDER * best]
             r, out_of_time = 1, False
-            while contenders and r < MAX_ROUNDS and not out_of_time:
-                if r >= ROUNDS:
+            while contenders and r < max_rounds and not out_of_time:
+                if r >= rounds:
                     estimate = {p.name: per_chunk_s(p.name, statistics.median(ratios[p.name])) for p in measured}
                     best = min(estimate[p.name] for p in contenders)
                     contenders = [p for p in contenders if estimate[p.name] <= CLOSE * best]  # the leader at least

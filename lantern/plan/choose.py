@@ -31,6 +31,15 @@ MIN_SPEEDUP = 1.25  # a speculative plan must be predicted this much faster than
 # the measured speed-up (what auto is held to; on a 2-core VM whose wide steps have two speeds, misses reach 24%)
 # then still measures at least 1.0x, as 1.25 * (1 - 0.2) = 1. Hardware that times steadily can ask for less.
 RECORD_IMAGES = 4  # images per plan when an acceptance record must be measured here
+# The first-run probe: every plan timed once (measure_width's round 1), in at most 6 s of timing (runners'
+# preparation apart: a few seconds for eager ones; less when $LANTERN_CALIBRATION_BUDGET is less), so a cold
+# machine decides within about 10 s.
+PROBE_ROUNDS = dict(rounds=1, max_rounds=1, budget=6.0)
+
+
+def probe_rounds() -> dict:
+    """measure_width's arguments for a first-run probe: PROBE_ROUNDS, its budget no more than budget_s()."""
+    return {**PROBE_ROUNDS, "budget": min(PROBE_ROUNDS["budget"], calibration.budget_s())}
 
 
 @dataclass
@@ -46,6 +55,7 @@ class Choice:
     min_speedup: float = MIN_SPEEDUP  # what a plan had to be predicted at to be chosen over AR
     calibrated_s: float = 0.0  # seconds spent measuring for this choice (0 when everything was cached)
     prepared_s: float = 0.0  # seconds preparing runners (exporting graphs) to calibrate: later runs reuse them
+    disturbed: str = ""  # why the calibration's timing was disturbed (then AR alone is trusted), or ''
 
     @property
     def predicted_speedup(self) -> float:
@@ -174,7 +184,7 @@ def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] =
     return Choice(plan=plan, decode=plan.decode(sampling), width=width,
                   predicted_s=best["predicted_seconds"], predicted_ar_s=ar_s, candidates=rows + skipped,
                   cost_source=source, relaxed=why, min_speedup=min_speedup, calibrated_s=spent,
-                  prepared_s=prepared if profile is None else 0.0)
+                  prepared_s=prepared if profile is None else 0.0, disturbed=costs.get("disturbed", ""))
 
 
 def steps_by_plan(pipe, plans: list[Plan], sampling: SamplingConfig, key: str, shipped_records: Optional[dict],
@@ -212,23 +222,47 @@ def machine_costs(pipe, plans: list[Plan], sampling: SamplingConfig, key: str, w
                   steps: dict[str, list[list[float]]], progress: bool) -> tuple[dict, str, float, float]:
     """This machine's calibration at `width` (plans it lacks measured here, once; steps: each requested image's
     steps per plan: a plan is timed over the steps and at the attention width of the request's first chunk),
-    where it is kept, and the seconds spent timing and preparing runners for it (0, 0 when it was cached)."""
+    where it is kept, and the seconds spent timing and preparing runners for it (0, 0 when it was cached).
+
+    Deciding must not cost more than the generation it decides for. A width never calibrated (or plans new to
+    a first-run entry) gets the first-run probe (PROBE_ROUNDS): every plan timed once, a bounded amount of
+    work, kept as a `provisional` entry. A provisional entry is refined (timed again in full, up to
+    calibration.budget_s()) by the first request whose predicted AR time is at least that budget. Either is
+    measured under the calibration's lock and not stored when disturbed (calibration.cached_or_measured)."""
     key_c = calibration.calibration_key(pipe.backend.name, pipe.dtype, key)
     path = calibration.calibration_path(key_c)
     before: list[float] = []  # (seconds, prepare_s) of the entry before measuring; empty when nothing was
 
+    def ar_seconds(entry: dict) -> float:
+        return predict_seconds(width, entry["fixed_s"], entry["plans"][AR.name]["step_s"], steps[AR.name])
+
+    def refines(entry: dict) -> bool:  # a provisional entry this request pays for timing in full
+        return bool(entry.get("provisional")) and ar_seconds(entry) >= calibration.budget_s()
+
     def measure(entry: Optional[dict]) -> dict:
         lacking = [p for p in plans if not entry or p.name not in entry["plans"]]
+        probe = entry is None or (bool(entry.get("provisional")) and bool(lacking))
+        if not lacking:  # stale: a provisional entry refined, every plan timed again in full rounds
+            lacking, entry = plans, None
         print(f"lantern: calibrating {len(lacking)} plan(s) on {pipe.backend.name} ({pipe.dtype}) at {width} "
-              f"image(s) per step, once (cached in {path}; `lantern profile run` refreshes it)", file=sys.stderr)
+              f"image(s) per step, {'a first-run probe' if probe else 'in full'} (cached in {path}; "
+              f"`lantern profile run` refreshes it)", file=sys.stderr)
         before.extend(((entry or {}).get("seconds", 0.0), (entry or {}).get("prepare_s", 0.0)))
         first = {p.name: steps[p.name][:width] for p in lacking}  # the first chunk's images
         per_chunk = {name: records.expected_max(images) for name, images in first.items()}
         attended = {name: records.attended_fraction(images) for name, images in first.items()}
-        return calibration.measure_width(pipe, lacking, sampling, width, per_chunk, entry, progress, attended)
-    entry, where, disturbed = calibration.cached_or_measured(key_c, width, [p.name for p in plans], measure)
-    source = (f"calibration disturbed ({disturbed}), not cached" if disturbed
-              else f"calibration cached in {where}")
+        entry = calibration.measure_width(pipe, lacking, sampling, width, per_chunk, entry, progress, attended,
+                                          **(probe_rounds() if probe else {}))
+        if probe:
+            entry["provisional"] = True
+        else:
+            entry.pop("provisional", None)
+        return entry
+    entry, where, disturbed = calibration.cached_or_measured(key_c, width, [p.name for p in plans], measure,
+                                                             stale=refines)
+    kind = "first-run probe " if entry.get("provisional") else ""
+    source = (f"{kind}calibration disturbed ({disturbed}), not cached" if disturbed
+              else f"{kind}calibration cached in {where}")
     if disturbed:
         entry = {**entry, "disturbed": disturbed}
     if not before:

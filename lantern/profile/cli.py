@@ -40,6 +40,17 @@ def add_profile_commands(subparsers) -> None:
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_compare, show=print_compare)
 
+    k = sub.add_parser("calibrate", help="calibrate `--method auto` on every mode this machine runs (eager, "
+                                         "compiled, onnx), so auto can weigh them for any request")
+    k.add_argument("--model", help="bundle folder (default: the embedded model)")
+    k.add_argument("--dtype", help="fp32 | bf16 (default: the default backend's preferred)")
+    k.add_argument("--images", type=number(int, 1), default=1, help="images per request to calibrate for, >= 1 "
+                                                                  "(default 1)")
+    k.add_argument("--batch", type=number(int, 1), help="images per step (default: as auto chooses)")
+    k.add_argument("--allow-relaxed", action="store_true", help="calibrate relaxed plans too")
+    k.add_argument("--json", action="store_true")
+    k.set_defaults(func=cmd_calibrate, show=print_calibrate)
+
     t = sub.add_parser("tune", help="choose a static tree per batch size for a profile from its measurements and "
                                     "write them into the profile")
     t.add_argument("--profile", required=True, help="profile NAME or .toml FILE (its [tuned] table is rewritten)")
@@ -80,6 +91,29 @@ def print_run(out: dict) -> None:
         for case, err in out["errors"].items():
             print(f"  failed {case}: {err}")
     print(f"results: {out['results']}")
+
+
+def cmd_calibrate(args) -> dict:
+    """Every mode's calibration for the request size, measured now (compiles and exports included), cached where
+    `--method auto` reads it; prints the choice it would make."""
+    from lantern.api import Pipeline
+    from lantern.bundle import load_bundle
+    from lantern.decoding.sampling import SamplingConfig
+    from lantern.plan.backend_choice import choose_backend
+    bundle = load_bundle(args.model)
+    choice = choose_backend(lambda name, dtype: Pipeline.from_bundle(bundle, backend=name, dtype=dtype), args.images,
+                            SamplingConfig(**bundle.default_sampling), batch=args.batch,
+                            allow_relaxed=args.allow_relaxed, validated=bundle.relaxation_defaults,
+                            shipped_records=bundle.acceptance_records, dtype=args.dtype, calibrate_all=True)
+    return {**choice.to_dict(), "exit_code": EXIT_OK}
+
+
+def print_calibrate(out: dict) -> None:
+    for row in out["backends"]:
+        detail = (f"AR {row['ar_seconds']:.2f} s, best {row['best_plan']} {row['best_seconds']:.2f} s"
+                  if row["status"] == "weighed" else row["status"])
+        print(f"{row['backend']} ({row['mode']}): {detail}")
+    print(f"auto would choose {out['why']}")
 
 
 def cmd_compare(args) -> dict:

@@ -1,0 +1,300 @@
+"""`--method auto` over backends and modes. When the user pins no backend (no --backend, no $LANTERN_BACKEND),
+auto weighs every mode this machine runs -- eager, compiled (`cpu-graph`), ONNX Runtime -- with the same measured
+cost model, and counts a mode's one-time cost against the request:
+
+    T(backend, plan) = prepare(backend, plan) + the plan's predicted generation seconds there (choose.py)
+
+prepare is 0 when this process already holds the prepared runner; else the seconds its last preparation on this
+machine took (compile or export included; a warm compile or ONNX cache makes a later one cheaper, and the
+ledger keeps the latest: the chosen runner is prepared here and its seconds recorded); else PRIOR_PREPARE_S of
+its mode until measured. The baseline is the fastest AR over
+the modes, its own prepare counted: a speculative plan must be predicted min_speedup times faster than that.
+
+Deciding must not cost more than the generation it decides for. The default backend (eager) is calibrated as
+choose.py does it (a bounded first-run probe on a cold machine). Another mode is calibrated -- AR and the
+CROSS_PLANS plans the default backend ranks best, one round -- only when preparing its runners (by the ledger,
+else the prior) is expected to cost no more than the request's predicted seconds; otherwise it is reported as
+not calibrated, and `calibrate_all` (`lantern profile calibrate`) calibrates it ahead of time, then prepares
+its runners once more to record what a later process pays with the compile and export caches warm.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+from lantern.backends.registry import ENV_VAR, backend_class, get_backend, registered, resolve_name
+from lantern.decoding.sampling import SamplingConfig
+from lantern.engine.step import static_spec
+from lantern.plan import calibration, records
+from lantern.plan.candidates import AR, Plan, candidate_plans
+from lantern.plan.choose import MIN_SPEEDUP, Choice, allowed_relaxation, choose, probe_rounds, steps_by_plan
+from lantern.user_cache import cache_root, entry_folder, entry_lock, field_problem, is_number, read_entry, write_entry
+
+# The modes auto weighs, per device family (the default backend first).
+FAMILIES: dict[str, tuple[str, ...]] = {"cpu": ("cpu", "cpu-graph", "onnx"),
+                                        "cuda": ("cuda", "cuda-graph", "onnx-cuda")}
+MODES: dict[str, str] = {"cpu": "eager", "cuda": "eager", "cpu-graph": "compiled", "cuda-graph": "compiled",
+                         "onnx": "onnx", "onnx-cuda": "onnx", "hpu": "graphs"}
+# Seconds to prepare one runner in a mode never prepared on this machine: a prior used only until the first
+# preparation is measured (inductor compiles of the embedded model's steps take tens of seconds on a CPU).
+PRIOR_PREPARE_S: dict[str, float] = {"eager": 1.0, "compiled": 30.0, "onnx": 20.0, "graphs": 30.0}
+CROSS_PLANS = 2  # plans besides AR calibrated on another mode: the default backend's best
+
+
+def mode_of(backend: str) -> str:
+    return MODES.get(backend, backend)
+
+
+def pinned_backend(name: Optional[str]) -> Optional[str]:
+    """The backend the user pinned (the argument, else $LANTERN_BACKEND), or None when both say auto or nothing."""
+    raw = (name or os.environ.get(ENV_VAR) or "auto").strip().lower()
+    return None if raw == "auto" else raw
+
+
+def candidate_backends(dtype: Optional[str] = None) -> tuple[list[str], list[dict], str]:
+    """The modes auto weighs here (the default backend first) for `dtype` (None: the default backend's
+    preferred one), the others of the family with why they are left out, and the dtype."""
+    default = resolve_name("auto")
+    if dtype is None:
+        dtype = get_backend(default).capabilities().dtypes[0]
+    names, left_out = [], []
+    for name in FAMILIES.get(default, (default,)):
+        if name not in registered():
+            continue
+        avail = backend_class(name).availability()
+        if not avail.ok:
+            left_out.append({"backend": name, "mode": mode_of(name), "status": f"unavailable: {avail.reason}"})
+        elif dtype not in get_backend(name).capabilities().dtypes:
+            left_out.append({"backend": name, "mode": mode_of(name), "status": f"unavailable: no {dtype}"})
+        else:
+            names.append(name)
+    return names, left_out, dtype
+
+
+# --- the prepare ledger: seconds the last preparation of each plan's runner took on this machine ---------------
+def ledger_path(key: dict):
+    return cache_root() / "prepare" / calibration.calibration_path(key).name
+
+
+def ledger_problem(data: dict) -> str:
+    """'' if `data` has a prepare ledger's shape, else what is wrong (the ledger is then started again)."""
+    wrong = field_problem(data, "key", dict) or field_problem(data, "widths", dict)
+    if wrong:
+        return wrong
+    for width, entry in data["widths"].items():
+        if not isinstance(entry, dict):
+            return f"widths[{width!r}] must be an object"
+        for name, seconds in entry.items():
+            if not is_number(seconds) or seconds < 0:
+                return f"widths[{width!r}][{name!r}] must be a finite number of seconds >= 0"
+    return ""
+
+
+def load_ledger(key: dict) -> dict:
+    data = read_entry(ledger_path(key), ledger_problem)
+    return data if data and data.get("key") == key else {"key": key, "widths": {}}
+
+
+def record_prepared(pipe, key: dict, width: int, plans: Sequence[Plan], sampling: SamplingConfig) -> dict:
+    """Store the prepare seconds of every plan's runner this pipeline prepared (at `width`); returns the ledger."""
+    seen = {static_spec(p.decode(sampling), pipe.config, width, pipe.dtype): p.name for p in plans}
+    fresh = {seen[spec]: s for spec, s in pipe.prepare_seconds.items() if spec in seen}
+    if not fresh:
+        return load_ledger(key)
+    path = ledger_path(key)
+    entry_folder(path.parent.name)
+    with entry_lock(path, "the prepare ledger"):  # read, update and write as one: another process may add to it
+        ledger = load_ledger(key)
+        ledger["widths"].setdefault(str(width), {}).update(fresh)
+        write_entry(path, ledger)
+    return ledger
+
+
+def prepare_cost(pipe, ledger: dict, plan: Plan, sampling: SamplingConfig, width: int) -> tuple[float, str]:
+    """(seconds, source) of the one-time cost `plan` adds to a request on this pipeline's backend."""
+    if pipe.prepared(plan.decode(sampling), width):
+        return 0.0, "prepared in this process"
+    last = ledger["widths"].get(str(width), {}).get(plan.name)
+    if last is not None:
+        return float(last), "its last preparation here"
+    return PRIOR_PREPARE_S.get(mode_of(pipe.backend.name), PRIOR_PREPARE_S["compiled"]), "prior: never prepared here"
+
+
+@dataclass
+class BackendChoice:
+    pipeline: object  # the Pipeline on the chosen backend (the runner calibration prepared is kept)
+    choice: Choice  # the plan on that backend
+    mode: str
+    prepare_s: float  # one-time cost counted against the request
+    prepare_source: str
+    baseline: dict  # the fastest AR: backend, mode, predicted_seconds (prepare included)
+    backends: list = field(default_factory=list)  # every mode: predictions, or why it was not weighed
+    calibrated_s: float = 0.0  # seconds spent calibrating (every mode) for this choice
+
+    @property
+    def backend(self) -> str:
+        return self.pipeline.backend.name
+
+    @property
+    def predicted_s(self) -> float:
+        return self.prepare_s + self.choice.predicted_s
+
+    @property
+    def speedup_over_fastest_ar(self) -> float:
+        return self.baseline["predicted_seconds"] / self.predicted_s if self.predicted_s else 1.0
+
+    @property
+    def why(self) -> str:
+        b = self.baseline
+        out = (f"{self.choice.plan.name} on {self.backend} ({self.mode}): predicted {self.predicted_s:.2f} s "
+               f"({self.prepare_s:.1f} s of it preparing: {self.prepare_source}), "
+               f"{self.speedup_over_fastest_ar:.2f}x the fastest AR, {b['backend']} ({b['mode']}) at "
+               f"{b['predicted_seconds']:.2f} s")
+        unweighed = [r for r in self.backends if r.get("status") != "weighed"]
+        if unweighed:
+            out += "; not weighed: " + "; ".join(f"{r['backend']} ({r['status']})" for r in unweighed)
+        return out
+
+    def to_dict(self) -> dict:
+        return {**self.choice.to_dict(), "backend": self.backend, "mode": self.mode, "why": self.why,
+                "predicted_total_seconds": self.predicted_s, "prepare_seconds": self.prepare_s,
+                "prepare_source": self.prepare_source, "fastest_ar": self.baseline,
+                "speedup_over_fastest_ar": self.speedup_over_fastest_ar, "backends": self.backends,
+                "calibration_seconds": self.calibrated_s}
+
+    def summary(self) -> str:
+        return f"auto chose {self.why} ({self.choice.cost_source}; {self.choice.relaxed})"
+
+
+def _weighable(choice: Choice) -> list[dict]:
+    """The candidates a choice may run: every timed plan, or AR alone when its calibration was disturbed."""
+    return [r for r in choice.candidates if "predicted_seconds" in r and not r.get("lower_bound")
+            and (not choice.disturbed or r["plan"] == AR.name)]
+
+
+def _other_mode(pipe, key: dict, ledger: dict, cross: list[Plan], sampling: SamplingConfig, width: int,
+                request_s: float, calibrate_all: bool, progress: bool,
+                steps_of: Callable[[list[Plan]], dict]) -> tuple[Optional[dict], str, float]:
+    """Another mode's calibration at `width` for the plans `cross`: (entry or None, why not, seconds spent).
+    What it lacks is measured (one round, as the first-run probe, under the calibration's lock; not stored and
+    not weighed when disturbed) when preparing its runners is expected to cost no more than the request
+    (`request_s`), or when `calibrate_all`."""
+    entry = calibration.load_calibration(key)["widths"].get(str(width))
+    lacking = [p for p in cross if not entry or p.name not in entry["plans"]]
+    if not lacking:
+        return entry, "", 0.0
+    cost = sum(prepare_cost(pipe, ledger, p, sampling, width)[0] for p in lacking)
+    if not calibrate_all and cost > request_s:
+        if entry and AR.name in entry["plans"]:
+            return entry, "", 0.0  # weighed on what it has
+        return None, (f"not calibrated: preparing it, about {cost:.0f} s, would cost more than this request's "
+                      f"predicted {request_s:.1f} s; `lantern profile calibrate` calibrates it ahead"), 0.0
+    before: list[float] = []  # seconds timing and preparing in the entry before measuring; empty: nothing was
+
+    def measure(entry: Optional[dict]) -> dict:
+        todo = [p for p in cross if not entry or p.name not in entry["plans"]]  # what it lacks once locked
+        steps = steps_of(todo)
+        first = {p.name: steps[p.name][:width] for p in todo}  # the first chunk's images
+        before.append(entry["seconds"] + entry.get("prepare_s", 0.0) if entry else 0.0)
+        entry = calibration.measure_width(pipe, todo, sampling, width,
+                                          {n: records.expected_max(v) for n, v in first.items()}, entry, progress,
+                                          {n: records.attended_fraction(v) for n, v in first.items()},
+                                          **probe_rounds())
+        entry["provisional"] = True
+        return entry
+    entry, _, disturbed = calibration.cached_or_measured(key, width, [p.name for p in cross], measure)
+    if not before:  # another process calibrated it while this one waited
+        return entry, "", 0.0
+    spent = entry["seconds"] + entry["prepare_s"] - before[0]
+    if disturbed:
+        pipe.release()
+        return None, f"calibration disturbed ({disturbed}), not cached", spent
+    if calibrate_all:  # ahead of time: prepare again, as a new process would with the compile / export caches warm
+        pipe.release()
+        for plan in lacking:
+            if not entry["plans"][plan.name].get("lower_bound"):
+                pipe.runner(plan.decode(sampling), width)
+    record_prepared(pipe, key, width, lacking, sampling)
+    return entry, "", spent
+
+
+def choose_backend(make_pipe: Callable[[str, str], object], n_images: int, sampling: SamplingConfig,
+                   batch: Optional[int] = None, allow_relaxed: bool = False, validated: Optional[dict] = None,
+                   shipped_records: Optional[dict] = None, progress: bool = True,
+                   classes: Optional[Sequence[int]] = None, min_speedup: Optional[float] = None,
+                   dtype: Optional[str] = None, calibrate_all: bool = False) -> BackendChoice:
+    """The backend, mode and plan for the request. make_pipe(backend name, dtype) -> a Pipeline of the same
+    models on that backend in that dtype (`dtype` None: the default backend's preferred); calibrate_all:
+    calibrate every mode whatever the request (ahead of time) instead of only those the request can pay for."""
+    min_speedup = MIN_SPEEDUP if min_speedup is None else min_speedup
+    names, left_out, dtype = candidate_backends(dtype)
+    if not names:
+        raise ValueError(f"no backend of this machine runs {dtype}: " + "; ".join(r["status"] for r in left_out))
+    pipes = {names[0]: make_pipe(names[0], dtype)}
+    base_pipe = pipes[names[0]]
+    common = dict(allow_relaxed=allow_relaxed, validated=validated, shipped_records=shipped_records,
+                  classes=classes, min_speedup=min_speedup)
+    choices = {names[0]: choose(base_pipe, n_images, sampling, batch=batch, progress=progress, **common)}
+    base, key = choices[names[0]], base_pipe.model_key
+    width = base.width
+    allowed, _ = allowed_relaxation(allow_relaxed, validated or {})
+    by_name = {p.name: p for p in candidate_plans(base_pipe.drafter is not None, base_pipe.proximity is not None,
+                                                  allowed)}
+    ledgers = {names[0]: record_prepared(base_pipe, calibration.calibration_key(names[0], base_pipe.dtype, key),
+                                         width, list(by_name.values()), sampling)}
+    request_s = min(r["predicted_seconds"] for r in _weighable(base))
+    wanted = list(classes) if classes is not None else [None] * n_images
+    ranked = sorted((r for r in _weighable(base) if r["plan"] != AR.name), key=lambda r: r["predicted_seconds"])
+    cross = [AR, *(by_name[r["plan"]] for r in ranked[:CROSS_PLANS])]
+    rows, spent = list(left_out), base.calibrated_s
+    for name in names[1:]:
+        pipe = make_pipe(name, dtype)
+        pipe.__dict__["model_key"] = key  # the same models: hashed once
+        key_c = calibration.calibration_key(name, pipe.dtype, key)
+        ledgers[name] = load_ledger(key_c)
+        entry, status, seconds = _other_mode(pipe, key_c, ledgers[name], cross, sampling, width, request_s,
+                                             calibrate_all, progress,
+                                             lambda plans, p=pipe: steps_by_plan(p, plans, sampling, key,
+                                                                                 shipped_records, False, wanted)[0])
+        spent += seconds
+        if entry is None:
+            rows.append({"backend": name, "mode": mode_of(name), "status": status})
+            continue
+        ledgers[name] = load_ledger(key_c)
+        profile = calibration.ProfileCosts(f"{name} calibration on this machine",
+                                           {str(width): {**entry, "model": key}})
+        choices[name] = choose(pipe, n_images, sampling, batch=batch, progress=False, profile=profile, **common)
+        kind = "first-run probe " if entry.get("provisional") else ""
+        choices[name].cost_source = f"{kind}calibration cached in {calibration.calibration_path(key_c)}"
+        pipes[name] = pipe
+
+    options = []  # (total seconds, backend, candidate row, prepare seconds, its source)
+    for name, ch in choices.items():
+        for r in _weighable(ch):
+            prep, source = prepare_cost(pipes[name], ledgers[name], by_name[r["plan"]], sampling, width)
+            options.append((prep + r["predicted_seconds"], name, r, prep, source))
+        ar = next(o for o in options if o[1] == name and o[2]["plan"] == AR.name)
+        best = min((o for o in options if o[1] == name), key=lambda o: o[0])
+        rows.append({"backend": name, "mode": mode_of(name), "status": "weighed", "cost_source": ch.cost_source,
+                     "ar_seconds": ar[0], "ar_prepare_seconds": ar[3], "best_plan": best[2]["plan"],
+                     "best_seconds": best[0], "best_prepare_seconds": best[3]})
+    fastest_ar = min((o for o in options if o[2]["plan"] == AR.name), key=lambda o: o[0])
+    best = min(options, key=lambda o: o[0])
+    if best[2]["plan"] != AR.name and fastest_ar[0] < min_speedup * best[0]:
+        best = fastest_ar  # not fast enough against the fastest AR: that AR
+    total, name, row, prep, source = best
+    plan = by_name[row["plan"]]
+    chosen = dataclasses.replace(choices[name], plan=plan, decode=plan.decode(sampling),
+                                 predicted_s=row["predicted_seconds"])
+    for other, pipe in pipes.items():
+        if other != name:
+            pipe.release()
+    pipes[name].release(keep=chosen.decode, batch=width)
+    pipes[name].runner(chosen.decode, width)  # prepared here, so the ledger learns what this preparation cost
+    record_prepared(pipes[name], calibration.calibration_key(name, pipes[name].dtype, key), width, [plan], sampling)
+    return BackendChoice(pipes[name], chosen, mode_of(name), prep, source,
+                         {"backend": fastest_ar[1], "mode": mode_of(fastest_ar[1]),
+                          "predicted_seconds": fastest_ar[0], "prepare_seconds": fastest_ar[3]},
+                         sorted(rows, key=lambda r: r["backend"] not in names), spent)

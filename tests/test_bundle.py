@@ -103,7 +103,7 @@ def test_package_version_is_the_distribution_version_or_the_pyproject_one(monkey
     from importlib import metadata
 
     import lantern
-    assert lantern.__version__ == metadata.version("lantern")
+    assert lantern.__version__ == metadata.version("lantern-decoding")
 
     def not_installed(name):
         raise metadata.PackageNotFoundError(name)

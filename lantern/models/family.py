@@ -10,7 +10,6 @@ names what is missing (exit code 2 on the command line).
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -94,10 +93,8 @@ def inspect_folder(path: str | Path) -> FolderInfo:
     cfg_path = root / "config.json"
     if not cfg_path.is_file():
         raise ValueError(f"{root} is not a model folder: config.json is missing")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
+    from lantern.bundle import read_json_object  # (here: lantern.bundle imports the models)
+    cfg = read_json_object(cfg_path)
     if "target" in cfg and "vq" in cfg:
         return FolderInfo(root, "bundle", "LlamaGen GPT")
     model_type = cfg.get("model_type")

@@ -151,26 +151,27 @@ def test_stopped_generation_and_calibration_leave_whole_files_and_a_usable_cache
     opens, every cache entry present is whole and of its shape (the stopped calibration stored nothing), a stopped
     run leaves no temporary, and the next run into the killed ones' folder and cache succeeds: it calibrates (the
     killed run's lock does not hold it) and clears the temporaries the kill left."""
-    classes = [str(c % 4) for c in range(24)]
+    classes = [str(c % 4) for c in range(48)]  # writing them lasts long after the first PNG appears
     caches = [tmp_path / f"cache-{sig.name}" for sig in STOPS]
     seed_acceptance_record(bundle_dir, caches, monkeypatch)
     probe = seed_probe_to_refine(bundle_dir, caches, monkeypatch)
-    writers = {sig: Lantern(tmp_path, f"write-{sig.name}", "generate", "--model", str(bundle_dir), "--method", "ar",
-                            "--classes", *classes, "--scale", "16", "--out", str(tmp_path / f"out-{sig.name}"),
-                            LANTERN_CACHE_DIR=str(tmp_path / "unused"))
-               for sig in STOPS}
-    calibrators = {sig: Lantern(tmp_path, f"calibrate-{sig.name}", "generate", "--model", str(bundle_dir), "--classes",
-                                "1", "--no-images", LANTERN_CACHE_DIR=str(tmp_path / f"cache-{sig.name}"),
-                                **{calibration.BUDGET_ENV: "60"})
-                   for sig in STOPS}
-    for sig, writer in writers.items():
+    writers = {}
+    for sig in STOPS:  # one at a time, so that each is signalled while it is still writing
         out = tmp_path / f"out-{sig.name}"
+        writers[sig] = writer = Lantern(tmp_path, f"write-{sig.name}", "generate", "--model", str(bundle_dir),
+                                        "--method", "ar", "--classes", *classes, "--scale", "16", "--out", str(out),
+                                        LANTERN_CACHE_DIR=str(tmp_path / "unused"))
         writer.wait_until(lambda: out.is_dir() and any(out.glob("*.png")), "image written")
         writer.proc.send_signal(sig)
-    for sig, calibrator in calibrators.items():
+    check_stopped(writers)
+    calibrators = {}
+    for sig in STOPS:  # one at a time and alone: others' load could end a calibration early (disturbed)
+        calibrators[sig] = calibrator = Lantern(
+            tmp_path, f"calibrate-{sig.name}", "generate", "--model", str(bundle_dir), "--classes", "1",
+            "--no-images", LANTERN_CACHE_DIR=str(tmp_path / f"cache-{sig.name}"), **{calibration.BUDGET_ENV: "60"})
         calibrator.wait_until(lambda: "calibrating 1 image(s) per step" in calibrator.stderr, "calibration")
         calibrator.proc.send_signal(sig)
-    check_stopped(writers)
+        calibrator.wait()
     check_stopped(calibrators)
     assert all("per step, in full" in c.stderr for c in calibrators.values())  # refining, not a probe
     for sig in STOPS:
@@ -215,3 +216,4 @@ def test_stopped_export_leaves_whole_graphs(tmp_path):
     again = export("again", tmp_path / "SIGKILL")
     assert again.wait() == 0, again.stderr[-2000:]
     assert temporaries(tmp_path / "SIGKILL") == []
+

@@ -7,6 +7,7 @@ import base64
 import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -24,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from lantern.serve.app import build_app  # noqa: E402
 from lantern.serve.schema import ModelInfo, RequestError, parse_request  # noqa: E402
 from lantern.serve.config import ServeConfig
-from lantern.serve.service import Service  # noqa: E402
+from lantern.serve.service import Service, physical_cores  # noqa: E402
 from tiny_bundle import write_tiny_bundle  # noqa: E402
 
 WAIT_S = 30  # the most any wait below takes on a loaded machine
@@ -66,7 +67,7 @@ class ServerThread:
 @pytest.fixture(scope="module")
 def served(bundle_dir):
     service = Service(ServeConfig(model=str(bundle_dir), method="ar", methods=("ar", "eagle2"), batch=BATCH,
-                                  queue=QUEUE, max_n=BATCH + QUEUE, timeout_s=WAIT_S))
+                                  queue=QUEUE, max_n=BATCH + QUEUE, timeout_s=WAIT_S, threads=1))
     with ServerThread(service) as server:
         yield server
 
@@ -77,9 +78,9 @@ def slow_steps(served, monkeypatch):
     worker = served.service.worker
     step = worker._step
 
-    def slow(name, engine):
+    def slow(key, width, engine):
         time.sleep(0.02)
-        step(name, engine)
+        step(key, width, engine)
     monkeypatch.setattr(worker, "_step", slow)
 
 
@@ -133,6 +134,53 @@ def test_concurrent_requests_get_decodable_pngs_and_same_seed_gives_same_image_u
     assert [d["tokens"] for d in under_load] == [d["tokens"] for d in alone["data"]]
     assert [d["b64_json"] for d in under_load] == [d["b64_json"] for d in alone["data"]]
     assert under_load[0]["tokens"] != under_load[1]["tokens"]  # image i of a request has its own seed
+
+
+def test_a_request_alone_runs_the_narrowest_width_and_gets_the_same_tokens_at_a_wider_one(served, slow_steps):
+    alone = generate(served.url, class_id=1, seed=21, return_tokens=True).json()["data"][0]
+    assert alone["stats"]["width"] == 1
+    burst = {}
+    sender = threading.Thread(target=lambda: burst.update(r=generate(served.url, class_id=0, n=3, seed=3)))
+    sender.start()
+    wait_until(lambda: served.service.worker.outstanding >= 3, "the burst to be admitted")
+    again = generate(served.url, class_id=1, seed=21, return_tokens=True).json()["data"][0]  # load 4: width 4
+    sender.join(WAIT_S)
+    assert burst["r"].status_code == 200 and {d["stats"]["width"] for d in burst["r"].json()["data"]} == {BATCH}
+    assert again["stats"]["width"] == BATCH
+    assert again["tokens"] == alone["tokens"] and again["b64_json"] == alone["b64_json"]
+
+
+def test_engines_of_other_widths_have_runners_of_their_own_and_step_in_turn(bundle_dir):
+    """The engine's one-engine-per-runner rule: widths 1 and 4 get separate runners (KV caches), so both can hold
+    requests in flight; a second engine on the same runner is refused while the first has some."""
+    from lantern.api import Pipeline
+    from lantern.bundle import load_bundle
+    from lantern.decoding.config import method_preset
+    from lantern.engine import Engine, Request
+    pipe = Pipeline.from_bundle(load_bundle(bundle_dir))
+    dcfg = method_preset("eagle2", pipe.defaults.sampling)
+    narrow, wide = Engine(pipe, dcfg, 1), Engine(pipe, dcfg, BATCH)
+    assert narrow.runner is not wide.runner
+    narrow.submit(Request(2, seed=5, request_id="alone"))
+    for i in range(BATCH):
+        wide.submit(Request(i % 4, seed=40 + i, request_id=f"w{i}"))
+    wide.submit(Request(2, seed=5, request_id="queued"))  # the same request, queued behind a full wide engine
+    results = {}
+    for _ in range(200):  # bounded: each image takes at most 16 steps
+        engines = [e for e in (narrow, wide) if e.busy or e.waiting]
+        if not engines:
+            break
+        for engine in engines:  # in turn, as the service's worker steps them
+            results.update({r.request_id: r for r in engine.step().finished})
+    assert results["alone"].tokens.tolist() == results["queued"].tokens.tolist()
+    assert results["alone"].stats.batch == 1 and results["queued"].stats.batch == BATCH
+    same_runner = Engine(pipe, dcfg, 1)
+    assert same_runner.runner is narrow.runner
+    narrow.submit(Request(1, seed=6))
+    narrow.step()  # in flight
+    same_runner.submit(Request(1, seed=7))
+    with pytest.raises(RuntimeError, match="another engine has 1 requests in flight on this runner"):
+        same_runner.step()
 
 
 def test_prompt_may_name_the_class_and_a_speculative_method_reports_its_acceptance(served):
@@ -194,12 +242,18 @@ def test_body_that_is_not_json_gets_422(served):
     assert r.status_code == 422 and r.json()["error"]["param"] == "body"
 
 
-def test_text_to_image_model_without_prompt_encoder_is_refused_naming_what_is_missing():
+@pytest.mark.parametrize("body, field, allowed", [
+    ({"class_id": 0, "prompt": "a cat"}, "class_id", "takes a prompt (allowed: a non-empty string)"),
+    ({"prompt": "  "}, "prompt", "allowed: a non-empty string"),
+    ({}, "prompt", "needs a prompt"),
+])
+def test_text_to_image_model_takes_a_prompt_and_refuses_a_class(body, field, allowed):
     info = ModelInfo(name="t", model_type="t2i", num_classes=1, image_size=8, methods=("auto",), max_n=1,
                      max_timeout_s=1.0)
-    with pytest.raises(RequestError, match="prompt encoder") as e:
-        parse_request({"prompt": "a red bicycle"}, info, 1.0)
-    assert e.value.field == "prompt"
+    assert parse_request({"prompt": "a red bicycle"}, info, 1.0).condition == "a red bicycle"
+    with pytest.raises(RequestError, match=re.escape(allowed)) as e:
+        parse_request(body, info, 1.0)
+    assert e.value.field == field
 
 
 def test_full_queue_gets_429_with_retry_after(served):
@@ -264,7 +318,10 @@ def test_metrics_parse_as_prometheus_text_and_counters_add_up(served):
     # every image's tokens came from its verify steps: accepted drafts = tokens - steps (the prefill gave one)
     stats = [d["stats"] for a in answers for d in a.json()["data"]]
     assert accepted == sum(s["tokens"] - s["steps"] for s in stats)
-    assert after[("lantern:slots", ())] >= 2 * BATCH  # the ar and eagle2 engines at least
+    slots = {(dict(k[1])["engine"], dict(k[1])["width"]): v for k, v in after.items() if k[0] == "lantern:slots"}
+    assert slots[("ar", "1")] == 1 and slots[("ar", "4")] == BATCH  # the default ladder, built at warm-up
+    assert {e for e, _ in slots} >= {"ar", "eagle2"}
+    assert all(after[("lantern:slots_busy", k[1])] <= v for k, v in after.items() if k[0] == "lantern:slots")
     assert after[("lantern:requests_in_flight", ())] == 0
 
 
@@ -272,6 +329,15 @@ def test_health_and_ready(served):
     assert httpx.get(f"{served.url}/health", timeout=WAIT_S).json() == {"status": "ok"}
     ready = httpx.get(f"{served.url}/ready", timeout=WAIT_S)
     assert ready.status_code == 200 and ready.json()["methods"]["ar"] == "ar"
+    body = ready.json()
+    assert body["widths"] == [1, BATCH] and body["backend"] == "cpu" and body["prompts"] is None
+    assert body["threads"] == 1 == served.service.pipe.backend.threads  # as configured (the tests' tiny model)
+
+
+def test_the_steps_use_the_physical_cores_unless_threads_is_given(bundle_dir):
+    service = Service(ServeConfig(model=str(bundle_dir), method="ar", batch=BATCH))  # built, not started
+    assert service.threads == physical_cores() == service.pipe.backend.threads
+    assert service.describe()["widths"] == [1, BATCH]
 
 
 def run_lantern(*args, **kwargs):
@@ -281,7 +347,7 @@ def run_lantern(*args, **kwargs):
 
 def test_sigterm_finishes_the_requests_in_flight_then_exits_0(bundle_dir):
     proc = run_lantern("serve", "--model", str(bundle_dir), "--method", "ar", "--batch", "2", "--max-n", "8",
-                       "--queue", "8", "--port", "0")
+                       "--queue", "8", "--port", "0", "--threads", "1")
     try:
         url = json.loads(proc.stderr.readline())["url"]
         wait_until(lambda: _ready(url), "the subprocess service to be ready")

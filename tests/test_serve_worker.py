@@ -1,5 +1,6 @@
 """The engine worker's bookkeeping with a scripted engine (no model): engines per key up to the limit, an idle one
-replaced, all busy refused, an engine that raises fails only its own images and is rebuilt."""
+replaced, all busy refused, an engine that raises fails only its own images and is rebuilt, and new images taking
+the narrowest width of the ladder that fits the load, without moving images in flight."""
 import threading
 import time
 from types import SimpleNamespace
@@ -51,7 +52,7 @@ class ScriptedEngine:
             if entry[1] == 0:
                 del self.held[rid]
                 finished.append(SimpleNamespace(request_id=rid, cancelled=False, submitted_s=0.0, started_s=0.0,
-                                                finished_s=0.0))
+                                                finished_s=0.0, width=self.width))
         time.sleep(0.005)
         return SimpleNamespace(finished=finished, drafts=0, draft_tokens=0, accepted_tokens=0,
                                accepted_per_position=[])
@@ -64,8 +65,8 @@ def make_worker(monkeypatch):
     pipeline = SimpleNamespace(runner=lambda dcfg, width: object(), lock=threading.RLock())
     made = []
 
-    def make(max_engines, steps=3):
-        w = EngineWorker(pipeline, lambda key: ({"steps": steps}, str(key)), EngineKey("ar"), width=2,
+    def make(max_engines, steps=3, widths=(2,)):
+        w = EngineWorker(pipeline, lambda key: ({"steps": steps}, str(key)), EngineKey("ar"), widths=widths,
                          queue_limit=8, max_engines=max_engines, metrics=ServeMetrics())
         w.start()
         assert w.ready.wait(WAIT_S) and w.failure is None
@@ -92,6 +93,7 @@ def test_a_new_key_replaces_an_idle_engine_and_is_refused_while_all_are_busy(mak
         slow[0].result(WAIT_S)
     assert submit(w, EngineKey("mc-sjd"), 1, "again")[0].result(WAIT_S).request_id == "again-0"  # eagle2 replaced
     assert set(w.described) == {"ar", "eagle2", "mc-sjd"} and len(w._engines) == 2
+    assert ("lantern:slots", (("engine", "eagle2"), ("width", "2"))) not in samples(w)  # its gauges went with it
     assert w.outstanding == 0
 
 
@@ -106,3 +108,31 @@ def test_an_engine_that_raises_fails_its_own_images_and_is_built_anew(make_worke
     ScriptedEngine.explode.clear()
     assert [f.result(WAIT_S).request_id for f in submit(w, EngineKey("ar"), 2, "after")] == ["after-0", "after-1"]
     assert w.alive and w.outstanding == 0
+
+
+def samples(w) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(w.metrics.render().decode()) for s in family.samples}
+
+
+def test_new_images_take_the_narrowest_width_that_fits_the_load_and_never_move(make_worker):
+    assert [worker_module.fitting_width((1, 4, 16), n) for n in (1, 2, 4, 5, 16, 40)] == [1, 4, 4, 16, 16, 16]
+    w = make_worker(max_engines=1, steps=60, widths=(1, 4))
+    ar = EngineKey("ar")
+    assert sorted(w._engines[ar]) == [1, 4]  # the default ladder is built before ready
+    alone = submit(w, ar, 1, "alone")  # load 1: the width-1 engine
+    deadline = time.monotonic() + WAIT_S
+    while w._engines[ar][1].busy == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    more = submit(w, ar, 2, "more")  # load 3 with the one in flight: width 4; the first stays where it is
+    assert alone[0].result(WAIT_S).width == 1
+    assert [f.result(WAIT_S).width for f in more] == [4, 4]
+    burst = submit(w, ar, 5, "burst")  # more than the widest: the widest, one image queued there
+    assert [f.result(WAIT_S).width for f in burst] == [4] * 5
+    assert submit(w, ar, 1, "later")[0].result(WAIT_S).width == 1  # the load fell: narrow again
+    got = samples(w)
+    assert got[("lantern:slots", (("engine", "ar"), ("width", "1")))] == 1
+    assert got[("lantern:slots", (("engine", "ar"), ("width", "4")))] == 4
+    assert got[("lantern:slots_busy", (("engine", "ar"), ("width", "4")))] == 0
+    assert w.outstanding == 0

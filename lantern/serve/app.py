@@ -50,7 +50,8 @@ def build_app(service: Service) -> Starlette:
             except ValueError as e:
                 raise RequestError("body", f"the body is not valid JSON ({e}); allowed: a JSON object") from None
             req = parse_request(body, service.info, service.config.timeout_s)
-            entry.update(n=req.n, class_id=req.condition, seed=req.seed, method=req.method)
+            entry.update({"n": req.n, "prompt" if isinstance(req.condition, str) else "class_id": req.condition,
+                          "seed": req.seed, "method": req.method})
             out = await service.generate(req, lambda: wait_disconnect(request))
         except RequestError as e:
             return "bad_request", error(422, str(e), "invalid_request_error", e.field)
@@ -100,8 +101,7 @@ def build_app(service: Service) -> Starlette:
         return JSONResponse({"status": "ok"})
 
     async def ready(request: Request) -> Response:
-        return JSONResponse({"status": service.status(), "methods": dict(service.worker.described)},
-                            200 if service.ready else 503)
+        return JSONResponse({"status": service.status(), **service.describe()}, 200 if service.ready else 503)
 
     async def metrics(request: Request) -> Response:
         return Response(service.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -110,7 +110,7 @@ def build_app(service: Service) -> Starlette:
     async def lifespan(app):
         service.start()
         yield
-        await asyncio.to_thread(service.worker.stop)
+        await asyncio.to_thread(service.stop)
 
     return Starlette(routes=[Route("/v1/images/generations", generations, methods=["POST"]),
                              Route("/health", health), Route("/ready", ready), Route("/metrics", metrics)],

@@ -39,7 +39,17 @@ def add_serve_command(subparsers) -> None:
                                      "method the bundle can run); each gets its own engine on first use")
     s.add_argument("--allow-relaxed", action="store_true", help="auto may choose relaxed plans")
     s.add_argument("--batch", type=number(int, 1), default=d.batch,
-                   help=f"slots per engine: images decoded together (default {d.batch})")
+                   help=f"the widest engine's slots: images decoded together (default {d.batch})")
+    s.add_argument("--widths", help="comma-separated static widths prepared per engine, up to --batch (always "
+                                    "included); new requests take the narrowest that fits the load (default: 1, 4, "
+                                    "16, ... below --batch)")
+    s.add_argument("--threads", type=number(int, 1), help="intra-op threads of the steps (torch CPU modes, ONNX "
+                                                          "Runtime; default: the physical cores)")
+    s.add_argument("--plan-images", type=number(int, 1), default=d.plan_images,
+                   help=f"--method auto: the images its one-time costs (calibration, compiles) are weighed against "
+                        f"(default {d.plan_images})")
+    s.add_argument("--t5", help="text-to-image bundles: the local T5 encoder folder (default: $LANTERN_T5); never "
+                                "downloaded")
     s.add_argument("--queue", type=number(int, 0), default=d.queue,
                    help=f"images that may wait for a slot; beyond that, 429 (default {d.queue})")
     s.add_argument("--timeout", type=number(float, 0, low_open=True), default=d.timeout_s,
@@ -64,10 +74,24 @@ def config_from_args(args):
     if args.methods is not None:
         methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     return ServeConfig(model=args.model, backend=args.backend, dtype=args.dtype, method=args.method,
-                       methods=methods, allow_relaxed=args.allow_relaxed, batch=args.batch, queue=args.queue,
+                       methods=methods, allow_relaxed=args.allow_relaxed, batch=args.batch,
+                       widths=None if args.widths is None else parse_widths(args.widths), threads=args.threads,
+                       plan_images=args.plan_images, t5=args.t5, queue=args.queue,
                        timeout_s=args.timeout, max_timeout_s=args.max_timeout, max_n=args.max_n,
                        max_engines=args.max_engines, served_name=args.served_model_name,
                        backend_options=backend_options(args))
+
+
+def parse_widths(text: str) -> tuple[int, ...]:
+    """--widths "1,4,16" -> (1, 4, 16); ValueError naming a bad item."""
+    out = []
+    for item in text.split(","):
+        try:
+            out.append(int(item.strip()))
+        except ValueError:
+            raise ValueError(f"--widths: {item.strip()!r} is not an integer; allowed: comma-separated integers "
+                             f"in 1..--batch") from None
+    return tuple(out)
 
 
 def cmd_serve(args) -> int:
@@ -79,12 +103,14 @@ def cmd_serve(args) -> int:
 
     from lantern.serve.app import build_app
     from lantern.serve.logs import log_json_to_stderr
+    from lantern.serve.prompts import check_prompt_encoder
     from lantern.serve.service import Service
 
     from lantern.backends import get_backend
     config = config_from_args(args)
     config.check()
     get_backend(config.backend, **config.backend_options)  # an unknown or unavailable backend fails before loading
+    check_prompt_encoder(config.model, config.t5)  # a t2i bundle's T5 folder, before binding or loading
     try:  # the port is taken before any loading, so a busy port fails fast
         sock = socket.create_server((args.host, args.port))
     except OSError as e:
@@ -114,12 +140,14 @@ def cmd_serve(args) -> int:
         if service.worker.failure is not None:
             failed.set()
             server.should_exit = True
+        else:
+            log.info("ready", extra={"fields": {"event": "ready", **service.describe()}})
 
     threading.Thread(target=stop_if_warmup_fails, daemon=True).start()
     host, port = sock.getsockname()[:2]
     log.info("listening", extra={"fields": {"event": "listening", "url": f"http://{host}:{port}",
-                                            "model": service.info.name, "backend": service.pipe.backend.name,
-                                            "batch": config.batch, "method": config.method}})
+                                            "model": service.info.name, "method": config.method,
+                                            "widths": list(config.ladder), "threads": service.threads}})
     server.run(sockets=[sock])
     code = EXIT_INTERNAL if failed.is_set() else EXIT_OK
     log.info("stopped", extra={"fields": {"event": "stopped", "exit_code": code}})

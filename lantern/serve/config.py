@@ -19,7 +19,11 @@ class ServeConfig:
     method: str = "auto"  # what a request without `method` (or with "auto") runs; auto plans once, at warm-up
     methods: Optional[tuple[str, ...]] = None  # what requests may name besides auto (None: all the bundle can run)
     allow_relaxed: bool = False  # auto may choose relaxed plans
-    batch: int = DEFAULT_BATCH  # slots per engine: images decoded together, one static step
+    batch: int = DEFAULT_BATCH  # the widest engine's slots: images decoded together, one static step
+    widths: Optional[tuple[int, ...]] = None  # the static widths prepared per engine (None: default_widths(batch))
+    threads: Optional[int] = None  # intra-op threads of the steps (torch, ONNX Runtime); None: the physical cores
+    t5: Optional[str] = None  # t2i bundles: the local T5 encoder folder (None: $LANTERN_T5)
+    plan_images: int = 256  # auto: the images its one-time costs (calibration, compiles) are weighed against
     queue: int = 64  # images that may wait for a slot; beyond, 429
     timeout_s: float = 300.0  # a request's deadline unless it asks for less (its `timeout`)
     max_timeout_s: float = 3600.0  # the most a request's `timeout` may ask for
@@ -30,10 +34,17 @@ class ServeConfig:
 
     def check(self) -> None:
         """Refuse a bad setting before any loading (ValueError naming it and what is allowed)."""
-        for name, low in (("batch", 1), ("queue", 0), ("max_n", 1), ("max_engines", 1)):
+        for name, low in (("batch", 1), ("queue", 0), ("max_n", 1), ("max_engines", 1), ("plan_images", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} {value!r} is not allowed; allowed: an integer >= {low}")
+        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
+                                         or self.threads < 1):
+            raise ValueError(f"threads {self.threads!r} is not allowed; allowed: an integer >= 1")
+        for width in self.widths or ():
+            if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= self.batch:
+                raise ValueError(f"widths: {width!r} is not allowed; allowed: integers in 1..{self.batch} (batch, "
+                                 f"the widest)")
         for name in ("timeout_s", "max_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
@@ -43,3 +54,17 @@ class ServeConfig:
                              f"such a request could never be admitted; allowed: max_n <= batch + queue")
         if self.timeout_s > self.max_timeout_s:
             raise ValueError(f"timeout_s {self.timeout_s} exceeds max_timeout_s {self.max_timeout_s}")
+
+    @property
+    def ladder(self) -> tuple[int, ...]:
+        """The static widths prepared per engine, narrowest first; the widest is always `batch`."""
+        return tuple(sorted({*(self.widths or default_widths(self.batch)), self.batch}))
+
+
+def default_widths(batch: int) -> tuple[int, ...]:
+    """1, 4, 16, ... below `batch`, and `batch`: a request alone runs a width-1 step, a full load the widest."""
+    widths, w = [], 1
+    while w < batch:
+        widths.append(w)
+        w *= 4
+    return (*widths, batch)

@@ -1,7 +1,7 @@
 """The service's Prometheus metrics, in a registry of its own (no process-global state), named like vLLM's.
 
-Requests by outcome, queue depth, slots busy, images per second, latency histograms (queue wait and decode per
-image, total per request), and the speculative-decoding counters vLLM exports (`spec_decode_num_drafts`,
+Requests by outcome, queue depth, slots and slots busy per engine and width, images per second, latency histograms
+(queue wait and decode per image, total per request), and the speculative-decoding counters vLLM exports (`spec_decode_num_drafts`,
 `num_draft_tokens`, `num_accepted_tokens`, accepted tokens per draft position), all under the `lantern:` prefix.
 """
 from __future__ import annotations
@@ -26,8 +26,10 @@ class ServeMetrics:
         self.images = Counter("lantern:images", "Images generated", ["method"], registry=r)
         self.in_flight = Gauge("lantern:requests_in_flight", "HTTP generation requests being handled", registry=r)
         self.queue_depth = Gauge("lantern:queue_depth", "Images waiting for a slot", registry=r)
-        self.slots_busy = Gauge("lantern:slots_busy", "Engine slots decoding an image", registry=r)
-        self.slots = Gauge("lantern:slots", "Engine slots (the static batch width) over every engine", registry=r)
+        self.slots_busy = Gauge("lantern:slots_busy", "Slots decoding an image, per engine (method and sampling) "
+                                "and static width", ["engine", "width"], registry=r)
+        self.slots = Gauge("lantern:slots", "Slots (the static width) of each engine built, per engine and width",
+                           ["engine", "width"], registry=r)
         self.images_per_second = Gauge("lantern:images_per_second",
                                        f"Images finished per second over the last {RATE_WINDOW_S:g} s", registry=r)
         self.images_per_second.set_function(self.recent_rate)

@@ -53,6 +53,9 @@ class LanternDeployment:
             raise RuntimeError("the engine worker thread has stopped")
 
 
+INTEGERS = {"threads": "an integer", "widths": "comma-separated integers"}
+
+
 def config_from_args(args: dict) -> ServeConfig:
     """A `serve run` / config-file `args` mapping (strings from the command line, typed values from YAML) -> a
     ServeConfig; an unknown key is refused, naming the allowed ones."""
@@ -65,6 +68,11 @@ def config_from_args(args: dict) -> ServeConfig:
         default = getattr(ServeConfig(), name)
         if isinstance(value, str) and name == "methods":
             value = tuple(m.strip() for m in value.split(",") if m.strip())
+        elif isinstance(value, str) and name in INTEGERS:  # optional integers: their default None says no type
+            try:
+                value = tuple(int(v) for v in value.split(",")) if name == "widths" else int(value)
+            except ValueError:
+                raise ValueError(f"argument {name}={value!r} is not allowed; allowed: {INTEGERS[name]}") from None
         elif isinstance(value, str) and isinstance(default, bool):
             value = value.lower() in ("1", "true", "yes")
         elif isinstance(value, str) and isinstance(default, (int, float)):

@@ -1,6 +1,7 @@
 """The request body of POST /v1/images/generations, checked field by field before any work.
 
-OpenAI's images API fields (`prompt`, `n`, `response_format`, `size`, `model`, `user`) plus lantern's own
+OpenAI's images API fields (`prompt`: a text-to-image model's prompt, or a class-conditional model's class number
+as text; `n`, `response_format`, `size`, `model`, `user`) plus lantern's own
 (`class_id`, `seed`, `method`, sampling overrides, `return_tokens`, `timeout`). Every refusal names the field and
 what is allowed (HTTP 422). Pure Python: no web framework here.
 """
@@ -44,7 +45,7 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class ImageRequest:
-    condition: int  # c2i: the class id
+    condition: int | str  # c2i: the class id; t2i: the prompt
     n: int
     seed: int  # image i of the request runs with derive_seed(seed, i)
     method: str  # "auto" or a named method
@@ -101,18 +102,23 @@ def parse_request(body: object, info: ModelInfo, default_timeout_s: float) -> Im
     prompt = body.get("prompt")
     if prompt is not None and not isinstance(prompt, str):
         raise RequestError("prompt", f"prompt {prompt!r} is not allowed; allowed: a string")
-    if info.model_type != "c2i":
-        raise RequestError("prompt", "this is a text-to-image model, and this service has no prompt encoder to turn "
-                                     "a prompt into its caption embedding (serving prompts is not built yet; "
-                                     "`lantern generate --prompt ... --t5 PATH` generates from prompts)")
-    class_id = _integer(body, "class_id", 0, info.num_classes - 1)
-    if class_id is not None and prompt is not None and class_from_prompt(prompt, info) != class_id:
-        raise RequestError("prompt", f"prompt {prompt!r} and class_id {class_id} disagree; give one of them")
-    if class_id is None:
-        if prompt is None:
-            raise RequestError("class_id", f"a class-conditional model needs class_id (allowed: an integer in "
-                                           f"0..{info.num_classes - 1}) or a prompt naming the class")
-        class_id = class_from_prompt(prompt, info)
+    if info.model_type == "t2i":
+        if body.get("class_id") is not None:
+            raise RequestError("class_id", "class_id is for class-conditional models; this text-to-image model "
+                                           "takes a prompt (allowed: a non-empty string)")
+        if prompt is None or not prompt.strip():
+            raise RequestError("prompt", f"a text-to-image model needs a prompt; got {prompt!r}; allowed: a "
+                                         f"non-empty string")
+        condition = prompt
+    else:
+        condition = class_id = _integer(body, "class_id", 0, info.num_classes - 1)
+        if class_id is not None and prompt is not None and class_from_prompt(prompt, info) != class_id:
+            raise RequestError("prompt", f"prompt {prompt!r} and class_id {class_id} disagree; give one of them")
+        if class_id is None:
+            if prompt is None:
+                raise RequestError("class_id", f"a class-conditional model needs class_id (allowed: an integer in "
+                                               f"0..{info.num_classes - 1}) or a prompt naming the class")
+            condition = class_from_prompt(prompt, info)
     method = body.get("method", "auto")
     if method not in info.methods:
         raise RequestError("method", f"method {method!r} is not served here; allowed: {', '.join(info.methods)}")
@@ -128,6 +134,6 @@ def parse_request(body: object, info: ModelInfo, default_timeout_s: float) -> Im
     timeout = _number(body, "timeout", f"a finite number of seconds in (0, {info.max_timeout_s:g}]",
                       lambda v: 0 < v <= info.max_timeout_s)
     seed = _integer(body, "seed", 0, SEED_MAX)
-    return ImageRequest(condition=class_id, n=_integer(body, "n", 1, info.max_n) or 1,
+    return ImageRequest(condition=condition, n=_integer(body, "n", 1, info.max_n) or 1,
                         seed=secrets.randbelow(2**31) if seed is None else seed, method=method, sampling=sampling,
                         return_tokens=return_tokens, timeout_s=default_timeout_s if timeout is None else timeout)

@@ -1,11 +1,18 @@
 """The service behind every front end (`lantern serve`'s ASGI app, the Ray Serve deployment): one bundle, one
-pipeline, one engine worker, its metrics; a request's life from admission to its PNGs."""
+pipeline, one engine worker, its metrics; a request's life from admission to its PNGs.
+
+Throughput defaults: the steps run with `threads` intra-op threads (default: the physical cores), and with
+`method` auto and no backend pinned, the warm-up weighs every mode of the machine (eager, compiled, ONNX Runtime;
+lantern.plan.backend_choice) against `plan_images` images, so a one-time compile pays off over a service's life;
+whatever it prepares is prepared at startup, before /ready."""
 from __future__ import annotations
 
 import asyncio
 import base64
+import inspect
 import io
 import math
+import os
 import time
 import uuid
 from dataclasses import replace
@@ -15,13 +22,16 @@ from typing import Awaitable, Callable
 from PIL import Image
 
 from lantern.api import Pipeline
+from lantern.backends import backend_class, resolve_name
 from lantern.bundle import load_bundle
 from lantern.decoding.config import method_preset, supported_methods
 from lantern.decoding.sampling import SamplingConfig
 from lantern.engine import Request, SamplingOverrides, derive_seed
 from lantern.engine.sampling import PER_REQUEST
+from lantern.plan.backend_choice import choose_backend, pinned_backend
 from lantern.serve.config import ServeConfig
 from lantern.serve.metrics import ServeMetrics
+from lantern.serve.prompts import PromptBatcher
 from lantern.serve.schema import ImageRequest, ModelInfo
 from lantern.serve.worker import EngineKey, EngineWorker
 
@@ -50,9 +60,10 @@ class Service:
     def __init__(self, config: ServeConfig):
         config.check()
         self.config = config
+        self.threads = config.threads or physical_cores()
         self.bundle = load_bundle(config.model)
-        self.pipe = Pipeline.from_bundle(self.bundle, backend=config.backend, dtype=config.dtype,
-                                         **config.backend_options)
+        self.prompts = self._prompt_batcher() if self.bundle.target.config.model_type == "t2i" else None
+        self.pipe = self._pipeline(config.backend, config.dtype)
         self.sampling = SamplingConfig(**self.bundle.default_sampling)
         can_run = [m for m in supported_methods(self.bundle.drafter is not None, self.bundle.proximity is not None)
                    if self._runs(m)]
@@ -66,10 +77,56 @@ class Service:
                               methods=("auto", *[m for m in methods if m != "auto"]), max_n=config.max_n,
                               max_timeout_s=config.max_timeout_s)
         self.metrics = ServeMetrics()
-        self.worker = EngineWorker(self.pipe, self._decode, EngineKey(config.method), config.batch, config.queue,
-                                   config.max_engines, self.metrics)
+        self.worker = EngineWorker(self.pipe, self._decode, EngineKey(config.method), config.ladder, config.queue,
+                                   config.max_engines, self.metrics, setup=self._setup)
         self.draining = False
         self._choice = None  # auto's plan, made once at warm-up
+        self.plan_why = ""  # what auto chose and why (its backend among them when none was pinned)
+
+    def _pipeline(self, backend, dtype) -> Pipeline:
+        """The bundle's pipeline on `backend`, its steps at the service's thread count where the backend takes
+        one (torch CPU modes, ONNX Runtime)."""
+        options = dict(self.config.backend_options)
+        if "threads" in inspect.signature(backend_class(resolve_name(backend)).__init__).parameters:
+            options["threads"] = self.threads
+        return Pipeline.from_bundle(self.bundle, backend=backend, dtype=dtype, **options)
+
+    def _prompt_batcher(self) -> PromptBatcher:
+        """t2i: the T5 encoder (config.t5, else $LANTERN_T5), checked against the GPT's caption shape."""
+        from lantern.text import T5Conditioner, check_encoder_fits
+        cfg = self.bundle.target.config
+        encoder = T5Conditioner(self.config.t5, max_tokens=cfg.cls_token_num)
+        check_encoder_fits(encoder, cfg)
+        return PromptBatcher(encoder)
+
+    def _setup(self) -> Pipeline:
+        """Worker thread, before the default engines are built: its torch threads (set once, so the steps never
+        switch the count), then with method auto its plan for a full batch at the bundle's sampling, weighed over
+        `plan_images` images; with no backend pinned also the backend (the pipeline on it is returned; the others
+        are released)."""
+        import torch
+        torch.set_num_threads(self.threads)
+        cfg = self.config
+        if cfg.method != "auto":
+            return self.pipe
+        common = dict(batch=cfg.batch, allow_relaxed=cfg.allow_relaxed, progress=False)
+        if pinned_backend(cfg.backend) is None:
+            choice = choose_backend(lambda name, dtype: self.pipe if (name, dtype) == (self.pipe.backend.name,
+                                                                                      self.pipe.dtype)
+                                    else self._pipeline(name, dtype), cfg.plan_images, self.sampling,
+                                    validated=self.bundle.relaxation_defaults,
+                                    shipped_records=self.bundle.acceptance_records, dtype=cfg.dtype, **common)
+            self.pipe, self._choice, self.plan_why = choice.pipeline, choice.choice, choice.why
+        else:
+            self._choice = self.pipe.plan(cfg.plan_images, self.sampling, **common)
+            self.plan_why = f"{self._choice.plan.name} on {self.pipe.backend.name} (pinned)"
+        return self.pipe
+
+    def describe(self) -> dict:
+        """What serves: backend, dtype, threads, widths, and what each engine runs (auto: its plan)."""
+        return {"backend": self.pipe.backend.name, "dtype": self.pipe.dtype, "threads": self.threads,
+                "widths": list(self.worker.widths), "methods": dict(self.worker.described),
+                "plan": self.plan_why or None, "prompts": "t5" if self.prompts is not None else None}
 
     def _runs(self, method: str) -> bool:
         """Whether this pipeline can run a method at its presets (e.g. a relaxed preset's k may exceed a small
@@ -90,12 +147,17 @@ class Service:
         if key.method != "auto":
             return replace(self._decode_named(key.method), sampling=sampling), str(key)
         if self._choice is None:
-            self._choice = self.pipe.plan(self.config.batch, self.sampling, batch=self.config.batch,
-                                          allow_relaxed=self.config.allow_relaxed, progress=False)
+            self._setup()
         return replace(self._choice.decode, sampling=sampling), f"auto: {self._choice.plan.name}"
 
     def start(self) -> None:
         self.worker.start()
+
+    def stop(self) -> None:
+        """Finish every admitted image, then stop the engine worker and the prompt encoder."""
+        self.worker.stop()
+        if self.prompts is not None:
+            self.prompts.close()
 
     @property
     def ready(self) -> bool:
@@ -121,11 +183,16 @@ class Service:
             raise Unavailable(self.status())
         if not self.worker.admit(req.n):
             raise QueueFull(self.retry_after_s())
+        try:
+            condition = await self._condition(req)
+        except BaseException:
+            self.worker.release(req.n)
+            raise
         rid = uuid.uuid4().hex[:16]
         key = self.engine_key(req)
         per_request = {k: v for k, v in req.sampling.items() if k in PER_REQUEST and k not in dict(key.sampling)}
         overrides = SamplingOverrides(**per_request) if per_request else None
-        requests = [Request(condition=req.condition, seed=derive_seed(req.seed, i), request_id=f"{rid}-{i}",
+        requests = [Request(condition=condition, seed=derive_seed(req.seed, i), request_id=f"{rid}-{i}",
                             sampling=overrides) for i in range(req.n)]
         futures = [asyncio.wrap_future(f) for f in self.worker.submit(key, requests)]
         images = asyncio.ensure_future(asyncio.gather(*futures))
@@ -143,6 +210,12 @@ class Service:
                 self.worker.cancel([r.request_id for r in requests])
         pngs = await asyncio.to_thread(self._pngs, [r.tokens for r in results])
         return self._response(req, rid, results, pngs)
+
+    async def _condition(self, req: ImageRequest):
+        """c2i: the class id; t2i: the prompt's caption condition (encoded with other requests' prompts)."""
+        if self.prompts is None:
+            return req.condition
+        return await asyncio.wrap_future(self.prompts.encode(req.condition))
 
     def engine_key(self, req: ImageRequest) -> EngineKey:
         """The engine a request runs on: its method ("auto": the server's) and the sampling an engine fixes that
@@ -172,12 +245,20 @@ class Service:
         data = []
         for i, (result, png) in enumerate(zip(results, pngs)):
             st = result.stats
-            item = {"b64_json": png, "index": i, "class_id": req.condition, "stats": {
-                "steps": st.target_forwards, "tokens": st.tokens,
-                "mean_accepted_length": st.mean_accepted_length, "method": runs, "backend": self.pipe.backend.name,
-                "dtype": self.pipe.dtype, "queue_wait_s": result.started_s - result.submitted_s,
-                "decode_s": result.finished_s - result.started_s}}
+            stats = {"steps": st.target_forwards, "width": st.batch, "tokens": st.tokens,
+                     "mean_accepted_length": st.mean_accepted_length, "method": runs,
+                     "backend": self.pipe.backend.name, "dtype": self.pipe.dtype,
+                     "queue_wait_s": result.started_s - result.submitted_s,
+                     "decode_s": result.finished_s - result.started_s}
+            item = {"b64_json": png, "index": i, ("prompt" if self.prompts else "class_id"): req.condition,
+                    "stats": stats}
             if req.return_tokens:
                 item["tokens"] = result.tokens.tolist()
             data.append(item)
         return {"created": int(time.time()), "id": rid, "model": self.info.name, "seed": req.seed, "data": data}
+
+
+def physical_cores() -> int:
+    """The machine's physical cores (logical ones where psutil cannot tell)."""
+    import psutil
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1

@@ -1,11 +1,15 @@
 """The one thread that owns the engines: it takes submissions and cancellations from the asyncio side through a
 command queue, steps every engine that has work, and resolves each image's future with its RequestResult.
 
-An engine runs one DecodeConfig, so the worker keeps one engine per (method, sampling overrides) actually
-requested, at most `max_engines` at once: the default one is built and warmed up before the service reports ready;
-another is built, in this thread, when a request first needs it (its warm-up holds up the other engines' steps
-meanwhile), replacing an idle one when the limit is reached. Each engine has a runner (KV cache) of its own. Busy
-engines take turns, one step each, under the pipeline's lock (so nothing else uses its runners meanwhile).
+An engine runs one DecodeConfig at one static width, so the worker keeps, per (method, sampling overrides)
+actually requested, a ladder of engines, one per width (e.g. 1, 4, 16), at most `max_engines` ladders at once:
+the default one is built and warmed up at every width before the service reports ready; another is built, in this
+thread, width by width as requests first need it (its warm-up holds up the other engines' steps meanwhile),
+replacing an idle ladder when the limit is reached. New images go to the narrowest engine of their ladder that fits
+the ladder's load (its images in flight and queued, with the new ones), so a request alone runs a width-1 step and
+a full load the widest; images already admitted never move. Each engine has a runner (KV cache) of its own. Busy
+engines take turns, one step each, under the pipeline's lock (so nothing else uses its runners meanwhile); an
+engine with no work is not stepped.
 """
 from __future__ import annotations
 
@@ -50,21 +54,30 @@ class Job:
     request: Request
     key: EngineKey
     future: Future
+    width: int = 0  # the engine of the key's ladder it runs on (set when submitted to it)
+
+
+def fitting_width(widths: tuple[int, ...], load: int) -> int:
+    """The narrowest of `widths` (ascending) with a slot for each of `load` images; the widest when none has."""
+    return next((w for w in widths if w >= load), widths[-1])
 
 
 class EngineWorker:
-    def __init__(self, pipeline, make_decode: Callable[[EngineKey], tuple], default: EngineKey, width: int,
-                 queue_limit: int, max_engines: int, metrics: ServeMetrics):
+    def __init__(self, pipeline, make_decode: Callable[[EngineKey], tuple], default: EngineKey,
+                 widths: tuple[int, ...], queue_limit: int, max_engines: int, metrics: ServeMetrics,
+                 setup: Optional[Callable[[], object]] = None):
         """make_decode(key) -> (DecodeConfig, what runs: the method, or auto's plan), called in the worker thread
-        (auto's first call plans, and may calibrate). queue_limit: images that may wait for a slot beyond the
-        busy ones."""
-        self.pipeline, self.make_decode, self.default = pipeline, make_decode, default
-        self.width, self.queue_limit, self.max_engines, self.metrics = width, queue_limit, max_engines, metrics
+        (auto's first call plans, and may calibrate). widths: the ladder's static widths, ascending. queue_limit:
+        images that may wait for a slot beyond the widest engine's. setup(): (optional) run first in the worker
+        thread, returns the pipeline the engines run on (auto's backend choice); default: `pipeline`."""
+        self.pipeline, self.make_decode, self.default, self.setup = pipeline, make_decode, default, setup
+        self.widths = tuple(sorted(widths))
+        self.queue_limit, self.max_engines, self.metrics = queue_limit, max_engines, metrics
         self.ready = threading.Event()
         self.failure: Optional[BaseException] = None  # warm-up failed: the service never becomes ready
         self.described: dict[str, str] = {}  # str(engine key) -> what it runs (auto: the plan it chose)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._engines: dict[EngineKey, Engine] = {}
+        self._engines: dict[EngineKey, dict[int, Engine]] = {}  # key -> width -> engine (built on first use)
         self._jobs: dict[str, Job] = {}  # request id -> job, owned by the worker thread
         self._outstanding = 0  # images admitted and not yet resolved
         self._lock = threading.Lock()
@@ -96,8 +109,8 @@ class EngineWorker:
 
     @property
     def capacity(self) -> int:
-        """Images admitted at once: one engine's slots and the queue (more engines share them)."""
-        return self.width + self.queue_limit
+        """Images admitted at once: the widest engine's slots and the queue (every engine shares them)."""
+        return self.widths[-1] + self.queue_limit
 
     @property
     def outstanding(self) -> int:
@@ -123,8 +136,11 @@ class EngineWorker:
     # ---- the worker thread ----
     def _run(self) -> None:
         try:
+            if self.setup is not None:
+                self.pipeline = self.setup()
             with self.pipeline.lock:
-                self._engine(self.default)
+                for width in self.widths:
+                    self._engine(self.default, width)
         except BaseException as e:  # noqa: BLE001  reported by /ready and the serve command
             self.failure = e
             log.error("warm-up failed: %s", e, exc_info=True)
@@ -133,34 +149,57 @@ class EngineWorker:
             self.ready.set()
         while not (self._stopping and not self._jobs):
             self._take_commands(block=not self._jobs)
-            for key, engine in list(self._engines.items()):
+            for key, width, engine in self._all_engines():
                 if engine.busy or engine.waiting:
-                    self._step(key, engine)
-            self.metrics.slots_busy.set(sum(e.busy for e in self._engines.values()))
-            self.metrics.queue_depth.set(sum(e.waiting for e in self._engines.values()))
+                    self._step(key, width, engine)
+            waiting = 0
+            for key, width, engine in self._all_engines():
+                self.metrics.slots_busy.labels(str(key), str(width)).set(engine.busy)
+                waiting += engine.waiting
+            self.metrics.queue_depth.set(waiting)
 
-    def _engine(self, key: EngineKey) -> Engine:
-        """The engine for `key`, built and warmed up on first use (in place of an idle one at the limit)."""
-        if key in self._engines:
-            return self._engines[key]
-        if len(self._engines) >= self.max_engines:
+    def _all_engines(self) -> list[tuple[EngineKey, int, Engine]]:
+        return [(key, width, engine) for key, ladder in self._engines.items() for width, engine in ladder.items()]
+
+    def load(self, key: EngineKey) -> int:
+        """Images of `key` in flight or queued, over its ladder (worker thread)."""
+        return sum(e.busy + e.waiting for e in self._engines.get(key, {}).values())
+
+    def _engine(self, key: EngineKey, width: int) -> Engine:
+        """The engine for `key` at `width`, built and warmed up on first use (a new key's ladder in place of an
+        idle one at the limit)."""
+        ladder = self._engines.get(key)
+        if ladder is not None and width in ladder:
+            return ladder[width]
+        if ladder is None and len(self._engines) >= self.max_engines:
             busy = {j.key for j in self._jobs.values()}
             idle = [k for k in self._engines if k not in busy and k != self.default]
             if not idle:
                 raise EnginesBusy(f"this request needs an engine of its own ({key}), and all {self.max_engines} "
                                   f"engines are busy")
-            del self._engines[idle[0]]
+            self._drop(idle[0])
         dcfg, what = self.make_decode(key)
-        self._engines[key] = Engine(self.pipeline, dcfg, self.width, runner=self._runner(dcfg))
+        engine = Engine(self.pipeline, dcfg, width, runner=self._runner(dcfg, width))
+        self._engines.setdefault(key, {})[width] = engine
         self.described[str(key)] = what
-        self.metrics.slots.set(self.width * len(self._engines))
-        return self._engines[key]
+        self.metrics.slots.labels(str(key), str(width)).set(width)
+        return engine
 
-    def _runner(self, dcfg):
+    def _drop(self, key: EngineKey) -> None:
+        """Forget a key's ladder (its runners stay with the pipeline) and its gauges."""
+        for width in self._engines.pop(key, {}):
+            for gauge in (self.metrics.slots, self.metrics.slots_busy):
+                try:
+                    gauge.remove(str(key), str(width))
+                except KeyError:  # never set
+                    pass
+
+    def _runner(self, dcfg, width: int):
         """The pipeline's runner for this shape (prepared and warmed up once), unless another engine uses it:
-        then one of the engine's own, so no two engines share a KV cache."""
-        runner = self.pipeline.runner(dcfg, self.width)
-        if any(e.runner is runner for e in self._engines.values()):
+        then one of the engine's own, so no two engines share a KV cache (engines of other widths have other
+        shapes, so other runners)."""
+        runner = self.pipeline.runner(dcfg, width)
+        if any(e.runner is runner for _, _, e in self._all_engines()):
             spec = runner.spec
             runner = self.pipeline.backend.prepare(self.pipeline.target,
                                                    self.pipeline.drafter if spec.draft_widths else None, spec)
@@ -186,13 +225,22 @@ class EngineWorker:
                 return
 
     def _submit(self, jobs: list[Job]) -> None:
+        """One request's images: they go together to the narrowest engine of their key's ladder that fits the
+        ladder's load with them."""
+        live = []
         for job in jobs:
-            if not job.future.set_running_or_notify_cancel():  # its caller gave up already
+            if job.future.set_running_or_notify_cancel():
+                live.append(job)
+            else:  # its caller gave up already
                 self._resolve(job)
-                continue
+        if not live:
+            return
+        width = fitting_width(self.widths, self.load(live[0].key) + len(live))
+        for job in live:
+            job.width = width
             try:
                 with self.pipeline.lock:
-                    rid = self._engine(job.key).submit(job.request)
+                    rid = self._engine(job.key, width).submit(job.request)
             except (ValueError, EnginesBusy) as e:
                 self._resolve(job, error=e)
                 continue
@@ -206,17 +254,17 @@ class EngineWorker:
         for rid in request_ids:
             job = self._jobs.pop(rid, None)
             if job is not None:
-                self._engines[job.key].cancel(rid)
+                self._engines[job.key][job.width].cancel(rid)
                 self._resolve(job, error=Cancelled(rid))
 
-    def _step(self, key: EngineKey, engine: Engine) -> None:
+    def _step(self, key: EngineKey, width: int, engine: Engine) -> None:
         try:
             with self.pipeline.lock:
                 report = engine.step()
         except Exception as e:  # noqa: BLE001  the engine's state is unknown: fail its images, build it anew
-            log.error("engine %s failed a step: %s\n%s", key, e, traceback.format_exc())
-            del self._engines[key]
-            for rid in [r for r, j in self._jobs.items() if j.key == key]:
+            log.error("engine %s (width %d) failed a step: %s\n%s", key, width, e, traceback.format_exc())
+            del self._engines[key][width]
+            for rid in [r for r, j in self._jobs.items() if (j.key, j.width) == (key, width)]:
                 self._resolve(self._jobs.pop(rid), error=EngineFailed(str(e)))
             return
         self.metrics.observe_step(key.method, report)

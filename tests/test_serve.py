@@ -397,3 +397,39 @@ def test_bad_serve_flags_exit_2_before_serving(bundle_dir, capsys, args, message
     from lantern.cli import main
     assert main(["serve", "--model", str(bundle_dir), "--port", "0", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_auto_with_no_backend_pinned_weighs_the_modes_at_warm_up_and_serves_on_the_chosen_one(bundle_dir,
+                                                                                            monkeypatch):
+    """The warm-up hands auto's choice to lantern.plan.backend_choice with the service's horizon (plan_images) and
+    its width, and the engines run on the pipeline it returns (at the service's threads)."""
+    from types import SimpleNamespace
+
+    from lantern.decoding.config import method_preset
+    from lantern.serve import service as service_module
+    from lantern.serve.worker import EngineKey
+    monkeypatch.delenv("LANTERN_BACKEND", raising=False)
+    asked = {}
+
+    def choose_backend(make_pipe, n_images, sampling, batch, **kwargs):
+        asked.update(n_images=n_images, batch=batch, same=make_pipe(service.pipe.backend.name, service.pipe.dtype))
+        chosen = service._pipeline("cpu", None)  # stands for the pipeline on the faster mode
+        plan = SimpleNamespace(plan=SimpleNamespace(name="ar"), decode=method_preset("ar", sampling))
+        return SimpleNamespace(pipeline=chosen, choice=plan, why="ar on cpu (eager): the stand-in's reason")
+    monkeypatch.setattr(service_module, "choose_backend", choose_backend)
+    service = Service(ServeConfig(model=str(bundle_dir), method="auto", methods=("ar",), batch=BATCH, threads=1,
+                                  plan_images=64))
+    before = service.pipe
+    service.start()
+    try:
+        assert service.worker.ready.wait(WAIT_S) and service.worker.failure is None
+        assert asked["n_images"] == 64 and asked["batch"] == BATCH and asked["same"] is before
+        chosen = service.pipe
+        assert chosen is not before and service.worker.pipeline is chosen and chosen.backend.threads == 1
+        assert {e.pipeline for e in service.worker._engines[EngineKey("auto")].values()} == {chosen}
+        described = service.describe()
+        assert described["plan"].startswith("ar on cpu (eager): the stand-in's reason; weighed over 64 images")
+        assert described["plan"].endswith("paid once at startup, before /ready, at widths 1, 4")
+        assert described["methods"]["auto"] == "auto: ar"
+    finally:
+        service.stop()

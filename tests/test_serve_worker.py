@@ -136,3 +136,26 @@ def test_new_images_take_the_narrowest_width_that_fits_the_load_and_never_move(m
     assert got[("lantern:slots", (("engine", "ar"), ("width", "4")))] == 4
     assert got[("lantern:slots_busy", (("engine", "ar"), ("width", "4")))] == 0
     assert w.outstanding == 0
+
+
+def test_prompts_waiting_while_the_encoder_is_busy_are_encoded_together_up_to_its_batch():
+    from lantern.serve.prompts import PromptBatcher
+    first_call, release, calls = threading.Event(), threading.Event(), []
+
+    class Encoder:
+        def encode(self, prompts, batch):
+            calls.append((list(prompts), batch))
+            first_call.set()
+            assert release.wait(WAIT_S)
+            return [f"caption of {p}" for p in prompts], None
+
+    batcher = PromptBatcher(Encoder(), batch=2)
+    futures = [batcher.encode("a")]
+    assert first_call.wait(WAIT_S)
+    futures += [batcher.encode(p) for p in "bcd"]  # they wait while "a" is encoded
+    release.set()
+    assert [f.result(WAIT_S) for f in futures] == [f"caption of {p}" for p in "abcd"]
+    assert calls == [(["a"], 2), (["b", "c"], 2), (["d"], 2)]
+    batcher.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        batcher.encode("e")

@@ -1,17 +1,21 @@
 """Load test on loopback: images/s and p50/p99 latency at 1, 4 and 16 concurrent clients, mixed classes, for
 (a) one `lantern generate` process per image and (b) the `lantern serve` service, each with AR and with the method
 auto picks. Every client sends its requests one after another (closed loop); a level ends when every client has
-sent its share. The service is started once per method, warmed up (and auto's plan made) before anything is timed;
-the CLI's auto calibration is made once, untimed, before its runs.
+sent its share. The service is started once per method, warmed up (and auto's plan made, with `--backend auto`
+over every mode of the machine) before anything is timed; the CLI's auto calibration is made once, untimed, before
+its runs. The service runs its ladder of widths (`--widths`, default 1, 4, ... up to `--batch`) at its thread
+count (`--threads`, default the physical cores); the results record the backend, threads and widths it served with,
+and how many images ran at each width per level.
 Writes results/serve-<backend>.{json,md,png}.
 
-    python tools/bench_serve.py                       # the embedded model, levels 1 4 16
+    python tools/bench_serve.py --backend auto        # the embedded model, levels 1 4 16
     python tools/bench_serve.py --quick --model DIR   # a smoke run: levels 1 2, two requests per client
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import platform
@@ -48,19 +52,24 @@ def summary(latencies: list[float], images: int, seconds: float) -> dict:
 
 
 async def closed_loop(clients: int, per_client: int, num_classes: int, send) -> dict:
-    """`clients` concurrent clients, each sending `per_client` requests in turn; send(class_id, seed) -> None."""
+    """`clients` concurrent clients, each sending `per_client` requests in turn; send(class_id, seed) -> the static
+    width the image ran at (the service), or None."""
     latencies: list[float] = []
+    widths: collections.Counter = collections.Counter()
 
     async def client(c: int):
         for i in range(per_client):
             k = c * per_client + i
             t = time.perf_counter()
-            await send(k % num_classes, 1000 + k)  # mixed classes, a seed per request
+            width = await send(k % num_classes, 1000 + k)  # mixed classes, a seed per request
             latencies.append(time.perf_counter() - t)
+            if width is not None:
+                widths[str(width)] += 1
 
     t0 = time.perf_counter()
     await asyncio.gather(*(client(c) for c in range(clients)))
-    return summary(latencies, clients * per_client, time.perf_counter() - t0)
+    out = summary(latencies, clients * per_client, time.perf_counter() - t0)
+    return {**out, "images_by_width": dict(sorted(widths.items(), key=lambda kv: int(kv[0])))} if widths else out
 
 
 def cli_level(args, method: str, clients: int, out_dir: Path) -> dict:
@@ -81,9 +90,11 @@ def model_args(args) -> list[str]:
 
 def start_service(args, method: str) -> tuple[subprocess.Popen, str]:
     queue = max(args.levels) * 1  # every client's request fits: nothing is refused with 429
+    tuning = [*(["--widths", args.widths] if args.widths else []),
+              *(["--threads", str(args.threads)] if args.threads else [])]
     proc = subprocess.Popen(lantern_command("serve", *model_args(args), "--method", method, "--methods", "ar",
                                             "--batch", str(args.batch), "--queue", str(queue), "--max-n", "1",
-                                            "--port", "0"),
+                                            *tuning, "--port", "0"),
                             stderr=subprocess.PIPE, text=True)
     url = json.loads(proc.stderr.readline())["url"]
     deadline = time.monotonic() + READY_TIMEOUT_S
@@ -106,6 +117,7 @@ def service_level(url: str, args, clients: int) -> dict:
             async def send(class_id: int, seed: int):
                 r = await c.post(f"{url}/v1/images/generations", json={"class_id": class_id, "seed": seed})
                 r.raise_for_status()
+                return r.json()["data"][0]["stats"]["width"]
             return await closed_loop(clients, args.per_client, args.num_classes, send)
     return asyncio.run(run())
 
@@ -120,7 +132,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="bundle folder (default: the embedded model)")
     ap.add_argument("--backend", default="cpu")
-    ap.add_argument("--batch", type=int, default=16, help="the service's slots (default 16)")
+    ap.add_argument("--batch", type=int, default=16, help="the service's widest engine's slots (default 16)")
+    ap.add_argument("--widths", help="the service's --widths (default: its own, 1, 4, ... up to --batch)")
+    ap.add_argument("--threads", type=int, help="the service's --threads (default: its own, the physical cores)")
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 4, 16], help="concurrent clients")
     ap.add_argument("--per-client", type=int, default=4, help="requests each client sends per level")
     ap.add_argument("--methods", nargs="+", default=["ar", "auto"])
@@ -144,11 +158,12 @@ def main() -> None:
             if "service" in args.modes:
                 proc, url = start_service(args, method)
                 try:
-                    ran = httpx.get(f"{url}/ready", timeout=10).json()["methods"]
+                    ready = httpx.get(f"{url}/ready", timeout=10).json()
+                    served = {k: ready[k] for k in ("backend", "dtype", "threads", "widths", "plan")}
                     service_level(url, argparse.Namespace(**{**vars(args), "per_client": 1}), 1)  # untimed warm-up
                     for clients in args.levels:
-                        rows.append({"mode": "service", "method": method, "ran": ran.get(method, method),
-                                     "clients": clients, **service_level(url, args, clients)})
+                        rows.append({"mode": "service", "method": method, "ran": ready["methods"].get(method, method),
+                                     "clients": clients, "served": served, **service_level(url, args, clients)})
                         print(f"service {method} x{clients}: {rows[-1]['images_per_s']:.2f} images/s",
                               file=sys.stderr)
                 finally:
@@ -159,7 +174,7 @@ def main() -> None:
               "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                                        text=True).stdout.strip(),
               "command": " ".join(sys.argv), "model": args.model or "embedded", "backend": args.backend,
-              "batch": args.batch, "per_client": args.per_client,
+              "batch": args.batch, "widths": args.widths, "threads": args.threads, "per_client": args.per_client,
               "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "rows": rows}
     write_results(args.out or ROOT / "results" / f"serve-{args.backend}", record, markdown, plot)
 
@@ -169,11 +184,17 @@ def markdown(record: dict) -> str:
              f"{record['date']}, commit {record['commit']}, {record['machine']['cpus']} CPUs; `{record['command']}`; "
              f"each client sends {record['per_client']} one-image requests in turn, mixed classes.", "",
              f"Machine: {record['provenance']['machine'] if 'provenance' in record else record['machine']['cpu']}; "
-             f"OMP_NUM_THREADS={record.get('omp_num_threads') or 'unset'} (every process).", "",
-             "| mode | method (ran) | clients | images/s | p50 s | p99 s |", "|---|---|---|---|---|---|"]
+             f"OMP_NUM_THREADS={record.get('omp_num_threads') or 'unset'} (every process; the service runs its steps at "
+             f"its own thread count, in the table).", "",
+             "| mode | method (ran) | backend, threads, widths | clients | images/s | p50 s | p99 s | "
+             "images by width |", "|---|---|---|---|---|---|---|---|"]
     for r in record["rows"]:
-        lines.append(f"| {r['mode']} | {r['method']} ({r['ran']}) | {r['clients']} | {r['images_per_s']:.2f} | "
-                     f"{r['p50_s']:.2f} | {r['p99_s']:.2f} |")
+        s = r.get("served")
+        how = f"{s['backend']} ({s['dtype']}), {s['threads']} threads, widths {s['widths']}" if s else \
+            f"{record['backend']}, OMP_NUM_THREADS={record.get('omp_num_threads') or 'unset'}"
+        used = ", ".join(f"{w}: {n}" for w, n in r.get("images_by_width", {}).items()) or "-"
+        lines.append(f"| {r['mode']} | {r['method']} ({r['ran']}) | {how} | {r['clients']} | "
+                     f"{r['images_per_s']:.2f} | {r['p50_s']:.2f} | {r['p99_s']:.2f} | {used} |")
     cli = {(r["method"], r["clients"]): r["images_per_s"] for r in record["rows"] if r["mode"] == "cli"}
     ratios = [f"{r['method']} x{r['clients']}: {r['images_per_s'] / cli[(r['method'], r['clients'])]:.1f}x"
               for r in record["rows"] if r["mode"] == "service" and (r["method"], r["clients"]) in cli]

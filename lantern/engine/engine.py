@@ -65,9 +65,9 @@ class _Ticket:
 class Engine:
     """One static-width batch of slots over one prepared runner and one DecodeConfig. Single-threaded: one
     thread owns it, and it owns its runner's caches while it has requests in flight (Pipeline.generate runs its
-    own engine to completion under the pipeline's lock; a service keeps one engine per pipeline). Every
-    request's tokens depend on its condition and seed only, not on the slot, the other requests or when it
-    arrived."""
+    own engine to completion under the pipeline's lock; a service keeps one engine per decode configuration and
+    width, each width with its own runner). Every request's tokens depend on its condition and seed only, not on
+    the slot, the width, the other requests or when it arrived."""
 
     def __init__(self, pipeline, decode: DecodeConfig, width: int, runner=None):
         """runner: (optional) a runner prepared for this shape elsewhere (backend parity tests and benchmarks);

@@ -1,8 +1,9 @@
 """The service's Prometheus metrics, in a registry of its own (no process-global state), named like vLLM's.
 
 Requests by outcome, queue depth, slots and slots busy per engine and width, images per second, latency histograms
-(queue wait and decode per image, total per request), and the speculative-decoding counters vLLM exports (`spec_decode_num_drafts`,
-`num_draft_tokens`, `num_accepted_tokens`, accepted tokens per draft position), all under the `lantern:` prefix.
+(queue wait and decode per image, total per request), and the speculative-decoding counters vLLM exports
+(`spec_decode_num_drafts`, `num_draft_tokens`, `num_accepted_tokens`, accepted tokens per draft position), all under
+the `lantern:` prefix.
 """
 from __future__ import annotations
 

@@ -116,7 +116,10 @@ class Service:
                                     else self._pipeline(name, dtype), cfg.plan_images, self.sampling,
                                     validated=self.bundle.relaxation_defaults,
                                     shipped_records=self.bundle.acceptance_records, dtype=cfg.dtype, **common)
-            self.pipe, self._choice, self.plan_why = choice.pipeline, choice.choice, choice.why
+            self.pipe, self._choice = choice.pipeline, choice.choice
+            self.plan_why = (f"{choice.why}; weighed over {cfg.plan_images} images, its preparation (a compile or "
+                             f"export) paid once at startup, before /ready, at widths "
+                             f"{', '.join(map(str, cfg.ladder))}")
         else:
             self._choice = self.pipe.plan(cfg.plan_images, self.sampling, **common)
             self.plan_why = f"{self._choice.plan.name} on {self.pipe.backend.name} (pinned)"

@@ -392,6 +392,9 @@ def test_serve_without_the_extra_exits_2_naming_it(monkeypatch, capsys):
     (["--max-n", "100"], "max_n 100 exceeds the slots and queue places"),
     (["--batch", "0"], "argument --batch: 0 is not allowed"),
     (["--backend", "tpu"], "unknown backend 'tpu'"),
+    (["--widths", "1,x"], "--widths: 'x' is not an integer"),
+    (["--batch", "4", "--widths", "1,8"], "widths: 8 is not allowed; allowed: integers in 1..4"),
+    (["--threads", "0"], "argument --threads: 0 is not allowed"),
 ])
 def test_bad_serve_flags_exit_2_before_serving(bundle_dir, capsys, args, message):
     from lantern.cli import main

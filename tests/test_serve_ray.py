@@ -59,6 +59,8 @@ def test_one_replica_on_local_ray_answers_requests(tmp_path):
     ({"batch": "x"}, "argument batch='x' is not allowed; allowed: an integer"),
     ({"colour": "red"}, "unknown argument(s) colour; allowed: model, backend"),
     ({"batch": "0"}, "batch 0 is not allowed; allowed: an integer >= 1"),
+    ({"threads": "two"}, "argument threads='two' is not allowed; allowed: an integer"),
+    ({"batch": "4", "widths": "1,8"}, "widths: 8 is not allowed; allowed: integers in 1..4"),
 ])
 def test_bad_deployment_args_are_refused_naming_them(args, message):
     with pytest.raises(ValueError) as e:
@@ -69,6 +71,8 @@ def test_bad_deployment_args_are_refused_naming_them(args, message):
 def test_args_from_the_command_line_are_typed():
     config = config_from_args({"batch": "8", "methods": "ar,eagle2", "allow_relaxed": "true", "timeout_s": "5"})
     assert config.batch == 8 and config.methods == ("ar", "eagle2") and config.allow_relaxed and config.timeout_s == 5.0
+    config = config_from_args({"batch": "16", "widths": "2,8", "threads": "3", "t5": "/models/t5"})
+    assert config.ladder == (2, 8, 16) and config.threads == 3 and config.t5 == "/models/t5"
 
 
 def test_documented_config_file_is_valid_for_ray_serve():

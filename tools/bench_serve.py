@@ -31,7 +31,7 @@ import httpx
 from results_io import utc_now, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
-READY_TIMEOUT_S = 600  # loading, warm-up and auto's first calibration
+READY_TIMEOUT_S = 1800  # loading, warm-up, auto's first calibration (every mode with --backend auto) and compiles
 REQUEST_TIMEOUT_S = 600
 
 

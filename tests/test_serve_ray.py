@@ -48,6 +48,8 @@ def test_one_replica_on_local_ray_answers_requests(tmp_path):
         bad = httpx.post(f"{url}/v1/images/generations", json={"class_id": 9}, timeout=WAIT_S)
         assert bad.status_code == 422 and bad.json()["error"]["param"] == "class_id"
         assert "lantern:requests_total" in httpx.get(f"{url}/metrics", timeout=WAIT_S).text
+        ready = httpx.get(f"{url}/ready", timeout=WAIT_S).json()
+        assert ready["threads"] == 1 and ready["widths"] == [1, 2]  # the replica's one CPU; the ladder up to batch
         status = serve.status().applications["lantern"]
         assert status.status == "RUNNING"
     finally:

@@ -11,7 +11,7 @@ engine is warm, and `check_health` fails when its engine worker has failed or di
 from __future__ import annotations
 
 import asyncio
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from ray import serve
 
@@ -35,6 +35,11 @@ DEFAULT_OPTIONS = dict(
 @serve.ingress()
 class LanternDeployment:
     async def __init__(self, config: ServeConfig):
+        if config.threads is None:  # the replica's CPUs (ray_actor_options num_cpus), not the whole machine's cores
+            import ray
+            cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
+            if cpus:
+                config = replace(config, threads=max(1, int(cpus)))
         self.service = Service(config)
         self.service.start()
         await asyncio.to_thread(self.service.worker.ready.wait)  # started = warm: Ray routes only then

@@ -395,6 +395,7 @@ def test_serve_without_the_extra_exits_2_naming_it(monkeypatch, capsys):
     (["--widths", "1,x"], "--widths: 'x' is not an integer"),
     (["--batch", "4", "--widths", "1,8"], "widths: 8 is not allowed; allowed: integers in 1..4"),
     (["--threads", "0"], "argument --threads: 0 is not allowed"),
+    (["--t5", "/models/t5"], "a T5 encoder is for text-to-image bundles"),
 ])
 def test_bad_serve_flags_exit_2_before_serving(bundle_dir, capsys, args, message):
     from lantern.cli import main

@@ -26,8 +26,12 @@ def bundle_model_type(model: Optional[str]) -> str:
 
 def check_prompt_encoder(model: Optional[str], t5: Optional[str]) -> None:
     """For a t2i bundle: the T5 folder (`t5`, else $LANTERN_T5) is complete and `transformers` imports; ValueError
-    naming what is missing. Nothing for other bundles."""
-    if bundle_model_type(model) != "t2i":
+    naming what is missing. Another bundle given a T5 folder explicitly is refused ($LANTERN_T5 is ignored)."""
+    kind = bundle_model_type(model)
+    if kind != "t2i":
+        if t5 is not None and kind:
+            raise ValueError(f"--t5 {t5}: a T5 encoder is for text-to-image bundles; {model or 'the embedded model'} "
+                             f"is {kind} (its requests give class_id)")
         return
     from lantern.text import require_transformers, t5_folder
     t5_folder(t5)

@@ -24,9 +24,9 @@ def check_family_request(args) -> list[str]:
     """Everything a family generation needs, checked before loading: returns the prompts."""
     from lantern.backends import get_backend
     from lantern.cli import backend_options
-    from lantern.models.family import inspect_folder, require_transformers
+    from lantern.models.family import check_family
     from lantern.text import read_prompts
-    info = inspect_folder(args.model)
+    info = check_family(args.model, args.vq, need_pixels=not args.no_images)
     prompts = read_prompts(args.prompt, args.prompts_file)
     if not prompts:
         raise UsageError(f"{args.model} is a {info.family} model: it generates from --prompt TEXT (repeatable) or "
@@ -39,7 +39,6 @@ def check_family_request(args) -> list[str]:
                          f"name a method: ar, or sjd / mc-sjd (no drafter needed)")
     if args.profile:
         raise UsageError("--profile tunes LlamaGen bundles; leave it out for a model-family folder")
-    require_transformers()
     get_backend(args.backend, **backend_options(args)).check_family(info.family)
     if not args.no_images:
         check_writable(Path(args.out), "--out", folder=True)
@@ -58,7 +57,7 @@ def cmd_generate_family(args) -> dict:
 
     check_method_flags(args)
     prompts = check_family_request(args)
-    family = load_family(args.model)
+    family = load_family(args.model, args.vq, need_pixels=not args.no_images)
     rows = [family.prompt_rows(p).expand(args.num_images, -1).contiguous() for p in prompts]
     dcfg = decode_config_from_args(args, family)
     pipes, tokens, stats, result = {}, [], GenerationStats(), None
@@ -114,6 +113,8 @@ def print_family_info(out: dict) -> None:
     print(f"{out['path']}: {out['family']} ({out['architecture']}), language model {out['language_model']}")
     print(f"image: {out['image_tokens']} tokens ({out['grid']} grid) over a VQ codebook of {out['image_vocab']}; "
           f"default sampling " + ", ".join(f"{k} {v}" for k, v in out["default_sampling"].items()))
+    if "vq" in out:
+        print(f"VQGAN: {out['vq']}")
     print("methods: " + ", ".join(out["methods"]) + " (prompt with --prompt TEXT)")
     for what, why in out["methods_not_available"].items():
         print(f"  not available: {what}: {why}")

@@ -225,7 +225,7 @@ def bad_folder(tmp_path, cfg: dict):
 
 @pytest.mark.parametrize("cfg, names", [
     ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, "'llama'"),
-    ({"model_type": "chameleon"}, "'chameleon' is not supported"),
+    ({"model_type": "chameleon"}, "vocabulary_map is missing"),
     ({"model_type": "janus", "vision_config": {"num_image_tokens": 4}}, "vq_config.num_embeddings"),
 ])
 def test_bad_folders_exit_2_naming_what_is_missing_before_any_work(tmp_path, capsys, cfg, names):

@@ -18,7 +18,7 @@ from lantern.decoding.stats import GenerationStats
 from lantern.engine.draws import SlotDraws, check_seed
 from lantern.engine.proposers import make_proposer
 from lantern.engine.sampling import SamplingOverrides, SlotSampling, request_sampling
-from lantern.engine.step import Slots, decode_step, prefill
+from lantern.engine.step import Slots, condition_rows, decode_step, prefill
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,8 @@ class Engine:
                 "prompt": lambda: torch.zeros(self._width, cfg.cls_token_num, dtype=torch.long)}[self._kind]()
         # t2i: LlamaGen's caption mask per slot (host copy, updated at refill); steps run on `_run`
         self._visible = torch.ones(self._width, cfg.cls_token_num, dtype=torch.bool) if self._t2i else None
+        # prompt targets whose rows carry padding (Chameleon's unconditional row) say which prefix slots are visible
+        self._prefix_visible = getattr(pipeline.target, "prefix_visible", None)
         self._run = self.runner
         draws = SlotDraws(self._width, self.runner.device)
         self.sampling = SlotSampling(decode.sampling, self._width, self.runner.device)
@@ -218,7 +220,11 @@ class Engine:
         self.sampling.admit(idx, [t.sampling for _, t in take])
         fresh = torch.zeros(self._width, dtype=torch.bool, device=dev)
         fresh[idx] = True
-        prefill(self._run, self.proposer, s, self.pipeline.target.unconditional(s.cond), fresh)
+        null = self.pipeline.target.unconditional(s.cond)
+        if self._prefix_visible is not None:
+            visible = self._prefix_visible(condition_rows(s.cond, self._decode, null)).cpu()  # (rows, P)
+            self._run = self.runner if visible.all() else CaptionMaskedRunner(self.runner, visible)
+        prefill(self._run, self.proposer, s, null, fresh)
 
     def _collect(self, done: list[int]) -> list[RequestResult]:
         """The finished (or cancelled) slots' tokens and records: one transfer; the slots are free after."""

@@ -1,7 +1,7 @@
 """The model-family seam: what the decoding core and the backends need from a target, written down once.
 
 A target is any `nn.Module` that satisfies `TargetModel` below. LlamaGen's GPT (lantern.models.gpt) does so
-natively; other families (lantern.models.janus) wrap the modules of a `transformers` model loaded from a local
+natively; other families (lantern.models.janus, lantern.models.chameleon) wrap the modules of a `transformers` model loaded from a local
 folder, holding its weights by reference. docs/model-families.md describes the seam and each family.
 
 A folder's family is read from its config.json (`model_type`) before any weights are loaded: `inspect_folder`
@@ -65,6 +65,9 @@ class TargetModel(Protocol):
         """The target on `device` in `dtype`, frozen, for a runner; the caller's model is never changed (a copy
         where device or dtype differ; a family may return itself where they already match)."""
 
+    # (optional) prefix_visible(rows (B, P)) -> (B, P) bool: which prefix slots of each prompt row (conditional
+    # and unconditional rows alike) a query may attend; the engine hides the others in every mask. Default: all.
+
 
 @dataclass(frozen=True)
 class FolderInfo:
@@ -78,12 +81,8 @@ class FolderInfo:
 
 
 # config.json model_type -> (family, the transformers class lantern loads)
-FAMILIES = {"janus": ("janus", "JanusForConditionalGeneration")}
-# model types lantern knows but cannot run yet, and why
-NOT_YET = {"chameleon": "lantern does not run Chameleon/Anole targets yet: transformers' ChameleonVQVAE has an "
-                        "encoder only (no way from image tokens to pixels), and Anole's CFG row is a shorter prompt "
-                        "(BOS, BOI) at its own positions, which lantern's static layout cannot express yet "
-                        "(docs/model-families.md)"}
+FAMILIES = {"janus": ("janus", "JanusForConditionalGeneration"),
+            "chameleon": ("chameleon", "ChameleonForConditionalGeneration")}
 EXTRA = "families"  # the pyproject extra that brings transformers
 
 
@@ -98,8 +97,6 @@ def inspect_folder(path: str | Path) -> FolderInfo:
     if "target" in cfg and "vq" in cfg:
         return FolderInfo(root, "bundle", "LlamaGen GPT")
     model_type = cfg.get("model_type")
-    if model_type in NOT_YET:
-        raise ValueError(f"{root}: model_type {model_type!r} is not supported: {NOT_YET[model_type]}")
     if model_type not in FAMILIES:
         raise ValueError(f"{root}: model_type {model_type!r} (architectures {cfg.get('architectures')}) is not an "
                          f"image-token generator lantern runs; supported: a lantern bundle, "
@@ -115,6 +112,9 @@ def inspect_folder(path: str | Path) -> FolderInfo:
             raise ValueError(f"{cfg_path} does not say how many tokens an image has: "
                              f"vision_config.num_image_tokens is missing")
         return FolderInfo(root, family, arch, vocab, tokens)
+    if family == "chameleon":
+        from lantern.models.chameleon import check_config
+        return FolderInfo(root, family, arch, *check_config(cfg, cfg_path))
     raise AssertionError(f"family {family} has no config check")  # every FAMILIES entry has one above
 
 
@@ -127,11 +127,26 @@ def require_transformers():
     return transformers
 
 
-def load_family(path: str | Path):
-    """A family folder's loaded model (lantern.models.janus.JanusFamily, ...)."""
+def check_family(path: str | Path, vq: str | None = None, need_pixels: bool = False) -> FolderInfo:
+    """Everything about a family folder that can be checked without loading weights; ValueError names what is wrong.
+    vq: a VQGAN folder given by the user (Chameleon); need_pixels: images will be decoded."""
     info = inspect_folder(path)
     if info.family == "bundle":
         raise ValueError(f"{info.path} is a lantern bundle, not a transformers model folder")
     require_transformers()
+    if info.family == "chameleon":
+        from lantern.models.chameleon import ChameleonFamily
+        ChameleonFamily.check(info, vq, need_pixels)
+    elif vq is not None:
+        raise ValueError(f"--vq is for Chameleon folders; a {info.family} folder decodes with its own VQ model")
+    return info
+
+
+def load_family(path: str | Path, vq: str | None = None, need_pixels: bool = False):
+    """A family folder's loaded model (lantern.models.janus.JanusFamily, lantern.models.chameleon.ChameleonFamily)."""
+    info = check_family(path, vq, need_pixels)
+    if info.family == "chameleon":
+        from lantern.models.chameleon import ChameleonFamily
+        return ChameleonFamily.load(info, vq, need_pixels)
     from lantern.models.janus import JanusFamily
     return JanusFamily.load(info)

@@ -1,0 +1,316 @@
+"""Chameleon-family targets (Anole; Lumina-mGPT shares the layout): transformers' `ChameleonForConditionalGeneration`
+from a local folder, generating images.
+
+Chameleon's image tokens live inside its 65536-token vocabulary: the BPE tokens named `IMGIMG<code>Z` (transformers'
+ChameleonImageVocabularyMapping) stand for the VQGAN codes 0..8191. lantern's tokens are those codes: `embed_tokens`
+maps a code to its BPE id, and `head` computes logits over the image rows of `lm_head` only, in code order, so
+warping, CFG and acceptance never see a text token.
+
+The prompt and CFG follow Anole's own pipeline (and LANTERN's Anole code): the conditional row is
+`<s>, tokens of the prompt, <reserved08706> (end of turn), <racm3:break> (begin image)`, the unconditional row is
+`<s>, <racm3:break>` alone, left-padded with `<pad>` to the same length; the pads are masked for every query
+(`prefix_visible`, applied by the engine) and the unconditional row's positions start at 0 at its `<s>`, so it sits
+P - 2 positions behind the conditional row. `forward_cached` reads that offset from the mask itself: a row's position
+shifts back by the prefix slots (up to its position) it may not see, so the core passes the same positions to both
+rows and needs no per-row state.
+
+`ChameleonTarget` runs the language model's own projections, q/k LayerNorms, norms and MLPs (both the standard and
+the Swin-norm layer order) over lantern's static KV cache. Pixels come from the model's taming VQGAN
+(lantern.models.vqgan), which transformers does not carry.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lantern.kv_cache import StaticKVCache
+from lantern.models.family import FolderInfo
+from lantern.models.gpt import attention_bias
+from lantern.models.janus import STATIC_ROPE, rotate_half
+
+SPECIAL = {"bos": "<s>", "pad": "<pad>", "eot": "<reserved08706>", "boi": "<racm3:break>"}  # names in the vocabulary
+
+
+@dataclass(frozen=True)
+class ChameleonShape:
+    """A Chameleon target's lantern.models.family.TargetShape for one prompt length."""
+
+    cls_token_num: int  # the prompt's tokens, <racm3:break> included
+    block_size: int
+    grid_size: int
+    vocab_size: int  # image codes
+    n_layer: int
+    n_head: int
+    kv_heads: int
+    head_dim: int
+    dim: int
+    family: str = "chameleon"
+    model_type: str = "prompt"
+
+
+def image_vocabulary(vocab_map: dict) -> torch.Tensor:
+    """The vocabulary map's image tokens -> (V,) BPE id of each code 0..V-1; ValueError when the map has none or its
+    codes are not exactly 0..V-1. Names `IMGIMG<letters>Z`, letters A..J for the digits of the code."""
+    digits = {chr(ord("A") + i): str(i) for i in range(10)}
+    codes = {}
+    for name, bpe in vocab_map.items():
+        if name.startswith("IMGIMG") and name.endswith("Z"):
+            text = "".join(digits.get(c, "?") for c in name[len("IMGIMG"):-1])
+            if text.isdigit():
+                codes[int(text)] = bpe
+    if not codes:
+        raise ValueError("vocabulary_map has no image tokens (names IMGIMG<code>Z)")
+    if sorted(codes) != list(range(len(codes))):
+        raise ValueError(f"vocabulary_map's {len(codes)} image tokens do not name the codes 0..{len(codes) - 1}")
+    return torch.tensor([codes[c] for c in range(len(codes))], dtype=torch.long)
+
+
+class ChameleonTarget(nn.Module):
+    def __init__(self, hf_model, shape: ChameleonShape, bpe_of_code: torch.Tensor, bos: int, boi: int, pad: int):
+        super().__init__()
+        self.config = shape
+        self.bos, self.boi, self.pad = bos, boi, pad
+        lm = hf_model.model
+        self.embeddings = lm.embed_tokens
+        self.layers = lm.layers
+        self.norm = lm.norm
+        self.swin_norm = bool(hf_model.config.swin_norm)
+        self.register_buffer("bpe_of_code", bpe_of_code.clone(), persistent=False)  # (V,) code -> BPE id
+        # the head's image rows in code order (V of the 65536 rows): the one copy the target makes
+        self.register_buffer("image_head", hf_model.lm_head.weight.detach()[bpe_of_code].clone(), persistent=False)
+        rotary = lm.rotary_emb
+        self.rope_scaling = float(rotary.attention_scaling)
+        self.register_buffer("inv_freq", rotary.inv_freq.detach().float().clone(), persistent=False)  # (hd/2,)
+
+    # --- condition rows -----------------------------------------------------------------------
+    def embed_condition(self, cond: torch.Tensor) -> torch.Tensor:
+        """Prompt token rows (B, P) -> (B, P, D)."""
+        return self.embeddings(cond)
+
+    def unconditional(self, cond: torch.Tensor) -> torch.Tensor:
+        """`<pad> ... <pad>, <s>, <racm3:break>` for each row (Anole's unconditional prompt, left-padded)."""
+        rows = torch.full_like(cond, self.pad)
+        rows[:, -2], rows[:, -1] = self.bos, self.boi
+        return rows
+
+    def prefix_visible(self, rows: torch.Tensor) -> torch.Tensor:
+        """(B, P) prompt rows -> (B, P) bool: the slots a query may attend (every slot but padding)."""
+        return rows != self.pad
+
+    # --- image tokens in and out --------------------------------------------------------------
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embeddings(self.bpe_of_code[tokens])
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.image_head).float()
+
+    # --- the language model over lantern's static cache ---------------------------------------
+    def row_positions(self, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Each row's own positions: back by the prefix slots at or before the position that the row's mask hides
+        (the unconditional row's left padding), so its `<s>` is at 0 as in Anole's pipeline."""
+        p = self.config.cls_token_num
+        prefix = torch.arange(p, device=positions.device)
+        hidden = ~mask[..., :p] & (prefix <= positions[..., None])  # (B, T, P)
+        return positions - hidden.sum(-1)
+
+    def rope_at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, T) positions -> cos, sin (B, T, 1, hd) in `dtype`, computed in fp32 as transformers does."""
+        freqs = positions[..., None].float() * self.inv_freq  # (B, T, hd/2)
+        emb = torch.cat([freqs, freqs], dim=-1)[:, :, None]
+        return (emb.cos() * self.rope_scaling).to(dtype), (emb.sin() * self.rope_scaling).to(dtype)
+
+    def attention(self, i: int, x: torch.Tensor, cos, sin, bias, cache: StaticKVCache, flat, live: int):
+        B, T, _ = x.shape
+        cfg, attn = self.config, self.layers[i].self_attn
+        q = attn.q_norm(attn.q_proj(x).reshape(B * T, cfg.n_head, cfg.head_dim)).view(B, T, cfg.n_head, -1)
+        k = attn.k_norm(attn.k_proj(x).reshape(B * T, cfg.kv_heads, cfg.head_dim)).view(B, T, cfg.kv_heads, -1)
+        v = attn.v_proj(x).view(B, T, cfg.kv_heads, cfg.head_dim)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        keys, values = cache.update(i, k, v, flat)  # (B, Hkv, S, hd)
+        keys, values = keys[:, :, :live], values[:, :, :live]
+        rep = cfg.n_head // cfg.kv_heads
+        if rep > 1:
+            keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=bias,
+                                             scale=attn.scaling)  # (B, H, T, hd)
+        return attn.o_proj(out.transpose(1, 2).reshape(B, T, cfg.n_head * cfg.head_dim))
+
+    def forward_cached(self, h: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: StaticKVCache,
+                       slots: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.rope_at(self.row_positions(positions, mask), h.dtype)
+        flat = cache.flat(slots)
+        bias = attention_bias(mask, h.dtype)  # (B, 1, T, s)
+        live = mask.shape[-1]
+        for i, layer in enumerate(self.layers):
+            if self.swin_norm:  # Chameleon-30B's order: norm after attention and after the MLP
+                h = h + layer.input_layernorm(self.attention(i, h, cos, sin, bias, cache, flat, live))
+                h = h + layer.post_attention_layernorm(layer.mlp(h))
+            else:
+                h = h + self.attention(i, layer.input_layernorm(h), cos, sin, bias, cache, flat, live)
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
+    def placed(self, device: torch.device, dtype: torch.dtype) -> "ChameleonTarget":
+        """Itself where its weights already are on `device` in `dtype` (frozen), else a converted copy."""
+        tensors = list(self.parameters()) + [self.image_head]
+        if all(t.device == device and t.dtype == dtype for t in tensors):
+            return self.eval().requires_grad_(False)
+        placed = copy.deepcopy(self).to(device=device, dtype=dtype).eval().requires_grad_(False)
+        placed.inv_freq = placed.inv_freq.float()  # rotations stay in fp32
+        return placed
+
+
+def chameleon_target(model, prompt_len: int, bpe_of_code: torch.Tensor, ids: dict) -> ChameleonTarget:
+    """A ChameleonTarget over a ChameleonForConditionalGeneration for prompts of `prompt_len` tokens."""
+    cfg = model.config
+    grid = image_grid(cfg.vq_config)
+    heads = cfg.num_attention_heads
+    shape = ChameleonShape(cls_token_num=prompt_len, block_size=grid * grid, grid_size=grid,
+                           vocab_size=len(bpe_of_code), n_layer=cfg.num_hidden_layers, n_head=heads,
+                           kv_heads=cfg.num_key_value_heads, head_dim=cfg.hidden_size // heads, dim=cfg.hidden_size)
+    return ChameleonTarget(model, shape, bpe_of_code, ids["bos"], ids["boi"], ids["pad"])
+
+
+def image_grid(vq_config) -> int:
+    """Tokens per image side: the VQGAN's resolution over its downsampling (2 per level after the first)."""
+    get = vq_config.get if isinstance(vq_config, dict) else lambda k, d=None: getattr(vq_config, k, d)
+    return get("resolution") // 2 ** (len(get("channel_multiplier")) - 1)
+
+
+def check_config(cfg: dict, cfg_path: Path) -> tuple[int, int]:
+    """A chameleon config.json -> (image vocabulary, image tokens); ValueError naming what is missing."""
+    vocab_map = cfg.get("vocabulary_map")
+    if not isinstance(vocab_map, dict):
+        raise ValueError(f"{cfg_path} has no image vocabulary: vocabulary_map is missing (Chameleon finds its "
+                         f"image tokens, IMGIMG<code>Z, there)")
+    try:
+        codes = len(image_vocabulary(vocab_map))
+    except ValueError as e:
+        raise ValueError(f"{cfg_path} has no usable image vocabulary: {e}") from None
+    missing = [name for name in SPECIAL.values() if name not in vocab_map]
+    if missing:
+        raise ValueError(f"{cfg_path}: vocabulary_map lacks {', '.join(missing)} (Anole's image prompt and its CFG "
+                         f"prompt are built from them)")
+    vq = cfg.get("vq_config") or {}
+    if not isinstance(vq.get("resolution"), int) or not isinstance(vq.get("channel_multiplier"), list):
+        raise ValueError(f"{cfg_path} does not say how many tokens an image has: vq_config.resolution and "
+                         f"vq_config.channel_multiplier are missing")
+    grid = image_grid(vq)
+    return codes, grid * grid
+
+
+def find_vq(root: Path, given: Optional[str]) -> Optional[Path]:
+    """The VQGAN folder: `given` (--vq), else the first of <model>/tokenizer, <model>, <model>/../tokenizer that
+    holds vqgan.yaml and vqgan.ckpt (Chameleon's and Anole's layout); None if there is none."""
+    from lantern.models.vqgan import vq_files
+    if given is not None:
+        return Path(given)
+    for folder in (root / "tokenizer", root, root.parent / "tokenizer"):
+        if all(p.is_file() for p in vq_files(folder)):
+            return folder
+    return None
+
+
+@dataclass
+class ChameleonFamily:
+    """A Chameleon / Anole folder, loaded: the transformers model, its tokenizer, token ids and VQGAN folder."""
+
+    path: Path
+    model: nn.Module  # ChameleonForConditionalGeneration
+    tokenizer: object
+    ids: dict  # bos, pad, eot, boi
+    bpe_of_code: torch.Tensor
+    vq_path: Optional[Path]
+    default_sampling: dict
+    relaxation_defaults: dict = field(default_factory=dict)
+    _targets: dict = field(default_factory=dict)
+    _vq: Optional[nn.Module] = None
+
+    family = "chameleon"
+
+    @classmethod
+    def check(cls, info: FolderInfo, vq: Optional[str] = None, need_pixels: bool = False) -> Optional[Path]:
+        """Everything but the weights: tokenizer, RoPE, and (where pixels are wanted) the VQGAN's files and shape.
+        Returns the VQGAN folder (None if there is none and no pixels are wanted)."""
+        from lantern.bundle import read_json_object
+        from lantern.models.vqgan import check_vqgan_folder
+        root = info.path
+        if not any((root / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
+            raise ValueError(f"{root} has no tokenizer (tokenizer.json): a prompt cannot be turned into tokens")
+        cfg = read_json_object(root / "config.json")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+        if rope_type not in STATIC_ROPE:
+            raise ValueError(f"{root}: rope type {rope_type!r} changes with the sequence length; supported: "
+                             f"{', '.join(STATIC_ROPE)}")
+        folder = find_vq(root, vq)
+        if folder is None:
+            if need_pixels:
+                raise ValueError(f"{root}: no VQGAN found (vqgan.yaml and vqgan.ckpt in {root}/tokenizer, {root} or "
+                                 f"{root.parent}/tokenizer): give --vq FOLDER, or --no-images for tokens only")
+            return None
+        check_vqgan_folder(folder, info.image_vocab, image_grid(cfg["vq_config"]))
+        return folder
+
+    @classmethod
+    def load(cls, info: FolderInfo, vq: Optional[str] = None, need_pixels: bool = False) -> "ChameleonFamily":
+        from transformers import AutoTokenizer, ChameleonConfig, ChameleonForConditionalGeneration
+        vq_path = cls.check(info, vq, need_pixels)
+        root = info.path
+        config = ChameleonConfig.from_pretrained(root)
+        vocab_map = config.vocabulary_map
+        ids = {key: vocab_map[name] for key, name in SPECIAL.items()}
+        model = ChameleonForConditionalGeneration.from_pretrained(root, config=config).eval().requires_grad_(False)
+        tokenizer = AutoTokenizer.from_pretrained(root)
+        sampling = {"cfg_scale": 3.0, "temperature": 1.0, "top_k": 2000, "top_p": 1.0}  # Anole in LANTERN's paper
+        return cls(root, model, tokenizer, ids, image_vocabulary(vocab_map), vq_path, default_sampling=sampling)
+
+    @property
+    def image_vocab(self) -> int:
+        return len(self.bpe_of_code)
+
+    @property
+    def grid_size(self) -> int:
+        return image_grid(self.model.config.vq_config)
+
+    @property
+    def image_tokens(self) -> int:
+        return self.grid_size ** 2
+
+    def prompt_rows(self, prompt: str) -> torch.Tensor:
+        """A prompt's condition row (1, P): `<s>`, the prompt's tokens, end of turn, begin image (Anole's layout)."""
+        if not prompt.strip():
+            raise ValueError("the prompt is empty")
+        text = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        return torch.tensor([[self.ids["bos"], *text, self.ids["eot"], self.ids["boi"]]], dtype=torch.long)
+
+    def target(self, prompt_len: int) -> ChameleonTarget:
+        """The target for prompts of `prompt_len` tokens (one static prefix length), built once per length."""
+        if prompt_len not in self._targets:
+            self._targets[prompt_len] = chameleon_target(self.model, prompt_len, self.bpe_of_code, self.ids)
+        return self._targets[prompt_len]
+
+    def decode_images(self, tokens: torch.Tensor) -> np.ndarray:
+        """(B, block) image codes -> uint8 images (B, H, W, 3) through the model's VQGAN."""
+        if self.vq_path is None:
+            raise ValueError(f"{self.path}: no VQGAN to decode images with (give --vq FOLDER)")
+        if self._vq is None:
+            from lantern.models.vqgan import load_vqgan
+            self._vq = load_vqgan(self.vq_path)
+        return self._vq.decode(tokens)
+
+    def describe(self) -> dict:
+        cfg = self.model.config
+        return {"path": str(self.path), "family": self.family, "architecture": "ChameleonForConditionalGeneration",
+                "language_model": f"{cfg.num_hidden_layers} layers x hidden {cfg.hidden_size} x "
+                                  f"{cfg.num_attention_heads} heads ({cfg.num_key_value_heads} kv)",
+                "image_vocab": self.image_vocab, "image_tokens": self.image_tokens,
+                "grid": f"{self.grid_size}x{self.grid_size}", "default_sampling": self.default_sampling,
+                "vq": str(self.vq_path) if self.vq_path else "none found (tokens only; give --vq FOLDER)"}

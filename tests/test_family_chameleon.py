@@ -1,0 +1,325 @@
+"""Chameleon / Anole targets through transformers (lantern.models.chameleon): verify-logit parity with transformers'
+own forward over lantern's static cache for both CFG rows (the unconditional one left-padded, at its own positions),
+greedy AR and Jacobi equal to a reference CFG image loop over transformers' forward, the sampling path lossless
+(SJD, MC-SJD) with a broken CFG row caught, the taming VQGAN decoder against a reference written here, bad input."""
+import itertools
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from chameleon_fixtures import BOI, BOS, EOT, PAD, make_chameleon_folder, write_vqgan
+from lantern.api import Pipeline
+from lantern.backends import get_backend
+from lantern.backends.base import BackendUnavailable, StaticSpec
+from lantern.caption_mask import CaptionMaskedRunner
+from lantern.cli import main
+from lantern.config import gpt_preset
+from lantern.decoding import DecodeConfig, SamplingConfig, method_preset
+from lantern.decoding.sampling import warp
+from lantern.models.chameleon import ChameleonTarget
+from lantern.models.drafter import Drafter
+from lantern.models.family import TargetModel, TargetShape, inspect_folder, load_family
+from lantern.models.vqgan import load_vqgan
+from test_speculative import LEVEL, pvalues
+
+PROMPT = "a red cat on the mat"
+
+
+@pytest.fixture(scope="module")
+def anole(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("anole")
+    hf = make_chameleon_folder(folder)
+    return folder, hf, load_family(folder)
+
+
+def hf_forward(hf, ids: torch.Tensor, bpe: torch.Tensor, start: int) -> torch.Tensor:
+    """transformers' own teacher-forced forward of token rows (B, L) as Anole's pipeline runs them: `<pad>` masked,
+    each row's positions counting from its first real token; logits over the image codes from `start` on."""
+    with torch.no_grad():
+        live = ids != PAD
+        positions = (live.cumsum(1) - 1).clamp(min=0)
+        hidden = hf.model(input_ids=ids, attention_mask=live.long(), position_ids=positions).last_hidden_state
+        return hf.lm_head(hidden[:, start:]).float()[..., bpe]
+
+
+def hf_logits(family, hf, rows: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """Prompt rows (B, P) then image codes (B, L) -> logits (B, L + 1, V) from the prompt's last token on."""
+    bpe = family.bpe_of_code
+    return hf_forward(hf, torch.cat([rows, bpe[codes]], 1), bpe, rows.shape[1] - 1)
+
+
+def hf_greedy(family, hf, rows: torch.Tensor, scale: float) -> torch.Tensor:
+    """The reference image loop (transformers' generate cannot: its Chameleon head masks image tokens): rows
+    [prompt; <pad>.. <s> <racm3:break>], guided logits u + s (c - u) over the image codes, argmax, the code's BPE
+    token appended to both rows; transformers' forward over the whole sequence at every step."""
+    target = family.target(rows.shape[1])
+    ids = torch.cat([rows, target.unconditional(rows)])
+    out = []
+    for _ in range(family.image_tokens):
+        logits = hf_forward(hf, ids, family.bpe_of_code, ids.shape[1] - 1)[:, -1]
+        code = (logits[1] + scale * (logits[0] - logits[1])).argmax()
+        out.append(int(code))
+        ids = torch.cat([ids, family.bpe_of_code[code].expand(2, 1)], 1)
+    return torch.tensor([out])
+
+
+def test_the_target_satisfies_the_seam_and_holds_transformers_weights(anole):
+    _, _, family = anole
+    target = family.target(6)
+    assert isinstance(target, TargetModel) and isinstance(target.config, TargetShape)
+    hf = family.model
+    assert target.layers[0].self_attn.q_norm.weight.data_ptr() == \
+        hf.model.layers[0].self_attn.q_norm.weight.data_ptr()
+    assert target.embeddings.weight is hf.model.embed_tokens.weight
+    assert torch.equal(target.image_head, hf.lm_head.weight[family.bpe_of_code])  # the head's image rows
+    assert target.placed(torch.device("cpu"), torch.float32) is target
+
+
+def test_prompt_rows_and_the_unconditional_row(anole):
+    _, _, family = anole
+    rows = family.prompt_rows(PROMPT)
+    assert rows[0, 0] == BOS and rows[0, -2] == EOT and rows[0, -1] == BOI and rows.shape[1] == 6 + 3
+    target = family.target(rows.shape[1])
+    uncond = target.unconditional(rows)
+    assert uncond[0].tolist() == [PAD] * 7 + [BOS, BOI]
+    assert target.prefix_visible(uncond)[0].tolist() == [False] * 7 + [True, True]
+    assert target.prefix_visible(rows).all()
+
+
+def test_codes_map_to_the_image_tokens_of_the_vocabulary(anole):
+    _, _, family = anole
+    names = {v: k for k, v in family.model.config.vocabulary_map.items()}
+    assert names[int(family.bpe_of_code[10])] == "IMGIMGBAZ" and names[int(family.bpe_of_code[2])] == "IMGIMGCZ"
+
+
+@pytest.mark.parametrize("dtype, atol", [("fp32", 1e-4), ("bf16", 0.3)])
+def test_verify_logits_over_the_static_cache_equal_transformers_forward(anole, dtype, atol):
+    """Prefill both CFG rows, then a 3-token chain and a tree (siblings that must not see each other): every node's
+    logits, in the conditional row and in the left-padded unconditional row at its own positions, equal
+    transformers' teacher-forced forward of its own path."""
+    _, hf, family = anole
+    if dtype == "bf16":
+        hf = __import__("copy").deepcopy(hf).to(torch.bfloat16)
+    cond = family.prompt_rows(PROMPT)
+    p = cond.shape[1]
+    target = family.target(p)
+    rows = torch.cat([cond, target.unconditional(cond)])  # (2, P)
+    runner = get_backend("cpu").prepare(target, None, StaticSpec(batch=2, max_len=p + 8, prefix_len=p,
+                                                                  verify_widths=(3,), dtype=dtype))
+    runner = CaptionMaskedRunner(runner, target.prefix_visible(rows))
+    slots = torch.arange(runner.spec.max_len)
+    out = runner.prefill(rows, (slots[None, :] <= torch.arange(p)[:, None])[None].expand(2, -1, -1))
+    chain = torch.tensor([[5, 17, 2]]).expand(2, -1)
+    want = hf_logits(family, hf, rows, chain)  # (2, 4, V)
+    assert torch.allclose(out.logits[:, -1], want[:, 0], atol=atol)
+    positions = (p + torch.arange(3)[None]).expand(2, -1)
+    mask = slots[None, None, :] <= positions[:, :, None]
+    got = runner.verify(chain, positions, positions.clone(), mask).logits
+    assert torch.allclose(got, want[:, 1:], atol=atol)
+    tree = torch.tensor([[5, 17, 20]]).expand(2, -1)
+    positions = torch.tensor([[p, p + 1, p + 1]]).expand(2, -1)
+    mask = (slots[None, None, :] < p).expand(2, 3, -1).clone()
+    mask[:, :, p] = True  # every node sees the root
+    mask[:, 1, p + 1] = mask[:, 2, p + 2] = True  # and itself
+    got = runner.verify(tree, positions, (p + torch.arange(3)[None]).expand(2, -1), mask).logits
+    assert torch.allclose(got[:, :2], hf_logits(family, hf, rows, tree[:, :2])[:, 1:], atol=atol)
+    assert torch.allclose(got[:, 2], hf_logits(family, hf, rows, tree[:, [0, 2]])[:, 2], atol=atol)
+
+
+@pytest.mark.parametrize("method, kw", [("ar", {}), ("mc-sjd", dict(window=4)), ("sjd", dict(window=6))])
+def test_greedy_lantern_equals_the_reference_cfg_loop(anole, method, kw):
+    _, hf, family = anole
+    rows = family.prompt_rows(PROMPT)
+    want = hf_greedy(family, hf, rows, 3.0)
+    pipe = Pipeline(family.target(rows.shape[1]), backend="cpu")
+    dcfg = method_preset(method, SamplingConfig(greedy=True, cfg_scale=3.0), **kw)
+    got = pipe.generate(rows.expand(2, -1), dcfg, batch=2).tokens
+    assert torch.equal(got, want.expand(2, -1))
+    assert len(set(want[0].tolist())) > 3  # a real sequence, not one repeated token
+
+
+def test_cpu_graph_runs_chameleon_token_for_token(anole):
+    _, hf, family = anole
+    rows = family.prompt_rows("a blue dog")
+    dcfg = method_preset("mc-sjd", SamplingConfig(greedy=True, cfg_scale=3.0), window=4)
+    pipe = Pipeline(family.target(rows.shape[1]), backend="cpu-graph", compiler="eager")
+    pipe.runner(dcfg, 1)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        got = pipe.generate(rows, dcfg, batch=1).tokens
+    assert torch.equal(got, hf_greedy(family, hf, rows, 3.0))
+
+
+def test_onnx_reports_the_family_unavailable_and_a_llamagen_drafter_is_refused(anole):
+    _, _, family = anole
+    with pytest.raises(ValueError, match="drafters are EAGLE heads over LlamaGen targets only"):
+        Pipeline(family.target(5), Drafter(gpt_preset("GPT-test")), backend="cpu")
+    pytest.importorskip("onnxruntime")
+    with pytest.raises(BackendUnavailable, match="onnx: unavailable for the chameleon family"):
+        Pipeline(family.target(5), backend="onnx")
+
+
+# --- the VQGAN decoder ------------------------------------------------------------------------------------
+
+def reference_vqgan(state: dict, codes: torch.Tensor, ddconfig: dict) -> torch.Tensor:
+    """taming-transformers' VQModel.decode(quantize.get_codebook_entry(codes)), written from the published
+    architecture straight over the checkpoint's state dict (taming-transformers-rom1504 needs torchvision and
+    pytorch-lightning, which this environment does not carry)."""
+    def conv(x, name, pad=1):
+        return F.conv2d(x, state[name + ".weight"], state[name + ".bias"], padding=pad)
+
+    def norm(x, name):
+        return F.group_norm(x, 32, state[name + ".weight"], state[name + ".bias"], eps=1e-6)
+
+    def res(x, name):
+        h = conv(norm(x, name + ".norm1") * torch.sigmoid(norm(x, name + ".norm1")), name + ".conv1")
+        h = conv(norm(h, name + ".norm2") * torch.sigmoid(norm(h, name + ".norm2")), name + ".conv2")
+        skip = conv(x, name + ".nin_shortcut", 0) if name + ".nin_shortcut.weight" in state else x
+        return skip + h
+
+    def attn(x, name):
+        b, c, hh, ww = x.shape
+        h = norm(x, name + ".norm")
+        q, k, v = (conv(h, f"{name}.{m}", 0).reshape(b, c, hh * ww) for m in "qkv")
+        w = torch.softmax(torch.bmm(q.permute(0, 2, 1), k) * c ** -0.5, dim=2)  # (B, hw_q, hw_k)
+        out = torch.bmm(v, w.permute(0, 2, 1)).reshape(b, c, hh, ww)
+        return x + conv(out, name + ".proj_out", 0)
+
+    b, n = codes.shape
+    side = int(n ** 0.5)
+    z = state["quantize.embedding.weight"][codes].view(b, side, side, -1).permute(0, 3, 1, 2)
+    h = conv(conv(z, "post_quant_conv", 0), "decoder.conv_in")
+    h = res(attn(res(h, "decoder.mid.block_1"), "decoder.mid.attn_1"), "decoder.mid.block_2")
+    levels = len(ddconfig["ch_mult"])
+    for level in reversed(range(levels)):
+        for i in range(ddconfig["num_res_blocks"] + 1):
+            h = res(h, f"decoder.up.{level}.block.{i}")
+            if f"decoder.up.{level}.attn.{i}.q.weight" in state:
+                h = attn(h, f"decoder.up.{level}.attn.{i}")
+        if level:
+            h = conv(F.interpolate(h, scale_factor=2.0, mode="nearest"), f"decoder.up.{level}.upsample.conv")
+    h = norm(h, "decoder.norm_out")
+    return conv(h * torch.sigmoid(h), "decoder.conv_out")
+
+
+def test_the_vqgan_decoder_equals_the_reference_and_the_family_decodes_with_it(anole, tmp_path):
+    from chameleon_fixtures import vqgan_ddconfig
+    state = write_vqgan(tmp_path / "vq", codes=24, grid=4, seed=5)
+    codes = torch.randint(0, 24, (2, 16))
+    want = reference_vqgan(state, codes, vqgan_ddconfig(4))
+    vq = load_vqgan(tmp_path / "vq")
+    assert torch.allclose(vq.pixels(codes), want, atol=1e-5)
+    assert "decoder.up.1.attn.0.q.weight" not in state and "decoder.mid.attn_1.q.weight" in state
+    images = vq.decode(codes)
+    assert images.shape == (2, 16, 16, 3) and images.dtype == np.uint8
+    assert np.array_equal(images, ((want.clamp(-1, 1) + 1) / 2 * 255).permute(0, 2, 3, 1).to(torch.uint8).numpy())
+    _, _, family = anole  # its VQGAN found in <folder>/tokenizer
+    assert family.decode_images(codes).shape == (2, 16, 16, 3)
+
+
+# --- lossless, end to end --------------------------------------------------------------------------------
+
+SAMPLING = SamplingConfig(temperature=1.3, top_k=5, top_p=0.95, cfg_scale=1.5)
+
+
+@pytest.fixture(scope="module")
+def flat(tmp_path_factory):
+    """6 image codes, 2x2 images, and the exact AR distribution of all 4 codes from transformers' forward."""
+    folder = tmp_path_factory.mktemp("anole-flat")
+    hf = make_chameleon_folder(folder, seed=3, std=0.5, vq=False, codes=6, grid=2, hidden=16, layers=1, heads=2,
+                               kv_heads=1)
+    family = load_family(folder)
+    rows = family.prompt_rows("a red cat")
+    target = family.target(rows.shape[1])
+    seqs = torch.tensor(list(itertools.product(range(6), repeat=4)))
+    n = len(seqs)
+    lc = hf_logits(family, hf, rows.expand(n, -1), seqs[:, :-1])
+    lu = hf_logits(family, hf, target.unconditional(rows).expand(n, -1), seqs[:, :-1])
+    probs = warp(lu + SAMPLING.cfg_scale * (lc - lu), SAMPLING).dense(6)  # (S, 4, V)
+    expected = probs.gather(-1, seqs[:, :, None])[..., 0].prod(1)
+    return Pipeline(target, backend="cpu"), rows, expected
+
+
+def lossless_pvalues(flat, coupling: str, images: int = 6000):
+    pipe, rows, expected = flat
+    dcfg = DecodeConfig(sampling=SAMPLING, drafting="jacobi", coupling=coupling, window=2)
+    toks = pipe.generate(rows.expand(images, -1), dcfg, seed=0, batch=images).tokens
+    counts = torch.bincount((toks * torch.tensor([216, 36, 6, 1])).sum(1), minlength=6 ** 4).float()
+    return pvalues(counts, expected)
+
+
+@pytest.mark.parametrize("coupling", ["none", "gumbel"])
+def test_jacobi_sampling_on_chameleon_reproduces_the_ar_distribution(flat, coupling):
+    """SJD and MC-SJD (exact acceptance), CFG + temperature + top-k + top-p on a 2x2 Anole: the joint of the 4 codes
+    and each marginal equal AR's exact distribution computed from transformers' own forward."""
+    assert min(lossless_pvalues(flat, coupling)) > LEVEL
+
+
+def test_an_unmasked_unconditional_row_fails_the_lossless_test(flat, monkeypatch):
+    """The unconditional row's padding left visible (and so its positions not shifted): the test must notice."""
+    monkeypatch.setattr(ChameleonTarget, "prefix_visible", lambda self, rows: torch.ones_like(rows, dtype=torch.bool))
+    assert min(lossless_pvalues(flat, "gumbel")) < LEVEL
+
+
+# --- the command line ------------------------------------------------------------------------------------
+
+def test_generate_and_info_from_a_folder(anole, tmp_path, capsys):
+    folder, hf, family = anole
+    out = tmp_path / "out"
+    code = main(["generate", "--model", str(folder), "--prompt", PROMPT, "--method", "mc-sjd", "--window", "4",
+                 "--greedy", "--cfg-scale", "3", "--num-images", "2", "--out", str(out), "--json"])
+    res = json.loads(capsys.readouterr().out)
+    assert code == 0 and res["family"] == "chameleon" and len(res["image_paths"]) == 2
+    assert res["tokens"][0] == res["tokens"][1] == hf_greedy(family, hf, family.prompt_rows(PROMPT), 3.0)[0].tolist()
+    assert main(["info", "--model", str(folder), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["family"] == "chameleon" and info["backends"]["cpu"] == "runs" and "mc-sjd" in info["methods"]
+    assert info["backends"]["onnx"].startswith("unavailable")
+
+
+def bad_copy(folder, tmp_path, edit=None, drop=()):
+    copy = tmp_path / "model"
+    shutil.copytree(folder, copy)
+    if edit:
+        cfg = json.loads((copy / "config.json").read_text())
+        edit(cfg)
+        (copy / "config.json").write_text(json.dumps(cfg))
+    for name in drop:
+        target = copy / name
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+    return copy
+
+
+def no_image_tokens(cfg):
+    cfg["vocabulary_map"] = {k: v for k, v in cfg["vocabulary_map"].items() if not k.startswith("IMGIMG")}
+
+
+@pytest.mark.parametrize("edit, drop, args, names", [
+    (lambda cfg: cfg.pop("vocabulary_map"), (), [], "vocabulary_map is missing"),
+    (no_image_tokens, (), [], "no image tokens"),
+    (lambda cfg: cfg["vocabulary_map"].pop("<racm3:break>"), (), [], "lacks <racm3:break>"),
+    (None, ("tokenizer",), [], "no VQGAN found"),
+    (None, ("tokenizer.json", "tokenizer_config.json"), ["--no-images"], "no tokenizer"),
+])
+def test_bad_folders_exit_2_naming_what_is_missing_before_any_work(anole, tmp_path, capsys, edit, drop, args,
+                                                                   names):
+    folder = bad_copy(anole[0], tmp_path, edit, drop)
+    out = tmp_path / "out"
+    code = main(["generate", "--model", str(folder), "--prompt", "a cat", "--method", "ar", "--out", str(out),
+                 *args])
+    assert code == 2 and names in capsys.readouterr().err and not out.exists()
+
+
+def test_a_vq_of_another_codebook_exits_2(anole, tmp_path, capsys):
+    write_vqgan(tmp_path / "vq", codes=30, grid=4)
+    code = main(["generate", "--model", str(anole[0]), "--prompt", "a cat", "--method", "ar", "--vq",
+                 str(tmp_path / "vq"), "--out", str(tmp_path / "out")])
+    assert code == 2 and "n_embed 30" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_the_folder_is_classified_from_its_config(anole):
+    info = inspect_folder(anole[0])
+    assert (info.family, info.image_vocab, info.image_tokens) == ("chameleon", 24, 16)

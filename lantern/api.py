@@ -79,9 +79,10 @@ class Pipeline:
         self.dtype = dtype or self.backend.capabilities().dtypes[0]
         self.backend.check_dtype(self.dtype)
         self.backend.check_family(self.config.family)
-        if drafter is not None and self.config.family != "llamagen":
-            raise ValueError(f"a drafter was given for a {self.config.family} target, but lantern's drafters are "
-                             f"EAGLE heads over LlamaGen targets only; run a Jacobi method (sjd, mc-sjd) or AR")
+        drafts_for = getattr(drafter, "family", "llamagen")  # lantern's own drafters: LlamaGen's
+        if drafter is not None and drafts_for != self.config.family:
+            raise ValueError(f"a drafter for {drafts_for} targets was given for a {self.config.family} target (a "
+                             f"drafter for another target); run a Jacobi method (sjd, mc-sjd) or AR without one")
         self._runners: dict = {}
         self.prepare_seconds: dict = {}  # StaticSpec -> seconds its runner took to prepare and warm up (compile)
         self._rules: dict = {}  # (rule parameters, device) -> Acceptance, its neighbourhood built once

@@ -157,8 +157,9 @@ def cmd_generate(args) -> dict:
 
     if is_family_folder(args.model):
         return cmd_generate_family(args)
-    if args.vq is not None:
-        raise UsageError("--vq names a Chameleon / Anole folder's VQGAN; a bundle carries its own VQ model")
+    if args.vq is not None or args.drafter is not None:
+        raise UsageError("--vq and --drafter are for Chameleon / Anole folders; a bundle carries its own VQ model "
+                         "and drafter")
     check_method_flags(args)
     prompts = check_prompt_args(args) if wants_prompts(args) else None
     apply_profile(args)  # a --profile supplies backend, dtype, threads and the tree tuned for this batch width
@@ -329,6 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--out", default="out", help="folder for the PNGs and grid.png")
     g.add_argument("--scale", type=number(int, 1), default=4, help="upscale factor of the written PNGs, >= 1")
     g.add_argument("--no-images", action="store_true", help="tokens and stats only")
+    g.add_argument("--drafter", help="Chameleon / Anole folders: LANTERN's Anole drafter folder (config.json + "
+                                     "model.safetensors or pytorch_model.bin), for eagle2")
     g.add_argument("--vq", help="Chameleon / Anole folders: the folder with vqgan.yaml and vqgan.ckpt (default: "
                                 "<model>/tokenizer, <model> or <model>/../tokenizer, where they are)")
     g.add_argument("--json", action="store_true", help="print one JSON object")

@@ -36,9 +36,17 @@ def check_family_request(args) -> list[str]:
                          f"tokenizer")
     if args.method == "auto":
         raise UsageError(f"--method auto has no acceptance records or calibration for {info.family} models yet; "
-                         f"name a method: ar, or sjd / mc-sjd (no drafter needed)")
+                         f"name a method: ar, sjd / mc-sjd (no drafter needed), or eagle2 with --drafter "
+                         f"(Chameleon)")
     if args.profile:
         raise UsageError("--profile tunes LlamaGen bundles; leave it out for a model-family folder")
+    if args.drafter is not None:
+        if info.family != "chameleon":
+            raise UsageError(f"--drafter takes LANTERN's Anole drafters, for Chameleon folders; {args.model} is a "
+                             f"{info.family} model")
+        from transformers import ChameleonConfig
+        from lantern.models.anole_drafter import check_anole_drafter
+        check_anole_drafter(Path(args.drafter), ChameleonConfig.from_pretrained(args.model))
     get_backend(args.backend, **backend_options(args)).check_family(info.family)
     if not args.no_images:
         check_writable(Path(args.out), "--out", folder=True)
@@ -58,13 +66,17 @@ def cmd_generate_family(args) -> dict:
     check_method_flags(args)
     prompts = check_family_request(args)
     family = load_family(args.model, args.vq, need_pixels=not args.no_images)
+    drafter = None
+    if args.drafter is not None:
+        from lantern.models.anole_drafter import read_anole_drafter
+        drafter = read_anole_drafter(Path(args.drafter), family.model)
     rows = [family.prompt_rows(p).expand(args.num_images, -1).contiguous() for p in prompts]
     dcfg = decode_config_from_args(args, family)
     pipes, tokens, stats, result = {}, [], GenerationStats(), None
     for r in rows:
         length = r.shape[1]
         if length not in pipes:
-            pipes[length] = Pipeline(family.target(length), backend=args.backend, dtype=args.dtype,
+            pipes[length] = Pipeline(family.target(length), drafter, backend=args.backend, dtype=args.dtype,
                                      **backend_options(args))
         pipe = pipes[length]
         result = pipe.generate(r, dcfg, seed=args.seed, progress=not args.json, batch=pipe.check(dcfg, args.batch))
@@ -102,10 +114,15 @@ def family_info(model: str) -> dict:
         fam = cls.supports_family(info.family)
         reasons = [r.reason for r in (avail, fam) if not r.ok]
         backends[name] = "runs" if not reasons else "unavailable: " + "; ".join(reasons)
-    return {**family.describe(), "methods": ["ar", "sjd", "mc-sjd"],
-            "methods_not_available": {"eagle2, lantern, lantern++": "no drafter for this family yet",
-                                      "mc-sjd-relaxed": "no proximity table for this family yet",
-                                      "auto": "no acceptance records or calibration for this family yet"},
+    methods, missing = ["ar", "sjd", "mc-sjd"], {}
+    if info.family == "chameleon":
+        methods.append("eagle2 (with --drafter FOLDER: LANTERN's Anole drafter)")
+        missing["lantern, lantern++"] = "no proximity table for this family yet"
+    else:
+        missing["eagle2, lantern, lantern++"] = "no drafter for this family yet"
+    missing["mc-sjd-relaxed"] = "no proximity table for this family yet"
+    missing["auto"] = "no acceptance records or calibration for this family yet"
+    return {**family.describe(), "methods": methods, "methods_not_available": missing,
             "backends": backends}
 
 

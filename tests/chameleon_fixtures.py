@@ -98,3 +98,32 @@ def make_chameleon_folder(folder: Path, seed: int = 0, std: float = 0.3, vq: boo
     if vq:
         write_vqgan(folder / "tokenizer", cfg.vq_config.num_embeddings, config.get("grid", 4), seed)
     return model
+
+
+def write_anole_drafter(folder: Path, model, seed: int = 0, std: float = 0.3, **conf_overrides) -> dict:
+    """A random drafter in LANTERN's Anole format for `model` (a ChameleonForConditionalGeneration): config.json and
+    model.safetensors with embed_tokens, fc (with bias) and layers.0.* under transformers' Chameleon names."""
+    from safetensors.torch import save_file
+    cfg = model.config
+    d, h, kv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+    hd, ffn = d // h, cfg.intermediate_size
+    shapes = {"embed_tokens.weight": (cfg.vocab_size, d), "fc.weight": (d, 2 * d), "fc.bias": (d,),
+              "layers.0.self_attn.q_proj.weight": (h * hd, d), "layers.0.self_attn.k_proj.weight": (kv * hd, d),
+              "layers.0.self_attn.v_proj.weight": (kv * hd, d), "layers.0.self_attn.o_proj.weight": (d, d),
+              "layers.0.self_attn.q_norm.weight": (h, hd), "layers.0.self_attn.q_norm.bias": (h, hd),
+              "layers.0.self_attn.k_norm.weight": (kv, hd), "layers.0.self_attn.k_norm.bias": (kv, hd),
+              "layers.0.mlp.gate_proj.weight": (ffn, d), "layers.0.mlp.up_proj.weight": (ffn, d),
+              "layers.0.mlp.down_proj.weight": (d, ffn), "layers.0.input_layernorm.weight": (d,),
+              "layers.0.post_attention_layernorm.weight": (d,)}
+    gen = torch.Generator().manual_seed(seed)
+    state = {k: (1.0 if "norm.weight" in k or "layernorm" in k else 0.0) + std * torch.randn(s, generator=gen)
+             for k, s in shapes.items()}
+    state["embed_tokens.weight"] = model.model.embed_tokens.weight.detach().clone()  # as LANTERN trains it
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(folder / "model.safetensors"))
+    conf = {"model_type": "chameleon", "architectures": ["ChameleonForConditionalGeneration"], "num_hidden_layers": 1,
+            "hidden_size": d, "num_attention_heads": h, "num_key_value_heads": kv, "intermediate_size": ffn,
+            "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.rms_norm_eps, "hidden_act": "silu", "bias": True,
+            "swin_norm": False, **conf_overrides}
+    (folder / "config.json").write_text(__import__("json").dumps(conf))
+    return state

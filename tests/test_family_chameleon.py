@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from chameleon_fixtures import BOI, BOS, EOT, PAD, make_chameleon_folder, write_vqgan
+from chameleon_fixtures import BOI, BOS, EOT, PAD, make_chameleon_folder, write_anole_drafter, write_vqgan
 from lantern.api import Pipeline
 from lantern.backends import get_backend
 from lantern.backends.base import BackendUnavailable, StaticSpec
@@ -20,6 +20,7 @@ from lantern.cli import main
 from lantern.config import gpt_preset
 from lantern.decoding import DecodeConfig, SamplingConfig, method_preset
 from lantern.decoding.sampling import warp
+from lantern.models.anole_drafter import read_anole_drafter
 from lantern.models.chameleon import ChameleonTarget
 from lantern.models.drafter import Drafter
 from lantern.models.family import TargetModel, TargetShape, inspect_folder, load_family
@@ -155,7 +156,7 @@ def test_cpu_graph_runs_chameleon_token_for_token(anole):
 
 def test_onnx_reports_the_family_unavailable_and_a_llamagen_drafter_is_refused(anole):
     _, _, family = anole
-    with pytest.raises(ValueError, match="drafters are EAGLE heads over LlamaGen targets only"):
+    with pytest.raises(ValueError, match="a drafter for llamagen targets was given for a chameleon target"):
         Pipeline(family.target(5), Drafter(gpt_preset("GPT-test")), backend="cpu")
     pytest.importorskip("onnxruntime")
     with pytest.raises(BackendUnavailable, match="onnx: unavailable for the chameleon family"):
@@ -240,11 +241,11 @@ def flat(tmp_path_factory):
     lu = hf_logits(family, hf, target.unconditional(rows).expand(n, -1), seqs[:, :-1])
     probs = warp(lu + SAMPLING.cfg_scale * (lc - lu), SAMPLING).dense(6)  # (S, 4, V)
     expected = probs.gather(-1, seqs[:, :, None])[..., 0].prod(1)
-    return Pipeline(target, backend="cpu"), rows, expected
+    return Pipeline(target, backend="cpu"), rows, expected, hf
 
 
 def lossless_pvalues(flat, coupling: str, images: int = 6000):
-    pipe, rows, expected = flat
+    pipe, rows, expected, _ = flat
     dcfg = DecodeConfig(sampling=SAMPLING, drafting="jacobi", coupling=coupling, window=2)
     toks = pipe.generate(rows.expand(images, -1), dcfg, seed=0, batch=images).tokens
     counts = torch.bincount((toks * torch.tensor([216, 36, 6, 1])).sum(1), minlength=6 ** 4).float()
@@ -323,3 +324,109 @@ def test_a_vq_of_another_codebook_exits_2(anole, tmp_path, capsys):
 def test_the_folder_is_classified_from_its_config(anole):
     info = inspect_folder(anole[0])
     assert (info.family, info.image_vocab, info.image_tokens) == ("chameleon", 24, 16)
+
+
+# --- LANTERN's Anole drafter -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def drafted(anole, tmp_path_factory):
+    folder, hf, family = anole
+    dfolder = tmp_path_factory.mktemp("anole-drafter")
+    state = write_anole_drafter(dfolder, hf)
+    return dfolder, state, read_anole_drafter(dfolder, hf)
+
+
+def reference_drafter_logits(state: dict, hf, family, feats, codes, positions) -> torch.Tensor:
+    """LANTERN's Anole drafter, written from its published layer over its state dict: fc([embed(x); f]) -> RMSNorm
+    (layer 0 keeps it) -> attention with per-head q/k LayerNorm (no reduction across heads) and RoPE, causal over the
+    pairs -> SwiGLU MLP after RMSNorm; read out by the base model's lm_head over the image codes."""
+    cfg = hf.config
+    h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size
+    hd, eps = d // h, cfg.rms_norm_eps
+    s = {k.replace("layers.0.", ""): v for k, v in state.items()}
+
+    def rms(x, w):
+        return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+    def head_norm(x, name):
+        return F.layer_norm(x, (hd,), eps=1e-5) * s[name + ".weight"] + s[name + ".bias"]
+
+    b, t, _ = feats.shape
+    x = torch.cat([s["embed_tokens.weight"][family.bpe_of_code[codes]], feats], -1) @ s["fc.weight"].T + s["fc.bias"]
+    y = rms(x, s["input_layernorm.weight"])
+    q = head_norm((y @ s["self_attn.q_proj.weight"].T).view(b, t, h, hd), "self_attn.q_norm")
+    k = head_norm((y @ s["self_attn.k_proj.weight"].T).view(b, t, kv, hd), "self_attn.k_norm")
+    v = (y @ s["self_attn.v_proj.weight"].T).view(b, t, kv, hd)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, hd, 2).float() / hd))
+    ang = positions[..., None].float() * inv
+    cos, sin = torch.cat([ang.cos()] * 2, -1)[:, :, None], torch.cat([ang.sin()] * 2, -1)[:, :, None]
+
+    def rot(z):
+        return z * cos + torch.cat([-z[..., hd // 2:], z[..., :hd // 2]], -1) * sin
+
+    q, k = rot(q).transpose(1, 2), rot(k).transpose(1, 2).repeat_interleave(h // kv, 1)
+    v = v.transpose(1, 2).repeat_interleave(h // kv, 1)
+    w = (q @ k.transpose(-1, -2)) / hd ** 0.5 + torch.full((t, t), float("-inf")).triu(1)
+    x = x + (w.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d) @ s["self_attn.o_proj.weight"].T
+    y = rms(x, s["post_attention_layernorm.weight"])
+    x = x + (F.silu(y @ s["mlp.gate_proj.weight"].T) * (y @ s["mlp.up_proj.weight"].T)) @ s["mlp.down_proj.weight"].T
+    return (x @ hf.lm_head.weight.T)[..., family.bpe_of_code]
+
+
+def test_the_anole_drafter_over_the_static_cache_equals_the_reference(anole, drafted):
+    _, hf, family = anole
+    _, state, drafter = drafted
+    p = 9
+    target = family.target(p)
+    runner = get_backend("cpu").prepare(target, drafter, StaticSpec(batch=2, max_len=p + 8, prefix_len=p,
+                                                                     verify_widths=(1,), draft_widths=(4,)))
+    feats = torch.randn(2, 4, target.config.dim)
+    codes = torch.randint(0, family.image_vocab, (2, 4))
+    positions = (p + torch.arange(4))[None].expand(2, -1)
+    slots = torch.arange(runner.spec.max_len)
+    mask = (slots[None, None] >= p) & (slots[None, None] <= positions[..., None])
+    got = runner.draft(codes, feats, positions, positions.clone(), mask).logits
+    want = reference_drafter_logits(state, hf, family, feats, codes, positions)
+    assert torch.allclose(got, want, atol=1e-4)
+
+
+def test_greedy_eagle2_with_the_drafter_equals_the_reference_cfg_loop(anole, drafted):
+    _, hf, family = anole
+    rows = family.prompt_rows(PROMPT)
+    pipe = Pipeline(family.target(rows.shape[1]), drafted[2], backend="cpu")
+    dcfg = method_preset("eagle2", SamplingConfig(greedy=True, cfg_scale=3.0), dynamic_depth=3, dynamic_top_k=3,
+                         dynamic_total=8)
+    result = pipe.generate(rows, dcfg, batch=1)
+    assert torch.equal(result.tokens, hf_greedy(family, hf, rows, 3.0))
+
+
+def test_eagle2_sampling_with_the_drafter_reproduces_the_ar_distribution(flat, tmp_path):
+    """Exact speculative sampling over the drafter's dynamic tree, CFG + warping, on the 2x2 Anole."""
+    pipe, rows, expected, hf = flat
+    write_anole_drafter(tmp_path / "d", hf, seed=1, std=0.5)
+    drafter = read_anole_drafter(tmp_path / "d", hf)
+    dpipe = Pipeline(pipe.target, drafter, backend="cpu")
+    dcfg = method_preset("eagle2", SAMPLING, dynamic_depth=2, dynamic_top_k=2, dynamic_total=4)
+    toks = dpipe.generate(rows.expand(6000, -1), dcfg, seed=0, batch=6000).tokens
+    counts = torch.bincount((toks * torch.tensor([216, 36, 6, 1])).sum(1), minlength=6 ** 4).float()
+    assert min(pvalues(counts, expected)) > LEVEL
+
+
+@pytest.mark.parametrize("override, names", [({"hidden_size": 32}, "hidden_size is 32"),
+                                             ({"num_hidden_layers": 2}, "num_hidden_layers is 2")])
+def test_a_drafter_for_another_target_exits_2_before_any_work(anole, tmp_path, capsys, override, names):
+    folder, hf, _ = anole
+    write_anole_drafter(tmp_path / "d", hf, **override)
+    code = main(["generate", "--model", str(folder), "--prompt", "a cat", "--method", "eagle2", "--drafter",
+                 str(tmp_path / "d"), "--out", str(tmp_path / "out")])
+    assert code == 2 and names in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_generate_eagle2_with_a_drafter_from_the_command_line(anole, drafted, tmp_path, capsys):
+    folder, hf, family = anole
+    code = main(["generate", "--model", str(folder), "--prompt", PROMPT, "--method", "eagle2", "--greedy",
+                 "--cfg-scale", "3", "--drafter", str(drafted[0]), "--no-images", "--json"])
+    res = json.loads(capsys.readouterr().out)
+    assert code == 0 and res["tokens"][0] == hf_greedy(family, hf, family.prompt_rows(PROMPT), 3.0)[0].tolist()
+    assert main(["generate", "--model", str(folder), "--prompt", PROMPT, "--method", "eagle2", "--no-images"]) == 2
+    assert "needs a drafter" in capsys.readouterr().err

@@ -142,7 +142,7 @@ def test_onnx_reports_the_family_unavailable(janus):
 
 def test_a_llamagen_drafter_for_a_janus_target_is_refused(janus):
     _, _, family = janus
-    with pytest.raises(ValueError, match="drafters are EAGLE heads over LlamaGen targets only"):
+    with pytest.raises(ValueError, match="a drafter for llamagen targets was given for a janus target"):
         Pipeline(family.target(5), Drafter(gpt_preset("GPT-test")), backend="cpu")
 
 

@@ -72,6 +72,25 @@ def image_vocabulary(vocab_map: dict) -> torch.Tensor:
     return torch.tensor([codes[c] for c in range(len(codes))], dtype=torch.long)
 
 
+def attention(attn, x: torch.Tensor, cos, sin, bias, cache: StaticKVCache, layer: int, flat, live: int,
+              shape: ChameleonShape) -> torch.Tensor:
+    """A Chameleon attention module's projections and q/k LayerNorms (per head) on x (B, T, D), RoPE, then
+    attention over cache layer `layer` (written at `flat`, its first `live` slots read) -> (B, T, D)."""
+    B, T, _ = x.shape
+    H, Hkv, hd = shape.n_head, shape.kv_heads, shape.head_dim
+    q = attn.q_norm(attn.q_proj(x).reshape(B * T, H, hd)).view(B, T, H, hd)
+    k = attn.k_norm(attn.k_proj(x).reshape(B * T, Hkv, hd)).view(B, T, Hkv, hd)
+    v = attn.v_proj(x).view(B, T, Hkv, hd)
+    q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    keys, values = cache.update(layer, k, v, flat)  # (B, Hkv, S, hd)
+    keys, values = keys[:, :, :live], values[:, :, :live]
+    if H > Hkv:
+        keys, values = keys.repeat_interleave(H // Hkv, dim=1), values.repeat_interleave(H // Hkv, dim=1)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=bias,
+                                         scale=attn.scaling)  # (B, H, T, hd)
+    return attn.o_proj(out.transpose(1, 2).reshape(B, T, H * hd))
+
+
 class ChameleonTarget(nn.Module):
     def __init__(self, hf_model, shape: ChameleonShape, bpe_of_code: torch.Tensor, bos: int, boi: int, pad: int):
         super().__init__()
@@ -126,22 +145,6 @@ class ChameleonTarget(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)[:, :, None]
         return (emb.cos() * self.rope_scaling).to(dtype), (emb.sin() * self.rope_scaling).to(dtype)
 
-    def attention(self, i: int, x: torch.Tensor, cos, sin, bias, cache: StaticKVCache, flat, live: int):
-        B, T, _ = x.shape
-        cfg, attn = self.config, self.layers[i].self_attn
-        q = attn.q_norm(attn.q_proj(x).reshape(B * T, cfg.n_head, cfg.head_dim)).view(B, T, cfg.n_head, -1)
-        k = attn.k_norm(attn.k_proj(x).reshape(B * T, cfg.kv_heads, cfg.head_dim)).view(B, T, cfg.kv_heads, -1)
-        v = attn.v_proj(x).view(B, T, cfg.kv_heads, cfg.head_dim)
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        keys, values = cache.update(i, k, v, flat)  # (B, Hkv, S, hd)
-        keys, values = keys[:, :, :live], values[:, :, :live]
-        rep = cfg.n_head // cfg.kv_heads
-        if rep > 1:
-            keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=bias,
-                                             scale=attn.scaling)  # (B, H, T, hd)
-        return attn.o_proj(out.transpose(1, 2).reshape(B, T, cfg.n_head * cfg.head_dim))
-
     def forward_cached(self, h: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: StaticKVCache,
                        slots: torch.Tensor) -> torch.Tensor:
         cos, sin = self.rope_at(self.row_positions(positions, mask), h.dtype)
@@ -150,10 +153,12 @@ class ChameleonTarget(nn.Module):
         live = mask.shape[-1]
         for i, layer in enumerate(self.layers):
             if self.swin_norm:  # Chameleon-30B's order: norm after attention and after the MLP
-                h = h + layer.input_layernorm(self.attention(i, h, cos, sin, bias, cache, flat, live))
+                h = h + layer.input_layernorm(attention(layer.self_attn, h, cos, sin, bias, cache, i, flat, live,
+                                                        self.config))
                 h = h + layer.post_attention_layernorm(layer.mlp(h))
             else:
-                h = h + self.attention(i, layer.input_layernorm(h), cos, sin, bias, cache, flat, live)
+                h = h + attention(layer.self_attn, layer.input_layernorm(h), cos, sin, bias, cache, i, flat, live,
+                                  self.config)
                 h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
 

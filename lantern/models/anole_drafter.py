@@ -1,0 +1,123 @@
+"""LANTERN's Anole drafter (`anole_drafter`): an EAGLE-1 head over a Chameleon target, in LANTERN's own format.
+
+A folder with `config.json` (a one-layer Chameleon config: hidden_size, num_attention_heads, num_key_value_heads,
+intermediate_size, vocab_size 65536, `bias` of fc) and `pytorch_model.bin` or `model.safetensors` with
+    embed_tokens.weight (65536, D)   its own copy of the BPE embeddings
+    fc.weight (D, 2D), fc.bias        fc([embed(x_{t+1}); f_t])
+    layers.0.*                        one Chameleon decoder layer, as transformers names it: q/k/v/o projections,
+                                      the per-head q/k LayerNorms (q_norm, k_norm: weight and bias), the SwiGLU MLP,
+                                      and both RMSNorms (the layer-0 input norm included, unlike LlamaGen's EAGLE)
+The output (no final norm) is read out by the target's head, as LANTERN reads it with the base model's lm_head.
+
+The drafter's KV cache holds image pairs only (lantern's drafters never see the prefix), so both CFG rows sit at
+the sequence positions the core gives them: with RoPE only relative positions count, and a row never attends
+across the prefix here.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+import torch
+from torch import nn
+
+from lantern.kv_cache import StaticKVCache
+from lantern.models.chameleon import ChameleonTarget, attention
+from lantern.models.gpt import attention_bias
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+class AnoleDrafter(nn.Module):
+    family = "chameleon"  # the targets it drafts for
+
+    def __init__(self, layer_config, vocab: int, bias: bool = True):
+        super().__init__()
+        from transformers.models.chameleon.modeling_chameleon import ChameleonDecoderLayer
+        dim = layer_config.hidden_size
+        self.embed_tokens = nn.Embedding(vocab, dim)
+        self.fc = nn.Linear(2 * dim, dim, bias=bias)
+        self.layers = nn.ModuleList([ChameleonDecoderLayer(layer_config, 0)])
+
+    def forward(self, target: ChameleonTarget, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                mask: torch.Tensor, cache: StaticKVCache, slots: torch.Tensor) -> torch.Tensor:
+        """Image codes, positions, slots (B, T); features (B, T, D); mask (B, T, s) over the drafter's cache.
+        Returns predicted features (B, T, D), read out by `target.head`."""
+        x = self.fc(torch.cat([self.embed_tokens(target.bpe_of_code[tokens]).to(self.fc.weight.dtype),
+                               features.to(self.fc.weight.dtype)], dim=-1))
+        cos, sin = target.rope_at(positions, x.dtype)
+        layer = self.layers[0]
+        h = x + attention(layer.self_attn, layer.input_layernorm(x), cos, sin, attention_bias(mask, x.dtype), cache,
+                          0, cache.flat(slots), mask.shape[-1], target.config)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def check_anole_drafter(folder: Path, tcfg) -> tuple[dict, Path]:
+    """LANTERN's Anole drafter folder checked against a target's ChameleonConfig `tcfg`, before any weights are read:
+    (its config, its weights file); ValueError naming what differs."""
+    where = folder / "config.json"
+    if not where.is_file():
+        raise ValueError(f"drafter {folder}: expected LANTERN's Anole drafter folder (config.json + "
+                         f"{' or '.join(WEIGHT_FILES)})")
+    try:
+        conf = json.loads(where.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"drafter config {where} is not readable JSON: {e}") from None
+    if not isinstance(conf, dict):
+        raise ValueError(f"drafter config {where} is not a JSON object")
+    files = [folder / n for n in WEIGHT_FILES if (folder / n).is_file()]
+    if not files:
+        raise ValueError(f"drafter folder {folder} has a config.json but none of {', '.join(WEIGHT_FILES)}")
+    expect = {"model_type": "chameleon", "num_hidden_layers": 1, "hidden_size": tcfg.hidden_size,
+              "num_attention_heads": tcfg.num_attention_heads, "vocab_size": tcfg.vocab_size}
+    for key, want in expect.items():
+        if conf.get(key) != want:
+            raise ValueError(f"drafter {where}: {key} is {conf.get(key)!r}, but the target needs {want!r} (a drafter "
+                             f"for another target)")
+    if conf.get("num_key_value_heads", conf["num_attention_heads"]) != tcfg.num_key_value_heads:
+        raise ValueError(f"drafter {where}: num_key_value_heads {conf.get('num_key_value_heads')} differs from the "
+                         f"target's {tcfg.num_key_value_heads}")
+    if conf.get("swin_norm") or conf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"drafter {where}: swin_norm / hidden_act {conf.get('hidden_act')!r}: lantern loads "
+                         f"LANTERN's Anole drafters (standard layer order, silu)")
+    return conf, files[0]
+
+
+def read_anole_drafter(folder: Path, target_model) -> AnoleDrafter:
+    """LANTERN's Anole drafter folder -> an AnoleDrafter for `target_model` (a ChameleonForConditionalGeneration)."""
+    from transformers import ChameleonConfig
+    tcfg = target_model.config
+    conf, weights = check_anole_drafter(folder, tcfg)
+    layer_config = ChameleonConfig(
+        hidden_size=tcfg.hidden_size, num_attention_heads=tcfg.num_attention_heads,
+        num_key_value_heads=tcfg.num_key_value_heads, num_hidden_layers=1, vocab_size=tcfg.vocab_size,
+        intermediate_size=int(conf.get("intermediate_size", tcfg.intermediate_size)),
+        rms_norm_eps=float(conf.get("rms_norm_eps", tcfg.rms_norm_eps)),
+        attention_bias=bool(conf.get("attention_bias", False)), mlp_bias=bool(conf.get("mlp_bias", False)))
+    drafter = AnoleDrafter(layer_config, tcfg.vocab_size, bias=bool(conf.get("bias", True)))
+    state = read_state(weights)
+    missing = sorted(set(drafter.state_dict()) - set(state))
+    extra = sorted(set(state) - set(drafter.state_dict()))
+    if missing or extra:
+        raise ValueError(f"drafter weights {weights}: " + "; ".join(
+            part for part in (f"missing {', '.join(missing[:4])}" if missing else "",
+                              f"unexpected {', '.join(extra[:4])}" if extra else "") if part))
+    shapes = [k for k, v in drafter.state_dict().items() if tuple(state[k].shape) != tuple(v.shape)]
+    if shapes:
+        raise ValueError(f"drafter weights {weights}: {shapes[0]} has shape {tuple(state[shapes[0]].shape)}, the "
+                         f"target needs {tuple(drafter.state_dict()[shapes[0]].shape)}")
+    drafter.load_state_dict({k: v.float() for k, v in state.items()})
+    return drafter.eval().requires_grad_(False)
+
+
+def read_state(path: Path) -> dict:
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+        return load_file(str(path))
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a pickle that needs more than tensors, or not a checkpoint at all
+        raise ValueError(f"{path} is not a weights-only torch checkpoint: {type(e).__name__}: {e}") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{path} holds no state dict")
+    return state
+

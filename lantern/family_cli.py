@@ -20,13 +20,22 @@ def is_family_folder(model) -> bool:
         return False
 
 
+RELAXED = ("lantern", "lantern++", "mc-sjd-relaxed")  # methods that read a proximity table of the VQ codebook
+
+
+def needs_vq(args) -> bool:
+    """Whether this request needs the model's VQ: to write images, or (Chameleon) for the codebook's proximity
+    table that relaxed acceptance reads."""
+    return not args.no_images or args.method in RELAXED
+
+
 def check_family_request(args) -> list[str]:
     """Everything a family generation needs, checked before loading: returns the prompts."""
     from lantern.backends import get_backend
     from lantern.cli import backend_options
     from lantern.models.family import check_family
     from lantern.text import read_prompts
-    info = check_family(args.model, args.vq, need_pixels=not args.no_images)
+    info = check_family(args.model, args.vq, need_vq=needs_vq(args))
     prompts = read_prompts(args.prompt, args.prompts_file)
     if not prompts:
         raise UsageError(f"{args.model} is a {info.family} model: it generates from --prompt TEXT (repeatable) or "
@@ -65,18 +74,20 @@ def cmd_generate_family(args) -> dict:
 
     check_method_flags(args)
     prompts = check_family_request(args)
-    family = load_family(args.model, args.vq, need_pixels=not args.no_images)
+    family = load_family(args.model, args.vq, need_vq=needs_vq(args))
     drafter = None
     if args.drafter is not None:
         from lantern.models.anole_drafter import read_anole_drafter
         drafter = read_anole_drafter(Path(args.drafter), family.model)
     rows = [family.prompt_rows(p).expand(args.num_images, -1).contiguous() for p in prompts]
     dcfg = decode_config_from_args(args, family)
+    table = getattr(family, "proximity_table", None)  # Chameleon: from its VQGAN's codebook
+    proximity = table() if dcfg.acceptance != "exact" and table is not None else None
     pipes, tokens, stats, result = {}, [], GenerationStats(), None
     for r in rows:
         length = r.shape[1]
         if length not in pipes:
-            pipes[length] = Pipeline(family.target(length), drafter, backend=args.backend, dtype=args.dtype,
+            pipes[length] = Pipeline(family.target(length), drafter, proximity, backend=args.backend, dtype=args.dtype,
                                      **backend_options(args))
         pipe = pipes[length]
         result = pipe.generate(r, dcfg, seed=args.seed, progress=not args.json, batch=pipe.check(dcfg, args.batch))
@@ -115,12 +126,14 @@ def family_info(model: str) -> dict:
         reasons = [r.reason for r in (avail, fam) if not r.ok]
         backends[name] = "runs" if not reasons else "unavailable: " + "; ".join(reasons)
     methods, missing = ["ar", "sjd", "mc-sjd"], {}
-    if info.family == "chameleon":
+    if info.family == "chameleon" and family.vq_path is not None:  # relaxed: the VQGAN codebook's proximity table
+        methods += ["mc-sjd-relaxed", "eagle2, lantern, lantern++ (with --drafter FOLDER: LANTERN's Anole drafter)"]
+    elif info.family == "chameleon":
         methods.append("eagle2 (with --drafter FOLDER: LANTERN's Anole drafter)")
-        missing["lantern, lantern++"] = "no proximity table for this family yet"
+        missing["lantern, lantern++, mc-sjd-relaxed"] = "no VQGAN found, whose codebook gives the proximity table"
     else:
         missing["eagle2, lantern, lantern++"] = "no drafter for this family yet"
-    missing["mc-sjd-relaxed"] = "no proximity table for this family yet"
+        missing["mc-sjd-relaxed"] = "no proximity table for this family yet"
     missing["auto"] = "no acceptance records or calibration for this family yet"
     return {**family.describe(), "methods": methods, "methods_not_available": missing,
             "backends": backends}

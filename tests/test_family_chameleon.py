@@ -430,3 +430,21 @@ def test_generate_eagle2_with_a_drafter_from_the_command_line(anole, drafted, tm
     assert code == 0 and res["tokens"][0] == hf_greedy(family, hf, family.prompt_rows(PROMPT), 3.0)[0].tolist()
     assert main(["generate", "--model", str(folder), "--prompt", PROMPT, "--method", "eagle2", "--no-images"]) == 2
     assert "needs a drafter" in capsys.readouterr().err
+
+
+def test_relaxed_methods_read_the_vqgan_codebook_proximity(anole, drafted, tmp_path, capsys):
+    """lantern++ (drafter) and mc-sjd-relaxed run with the proximity table of the VQGAN's codebook, in code order."""
+    from lantern.proximity import build_proximity_table
+    folder, _, family = anole
+    table = family.proximity_table()
+    codebook = load_vqgan(folder / "tokenizer").quantize.embedding.weight
+    assert table.shape == (24, 23) and torch.equal(table, build_proximity_table(codebook, 23))
+    for method, extra in (("mc-sjd-relaxed", ["--window", "4"]), ("lantern++", ["--drafter", str(drafted[0])])):
+        code = main(["generate", "--model", str(folder), "--prompt", PROMPT, "--method", method, "--k", "3",
+                     *extra, "--no-images", "--json"])
+        res = json.loads(capsys.readouterr().out)
+        assert code == 0 and len(res["tokens"][0]) == 16 and max(res["tokens"][0]) < 24
+    no_vq = bad_copy(folder, tmp_path, drop=("tokenizer",))
+    assert main(["generate", "--model", str(no_vq), "--prompt", "a cat", "--method", "mc-sjd-relaxed", "--k", "3",
+                 "--no-images"]) == 2
+    assert "no VQGAN found" in capsys.readouterr().err

@@ -241,9 +241,9 @@ class ChameleonFamily:
     family = "chameleon"
 
     @classmethod
-    def check(cls, info: FolderInfo, vq: Optional[str] = None, need_pixels: bool = False) -> Optional[Path]:
-        """Everything but the weights: tokenizer, RoPE, and (where pixels are wanted) the VQGAN's files and shape.
-        Returns the VQGAN folder (None if there is none and no pixels are wanted)."""
+    def check(cls, info: FolderInfo, vq: Optional[str] = None, need_vq: bool = False) -> Optional[Path]:
+        """Everything but the weights: tokenizer, RoPE, and (where the VQ is needed) the VQGAN's files and shape.
+        Returns the VQGAN folder (None if there is none and it is not needed)."""
         from lantern.bundle import read_json_object
         from lantern.models.vqgan import check_vqgan_folder
         root = info.path
@@ -257,17 +257,18 @@ class ChameleonFamily:
                              f"{', '.join(STATIC_ROPE)}")
         folder = find_vq(root, vq)
         if folder is None:
-            if need_pixels:
+            if need_vq:
                 raise ValueError(f"{root}: no VQGAN found (vqgan.yaml and vqgan.ckpt in {root}/tokenizer, {root} or "
-                                 f"{root.parent}/tokenizer): give --vq FOLDER, or --no-images for tokens only")
+                                 f"{root.parent}/tokenizer): give --vq FOLDER, or --no-images for tokens only (and "
+                                 f"no relaxed method: its proximity table comes from the VQGAN's codebook)")
             return None
         check_vqgan_folder(folder, info.image_vocab, image_grid(cfg["vq_config"]))
         return folder
 
     @classmethod
-    def load(cls, info: FolderInfo, vq: Optional[str] = None, need_pixels: bool = False) -> "ChameleonFamily":
+    def load(cls, info: FolderInfo, vq: Optional[str] = None, need_vq: bool = False) -> "ChameleonFamily":
         from transformers import AutoTokenizer, ChameleonConfig, ChameleonForConditionalGeneration
-        vq_path = cls.check(info, vq, need_pixels)
+        vq_path = cls.check(info, vq, need_vq)
         root = info.path
         config = ChameleonConfig.from_pretrained(root)
         vocab_map = config.vocabulary_map
@@ -302,14 +303,24 @@ class ChameleonFamily:
             self._targets[prompt_len] = chameleon_target(self.model, prompt_len, self.bpe_of_code, self.ids)
         return self._targets[prompt_len]
 
-    def decode_images(self, tokens: torch.Tensor) -> np.ndarray:
-        """(B, block) image codes -> uint8 images (B, H, W, 3) through the model's VQGAN."""
+    @property
+    def vq(self) -> nn.Module:
+        """The model's VQGAN decoder (lantern.models.vqgan), loaded on first use."""
         if self.vq_path is None:
-            raise ValueError(f"{self.path}: no VQGAN to decode images with (give --vq FOLDER)")
+            raise ValueError(f"{self.path}: no VQGAN (give --vq FOLDER)")
         if self._vq is None:
             from lantern.models.vqgan import load_vqgan
             self._vq = load_vqgan(self.vq_path)
-        return self._vq.decode(tokens)
+        return self._vq
+
+    def decode_images(self, tokens: torch.Tensor) -> np.ndarray:
+        """(B, block) image codes -> uint8 images (B, H, W, 3) through the model's VQGAN."""
+        return self.vq.decode(tokens)
+
+    def proximity_table(self) -> torch.Tensor:
+        """LANTERN's latent proximity table of the VQGAN codebook (V, k) in code order, for relaxed acceptance."""
+        from lantern.proximity import DEFAULT_K, build_proximity_table
+        return build_proximity_table(self.vq.quantize.embedding.weight.detach(), DEFAULT_K)
 
     def describe(self) -> dict:
         cfg = self.model.config

@@ -127,26 +127,27 @@ def require_transformers():
     return transformers
 
 
-def check_family(path: str | Path, vq: str | None = None, need_pixels: bool = False) -> FolderInfo:
+def check_family(path: str | Path, vq: str | None = None, need_vq: bool = False) -> FolderInfo:
     """Everything about a family folder that can be checked without loading weights; ValueError names what is wrong.
-    vq: a VQGAN folder given by the user (Chameleon); need_pixels: images will be decoded."""
+    vq: a VQGAN folder given by the user (Chameleon); need_vq: the VQ will be used (images decoded, or a proximity
+    table built from its codebook)."""
     info = inspect_folder(path)
     if info.family == "bundle":
         raise ValueError(f"{info.path} is a lantern bundle, not a transformers model folder")
     require_transformers()
     if info.family == "chameleon":
         from lantern.models.chameleon import ChameleonFamily
-        ChameleonFamily.check(info, vq, need_pixels)
+        ChameleonFamily.check(info, vq, need_vq)
     elif vq is not None:
         raise ValueError(f"--vq is for Chameleon folders; a {info.family} folder decodes with its own VQ model")
     return info
 
 
-def load_family(path: str | Path, vq: str | None = None, need_pixels: bool = False):
+def load_family(path: str | Path, vq: str | None = None, need_vq: bool = False):
     """A family folder's loaded model (lantern.models.janus.JanusFamily, lantern.models.chameleon.ChameleonFamily)."""
-    info = check_family(path, vq, need_pixels)
+    info = check_family(path, vq, need_vq)
     if info.family == "chameleon":
         from lantern.models.chameleon import ChameleonFamily
-        return ChameleonFamily.load(info, vq, need_pixels)
+        return ChameleonFamily.load(info, vq, need_vq)
     from lantern.models.janus import JanusFamily
     return JanusFamily.load(info)

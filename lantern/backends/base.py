@@ -243,11 +243,18 @@ def dummy_step_inputs(spec: StaticSpec, width: int, device) -> tuple[torch.Tenso
     return tokens, positions, slots, mask
 
 
-def run_every_static_step(runner: Runner) -> None:
+def run_prefill(runner: Runner) -> StepOutput:
+    """One prefill of a dummy condition (warm-ups)."""
     spec, dev = runner.spec, runner.device
     b, p, s = spec.batch, spec.prefix_len, spec.max_len
     pmask = (torch.arange(s, device=dev)[None, None, :] <= torch.arange(p, device=dev)[None, :, None])
-    out = runner.prefill(runner.dummy_condition(), pmask.expand(b, p, s).contiguous())
+    return runner.prefill(runner.dummy_condition(), pmask.expand(b, p, s).contiguous())
+
+
+def run_every_static_step(runner: Runner) -> None:
+    spec, dev = runner.spec, runner.device
+    b = spec.batch
+    out = run_prefill(runner)
     for t in spec.verify_widths:
         runner.verify(*dummy_step_inputs(spec, t, dev))
     for t in spec.draft_widths:

@@ -11,6 +11,8 @@ argument is a tensor of a StaticSpec shape (positions and slots included), so a 
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import importlib
 import importlib.util
 import os
@@ -25,7 +27,7 @@ from lantern.backends.base import (Availability, Backend, BackendUnavailable, Ca
                                    StaticSpec, StepOutput, parse_dtype)
 from lantern.backends.gaudi_config import GaudiSettings, load_gaudi_config
 from lantern.backends.torch_eager import SharedWeights
-from lantern.backends.torch_graph import CapturedRunner
+from lantern.backends.torch_graph import CapturedRunner, fusable
 
 INSTALL_HINT = "install Habana's PyTorch bridge, then pip install 'lantern-decoding[hpu]'"
 LAZY_ENV = "PT_HPU_LAZY_MODE"
@@ -67,6 +69,17 @@ def import_bridge(gaudi_config: Optional[GaudiSettings]) -> tuple[ModuleType, Mo
         raise BackendUnavailable(f"hpu: habana_frameworks failed to import ({type(e).__name__}: {e})") from e
 
 
+class WholeStep(torch.nn.Module):
+    """An engine's fused step as a module, for `wrap_in_hpu_graph` (which wraps modules)."""
+
+    def __init__(self, call):
+        super().__init__()
+        self.call = call
+
+    def forward(self) -> torch.Tensor:
+        return self.call()
+
+
 class HPURunner(CapturedRunner):
     """The torch step modules on an HPU, each wrapped by `wrap_in_hpu_graph`."""
 
@@ -74,12 +87,14 @@ class HPURunner(CapturedRunner):
     capture_kind = "habana_frameworks.torch.hpu.wrap_in_hpu_graph (lazy mode)"
 
     def __init__(self, target, drafter, spec: StaticSpec, device: torch.device, core: ModuleType,
-                 hpu: ModuleType, autocast: bool = False):
+                 hpu: ModuleType, autocast: bool = False, fused: bool = False):
         self.core, self.hpu, self.autocast = core, hpu, autocast
+        self.fused = fused and fusable(spec, target.config) is None
+        self.not_fused = fusable(spec, target.config) if fused else None
         super().__init__(target, drafter, spec, device)
 
     def wrap_step(self, name, module):
-        graph = self.hpu.wrap_in_hpu_graph(module)
+        graph = self.hpu.wrap_in_hpu_graph(copy.copy(module))  # wraps in place: the eager module stays eager
         if not self.autocast:
             return graph
 
@@ -93,6 +108,20 @@ class HPURunner(CapturedRunner):
 
     def step_done(self):
         self.core.mark_step()
+
+    def replayable(self, call):
+        """The fused step as one HPU graph per engine: `wrap_in_hpu_graph` over a module whose forward is the
+        step (no tensor arguments: it reads and writes the engine's persistent buffers, so the graph's key is
+        the same every call), under autocast where the runner's steps are, then mark_step."""
+        graph = self.hpu.wrap_in_hpu_graph(WholeStep(call))
+
+        def step():
+            with (torch.autocast(device_type=self.device.type, dtype=torch.bfloat16) if self.autocast
+                  else contextlib.nullcontext()):
+                report = graph()
+            self.step_done()
+            return report
+        return step
 
     def sync(self):
         self.hpu.synchronize()
@@ -117,8 +146,9 @@ class HPUBackend(SharedWeights, Backend):
 
     name = "hpu"
 
-    def __init__(self, device_index: int = 0, gaudi_config: Optional[str] = None):
-        self.device_index = device_index
+    def __init__(self, device_index: int = 0, gaudi_config: Optional[str] = None, fused_step: bool = False):
+        """fused_step: the engine's whole decode step as one HPU graph per engine (lantern.engine.fused)."""
+        self.device_index, self.fused_step = device_index, fused_step
         self.gaudi_config = load_gaudi_config(gaudi_config)
 
     @classmethod
@@ -160,6 +190,6 @@ class HPUBackend(SharedWeights, Backend):
         autocast = self.gaudi_config is not None and self.gaudi_config.use_torch_autocast
         device = torch.device(DEVICE_TYPE, self.device_index)
         runner = HPURunner(*self.placed(target, drafter if spec.draft_widths else None, device, spec.dtype), spec,
-                           device, core, hpu, autocast)
+                           device, core, hpu, autocast, fused=self.fused_step)
         runner.backend_name = self.name
         return runner

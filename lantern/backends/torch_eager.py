@@ -65,11 +65,13 @@ class TorchRunner(Runner):
         if spec.draft_widths and self.drafter is None:
             raise ValueError("StaticSpec has draft widths but no drafter was given")
         self.target_cache, self.draft_cache = make_caches(self.target, spec, parse_dtype(spec.dtype), device)
-        self.steps = {"prefill": self.wrap_step("prefill", TargetPrefill(self.target, self.target_cache)),
-                      "verify": self.wrap_step("verify", TargetStep(self.target, self.target_cache)),
-                      "commit": self.wrap_step("commit", CacheCommit(self.target_cache))}
+        # the eager step modules (graph modes' fused step calls these inside its one graph), then as called
+        self.modules = {"prefill": TargetPrefill(self.target, self.target_cache),
+                        "verify": TargetStep(self.target, self.target_cache),
+                        "commit": CacheCommit(self.target_cache)}
         if self.drafter is not None:
-            self.steps["draft"] = self.wrap_step("draft", DraftStep(self.target, self.drafter, self.draft_cache))
+            self.modules["draft"] = DraftStep(self.target, self.drafter, self.draft_cache)
+        self.steps = {name: self.wrap_step(name, module) for name, module in self.modules.items()}
         self.weights_bytes = module_bytes(self.target, self.drafter)
         self.reset_peak_memory()
 

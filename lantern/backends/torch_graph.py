@@ -22,7 +22,7 @@ from typing import Callable, Optional, Union
 import torch
 import torch._dynamo
 
-from lantern.backends.base import Runner, StaticSpec, StepOutput, run_every_static_step
+from lantern.backends.base import Runner, StaticSpec, StepOutput, run_every_static_step, run_prefill
 from lantern.backends.torch_eager import CPUBackend, CUDABackend, TorchRunner
 
 # Graphs of several runners (other shapes) share the step modules' code objects; a few runners in one process
@@ -55,13 +55,78 @@ def as_inference(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(t if t.is_inference() else t.clone() for t in tensors)
 
 
+def fusable(spec: StaticSpec, model_config) -> Optional[str]:
+    """Why the engine's step cannot run as one graph on a runner of this shape and model (None: it can)."""
+    if model_config.model_type == "t2i":
+        return ("text-to-image: the caption mask is rebuilt on the host at each refill (lantern.caption_mask), "
+                "so its steps keep one graph per static step")
+    return None
+
+
+class StepInside:
+    """A captured runner as the fused step sees it from inside its one graph: the same spec, device and static
+    steps, but each step is the runner's eager module (traced into the step's graph, not a graph of its own),
+    phases are not timed (a timer reads the host clock: it would end the graph) and nothing syncs."""
+
+    def __init__(self, runner: "CapturedRunner"):
+        self.spec, self.device, self.model_config = runner.spec, runner.device, runner.model_config
+        self.drafter = runner.drafter
+        self.modules = runner.modules
+
+    def phase(self, name: str):
+        return contextlib.nullcontext()
+
+    def sync(self) -> None:
+        pass
+
+    def prefill(self, cond, mask):
+        return StepOutput(*self.modules["prefill"](cond, mask))
+
+    def verify(self, tokens, positions, slots, mask):
+        return StepOutput(*self.modules["verify"](tokens, positions, slots, mask))
+
+    def draft(self, tokens, features, positions, slots, mask):
+        return StepOutput(*self.modules["draft"](tokens, features, positions, slots, mask))
+
+    def commit(self, src, dst):
+        self.modules["commit"](src, dst)
+
+
 class CapturedRunner(TorchRunner):
-    """TorchRunner whose step modules are captured graphs; the eager reference stays untouched."""
+    """TorchRunner whose step modules are captured graphs; the eager reference stays untouched.
+
+    Fused step (optional, `fused=True`): the engine's whole decode step becomes one graph per static step
+    (lantern.engine.fused). The runner then offers `inside()`, the view the step is traced against, and
+    `capture_step(fn)`, the step function compiled once per runner and captured once per engine by
+    `replayable`. Prefill stays a per-module graph (it runs at refills, not every step)."""
 
     trims_attention = False  # every step keeps its one static shape
 
     clone_outputs = False  # True where a replay returns the same output buffers every time
     capture_kind = ""  # how steps are captured, for the profile record
+    fused = False  # the engine's step runs as one graph (lantern.engine.fused)
+    fused_warmup_seconds = 0.0  # the fused step's compile and capture, paid at an engine's first steps
+    not_fused: Optional[str] = None  # why a requested fused step is not used
+
+    def inside(self) -> StepInside:
+        """The view the fused step is traced against (one per runner)."""
+        if "_inside" not in self.__dict__:
+            self._inside = StepInside(self)
+        return self._inside
+
+    def capture_step(self, fn: Callable) -> Callable:
+        """(optional) fn, the fused step function, as this mode compiles it (once per runner: every engine on
+        the runner shares it); default: fn itself, captured whole by `replayable`."""
+        return fn
+
+    def replayable(self, call: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        """(optional) One engine's step, `call()` -> its report over the engine's persistent buffers, as this
+        mode replays it; default: called as it is, with the runner's threads (torch.compile's graph is
+        replayed by calling it)."""
+        def step() -> torch.Tensor:
+            with self._threads():
+                return call()
+        return step
 
     @abstractmethod
     def wrap_step(self, name: str, module: torch.nn.Module) -> Callable:
@@ -71,7 +136,8 @@ class CapturedRunner(TorchRunner):
         """(optional) What must follow every step (lazy HPU: mark_step); default nothing."""
 
     def graph_keys(self) -> list[str]:
-        return self.spec.static_steps
+        """One graph per static step; fused: the prefill's and the whole decode step's."""
+        return ["prefill", "step"] if self.fused else self.spec.static_steps
 
     def _finish(self, out: StepOutput) -> StepOutput:
         if self.clone_outputs:
@@ -97,25 +163,68 @@ class CapturedRunner(TorchRunner):
 
     def warmup(self) -> float:
         """Every static step twice: compiled or captured on the first pass, recorded or replayed on the second.
-        The time is reported apart from generation."""
+        The time is reported apart from generation. Fused: the prefill only (the step's own graph needs an
+        engine's state; it is compiled at the engine's first steps and its time added here then)."""
         t0 = time.perf_counter()
-        run_every_static_step(self)
-        run_every_static_step(self)
+        for _ in range(2):
+            if self.fused:
+                run_prefill(self)
+            else:
+                run_every_static_step(self)
         self.sync()
         self.warmup_seconds = time.perf_counter() - t0
         return self.warmup_seconds
 
     def profile(self) -> dict:
-        return {**super().profile(), "capture": self.capture_kind, "graphs": self.graph_keys()}
+        step = "fused step" if self.fused else "per-module graphs"
+        out = {**super().profile(), "capture": self.capture_kind, "graphs": self.graph_keys(), "step": step,
+               "fused_warmup_s": self.fused_warmup_seconds}
+        if self.not_fused:
+            out["not_fused"] = self.not_fused
+        return out
+
+
+class CUDAGraphReplay:
+    """One engine's fused step recorded once as a CUDA graph, then replayed. The first call runs the compiled
+    step on a side stream (lazy initialisation happens outside any recording), the second records it and
+    replays the recording (recording alone runs nothing), every later call replays. The step reads and writes
+    only the engine's persistent buffers, so a replay is the whole step; its report lands in the same tensor
+    every replay (the engine reads it before the next). cuda: torch.cuda (a test passes a labelled fake)."""
+
+    def __init__(self, call: Callable[[], torch.Tensor], cuda=torch.cuda):
+        self.call, self.cuda = call, cuda
+        self.warmed, self.graph, self.report = False, None, None
+
+    def __call__(self) -> torch.Tensor:
+        cuda = self.cuda
+        if not self.warmed:
+            side = cuda.Stream()
+            side.wait_stream(cuda.current_stream())
+            with cuda.stream(side):
+                report = self.call()
+            cuda.current_stream().wait_stream(side)
+            self.warmed = True
+            return report
+        if self.graph is None:
+            self.graph = cuda.CUDAGraph()
+            with cuda.graph(self.graph):
+                self.report = self.call()
+        self.graph.replay()
+        return self.report
 
 
 class CompiledRunner(CapturedRunner):
-    """Each step module through torch.compile(fullgraph=True, dynamic=False): one graph per static shape."""
+    """Each step module through torch.compile(fullgraph=True, dynamic=False): one graph per static shape.
+    fused: the engine's whole step compiled the same way instead (one graph; on CUDA compiled without
+    reduce-overhead and recorded as one CUDA graph by `CUDAGraphReplay`)."""
 
     def __init__(self, target, drafter, spec: StaticSpec, device: torch.device,
-                 compiler: Union[str, Callable] = "inductor", mode: Optional[str] = None):
+                 compiler: Union[str, Callable] = "inductor", mode: Optional[str] = None, fused: bool = False):
         self.compiler, self.mode = compiler, mode
+        self.fused = fused and fusable(spec, target.config) is None
+        self.not_fused = fusable(spec, target.config) if fused else None  # why a fused step was not possible
         self.capture_kind = f"torch.compile(backend={getattr(compiler, '__name__', compiler)!s}, mode={mode})"
+        self._compiled_steps: dict = {}
         # reduce-overhead (CUDA graphs) replays into the same output buffers, so the next replay overwrites them
         self.clone_outputs = mode == "reduce-overhead"
         super().__init__(target, drafter, spec, device)
@@ -129,15 +238,34 @@ class CompiledRunner(CapturedRunner):
         with recompile_limit_at_least(MIN_RECOMPILE_LIMIT):
             return super().warmup()
 
+    def capture_step(self, fn):
+        """fn compiled whole (fullgraph: a graph break is an error), once per runner."""
+        if fn not in self._compiled_steps:
+            mode = None if self.mode == "reduce-overhead" else self.mode  # CUDA: recorded by CUDAGraphReplay
+            options = {"mode": mode} if mode else {}
+            compiled = torch.compile(fn, backend=self.compiler, fullgraph=True, dynamic=False, **options)
+
+            def step(*args):
+                with recompile_limit_at_least(MIN_RECOMPILE_LIMIT):
+                    return compiled(*args)
+            self._compiled_steps[fn] = step
+        return self._compiled_steps[fn]
+
+    def replayable(self, call):
+        call = super().replayable(call)
+        return CUDAGraphReplay(call) if self.mode == "reduce-overhead" else call
+
 
 class CPUGraphBackend(CPUBackend):
     """cpu-graph: the CPU steps compiled once per static shape (inductor by default)."""
 
     name = "cpu-graph"
 
-    def __init__(self, threads: int | None = None, compiler: Union[str, Callable] = "inductor"):
+    def __init__(self, threads: int | None = None, compiler: Union[str, Callable] = "inductor",
+                 fused_step: bool = False):
+        """fused_step: the engine's whole decode step as one graph (lantern.engine.fused)."""
         super().__init__(threads)
-        self.compiler = compiler
+        self.compiler, self.fused_step = compiler, fused_step
 
     def capabilities(self):
         return dataclasses.replace(super().capabilities(), supports_graphs=True)
@@ -146,7 +274,7 @@ class CPUGraphBackend(CPUBackend):
         self.check_dtype(spec.dtype)
         device = torch.device("cpu")
         runner = CompiledRunner(*self.placed(target, drafter if spec.draft_widths else None, device, spec.dtype),
-                                spec, device, compiler=self.compiler)
+                                spec, device, compiler=self.compiler, fused=self.fused_step)
         runner.backend_name = self.name
         runner.threads = self.threads
         return runner
@@ -157,6 +285,11 @@ class CUDAGraphBackend(CUDABackend):
 
     name = "cuda-graph"
 
+    def __init__(self, device_index: int = 0, fused_step: bool = False):
+        """fused_step: the engine's whole decode step recorded as one CUDA graph (lantern.engine.fused)."""
+        super().__init__(device_index)
+        self.fused_step = fused_step
+
     def capabilities(self):
         return dataclasses.replace(super().capabilities(), supports_graphs=True)
 
@@ -164,6 +297,6 @@ class CUDAGraphBackend(CUDABackend):
         self.check_dtype(spec.dtype)
         device = torch.device("cuda", self.device_index)
         runner = CompiledRunner(*self.placed(target, drafter if spec.draft_widths else None, device, spec.dtype),
-                                spec, device, compiler="inductor", mode="reduce-overhead")
+                                spec, device, compiler="inductor", mode="reduce-overhead", fused=self.fused_step)
         runner.backend_name = self.name
         return runner

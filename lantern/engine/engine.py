@@ -16,6 +16,7 @@ from lantern.decoding.config import DecodeConfig
 from lantern.decoding.sampling import SamplingConfig
 from lantern.decoding.stats import GenerationStats
 from lantern.engine.draws import SlotDraws, check_seed
+from lantern.engine.fused import FusedStep
 from lantern.engine.proposers import make_proposer
 from lantern.engine.sampling import SamplingOverrides, SlotSampling, request_sampling
 from lantern.engine.step import Slots, condition_rows, decode_step, prefill
@@ -89,8 +90,12 @@ class Engine:
         self._run = self.runner
         draws = SlotDraws(self._width, self.runner.device)
         self.sampling = SlotSampling(decode.sampling, self._width, self.runner.device)
-        self.proposer = make_proposer(self.runner, decode, rule, draws, self.sampling)
+        # a fused step (graph backends that offer it) runs the proposer inside its one graph
+        fused = getattr(self.runner, "fused", False)
+        self.proposer = make_proposer(self.runner.inside() if fused else self.runner, decode, rule, draws,
+                                      self.sampling)
         self.slots = Slots.allocate(self.runner, self._width, self.proposer.depth, cond, draws)
+        self._fused = FusedStep(self.runner, self.proposer, self.slots) if fused else None
         self._queue: deque[_Ticket] = deque()
         self._held: list[Optional[_Ticket]] = [None] * self._width
         self._ids = itertools.count()
@@ -158,7 +163,10 @@ class Engine:
         cancelled = [i for i in busy if self._held[i].cancelled]
         if cancelled:
             self.slots.busy[torch.tensor(cancelled, device=self.runner.device)] = False
-        report = decode_step(self._run, self.proposer, self.slots)
+        if self._fused is not None:
+            report = self._fused()
+        else:
+            report = decode_step(self._run, self.proposer, self.slots)
         self.steps_run += 1
         complete = self.slots.busy & (self.slots.emitted >= self.slots.limit)
         packed = torch.cat([report, complete.long()]).tolist()  # the step's one transfer to the host

@@ -29,6 +29,7 @@ class Proposer:
     depth = 0  # D: the longest run of drafts one step can accept
     commits = False  # accepted nodes must be moved into place in the target's cache
     drafter_calls = 0  # drafter steps per step
+    state: tuple[str, ...] = ()  # the per-slot state attributes `advance` replaces (a fused step keeps them)
 
     def __init__(self, runner, dcfg: DecodeConfig, rule: Acceptance, draws, sampling):
         """sampling: the engine's per-slot settings (lantern.engine.sampling.SlotSampling)."""
@@ -80,6 +81,7 @@ class TreeProposal(Proposer):
     dynamic one; a chain is accepted without the tree walk."""
 
     commits = True
+    state = ("pend_feats", "pend_tokens", "pend_count")
 
     def __init__(self, runner, dcfg, rule, draws, sampling):
         super().__init__(runner, dcfg, rule, draws, sampling)
@@ -130,6 +132,7 @@ class WindowProposal(Proposer):
     its own position, so the accepted prefix is in place: no commit."""
 
     chain = True
+    state = ("q", "drafts")
 
     def __init__(self, runner, dcfg, rule, draws, sampling):
         super().__init__(runner, dcfg, rule, draws, sampling)

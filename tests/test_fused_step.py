@@ -1,0 +1,200 @@
+"""The fused step (lantern.engine.fused): the engine's whole decode step as one graph on graph backends.
+
+For every method (AR, a static tree, a chain, EAGLE-2's dynamic tree, SJD, MC-SJD with a relaxed rule): the step
+compiles whole (fullgraph: a graph break is an error, and dynamo's break counter stays empty), once per runner
+(a second engine on the runner compiles nothing), never recompiles over streams with refills, and gives the eager
+cpu backend's tokens, greedy and sampled, at the same seeds. Most tests compile with dynamo's "eager" backend
+through a CompileCounter (capture, guards and recompiles are dynamo's either way); one runs aot_eager, which
+functionalizes the in-place KV cache and state writes as inductor does. The CUDA-graph and HPU-graph wrappers are
+tested against FAKES (labelled so below): no GPU or Gaudi here.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.utils import counters
+
+from lantern.api import Pipeline
+from lantern.backends import get_backend
+from lantern.backends.torch_graph import CUDAGraphReplay
+from lantern.decoding import SamplingConfig, method_preset
+from lantern.engine import Engine, Request
+from lantern.engine.step import static_spec
+
+METHODS = {"ar": ("ar", {}), "static-tree": ("lantern++", dict(k=8, drafting="eagle1-25")),
+           "chain": ("lantern++", dict(k=8, drafting="chain-5")),
+           "dynamic-tree": ("eagle2", dict(dynamic_depth=3, dynamic_top_k=3, dynamic_total=10)),
+           "sjd": ("sjd", dict(window=4)), "mc-sjd-relaxed": ("mc-sjd-relaxed", dict(window=4, k=8))}
+STREAM = ((0, 16), (1, 5), (2, 16), (3, 9), (1, 16))  # (class, tokens): images finish at different steps
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def decode(method: str, greedy: bool):
+    name, params = METHODS[method]
+    return method_preset(name, SamplingConfig(greedy=greedy, cfg_scale=2.0, top_k=20), **params)
+
+
+def run_stream(engine: Engine) -> list:
+    for c, t in STREAM:
+        engine.submit(Request(c, seed=10 + c, tokens=t))
+    results = engine.run()
+    return sorted((r.request_id, r.tokens.tolist()) for r in results)
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_every_method_fuses_into_one_graph_and_never_recompiles(tiny, method):
+    counter = CompileCounterWithBackend("eager")
+    fused = Pipeline(*tiny, backend="cpu-graph", compiler=counter, fused_step=True)
+    eager = Pipeline(*tiny, backend="cpu")
+    greedy, sampled = decode(method, True), decode(method, False)
+    first = Engine(fused, greedy, 2)
+    runner = first.runner
+    assert runner.fused and runner.profile()["step"] == "fused step"
+    assert runner.graph_keys() == ["prefill", "step"] and counter.frame_count == 1  # warm-up: the prefill only
+    got = run_stream(first)
+    assert counter.frame_count == 2 and runner.fused_warmup_seconds > 0  # the step: one graph, compiled once
+    assert got == run_stream(Engine(eager, greedy, 2))
+    with torch.compiler.set_stance("fail_on_recompile"):  # a second engine, a new stream: nothing compiles
+        assert run_stream(Engine(fused, greedy, 2)) == got
+    again = Engine(fused, sampled, 2)  # sampling is a different step function: its own graph, once
+    got = run_stream(again)
+    assert counter.frame_count == 3 and got == run_stream(Engine(eager, sampled, 2))
+    with torch.compiler.set_stance("fail_on_recompile"):
+        assert run_stream(Engine(fused, sampled, 2)) == got
+    assert not counters["graph_break"]  # fullgraph makes a break an error; dynamo saw none either
+
+
+def test_functionalized_step_matches_eager_and_keeps_its_buffers(tiny):
+    """aot_eager functionalizes the step's in-place writes (KV caches, slot state, records) as inductor does:
+    the tokens stay eager's, and the caches and the engine's state buffers are written where they live."""
+    dcfg = decode("static-tree", False)
+    fused = Pipeline(*tiny, backend="cpu-graph", compiler="aot_eager", fused_step=True)
+    engine = Engine(fused, dcfg, 2)
+    cache = engine.runner.target_cache.k0
+    where = cache.data_ptr()
+    got = run_stream(engine)
+    assert cache.data_ptr() == where and cache.abs().sum() > 0
+    assert engine.slots.root is engine._fused._buffers[0]  # the state the step replaced went back in place
+    assert got == run_stream(Engine(Pipeline(*tiny, backend="cpu"), dcfg, 2))
+
+
+def test_a_fused_step_is_the_default_off_and_text_to_image_says_why_not(tiny):
+    runner = Pipeline(*tiny, backend="cpu-graph", compiler="eager").runner(decode("ar", True), 1)
+    assert not runner.fused and runner.profile()["step"] == "per-module graphs"
+    from lantern.backends.torch_graph import fusable
+    t2i = type("Config", (), {"model_type": "t2i"})()
+    assert "caption mask" in fusable(runner.spec, t2i) and fusable(runner.spec, tiny[0].config) is None
+
+
+class FakeCUDA:
+    """A FAKE of the torch.cuda graph API that CUDAGraphReplay calls: streams, CUDAGraph, graph(). It runs on
+    the CPU and records what happens; a 'recording' runs its body once (a real recording runs nothing: the
+    replay right after it does), so it counts that replay as the recorded body's own run."""
+
+    def __init__(self):
+        self.events = []
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    def current_stream(self):
+        return self.Stream()
+
+    def stream(self, s):
+        fake = self
+
+        class Ctx:
+            def __enter__(self):
+                fake.events.append("side-stream")
+
+            def __exit__(self, *exc):
+                return False
+        return Ctx()
+
+    def CUDAGraph(self):
+        fake = self
+
+        class Graph:
+            def replay(self):
+                fake.events.append("replay")
+        self.events.append("new-graph")
+        return Graph()
+
+    def graph(self, g):
+        fake = self
+
+        class Ctx:
+            def __enter__(self):
+                fake.events.append("record")
+
+            def __exit__(self, *exc):
+                return False
+        return Ctx()
+
+
+def test_cuda_graph_replay_records_the_step_once_on_a_fake_cuda():
+    """FAKE torch.cuda: the step function runs once on a side stream, is recorded once, then only replayed,
+    and every replay hands back the recorded report tensor."""
+    fake, calls = FakeCUDA(), []
+
+    def step():
+        calls.append(1)
+        return torch.tensor([len(calls)])
+    replay = CUDAGraphReplay(step, cuda=fake)
+    reports = [replay() for _ in range(5)]
+    assert len(calls) == 2 and fake.events[:3] == ["side-stream", "new-graph", "record"]
+    assert fake.events.count("replay") == 4 and fake.events.count("new-graph") == 1
+    assert all(r is reports[1] for r in reports[1:])
+
+
+def test_cuda_graph_runner_wraps_its_fused_step_in_one_recording(tiny, monkeypatch):
+    """The cuda-graph runner's fused step (a CompiledRunner with mode reduce-overhead, here on the CPU with
+    dynamo's eager backend): compiled without reduce-overhead, replayed through CUDAGraphReplay."""
+    from lantern.backends import torch_graph
+    spec = static_spec(decode("ar", True), tiny[0].config, 1, "fp32")
+    runner = torch_graph.CompiledRunner(tiny[0], None, spec, torch.device("cpu"), compiler="eager",
+                                        mode="reduce-overhead", fused=True)
+    assert isinstance(runner.replayable(lambda: torch.zeros(1)), CUDAGraphReplay)
+    assert runner.capture_step(len) is runner.capture_step(len)  # compiled once per runner and function
+
+
+def test_hpu_fused_step_is_one_hpu_graph_per_engine_on_the_fake_bridge(tiny, monkeypatch):
+    """FAKE habana_frameworks (tests/fakes): with fused_step the whole step is one wrap_in_hpu_graph module,
+    captured once per engine under one key (no tensor arguments), replayed after, each call followed by
+    mark_step; tokens equal eager cpu's, greedy and sampled."""
+    from fakes.fake_habana_frameworks import install, uninstall
+    from lantern.backends import hpu as hpu_backend
+    monkeypatch.delenv("PT_HPU_LAZY_MODE", raising=False)
+    monkeypatch.delenv("LANTERN_GAUDI_CONFIG", raising=False)
+    fake = install(monkeypatch)
+    monkeypatch.setattr(hpu_backend, "DEVICE_TYPE", "cpu")
+    monkeypatch.setattr(hpu_backend, "gaudi_devices", lambda: ["accel0"])
+    try:
+        pipe = Pipeline(*tiny, backend="hpu", dtype="fp32", fused_step=True)
+        eager = Pipeline(*tiny, backend="cpu")
+        for greedy in (True, False):
+            dcfg = decode("mc-sjd-relaxed", greedy)
+            engine = Engine(pipe, dcfg, 2)
+            assert engine.runner.fused and engine.runner.graph_keys() == ["prefill", "step"]
+            before = len(fake.events)
+            assert run_stream(engine) == run_stream(Engine(eager, dcfg, 2))
+            whole = [label for label in fake.wrapped if label.startswith("WholeStep")][-1]
+            assert len(fake.keys[whole]) == 1
+            events = [e for e in fake.events[before:] if e == ("mark_step",) or e[1:] == (whole,)]
+            graph_calls = [i for i, e in enumerate(events) if len(e) == 2]
+            assert [events[i][0] for i in graph_calls].count("capture") == 1 and len(graph_calls) > 3
+            assert all(events[i + 1] == ("mark_step",) for i in graph_calls)
+        assert not any(label.startswith(("TargetStep", "DraftStep", "CacheCommit")) and fake.keys[label]
+                       for label in fake.wrapped)  # fused: the per-module step graphs are never captured
+    finally:
+        uninstall()

@@ -10,24 +10,41 @@ tested against FAKES (labelled so below): no GPU or Gaudi here.
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch._dynamo
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
+from conftest import make_models
+from host_transfers import HostTransfers
 from lantern.api import Pipeline
+from lantern.config import GPTConfig
 from lantern.backends import get_backend
 from lantern.backends.torch_graph import CUDAGraphReplay
 from lantern.decoding import SamplingConfig, method_preset
 from lantern.engine import Engine, Request
 from lantern.engine.step import static_spec
 
-METHODS = {"ar": ("ar", {}), "static-tree": ("lantern++", dict(k=8, drafting="eagle1-25")),
-           "chain": ("lantern++", dict(k=8, drafting="chain-5")),
+TREE = [[0], [1], [0, 0], [0, 1], [1, 0]]  # 6 nodes, depth 2: every path of the tree code, few drafter levels
+CHAIN = [[0], [0, 0]]
+METHODS = {"ar": ("ar", {}), "static-tree": ("lantern++", dict(k=8, drafting=TREE)),
+           "chain": ("lantern++", dict(k=8, drafting=CHAIN)),
            "dynamic-tree": ("eagle2", dict(dynamic_depth=3, dynamic_top_k=3, dynamic_total=10)),
            "sjd": ("sjd", dict(window=4)), "mc-sjd-relaxed": ("mc-sjd-relaxed", dict(window=4, k=8))}
-STREAM = ((0, 16), (1, 5), (2, 16), (3, 9), (1, 16))  # (class, tokens): images finish at different steps
+STREAM = ((0, 16), (1, 5), (2, 9), (3, 16))  # (class, tokens): images finish at different steps, slots refill
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """conftest's tiny models with one layer (tracing the whole step costs per layer), and tree files."""
+    folder = tmp_path_factory.mktemp("trees")
+    for name, paths in (("tree", TREE), ("chain", CHAIN)):
+        (folder / f"{name}.json").write_text(json.dumps(paths))
+    cfg = GPTConfig(dim=64, n_layer=1, n_head=4, vocab_size=64, num_classes=4, block_size=16, multiple_of=32)
+    return make_models(cfg), folder
 
 
 @pytest.fixture(autouse=True)
@@ -38,8 +55,11 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def decode(method: str, greedy: bool):
+def decode(method: str, greedy: bool, trees=None):
+    """trees: the folder of the tree files (methods drafting a static tree)."""
     name, params = METHODS[method]
+    if isinstance(params.get("drafting"), list):
+        params = {**params, "drafting": str(trees / ("tree.json" if params["drafting"] is TREE else "chain.json"))}
     return method_preset(name, SamplingConfig(greedy=greedy, cfg_scale=2.0, top_k=20), **params)
 
 
@@ -51,11 +71,12 @@ def run_stream(engine: Engine) -> list:
 
 
 @pytest.mark.parametrize("method", list(METHODS))
-def test_every_method_fuses_into_one_graph_and_never_recompiles(tiny, method):
+def test_every_method_fuses_into_one_graph_and_never_recompiles(small, method):
+    models, trees = small
     counter = CompileCounterWithBackend("eager")
-    fused = Pipeline(*tiny, backend="cpu-graph", compiler=counter, fused_step=True)
-    eager = Pipeline(*tiny, backend="cpu")
-    greedy, sampled = decode(method, True), decode(method, False)
+    fused = Pipeline(*models, backend="cpu-graph", compiler=counter, fused_step=True)
+    eager = Pipeline(*models, backend="cpu")
+    greedy, sampled = decode(method, True, trees), decode(method, False, trees)
     first = Engine(fused, greedy, 2)
     runner = first.runner
     assert runner.fused and runner.profile()["step"] == "fused step"
@@ -73,26 +94,46 @@ def test_every_method_fuses_into_one_graph_and_never_recompiles(tiny, method):
     assert not counters["graph_break"]  # fullgraph makes a break an error; dynamo saw none either
 
 
-def test_functionalized_step_matches_eager_and_keeps_its_buffers(tiny):
+def test_functionalized_step_matches_eager_and_keeps_its_buffers(small):
     """aot_eager functionalizes the step's in-place writes (KV caches, slot state, records) as inductor does:
     the tokens stay eager's, and the caches and the engine's state buffers are written where they live."""
-    dcfg = decode("static-tree", False)
-    fused = Pipeline(*tiny, backend="cpu-graph", compiler="aot_eager", fused_step=True)
+    (models, trees), dcfg = small, decode("chain", False, small[1])
+    fused = Pipeline(*models, backend="cpu-graph", compiler="aot_eager", fused_step=True)
     engine = Engine(fused, dcfg, 2)
     cache = engine.runner.target_cache.k0
     where = cache.data_ptr()
     got = run_stream(engine)
     assert cache.data_ptr() == where and cache.abs().sum() > 0
     assert engine.slots.root is engine._fused._buffers[0]  # the state the step replaced went back in place
-    assert got == run_stream(Engine(Pipeline(*tiny, backend="cpu"), dcfg, 2))
+    assert got == run_stream(Engine(Pipeline(*models, backend="cpu"), dcfg, 2))
 
 
-def test_a_fused_step_is_the_default_off_and_text_to_image_says_why_not(tiny):
-    runner = Pipeline(*tiny, backend="cpu-graph", compiler="eager").runner(decode("ar", True), 1)
+def test_each_fused_step_moves_only_its_report_to_the_host(small):
+    """The host-sync budget of tests/test_speculative.py, kept: inside the graph nothing can read the host
+    (fullgraph would fail), and around it each step reads its report once (O(B * depth) elements), plus each
+    finishing image's tokens and records once."""
+    engine = Engine(Pipeline(*small[0], backend="cpu-graph", compiler="eager", fused_step=True),
+                    decode("mc-sjd-relaxed", False), 2)
+    for c, t in STREAM:
+        engine.submit(Request(c, seed=c, tokens=t))
+    per_step = []
+    while engine.busy or engine.waiting:
+        with HostTransfers() as moved:
+            finished = len(engine.step().finished)
+        per_step.append((moved.calls, moved.elements, finished))
+    assert len(per_step) > 4 and engine._fused.calls == len(per_step)
+    report = 4 + engine.proposer.depth + engine.width
+    assert all(calls == 1 + (finished > 0) for calls, _, finished in per_step)
+    assert all(elements == report for _, elements, finished in per_step if not finished)
+
+
+def test_a_fused_step_is_the_default_off_and_text_to_image_says_why_not(small):
+    models = small[0]
+    runner = Pipeline(*models, backend="cpu-graph", compiler="eager").runner(decode("ar", True), 1)
     assert not runner.fused and runner.profile()["step"] == "per-module graphs"
     from lantern.backends.torch_graph import fusable
     t2i = type("Config", (), {"model_type": "t2i"})()
-    assert "caption mask" in fusable(runner.spec, t2i) and fusable(runner.spec, tiny[0].config) is None
+    assert "caption mask" in fusable(runner.spec, t2i) and fusable(runner.spec, models[0].config) is None
 
 
 class FakeCUDA:
@@ -157,18 +198,19 @@ def test_cuda_graph_replay_records_the_step_once_on_a_fake_cuda():
     assert all(r is reports[1] for r in reports[1:])
 
 
-def test_cuda_graph_runner_wraps_its_fused_step_in_one_recording(tiny, monkeypatch):
+def test_cuda_graph_runner_wraps_its_fused_step_in_one_recording(small, monkeypatch):
     """The cuda-graph runner's fused step (a CompiledRunner with mode reduce-overhead, here on the CPU with
     dynamo's eager backend): compiled without reduce-overhead, replayed through CUDAGraphReplay."""
     from lantern.backends import torch_graph
-    spec = static_spec(decode("ar", True), tiny[0].config, 1, "fp32")
-    runner = torch_graph.CompiledRunner(tiny[0], None, spec, torch.device("cpu"), compiler="eager",
+    target = small[0][0]
+    spec = static_spec(decode("ar", True), target.config, 1, "fp32")
+    runner = torch_graph.CompiledRunner(target, None, spec, torch.device("cpu"), compiler="eager",
                                         mode="reduce-overhead", fused=True)
     assert isinstance(runner.replayable(lambda: torch.zeros(1)), CUDAGraphReplay)
     assert runner.capture_step(len) is runner.capture_step(len)  # compiled once per runner and function
 
 
-def test_hpu_fused_step_is_one_hpu_graph_per_engine_on_the_fake_bridge(tiny, monkeypatch):
+def test_hpu_fused_step_is_one_hpu_graph_per_engine_on_the_fake_bridge(small, monkeypatch):
     """FAKE habana_frameworks (tests/fakes): with fused_step the whole step is one wrap_in_hpu_graph module,
     captured once per engine under one key (no tensor arguments), replayed after, each call followed by
     mark_step; tokens equal eager cpu's, greedy and sampled."""
@@ -180,8 +222,8 @@ def test_hpu_fused_step_is_one_hpu_graph_per_engine_on_the_fake_bridge(tiny, mon
     monkeypatch.setattr(hpu_backend, "DEVICE_TYPE", "cpu")
     monkeypatch.setattr(hpu_backend, "gaudi_devices", lambda: ["accel0"])
     try:
-        pipe = Pipeline(*tiny, backend="hpu", dtype="fp32", fused_step=True)
-        eager = Pipeline(*tiny, backend="cpu")
+        pipe = Pipeline(*small[0], backend="hpu", dtype="fp32", fused_step=True)
+        eager = Pipeline(*small[0], backend="cpu")
         for greedy in (True, False):
             dcfg = decode("mc-sjd-relaxed", greedy)
             engine = Engine(pipe, dcfg, 2)

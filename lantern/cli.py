@@ -70,17 +70,30 @@ def add_backend_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", help="fp32 | bf16 | fp16, what the backend supports (default: its preferred one)")
     g.add_argument("--gaudi-config", help="hpu backend only: a gaudi_config.json (or its folder) whose autocast op "
                                           "lists the steps run under (default: $LANTERN_GAUDI_CONFIG; docs/gaudi.md)")
+    g.add_argument("--fused-step", action="store_true",
+                   help=f"graph backends ({', '.join(FUSING_BACKENDS)}): the whole decode step as one graph "
+                        "(docs/backends.md#fused-step)")
+
+
+FUSING_BACKENDS = ("cpu-graph", "cuda-graph", "hpu")  # backends that take fused_step
 
 
 def backend_options(args) -> dict:
-    """Backend constructor options from the flags: --gaudi-config, which only the hpu backend takes."""
+    """Backend constructor options from the flags: --gaudi-config, which only the hpu backend takes, and
+    --fused-step, which graph backends take."""
     from lantern.backends import resolve_name
-    if not args.gaudi_config:
-        return {}
-    name = resolve_name(args.backend)
-    if name != "hpu":
-        raise UsageError(f"--gaudi-config is an option of the hpu backend; the backend here is {name!r}")
-    return {"gaudi_config": args.gaudi_config}
+    options = {}
+    if args.gaudi_config or args.fused_step:
+        name = resolve_name(args.backend)
+        if args.gaudi_config and name != "hpu":
+            raise UsageError(f"--gaudi-config is an option of the hpu backend; the backend here is {name!r}")
+        if args.fused_step and name not in FUSING_BACKENDS:
+            raise UsageError(f"--fused-step is an option of the graph backends ({', '.join(FUSING_BACKENDS)}); "
+                             f"the backend here is {name!r}")
+        options = {"gaudi_config": args.gaudi_config} if args.gaudi_config else {}
+        if args.fused_step:
+            options["fused_step"] = True
+    return options
 
 
 AUTO_CHOOSES = ("drafting", "acceptance", "k", "delta", "lam", "form", "window", "coupling",

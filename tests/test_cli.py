@@ -104,6 +104,15 @@ def test_gaudi_config_is_an_hpu_option(tmp_path, capsys):
         capsys.readouterr().out)["error"]
 
 
+def test_fused_step_is_a_graph_backend_option(capsys):
+    from lantern.cli import backend_options, build_parser, main
+    assert main(["generate", "--backend", "cpu", "--fused-step", "--json"]) == 2
+    assert ("--fused-step is an option of the graph backends (cpu-graph, cuda-graph, hpu); the backend here is "
+            "'cpu'") in json.loads(capsys.readouterr().out)["error"]
+    args = build_parser().parse_args(["generate", "--backend", "cpu-graph", "--fused-step"])
+    assert backend_options(args) == {"fused_step": True}
+
+
 def test_unwritable_output_is_found_before_generation(tmp_path):
     """--out under a file, or on a file system that refuses writes: exit 2 at once (no model is loaded, so this
     takes well under the seconds a generation would), nothing written."""

@@ -84,13 +84,13 @@ def test_every_method_fuses_into_one_graph_and_never_recompiles(small, method):
     got = run_stream(first)
     assert counter.frame_count == 2 and runner.fused_warmup_seconds > 0  # the step: one graph, compiled once
     assert got == run_stream(Engine(eager, greedy, 2))
-    with torch.compiler.set_stance("fail_on_recompile"):  # a second engine, a new stream: nothing compiles
-        assert run_stream(Engine(fused, greedy, 2)) == got
+    with torch.compiler.set_stance("fail_on_recompile"):  # a second engine (a new config object, as each
+        assert run_stream(Engine(fused, decode(method, True, trees), 2)) == got  # generate call makes): no compile
     again = Engine(fused, sampled, 2)  # sampling is a different step function: its own graph, once
     got = run_stream(again)
     assert counter.frame_count == 3 and got == run_stream(Engine(eager, sampled, 2))
     with torch.compiler.set_stance("fail_on_recompile"):
-        assert run_stream(Engine(fused, sampled, 2)) == got
+        assert run_stream(Engine(fused, decode(method, False, trees), 2)) == got
     assert not counters["graph_break"]  # fullgraph makes a break an error; dynamo saw none either
 
 

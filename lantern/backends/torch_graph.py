@@ -64,23 +64,17 @@ def fusable(spec: StaticSpec, model_config) -> Optional[str]:
 
 
 class StepInside:
-    """A captured runner as the fused step sees it from inside its one graph: the same spec, device and static
-    steps, but each step is the runner's eager module (traced into the step's graph, not a graph of its own),
-    phases are not timed (a timer reads the host clock: it would end the graph) and nothing syncs."""
+    """A captured runner as the fused step sees it from inside its one graph: the same spec, device and decode
+    steps (verify, draft, commit), but each is the runner's eager module (traced into the step's graph, not a
+    graph of its own), and phases are not timed (a timer reads the host clock and syncs: it would end the
+    graph)."""
 
     def __init__(self, runner: "CapturedRunner"):
         self.spec, self.device, self.model_config = runner.spec, runner.device, runner.model_config
-        self.drafter = runner.drafter
         self.modules = runner.modules
 
     def phase(self, name: str):
         return contextlib.nullcontext()
-
-    def sync(self) -> None:
-        pass
-
-    def prefill(self, cond, mask):
-        return StepOutput(*self.modules["prefill"](cond, mask))
 
     def verify(self, tokens, positions, slots, mask):
         return StepOutput(*self.modules["verify"](tokens, positions, slots, mask))
@@ -106,6 +100,7 @@ class CapturedRunner(TorchRunner):
     capture_kind = ""  # how steps are captured, for the profile record
     fused = False  # the engine's step runs as one graph (lantern.engine.fused)
     fused_warmup_seconds = 0.0  # the fused step's compile and capture, paid at an engine's first steps
+    fused_warm = False  # the first engine's first steps have compiled (and captured) the fused step
     not_fused: Optional[str] = None  # why a requested fused step is not used
 
     def inside(self) -> StepInside:

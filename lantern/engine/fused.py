@@ -79,7 +79,7 @@ class FusedStep:
         else:
             t0 = time.perf_counter()
             report = self._replay()
-            if not getattr(self.runner, "fused_warm", False) and self.calls < WARM_CALLS:
+            if not self.runner.fused_warm and self.calls < WARM_CALLS:
                 self.runner.sync()
                 spent = time.perf_counter() - t0
                 self.runner.fused_warmup_seconds += spent

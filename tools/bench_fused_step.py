@@ -73,6 +73,8 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=2, help="images per method and mode (classes 0, 1, ...)")
     ap.add_argument("--window", type=int, default=16, help="Jacobi window L")
     ap.add_argument("--compiler", default="inductor", help="torch.compile backend of the graph modes")
+    ap.add_argument("--only", nargs="+", metavar="WORD",
+                    help="only the methods whose name contains one of these words (e.g. AR chain relaxed)")
     ap.add_argument("--quick", action="store_true", help="a tiny random model, one image: checks that it runs")
     ap.add_argument("--out", help="output stem (default results/fused-step-<dtype>)")
     args = ap.parse_args()
@@ -84,6 +86,10 @@ def main() -> None:
         args.images, args.window, args.compiler = 1, 4, "eager"
     target, drafter, proximity, sampling, relaxation = models(args)
     configs = methods(sampling, args.window, relaxation, args.quick)
+    if args.only:
+        configs = {name: c for name, c in configs.items() if any(w.lower() in name.lower() for w in args.only)}
+        if not configs:
+            ap.error(f"--only {' '.join(args.only)} matches no method of {', '.join(methods(sampling, args.window, relaxation, args.quick))}")
     pipes = {}
     for mode, (backend, options) in MODES.items():
         graph = {"compiler": args.compiler, **options} if backend == "cpu-graph" else {}

@@ -89,7 +89,8 @@ def main() -> None:
     if args.only:
         configs = {name: c for name, c in configs.items() if any(w.lower() in name.lower() for w in args.only)}
         if not configs:
-            ap.error(f"--only {' '.join(args.only)} matches no method of {', '.join(methods(sampling, args.window, relaxation, args.quick))}")
+            every = methods(sampling, args.window, relaxation, args.quick)
+            ap.error(f"--only {' '.join(args.only)} matches no method of {', '.join(every)}")
     pipes = {}
     for mode, (backend, options) in MODES.items():
         graph = {"compiler": args.compiler, **options} if backend == "cpu-graph" else {}

@@ -131,9 +131,15 @@ class Pipeline:
             h.update(self.proximity.to(torch.int64).contiguous().numpy().tobytes())  # the same key at any dtype
         return h.hexdigest()
 
+    def spec(self, dcfg: DecodeConfig, batch: int):
+        """The StaticSpec of `dcfg` at `batch` images per step (lantern.engine.step.static_spec, with the prefix
+        pairs this pipeline's drafter reads)."""
+        prefix = self.drafter.prefix_pairs if self.drafter is not None else 0
+        return static_spec(dcfg, self.config, batch, self.dtype, draft_prefix=prefix)
+
     def runner(self, dcfg: DecodeConfig, batch: int) -> Runner:
         """The runner for this static shape (`batch` images per step): prepared and warmed up once, then reused."""
-        spec = static_spec(dcfg, self.config, batch, self.dtype)
+        spec = self.spec(dcfg, batch)
         if spec not in self._runners:
             if spec.draft_widths and self.drafter is None:
                 raise ValueError(f"drafting {dcfg.drafting!r} needs a drafter, and this pipeline has none")
@@ -146,7 +152,7 @@ class Pipeline:
 
     def prepared(self, dcfg: DecodeConfig, batch: int) -> bool:
         """Whether the runner for this static shape is already prepared (its compile or export paid)."""
-        return static_spec(dcfg, self.config, batch, self.dtype) in self._runners
+        return self.spec(dcfg, batch) in self._runners
 
     def _rule(self, dcfg: DecodeConfig, runner: Runner) -> Acceptance:
         """The acceptance rule of `dcfg` on the runner's device, built once and reused by every generation."""
@@ -198,7 +204,7 @@ class Pipeline:
     def release(self, keep: Optional[DecodeConfig] = None, batch: int = 0) -> None:
         """Free every prepared runner (its KV cache and workspaces) but the one for (keep, batch), if given; the
         next generate prepares what it needs."""
-        kept = static_spec(keep, self.config, batch, self.dtype) if keep is not None else None
+        kept = self.spec(keep, batch) if keep is not None else None
         with self.lock:
             self._runners = {spec: r for spec, r in self._runners.items() if spec == kept}
 

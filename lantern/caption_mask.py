@@ -6,7 +6,8 @@ slot sees itself). Padded slots are the ones LlamaGen zeroed (lantern.text.llama
 from the condition itself: a caption slot whose embedding is all zero is padding.
 
 `CaptionMaskedRunner` wraps any backend's Runner and applies this to every mask it is given (masks are inputs of
-every backend's steps, so no backend changes); the drafter's masks never cover the caption and are left alone.
+every backend's steps, so no backend changes). The drafter's masks are left alone: lantern's drafters never
+cover the caption, and LANTERN's t2i drafters read it unmasked, as LANTERN feeds them.
 """
 from __future__ import annotations
 

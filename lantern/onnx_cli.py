@@ -99,7 +99,8 @@ def cmd_export_onnx(args: argparse.Namespace) -> dict:
     target, drafter, default_cfg, random_weights = export_models(args, needs_drafter)
     cfg_scale = args.cfg_scale if args.cfg_scale is not None else default_cfg
     dcfg = method_preset(args.method, SamplingConfig(cfg_scale=cfg_scale), **overrides)
-    spec = static_spec(dcfg, target.config, args.batch, args.dtype)
+    spec = static_spec(dcfg, target.config, args.batch, args.dtype,
+                       draft_prefix=drafter.prefix_pairs if drafter is not None else 0)
     paths = ensure_graphs(target, drafter, spec, Path(args.out), force=args.force)
     import onnxruntime as ort
 

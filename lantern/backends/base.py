@@ -2,7 +2,8 @@
 
 A backend turns (target, drafter, StaticSpec) into a `Runner`. The decoding core only ever calls:
 
-    prefill(cond, mask)                                   -> StepOutput, T = 1 (last prefix position)
+    prefill(cond, mask)                                   -> StepOutput: logits at the last prefix position
+                                                             (T = 1), features at every one (T = P)
     verify(tokens, positions, slots, mask)                -> StepOutput, T in spec.verify_widths
     draft(tokens, features, positions, slots, mask)       -> StepOutput, T in spec.draft_widths
     commit(src, dst)                                      compaction inside the target's KV cache,
@@ -71,6 +72,7 @@ class StaticSpec:
     draft_widths: tuple[int, ...] = ()  # T of drafter steps; empty = no drafter
     dtype: str = "fp32"
     commit_width: Optional[int] = None  # slot pairs per commit (longest accepted path + root); None = widest step
+    draft_prefix: int = 0  # prefix pairs the drafter reads at prefill (one of draft_widths), at slots 1..; 0: none
 
     def __post_init__(self):
         parse_dtype(self.dtype)
@@ -83,6 +85,14 @@ class StaticSpec:
                              f"{self.max_len - self.prefix_len}]")
         if self.commit_width is not None and not 1 <= self.commit_width <= self.max_len - self.prefix_len:
             raise ValueError(f"commit_width {self.commit_width} must be in [1, {self.max_len - self.prefix_len}]")
+        if self.draft_prefix and (self.draft_prefix >= self.prefix_len or self.draft_prefix not in self.draft_widths):
+            raise ValueError(f"draft_prefix {self.draft_prefix} must be below prefix_len {self.prefix_len} and one "
+                             f"of draft_widths {self.draft_widths}")
+
+    @property
+    def draft_first_slot(self) -> int:
+        """The drafter's first cache slot: 1 when it reads the prefix (its pairs sit at positions 1..P-1), else P."""
+        return self.prefix_len - self.draft_prefix
 
     @property
     def commit_pairs(self) -> int:
@@ -105,7 +115,7 @@ class StaticSpec:
 
 class StepOutput(NamedTuple):
     logits: torch.Tensor  # (B, T, V) float32
-    hidden: torch.Tensor  # (B, T, D) final-normed features, in the runner's dtype
+    hidden: torch.Tensor  # (B, T, D) final-normed features, in the runner's dtype (prefill: (B, P, D))
 
 
 @dataclass
@@ -149,7 +159,8 @@ class Runner(ABC):
 
     @abstractmethod
     def prefill(self, cond: torch.Tensor, mask: torch.Tensor) -> StepOutput:
-        """cond: class ids (B,) or caption embeddings (B, P, C); mask (B, P, S). Writes slots 0..P-1."""
+        """cond: class ids (B,) or caption embeddings (B, P, C); mask (B, P, S). Writes slots 0..P-1.
+        Returns the last prefix position's logits (B, 1, V) and every prefix position's features (B, P, D)."""
 
     @abstractmethod
     def verify(self, tokens, positions, slots, mask) -> StepOutput:

@@ -35,7 +35,7 @@ from lantern.models.checkpoint import model_hash
 from lantern import atomic_io
 from lantern.user_cache import cache_root, cache_source, check_location, entry_lock
 
-FORMAT_VERSION = 4  # bump when the graphs' inputs, outputs or maths change: older cache files become stale
+FORMAT_VERSION = 5  # bump when the graphs' inputs, outputs or maths change: older cache files become stale
 OPSET = 17
 CACHE_ENV = "LANTERN_ONNX_CACHE"
 KINDS = ("prefill", "verify", "draft", "commit")
@@ -97,12 +97,13 @@ class PrefillGraph(nn.Module):
         self.register_buffer("positions", torch.arange(p)[None].expand(batch, p).contiguous(), persistent=False)
 
     def forward(self, cond, mask, *kv):
-        """cond (B,) or (B, P, C); mask (B, P, S); kv 2L caches -> logits (B, 1, V), hidden (B, 1, D), kv."""
+        """cond (B,) or (B, P, C); mask (B, P, S); kv 2L caches -> logits (B, 1, V) at position P-1,
+        hidden (B, P, D), kv."""
         n = len(kv) // 2
         cache = FunctionalKV(kv[:n], kv[n:], self.batch, self.max_len, self.target.config.kv_heads)
         h = self.target.embed_condition(cond).to(self.target.tok_embeddings.weight.dtype)
-        hidden = self.target.forward_cached(h, self.positions, mask, cache, self.positions)[:, -1:]
-        return (self.target.head(hidden), hidden, *cache.outputs())
+        hidden = self.target.forward_cached(h, self.positions, mask, cache, self.positions)
+        return (self.target.head(hidden[:, -1:]), hidden, *cache.outputs())
 
 
 class VerifyGraph(nn.Module):

@@ -150,8 +150,7 @@ class ORTRunner(Runner):
                                  f"{graph.input_shapes[key]}")
         inputs = {k: t.detach().to("cpu").contiguous() for k, t in inputs.items()}
         b, t = graph.input_shapes["mask"][:2]
-        t = 1 if name == "prefill" else t
-        logits = torch.empty(b, t, self.vocab, dtype=torch.float32)
+        logits = torch.empty(b, 1 if name == "prefill" else t, self.vocab, dtype=torch.float32)  # prefill: the last
         hidden = torch.empty(b, t, self.dim, dtype=self.out_dtype)
         graph.run(inputs, {"logits": logits, "hidden": hidden})
         self._sample_rss()

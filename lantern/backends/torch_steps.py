@@ -21,11 +21,10 @@ class TargetPrefill(nn.Module):
                              persistent=False)
 
     def forward(self, cond: torch.Tensor, mask: torch.Tensor):
-        """cond (B,) or (B, P, C); mask (B, P, S) -> logits (B, 1, V), hidden (B, 1, D) at position P-1."""
+        """cond (B,) or (B, P, C); mask (B, P, S) -> logits (B, 1, V) at position P-1, hidden (B, P, D)."""
         h = self.target.embed_condition(cond).to(self.cache.dtype)
         hidden = self.target.forward_cached(h, self.positions, mask, self.cache, self.positions)
-        last = hidden[:, -1:]
-        return self.target.head(last), last
+        return self.target.head(hidden[:, -1:]), hidden
 
 
 class TargetStep(nn.Module):

@@ -51,9 +51,20 @@ class DraftRunner:
         return torch.arange(self.runner.spec.max_len, device=self.runner.device)
 
     def committed(self, last: torch.Tensor) -> torch.Tensor:
-        """(B,) last committed drafter slot -> (B, S): slots P .. last (slots below the prefix are empty)."""
+        """(B,) last committed drafter slot -> (B, S): the drafter's first slot .. last (spec.draft_first_slot: P,
+        or 1 for a drafter that reads the prefix; slots below it are empty)."""
         s = self.slots[None]
-        return (s >= self.runner.spec.prefix_len) & (s <= last[:, None])
+        return (s >= self.runner.spec.draft_first_slot) & (s <= last[:, None])
+
+    def read_prefix(self, features: torch.Tensor) -> None:
+        """Feed the prefix pairs (f_i, token 0), i = 0 .. W-1 (W = spec.draft_prefix, P - 1) at positions and slots
+        1 .. W, causal and unmasked, as LANTERN feeds its t2i drafters; features (R*B, P, D) from the prefill.
+        Every row is rewritten (a busy row with what it held)."""
+        w, dev, n = self.runner.spec.draft_prefix, self.runner.device, features.shape[0]
+        positions = (1 + torch.arange(w, device=dev))[None].expand(n, w).contiguous()  # (R*B, W)
+        mask = (self.slots[None, None] >= 1) & (self.slots[None, None] <= positions[..., None])  # (R*B, W, S)
+        self.runner.draft(torch.zeros(n, w, dtype=torch.long, device=dev), features[:, :w].contiguous(), positions,
+                          positions.clone(), mask)  # only its cache is kept
 
     def step(self, tokens, features, positions, slots, mask):
         """Per image tokens, positions, slots (B, T), mask (B, T, S); features (R*B, T, D) ->
@@ -70,7 +81,7 @@ class DraftRunner:
         a = tokens.shape[1]
         positions = (root - count + 1)[:, None] + torch.arange(a, device=root.device)  # (B, A)
         s = self.slots[None, None]
-        mask = (s >= self.runner.spec.prefix_len) & (s <= positions[..., None])  # causal (B, A, S)
+        mask = (s >= self.runner.spec.draft_first_slot) & (s <= positions[..., None])  # causal (B, A, S)
         q, feats = self.step(tokens, features, positions, positions.clone(), mask)
         last = (count - 1)[:, None]
         q_root = Support(q.probs.gather(1, last[..., None].expand(-1, -1, q.probs.shape[-1]))[:, 0],

@@ -4,7 +4,8 @@ for all of them.
 
 A proposer keeps its own per-slot state, (B, ...) tensors like the engine's, and answers:
   reset(slots, fresh, first, features)  new requests took the `fresh` (B,) slots: start their state from the
-                                        prefill's distribution `first` (B, K) and features (R*B, D)
+                                        prefill's distribution `first` (B, K) and features (R*B, P, D) at
+                                        every prefix position
   propose(slots) -> DraftedTree         every slot's candidates: node 0 is its root (the last accepted token)
   distributions(logits)                 the verify logits as the acceptance reads them (`.index(nodes)`)
   accept(p_nodes, tree) -> StepAcceptance
@@ -93,8 +94,10 @@ class TreeProposal(Proposer):
         self.pend_feats = self.pend_tokens = self.pend_count = None
 
     def reset(self, slots, fresh, first, features) -> None:
+        if self.runner.spec.draft_prefix:  # a drafter that reads the prefix (LANTERN's t2i): its pairs, every row
+            self.drafter.read_prefix(features)
         a, rows = self.strategy.catchup_width, self.sampling.rows_per_image
-        feats = features[:, None].repeat(1, a, 1)  # (R*B, A, D) the root's pair, then padding
+        feats = features[:, -1:].repeat(1, a, 1)  # (R*B, A, D) the root's pair, then padding
         tokens = slots.root_tok[:, None].repeat(1, a)
         count = torch.ones_like(slots.root)
         if self.pend_feats is None:

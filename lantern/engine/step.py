@@ -25,17 +25,20 @@ from lantern.engine.proposers import Proposer
 from lantern.engine.records import SlotRecords
 
 
-def static_spec(dcfg: DecodeConfig, model_config, batch: int, dtype: str) -> StaticSpec:
-    """Every shape the step uses for `batch` slots (B, a static width of the runner)."""
+def static_spec(dcfg: DecodeConfig, model_config, batch: int, dtype: str, draft_prefix: int = 0) -> StaticSpec:
+    """Every shape the step uses for `batch` slots (B, a static width of the runner). draft_prefix: the prefix
+    pairs the drafter reads at prefill (Drafter.prefix_pairs; a draft step of its own width)."""
     rows = dcfg.sampling.rows_per_image * batch
     p = model_config.cls_token_num
     strategy = dcfg.strategy
     if strategy is None:
         return StaticSpec(batch=rows, max_len=_round8(p + model_config.block_size), prefix_len=p,
                           verify_widths=(dcfg.verify_width,), dtype=dtype, commit_width=1)
+    prefix = draft_prefix if strategy.draft_widths else 0
+    widths = strategy.draft_widths + ((prefix,) if prefix and prefix not in strategy.draft_widths else ())
     return StaticSpec(batch=rows, max_len=_round8(p + model_config.block_size + strategy.scratch), prefix_len=p,
-                      verify_widths=(dcfg.verify_width,), draft_widths=strategy.draft_widths, dtype=dtype,
-                      commit_width=strategy.commit_pairs)
+                      verify_widths=(dcfg.verify_width,), draft_widths=widths, dtype=dtype,
+                      commit_width=strategy.commit_pairs, draft_prefix=prefix)
 
 
 def _round8(n: int) -> int:
@@ -90,7 +93,7 @@ def prefill(runner: Runner, proposer: Proposer, slots: Slots, null: torch.Tensor
         mask = s[None, :] <= torch.arange(spec.prefix_len, device=dev)[:, None]  # (P, S) causal over the prefix
         rows = condition_rows(slots.cond, proposer.dcfg, null)
         out = runner.prefill(rows, mask[None].expand(spec.batch, -1, -1).contiguous())
-        logits, features = out.logits[:, -1], out.hidden[:, -1]  # (R*B, V), (R*B, D)
+        logits = out.logits[:, -1]  # (R*B, V)
         slots.draws.begin()
         first = target_support(logits, sc)  # (B, K)
         tok = draw(first, sc.greedy, slots.draws)
@@ -99,7 +102,7 @@ def prefill(runner: Runner, proposer: Proposer, slots: Slots, null: torch.Tensor
         slots.emitted = torch.where(fresh, 1, slots.emitted)
         slots.out[:, 0] = torch.where(fresh, tok, slots.out[:, 0])
         slots.records.admit(fresh)
-        proposer.reset(slots, fresh, first, features)
+        proposer.reset(slots, fresh, first, out.hidden)  # features (R*B, P, D)
 
 
 def decode_step(runner: Runner, proposer: Proposer, slots: Slots) -> torch.Tensor:

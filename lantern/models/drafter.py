@@ -6,6 +6,9 @@ passed in at call time. The token embedding is the target's too, unless the draf
 Position convention: the pair (f_t, x_{t+1}) sits at x_{t+1}'s sequence position, and its output is the
 drafter's guess of f_{t+1}, whose logits predict x_{t+2}. (LANTERN's drafters put the same pair at position
 one lower in a RoPE table with one prefix row fewer: the same rotation.)
+Where the drafter's cache starts: lantern's drafters at the first image token (the pair (f_{P-1}, x_P)); a drafter
+that `reads_prefix` also holds the condition prefix's pairs (f_i, token 0) for i < P-1, fed once at prefill
+(LANTERN's t2i drafters: LANTERN pads their input ids with zeros over the caption and masks nothing).
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ class DrafterOptions:
     own_embedding: bool = False  # True: the drafter's own `embed_tokens` (V, D) embeds x_{t+1}
     ffn_hidden: Optional[int] = None  # SwiGLU width (None: the target's)
     norm_eps: Optional[float] = None  # RMSNorm epsilon (None: the target's)
+    reads_prefix: bool = False  # True: its cache holds the prefix pairs (f_i, token 0), i < P-1 (LANTERN's)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -55,6 +59,11 @@ class Drafter(nn.Module):
             self.layer.feed_forward = FeedForward(cfg, options.ffn_hidden)
         if options.own_embedding:
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+
+    @property
+    def prefix_pairs(self) -> int:
+        """Pairs the drafter reads over the condition prefix at prefill: P - 1 if it `reads_prefix`, else 0."""
+        return self.config.cls_token_num - 1 if self.options.reads_prefix else 0
 
     def embed(self, target: GPT, tokens: torch.Tensor) -> torch.Tensor:
         table = self.embed_tokens if self.options.own_embedding else target.tok_embeddings

@@ -26,7 +26,6 @@ from typing import Callable, Optional, Sequence
 
 from lantern.backends.registry import ENV_VAR, backend_class, get_backend, registered, resolve_name
 from lantern.decoding.sampling import SamplingConfig
-from lantern.engine.step import static_spec
 from lantern.plan import calibration, records
 from lantern.plan.candidates import AR, Plan, candidate_plans
 from lantern.plan.choose import MIN_SPEEDUP, Choice, allowed_relaxation, choose, probe_rounds, steps_by_plan
@@ -99,7 +98,7 @@ def load_ledger(key: dict) -> dict:
 
 def record_prepared(pipe, key: dict, width: int, plans: Sequence[Plan], sampling: SamplingConfig) -> dict:
     """Store the prepare seconds of every plan's runner this pipeline prepared (at `width`); returns the ledger."""
-    seen = {static_spec(p.decode(sampling), pipe.config, width, pipe.dtype): p.name for p in plans}
+    seen = {pipe.spec(p.decode(sampling), width): p.name for p in plans}
     fresh = {seen[spec]: s for spec, s in pipe.prepare_seconds.items() if spec in seen}
     if not fresh:
         return load_ledger(key)

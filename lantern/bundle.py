@@ -208,6 +208,12 @@ def bundle_methods(path: str | Path | None = None) -> list[str]:
     return supported_methods((root / "drafter.safetensors").exists(), (root / "proximity.safetensors").exists())
 
 
+def proximity_k(root: Path) -> int:
+    """Neighbours per code of a bundle folder's proximity table (its header only is read)."""
+    with safe_open(str(root / "proximity.safetensors"), "pt") as f:
+        return int(f.get_slice("neighbours").get_shape()[1])
+
+
 def describe_bundle(path: str | Path | None = None) -> str:
     """A human-readable account of a bundle: what the models are, how they were made, what they measure."""
     root = Path(path) if path is not None else DEFAULT_BUNDLE
@@ -222,25 +228,38 @@ def describe_bundle(path: str | Path | None = None) -> str:
     def fmt(key, spec=".3f"):
         return format(m[key], spec) if key in m else "n/a"
 
+    def measured(*keys):  # a bundle made elsewhere (lantern import) carries none of the training's measurements
+        return any(k in m for k in keys)
+
+    source = config.get("source") or {}
+    imported = manifest.get("created_by") == "lantern import"
     lines = [
         f"bundle: {root}  ({size / 2**20:.1f} MiB)",
-        f"data: {data.get('source', 'unknown')}; split: {data.get('split', '?')}",
+        f"source: LlamaGen {source.get('size', '?')} + {source.get('vq', 'VQ')}, made by lantern import"
+        if imported else f"data: {data.get('source', 'unknown')}; split: {data.get('split', '?')}",
         f"tokenizer: LlamaGen VQ, {v['image_size']}x{v['image_size']} images -> "
         f"{v['image_size'] // 2 ** (len(v['ch_mult']) - 1)}^2 tokens, codebook {v['codebook_size']} x "
-        f"{v['codebook_embed_dim']} (L2-normalised); held-out recon MSE {fmt('vq_recon_mse', '.4f')} "
-        f"(mean-image baseline {fmt('vq_mean_image_mse', '.4f')})",
+        f"{v['codebook_embed_dim']} (L2-normalised)" + (
+            f"; held-out recon MSE {fmt('vq_recon_mse', '.4f')} (mean-image baseline {fmt('vq_mean_image_mse', '.4f')})"
+            if measured("vq_recon_mse") else ""),
         f"target: LlamaGen {t.get('model_type', 'c2i')} GPT, {t['n_layer']} layers x dim {t['dim']} x {t['n_head']} "
         f"heads, vocab {t['vocab_size']}, " + (f"{t['num_classes']} classes + null" if t.get("model_type", "c2i") ==
                                                "c2i" else f"{t['cls_token_num']} caption tokens + null caption")
-        + "; held-out mean top-1 prob "
-        f"{fmt('target_mean_top1_prob')} "
-        f"(teacher-forced, true class, no CFG), top-1 acc {fmt('target_heldout_top1_acc')}",
-        f"drafter: EAGLE-1 head (fc + 1 decoder layer); held-out top-1 agreement with the target "
-        f"{fmt('drafter_top1_agreement_cond')} (cond), {fmt('drafter_top1_agreement_uncond')} (uncond) on real "
-        f"digits, {fmt('drafter_top1_agreement_self_samples_cond')} (cond), "
-        f"{fmt('drafter_top1_agreement_self_samples_uncond')} (uncond) on the target's own samples"
+        + (f"; held-out mean top-1 prob {fmt('target_mean_top1_prob')} (teacher-forced, true class, no CFG), top-1 acc "
+           f"{fmt('target_heldout_top1_acc')}" if measured("target_mean_top1_prob", "target_heldout_top1_acc") else ""),
+        ("drafter: EAGLE-1 head (fc + 1 decoder layer)" + (
+            " in LANTERN's layout (it reads the condition prefix)" if config.get("drafter", {}).get("reads_prefix")
+            else "") + (
+            f"; held-out top-1 agreement with the target {fmt('drafter_top1_agreement_cond')} (cond), "
+            f"{fmt('drafter_top1_agreement_uncond')} (uncond) on real digits, "
+            f"{fmt('drafter_top1_agreement_self_samples_cond')} (cond), "
+            f"{fmt('drafter_top1_agreement_self_samples_uncond')} (uncond) on the target's own samples"
+            if measured("drafter_top1_agreement_cond", "drafter_top1_agreement_self_samples_cond") else ""))
         if (root / "drafter.safetensors").exists() else "drafter: none",
-        f"evaluator: CNN classifier, held-out accuracy {fmt('evaluator_heldout_accuracy')}",
+        f"proximity table: {proximity_k(root)} neighbours per code" if (root / "proximity.safetensors").exists()
+        else "proximity table: none",
+        f"evaluator: CNN classifier, held-out accuracy {fmt('evaluator_heldout_accuracy')}"
+        if (root / "evaluator.safetensors").exists() else "evaluator: none (lantern eval needs one)",
         "methods: auto (the default: chooses among these per device and request), " + ", ".join(bundle_methods(root)),
         "acceptance records for --method auto, at the default sampling: " + (
             ", ".join(f"{dtype} ({len(rec['plans'])} plans, {len(rec['conditions'])} images each)"
@@ -252,9 +271,12 @@ def describe_bundle(path: str | Path | None = None) -> str:
                       f" Frechet {v['evidence']['frechet_distance']:.2f})"
                       for method, v in manifest["relaxation_defaults"].items())
             if manifest.get("relaxation_defaults") else "none (auto stays lossless by default)"),
-        f"AR samples at {sampling_text}: class accuracy "
-        f"{fmt('ar_class_accuracy')}, Frechet distance {fmt('ar_frechet')} (real-image floor {fmt('real_frechet')})",
-        f"made by: {manifest.get('command', 'unknown')}  (seed {manifest.get('seed', '?')}); training seconds "
-        + ", ".join(f"{k} {s}" for k, s in manifest.get("train_seconds", {}).items()),
+        f"sampling: {sampling_text}" + (
+            f"; AR samples: class accuracy {fmt('ar_class_accuracy')}, Frechet distance {fmt('ar_frechet')} "
+            f"(real-image floor {fmt('real_frechet')})" if measured("ar_class_accuracy", "ar_frechet") else ""),
+        f"made by: {manifest.get('command', 'unknown')}" + (
+            f"  (seed {manifest.get('seed', '?')}); training seconds "
+            + ", ".join(f"{k} {s}" for k, s in manifest.get("train_seconds", {}).items())
+            if "train_seconds" in manifest else ""),
     ]
     return "\n".join(lines)

@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from lantern.bundle import sha256_file
+from lantern.cli_args import check_writable
 from lantern.config import GPTConfig
 from lantern.llamagen import (SAMPLING, WEIGHT_SETS, infer_gpt_config, infer_vq_config, is_lantern_drafter,
                               load_gpt, load_vq, read_lantern_drafter, read_llamagen_state, vq_state)
@@ -69,8 +70,7 @@ def check_inputs(req: ImportRequest) -> Imported:
         raise ValueError(f"--weights {req.weights!r}; allowed: {', '.join(WEIGHT_SETS)}")
     if req.out.exists() and (not req.out.is_dir() or any(req.out.iterdir())):
         raise ValueError(f"--out {req.out} exists and is not an empty folder; a bundle is written to a new one")
-    if not req.out.parent.is_dir():
-        raise ValueError(f"--out {req.out}: its parent folder {req.out.parent} does not exist")
+    check_writable(req.out, "--out", folder=True)  # missing parent folders are made when the bundle is written
     if req.k < 1:
         raise ValueError(f"--proximity-k {req.k} must be >= 1")
     vq_raw = read_llamagen_state(req.vq, what="VQ checkpoint")
@@ -131,6 +131,7 @@ def read_lantern_table(path: Path, vocab: int, k: int) -> torch.Tensor:
 
 def write_bundle(req: ImportRequest, got: Imported) -> Path:
     """Write the checked models as a bundle at req.out (atomically: a temporary sibling renamed into place)."""
+    req.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{req.out.name}.", dir=req.out.parent))
     try:
         linked = {}

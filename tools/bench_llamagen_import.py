@@ -2,26 +2,31 @@
 memory with relaxed acceptance (the dense (V, V-1) int64 table lantern kept before, against the compact (V, k)
 table it keeps now), and AR / Jacobi step times.
 
-Writes LlamaGen-format checkpoints (GPT c2i at --sizes, VQ-16, V = 16384) to a temporary folder, imports each with
-a proximity table computed from the codebook (k = 1000), loads the bundle, and times `--tokens` decode tokens of
-one image with AR and with relaxed MC-SJD. Memory: tensor bytes (exact, deterministic) and the process's resident
-memory growth while each relaxed rule is built (the dense table made as before). Writes
-results/llamagen-import-<backend>.{json,md}.
-Timing wants a quiet machine.
+Writes LlamaGen-format checkpoints (GPT c2i at --sizes, VQ-16, V = 16384; random weights drawn straight into the
+state_dict, no module initialisation) once into --files (kept and reused by the next run; default a temporary
+folder), imports each with a proximity table computed from the codebook (k = 1000), loads the bundle, and times
+`--tokens` decode tokens of one image with AR and with relaxed MC-SJD after a short warm-up. Memory: tensor bytes
+(exact, deterministic) and the process's resident memory growth while each relaxed rule is built (the dense table
+made as before). Writes results/llamagen-import-<backend>.{json,md}, naming CPU, commit and command.
+Timing wants a quiet machine; GPT-B and GPT-XL together take about 5 minutes on 2 cores (most of it GPT-XL's import
+and its MC-SJD steps).
 
-    python tools/bench_llamagen_import.py [--sizes GPT-B GPT-XL] [--tokens 64] [--backend cpu]
+    python tools/bench_llamagen_import.py [--sizes GPT-B GPT-XL] [--tokens 32] [--backend cpu] [--files DIR]
     python tools/bench_llamagen_import.py --quick --out /tmp/llamagen-import-smoke   # tiny shapes, checks it runs
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import psutil
 import torch
+from tqdm import tqdm
 
 from lantern.api import Pipeline
 from lantern.bundle import load_bundle
@@ -45,15 +50,35 @@ def rss_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
+def random_state(module_cls, cfg, seed: int) -> dict[str, torch.Tensor]:
+    """The module's state_dict shapes (built on the meta device: no memory, no initialisation) filled with random
+    values: weights uniform in +-0.03 (about LlamaGen's init scale), norm scales 1, biases 0."""
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in module_cls(cfg).state_dict().items()}
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in shapes.items():
+        if len(shape) >= 2:
+            out[name] = torch.empty(shape).uniform_(-0.03, 0.03, generator=g)
+        else:
+            out[name] = (torch.zeros if name.endswith("bias") else torch.ones)(shape)
+    return out
+
+
 def write_checkpoints(folder: Path, size: str, vq_cfg: VQConfig, quick: bool) -> tuple[Path, Path]:
+    """LlamaGen-format GPT and VQ checkpoints in `folder`, written once: files already there are reused."""
     n_layer, n_head, dim = (2, 4, 64) if quick else LLAMAGEN_GPT_SIZES[size]
     cfg = GPTConfig(dim=dim, n_layer=n_layer, n_head=n_head, vocab_size=vq_cfg.codebook_size,
                     block_size=vq_cfg.grid_size ** 2, multiple_of=192 if quick else 256)
-    gpt, vq = folder / f"{size}.pt", folder / "vq16.pt"
-    torch.save({"model": GPT(cfg).state_dict()}, gpt)
+    tag = "quick" if quick else "real"
+    gpt, vq = folder / f"{size}-{tag}.pt", folder / f"vq16-{tag}.pt"
+    if not gpt.exists():
+        torch.save({"model": random_state(GPT, cfg, seed=0)}, gpt.with_suffix(".tmp"))
+        gpt.with_suffix(".tmp").replace(gpt)  # a killed run leaves no half-written checkpoint to reuse
     if not vq.exists():
         state = VQModel(vq_cfg).state_dict()
-        torch.save({"model": dict(state, **{"quantize.codebook_used": torch.zeros(65536)})}, vq)
+        torch.save({"model": dict(state, **{"quantize.codebook_used": torch.zeros(65536)})}, vq.with_suffix(".tmp"))
+        vq.with_suffix(".tmp").replace(vq)
     return gpt, vq
 
 
@@ -85,7 +110,7 @@ def step_times(bundle, tokens: int, backend: str, window: int) -> dict:
     for name, dcfg in (("ar", method_preset("ar", sampling)),
                        ("mc-sjd-relaxed", method_preset("mc-sjd-relaxed", sampling, window=window,
                                                         k=min(10, bundle.proximity.shape[1])))):
-        pipe.generate([0], dcfg, tokens=tokens)  # prepare and warm up this shape
+        pipe.generate([0], dcfg, tokens=2)  # prepare and warm up this shape
         t0 = time.perf_counter()
         res = pipe.generate([0], dcfg, tokens=tokens)
         wall = time.perf_counter() - t0
@@ -96,7 +121,10 @@ def step_times(bundle, tokens: int, backend: str, window: int) -> dict:
 
 
 def markdown(rec: dict) -> str:
-    lines = [f"# lantern import at LlamaGen sizes ({rec['machine']}, {rec['when']})", "",
+    prov = rec["provenance"]
+    lines = [f"# lantern import at LlamaGen sizes ({prov['machine']}, {rec['when']})", "",
+             f"commit {prov['commit']}, torch {rec['torch']}, {rec['threads']} threads, {rec['backend']}; "
+             f"`{prov['command']}`; {rec['tokens']} decode tokens timed per method", "",
              "| size | import s | bundle MiB | table (V, k) now | dense int64 before | AR s/forward | "
              "relaxed MC-SJD s/forward |", "|---|---|---|---|---|---|---|"]
     for r in rec["rows"]:
@@ -111,19 +139,23 @@ def markdown(rec: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", nargs="+", default=["GPT-B", "GPT-XL"], choices=tuple(LLAMAGEN_GPT_SIZES))
-    ap.add_argument("--tokens", type=int, default=64, help="decode tokens timed per method (of one image)")
+    ap.add_argument("--tokens", type=int, default=32, help="decode tokens timed per method (of one image)")
     ap.add_argument("--window", type=int, default=16)
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("--k", type=int, default=1000, help="proximity neighbours the bundle keeps")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (V = 256): checks the tool runs")
+    ap.add_argument("--files", type=Path, help="folder for the written checkpoints, kept and reused by the next run "
+                                                "(GPT-XL's is 3 GB; default: a temporary folder, removed)")
     ap.add_argument("--out", type=Path, help="output stem (default results/llamagen-import-<backend>)")
     args = ap.parse_args()
     vq_cfg = QUICK_VQ if args.quick else VQ16
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        for size in args.sizes:
-            gpt, vq = write_checkpoints(tmp, size, vq_cfg, args.quick)
+        files = args.files or tmp
+        files.mkdir(parents=True, exist_ok=True)
+        for size in tqdm(args.sizes, desc="sizes", file=sys.stderr):
+            gpt, vq = write_checkpoints(files, size, vq_cfg, args.quick)
             out = tmp / f"bundle-{size}"
             req = ImportRequest(gpt=gpt, vq=vq, out=out, image_size=vq_cfg.image_size, proximity="codebook", k=args.k,
                                 heads=4 if args.quick else None, command="tools/bench_llamagen_import.py")
@@ -136,7 +168,10 @@ def main() -> None:
                          "proximity": proximity_memory(bundle, args.k),
                          "steps": step_times(bundle, min(args.tokens, bundle.target.config.block_size - 1),
                                              args.backend, args.window)})
-    record = {"machine": platform.node(), "when": utc_now(), "backend": args.backend, "quick": args.quick,
+            del bundle
+            gc.collect()  # the next size's peak holds one GPT, not two
+    record = {"host": platform.node(), "when": utc_now(), "backend": args.backend, "quick": args.quick,
+              "tokens": args.tokens,
               "torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows}
     write_results(args.out or ROOT / "results" / f"llamagen-import-{args.backend}", record, markdown)
 

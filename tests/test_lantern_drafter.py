@@ -215,3 +215,15 @@ def test_lantern_t2i_drafter_reads_the_caption_prefix_as_lantern_feeds_it(tmp_pa
     seen_alone = t2i_engine_drafts(target, alone.eval(), captions)
     assert seen_alone["drafts"][0][0][0].shape[1] != 119  # no prefix step
     assert (seen_alone["drafts"][0][1][:, 0] - ref_logits[:, -1]).abs().max() > 1e-3
+
+
+def test_static_spec_prefix_draft_step():
+    from lantern.backends.base import StaticSpec
+    spec = StaticSpec(batch=2, max_len=512, prefix_len=120, verify_widths=(1,), draft_widths=(4, 119),
+                      draft_prefix=119)
+    assert spec.draft_first_slot == 1 and "draft[119]" in spec.static_steps
+    plain = StaticSpec(batch=2, max_len=512, prefix_len=120, verify_widths=(1,), draft_widths=(4,))
+    assert plain.draft_first_slot == 120  # lantern's drafters start at the first image token
+    for bad in (dict(draft_widths=(4,), draft_prefix=119), dict(draft_widths=(4, 120), draft_prefix=120)):
+        with pytest.raises(ValueError, match="draft_prefix"):
+            StaticSpec(batch=2, max_len=512, prefix_len=120, verify_widths=(1,), **bad)

@@ -40,11 +40,3 @@ def test_relaxed_acceptance_is_unchanged_by_the_table_type(tiny, method, overrid
         pipe = Pipeline(target, drafter, proximity.to(dtype), backend="cpu")
         out[dtype] = pipe.generate([0, 1, 2], dcfg, seed=3).tokens
     assert torch.equal(out[torch.int64], out[torch.int16])
-
-
-def test_a_table_of_every_other_code_serves_any_larger_k():
-    from lantern.decoding.acceptance import Acceptance
-    full = build_proximity_table(torch.nn.functional.normalize(torch.randn(16, 4), dim=1), 15)  # (16, 15)
-    assert Acceptance("lantern", k=1000, delta=0.2, proximity=full).k == 15  # it reads the same 15 neighbours
-    with pytest.raises(ValueError, match="k 1000 exceeds the proximity table's 8 neighbours"):
-        Acceptance("lantern", k=1000, delta=0.2, proximity=full[:, :8])

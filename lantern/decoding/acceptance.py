@@ -59,10 +59,7 @@ class Acceptance:
         if self.relaxed:
             if self.proximity is None:
                 raise ValueError(f"acceptance {self.kind!r} needs a proximity table (built from the VQ codebook)")
-            v, width = self.proximity.shape
-            if self.k > width and width == v - 1:  # the table holds every other code: any larger k reads the same
-                object.__setattr__(self, "k", width)
-            if self.k > width:
+            if self.k > self.proximity.shape[1]:
                 raise ValueError(f"k {self.k} exceeds the proximity table's {self.proximity.shape[1]} neighbours; "
                                  f"allowed: 0..{self.proximity.shape[1]}")
 

@@ -123,10 +123,16 @@ class Pipeline:
 
     @cached_property
     def model_key(self) -> str:
-        """The identity that acceptance records and calibrations are keyed by: target, drafter and proximity
-        table (hashed once per pipeline)."""
-        from lantern.models.checkpoint import model_hash
-        h = hashlib.sha256(model_hash(self.target, self.drafter).encode())
+        """The identity that acceptance records and calibrations are keyed by: target (its weights, or a family
+        target's `identity`), drafter and proximity table (hashed once per pipeline)."""
+        from lantern.models.checkpoint import model_hash, weights_hash
+        identity = getattr(self.target, "identity", None)  # a family target: its folder's digest (family.py)
+        if identity is None:
+            h = hashlib.sha256(model_hash(self.target, self.drafter).encode())
+        else:
+            h = hashlib.sha256(identity.encode())
+            if self.drafter is not None:
+                h.update(weights_hash(self.drafter.state_dict()).encode())
         if self.proximity is not None:
             h.update(self.proximity.to(torch.int64).contiguous().numpy().tobytes())  # the same key at any dtype
         return h.hexdigest()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from lantern.cli_args import UsageError, check_writable
@@ -43,10 +44,9 @@ def check_family_request(args) -> list[str]:
     if args.t5:
         raise UsageError(f"--t5 encodes prompts for LlamaGen t2i bundles; a {info.family} folder uses its own "
                          f"tokenizer")
-    if args.method == "auto":
-        raise UsageError(f"--method auto has no acceptance records or calibration for {info.family} models yet; "
-                         f"name a method: ar, sjd / mc-sjd (no drafter needed), or eagle2 with --drafter "
-                         f"(Chameleon)")
+    if args.allow_relaxed:
+        raise UsageError(f"--allow-relaxed: no relaxation is validated for {info.family} models, so auto runs "
+                         f"lossless plans only; name a relaxed method (--method mc-sjd-relaxed, ...) to run one")
     if args.profile:
         raise UsageError("--profile tunes LlamaGen bundles; leave it out for a model-family folder")
     if args.drafter is not None:
@@ -80,17 +80,25 @@ def cmd_generate_family(args) -> dict:
         from lantern.models.anole_drafter import read_anole_drafter
         drafter = read_anole_drafter(Path(args.drafter), family.model)
     rows = [family.prompt_rows(p).expand(args.num_images, -1).contiguous() for p in prompts]
-    dcfg = decode_config_from_args(args, family)
+    auto = args.method == "auto"
+    dcfg = None if auto else decode_config_from_args(args, family)
     table = getattr(family, "proximity_table", None)  # Chameleon: from its VQGAN's codebook
-    proximity = table() if dcfg.acceptance != "exact" and table is not None else None
-    pipes, tokens, stats, result = {}, [], GenerationStats(), None
-    for r in rows:
-        length = r.shape[1]
+    proximity = table() if dcfg is not None and dcfg.acceptance != "exact" and table is not None else None
+    pipes: dict = {}
+
+    def pipeline(length: int) -> Pipeline:  # one per prompt length (static prefix)
         if length not in pipes:
             pipes[length] = Pipeline(family.target(length), drafter, proximity, backend=args.backend, dtype=args.dtype,
                                      **backend_options(args))
-        pipe = pipes[length]
-        result = pipe.generate(r, dcfg, seed=args.seed, progress=not args.json, batch=pipe.check(dcfg, args.batch))
+        return pipes[length]
+    choice, batch = None, args.batch
+    if auto:
+        choice = choose_for_family(args, family, pipeline(rows[0].shape[1]), rows)
+        dcfg, batch = choice.decode, choice.width
+    tokens, stats, result = [], GenerationStats(), None
+    for r in rows:
+        pipe = pipeline(r.shape[1])
+        result = pipe.generate(r, dcfg, seed=args.seed, progress=not args.json, batch=pipe.check(dcfg, batch))
         tokens.append(result.tokens)
         stats.merge(result.stats)
     tokens = torch.cat(tokens)
@@ -108,8 +116,32 @@ def cmd_generate_family(args) -> dict:
         "target_forwards": s["target_forwards"], "step_compression": s["step_compression"],
         "mean_accepted_length": s["mean_accepted_length"], "phase_seconds": s["phase_seconds"],
         "wall_seconds": s["wall_seconds"], "peak_memory_bytes": result.profile["memory"]["peak_bytes"],
-        "memory": result.profile["memory"], "warmup_seconds": result.profile["warmup_s"], "stats": s, "plan": None,
+        "memory": result.profile["memory"], "warmup_seconds": result.profile["warmup_s"], "stats": s,
+        "plan": None if choice is None else {**choice.to_dict(), "why": choice.summary(),
+                                             "measured_seconds": s["wall_seconds"]},
     }
+
+
+def choose_for_family(args, family, pipe, rows: list):
+    """`--method auto` on a family folder: lantern.plan.choose over AR, the Jacobi windows and (with --drafter)
+    the drafter trees, never a relaxed plan (none is validated for these models). The acceptance record is
+    measured on the prompts of the first prompt length (the pipeline given) where the cache lacks it, both
+    caches keyed by the folder's identity; the plan chosen runs every prompt."""
+    import dataclasses
+
+    import torch
+
+    from lantern.cli import sampling_from_args
+    from lantern.plan.choose import MIN_SPEEDUP, choose
+    length = rows[0].shape[1]
+    same = torch.cat([r for r in rows if r.shape[1] == length])  # (n, P): the rows this pipeline takes
+    choice = choose(pipe, sum(r.shape[0] for r in rows), sampling_from_args(args, family), batch=args.batch,
+                    allow_relaxed=False, validated={}, progress=not args.json, prompts=same,
+                    min_speedup=MIN_SPEEDUP if args.min_speedup is None else args.min_speedup)
+    choice = dataclasses.replace(choice, relaxed=f"lossless plans only (no relaxation is validated for "
+                                                 f"{family.family} models)")
+    print(f"lantern: {choice.summary()}", file=sys.stderr)
+    return choice
 
 
 def family_info(model: str) -> dict:
@@ -134,7 +166,8 @@ def family_info(model: str) -> dict:
     else:
         missing["eagle2, lantern, lantern++"] = "no drafter for this family yet"
         missing["mc-sjd-relaxed"] = "no proximity table for this family yet"
-    missing["auto"] = "no acceptance records or calibration for this family yet"
+    methods.insert(0, "auto (lossless plans: " + ("ar, mc-sjd windows, eagle2 and trees with --drafter)"
+                                                  if info.family == "chameleon" else "ar, mc-sjd windows)"))
     return {**family.describe(), "methods": methods, "methods_not_available": missing,
             "backends": backends}
 

@@ -165,10 +165,10 @@ def counting_runs(monkeypatch):
     work = {"runs": 0, "tokens": 0}
     real = calibration._short_run
 
-    def counted(pipe, dcfg, width, tokens, attended=0.5):
+    def counted(pipe, dcfg, width, tokens, attended=0.5, prompts=None):
         work["runs"] += 1
         work["tokens"] += width * tokens
-        return real(pipe, dcfg, width, tokens, attended)
+        return real(pipe, dcfg, width, tokens, attended, prompts)
     monkeypatch.setattr(calibration, "_short_run", counted)
     return work
 

@@ -432,6 +432,21 @@ def test_generate_eagle2_with_a_drafter_from_the_command_line(anole, drafted, tm
     assert "needs a drafter" in capsys.readouterr().err
 
 
+def test_auto_with_a_drafter_weighs_the_drafter_plans_and_never_a_relaxed_one(anole, drafted, tmp_path, monkeypatch,
+                                                                            capsys):
+    from lantern.plan import calibration
+    monkeypatch.setenv("LANTERN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("LANTERN_CALIBRATION_BUDGET", "0.5")
+    monkeypatch.setattr(calibration, "disturbance", lambda entry: "")  # pins the candidates, not the timing's calm
+    code = main(["generate", "--model", str(anole[0]), "--prompt", PROMPT, "--drafter", str(drafted[0]),
+                 "--no-images", "--json"])
+    res = json.loads(capsys.readouterr().out)
+    names = {r["plan"] for r in res["plan"]["candidates"]}
+    assert code == 0 and res["mode"] == "auto" and res["decode"]["acceptance"] == "exact"
+    assert {"ar", "mc-sjd/L4", "eagle2", "exact/chain-5"} <= names
+    assert not any(name.startswith(("lantern", "mc-sjd-relaxed")) for name in names)
+
+
 def test_relaxed_methods_read_the_vqgan_codebook_proximity(anole, drafted, tmp_path, capsys):
     """lantern++ (drafter) and mc-sjd-relaxed run with the proximity table of the VQGAN's codebook, in code order."""
     from lantern.proximity import build_proximity_table

@@ -4,6 +4,7 @@ CFG, the sampling path lossless (SJD, MC-SJD) with a broken CFG counterpart caug
 import copy
 import itertools
 import json
+import os
 
 import pytest
 import torch
@@ -252,8 +253,8 @@ def test_prompt_and_method_misuse_exit_2(janus, capsys):
     folder = str(janus[0])
     assert main(["generate", "--model", folder, "--method", "ar", "--no-images"]) == 2  # no --prompt
     assert "--prompt" in capsys.readouterr().err
-    assert main(["generate", "--model", folder, "--prompt", "a cat", "--no-images"]) == 2  # auto
-    assert "--method auto" in capsys.readouterr().err
+    assert main(["generate", "--model", folder, "--prompt", "a cat", "--allow-relaxed", "--no-images"]) == 2
+    assert "no relaxation is validated for janus models" in capsys.readouterr().err
     assert main(["generate", "--model", folder, "--prompt", "a cat", "--t5", folder, "--method", "ar",
                  "--no-images"]) == 2  # --t5 is for LlamaGen t2i bundles
     assert "--t5" in capsys.readouterr().err
@@ -275,3 +276,50 @@ def test_a_janus_folder_whose_rope_changes_with_length_exits_2(janus, tmp_path, 
     (folder / "config.json").write_text(json.dumps(cfg))
     code = main(["generate", "--model", str(folder), "--prompt", "a cat", "--method", "ar", "--no-images"])
     assert code == 2 and "rope type 'dynamic'" in capsys.readouterr().err
+
+
+def test_the_default_method_auto_chooses_a_lossless_plan_and_caches_what_it_measured(janus, tmp_path, monkeypatch,
+                                                                                    capsys):
+    """`lantern generate --model <janus folder> --prompt ...` with no --method: auto measures the acceptance
+    record on the request's prompts and probes the step costs, keyed by the folder; a second run reuses both."""
+    from lantern.plan import calibration
+    monkeypatch.setenv("LANTERN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("LANTERN_CALIBRATION_BUDGET", "0.5")
+    # this pins the caching, not the disturbance check (tests/test_faults.py pins it): the tiny model's short
+    # steps under the parallel suite's load would read as disturbed at random, and a disturbed probe is not kept
+    monkeypatch.setattr(calibration, "disturbance", lambda entry: "")
+    folder = str(janus[0])
+    args = ["generate", "--model", folder, "--prompt", PROMPT, "--prompt", "a blue dog", "--no-images", "--json"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    first = json.loads(captured.out)
+    plan = first["plan"]
+    assert first["mode"] == "auto" and first["family"] == "janus" and len(first["tokens"]) == 2
+    assert plan["plan"] in {r["plan"] for r in plan["candidates"] if "skipped" not in r}
+    assert {r["plan"] for r in plan["candidates"]} == {"ar", "mc-sjd/L4", "mc-sjd/L8", "mc-sjd/L16", "mc-sjd/L32"}
+    assert all(r["lossless"] for r in plan["candidates"] if "skipped" not in r)
+    assert plan["why"].startswith(f"auto chose {plan['plan']}") and "no relaxation is validated for janus" in \
+        plan["why"]
+    assert first["decode"]["acceptance"] == "exact" and plan["calibration_seconds"] > 0
+    assert "measuring the acceptance" in captured.err and "calibrating" in captured.err
+    assert {p.parent.name for p in (tmp_path / "cache").rglob("*.json")} == {"records", "calibration"}
+
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    again = json.loads(captured.out)["plan"]
+    assert "measuring" not in captured.err and "calibrating" not in captured.err
+    assert again["calibration_seconds"] == 0.0 and again["plan"] == plan["plan"]
+    assert "calibration cached in" in again["cost_source"]
+
+
+def test_auto_caches_are_keyed_by_the_folder(janus, tmp_path):
+    """A rewritten weights file is another model for auto's caches; a prompt length is not."""
+    import shutil
+    folder = tmp_path / "copy"
+    shutil.copytree(janus[0], folder)
+    family = load_family(folder)
+    key = Pipeline(family.target(4)).model_key
+    assert Pipeline(family.target(6)).model_key == key  # one model at every prompt length
+    weights = next(folder.glob("*.safetensors"))
+    os.utime(weights, ns=(1, 1))  # rewritten: another modification time
+    assert Pipeline(load_family(folder).target(4)).model_key != key

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lantern.kv_cache import StaticKVCache
-from lantern.models.family import FolderInfo
+from lantern.models.family import FolderInfo, folder_identity
 from lantern.models.gpt import attention_bias
 from lantern.models.janus import STATIC_ROPE, rotate_half
 
@@ -279,6 +279,11 @@ class ChameleonFamily:
         return cls(root, model, tokenizer, ids, image_vocabulary(vocab_map), vq_path, default_sampling=sampling)
 
     @property
+    def identity(self) -> str:
+        """The folder's digest (lantern.models.family.folder_identity): what auto's caches are keyed by."""
+        return folder_identity(self.path)
+
+    @property
     def image_vocab(self) -> int:
         return len(self.bpe_of_code)
 
@@ -300,7 +305,9 @@ class ChameleonFamily:
     def target(self, prompt_len: int) -> ChameleonTarget:
         """The target for prompts of `prompt_len` tokens (one static prefix length), built once per length."""
         if prompt_len not in self._targets:
-            self._targets[prompt_len] = chameleon_target(self.model, prompt_len, self.bpe_of_code, self.ids)
+            target = chameleon_target(self.model, prompt_len, self.bpe_of_code, self.ids)
+            target.identity = self.identity  # the caches of --method auto are keyed by the folder
+            self._targets[prompt_len] = target
         return self._targets[prompt_len]
 
     @property

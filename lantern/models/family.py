@@ -10,6 +10,7 @@ names what is missing (exit code 2 on the command line).
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -65,6 +66,8 @@ class TargetModel(Protocol):
         """The target on `device` in `dtype`, frozen, for a runner; the caller's model is never changed (a copy
         where device or dtype differ; a family may return itself where they already match)."""
 
+    # (optional) identity: str, what caches keyed by the model (acceptance records, calibrations) use instead of
+    # hashing every weight: a family target's folder digest (`folder_identity`). Default: config and weights hashed.
     # (optional) prefix_visible(rows (B, P)) -> (B, P) bool: which prefix slots of each prompt row (conditional
     # and unconditional rows alike) a query may attend; the engine hides the others in every mask. Default: all.
 
@@ -151,3 +154,20 @@ def load_family(path: str | Path, vq: str | None = None, need_vq: bool = False):
         return ChameleonFamily.load(info, vq, need_vq)
     from lantern.models.janus import JanusFamily
     return JanusFamily.load(info)
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".ckpt")
+
+
+def folder_identity(path: str | Path) -> str:
+    """A model folder's identity without reading its weights: sha256 over its config files' contents and each
+    weights file's name, size and modification time (rewriting a weights file changes it)."""
+    root = Path(path)
+    h = hashlib.sha256()
+    for f in sorted(p for p in root.iterdir() if p.is_file()):
+        if f.suffix == ".json":
+            h.update(f"{f.name}|".encode() + f.read_bytes())
+        elif f.suffix in WEIGHT_SUFFIXES:
+            st = f.stat()
+            h.update(f"{f.name}|{st.st_size}|{st.st_mtime_ns}".encode())
+    return h.hexdigest()

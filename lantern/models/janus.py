@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lantern.kv_cache import StaticKVCache
-from lantern.models.family import FolderInfo
+from lantern.models.family import FolderInfo, folder_identity
 from lantern.models.gpt import attention_bias
 
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # rope types whose frequencies do not depend on length
@@ -186,6 +186,11 @@ class JanusFamily:
         return cls(root, model, tokenizer, default_sampling=sampling, **ids)
 
     @property
+    def identity(self) -> str:
+        """The folder's digest (lantern.models.family.folder_identity): what auto's caches are keyed by."""
+        return folder_identity(self.path)
+
+    @property
     def image_tokens(self) -> int:
         return self.model.config.vision_config.num_image_tokens
 
@@ -207,7 +212,9 @@ class JanusFamily:
     def target(self, prompt_len: int) -> JanusTarget:
         """The target for prompts of `prompt_len` tokens (one static prefix length), built once per length."""
         if prompt_len not in self._targets:
-            self._targets[prompt_len] = janus_target(self.model, prompt_len, self.bos, self.boi, self.pad)
+            target = janus_target(self.model, prompt_len, self.bos, self.boi, self.pad)
+            target.identity = self.identity  # the caches of --method auto are keyed by the folder
+            self._targets[prompt_len] = target
         return self._targets[prompt_len]
 
     @torch.no_grad()

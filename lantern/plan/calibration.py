@@ -186,20 +186,27 @@ def cached_or_measured(key: dict, width: int, names: Sequence[str], measure: Cal
     return entry, str(path), ""
 
 
-def conditions(config, n: int) -> torch.Tensor | list[int]:
-    """n conditions to time or record with: classes 0, 1, ... (c2i) or zero caption embeddings (t2i)."""
+def conditions(config, n: int, prompts: torch.Tensor | None = None) -> torch.Tensor | list[int]:
+    """n conditions to time or record with: classes 0, 1, ... (c2i), the request's prompt rows `prompts` (P, ...)
+    repeated in turn (a model-family target, whose conditions are token rows), or zero caption embeddings (t2i)."""
     if config.model_type == "c2i":
         return [i % config.num_classes for i in range(n)]
+    if config.model_type == "prompt":
+        if prompts is None:
+            raise ValueError("a prompt-conditioned target is timed and recorded on the request's prompt rows; "
+                             "none were given")
+        return prompts[torch.arange(n) % prompts.shape[0]]
     return torch.zeros(n, config.cls_token_num, config.caption_dim)
 
 
-def _short_run(pipe, dcfg, width: int, tokens: int, attended: float = 0.5) -> tuple[float, int]:
+def _short_run(pipe, dcfg, width: int, tokens: int, attended: float = 0.5,
+               prompts: torch.Tensor | None = None) -> tuple[float, int]:
     """(wall seconds, loop steps) of one chunk of `width` images generating `tokens` tokens each, every step
     attending over as many cache slots as the plan's steps do on average (`attended` of an image)."""
     runner = pipe.runner(dcfg, width)
     average = runner.spec.prefix_len + round(pipe.config.block_size * attended) + dcfg.verify_width
     with runner.attend_at_least(average):
-        result = pipe.generate(conditions(pipe.config, width), dcfg, seed=0, batch=width, tokens=tokens)
+        result = pipe.generate(conditions(pipe.config, width, prompts), dcfg, seed=0, batch=width, tokens=tokens)
     steps = max(img.target_forwards - 1 for img in result.stats.images)
     return result.stats.wall_seconds, steps
 
@@ -213,7 +220,8 @@ def tokens_for(steps: int, steps_per_chunk: float, block: int) -> int:
 def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: int, steps_per_chunk: dict,
                   entry: dict | None = None, progress: bool = True, attended: dict | None = None,
                   clock: Callable[[], float] = time.perf_counter, rounds: int = ROUNDS,
-                  max_rounds: int = MAX_ROUNDS, budget: float | None = None) -> dict:
+                  max_rounds: int = MAX_ROUNDS, budget: float | None = None,
+                  prompts: torch.Tensor | None = None) -> dict:
     """Time every plan `entry` lacks at this width. steps_per_chunk: plan name -> the loop steps a chunk of
     `width` images needs (E[max] over its images, from the acceptance record; the block where unknown), to
     size the runs and to see which plans contend; attended: plan name -> the fraction of an image its steps
@@ -235,7 +243,8 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
       reference as long per step as its last ones; a first run, warm-up included, as long as the last
       first run). A plan whose first run does not fit is kept as its floor (`lower_bound`); the rounds stop
       at the first run that does not fit.
-    rounds / max_rounds / budget replace ROUNDS / MAX_ROUNDS / budget_s() (the first-run probe of choose.py).
+    rounds / max_rounds / budget replace ROUNDS / MAX_ROUNDS / budget_s() (the first-run probe of choose.py);
+    prompts: the request's prompt rows, for a prompt-conditioned target (`conditions`).
     Preparing runners (and exporting graphs, for ONNX) is counted apart (`prepare_s`): every later run
     reuses what it made. The runners stay prepared, so the plan chosen runs on the very runner that was timed
     (on a 2-core EPYC VM the same plan's step has differed by 10-20% between runners and processes); the
@@ -262,8 +271,8 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
 
     prepare(ar)
     if "fixed_s" not in entry:
-        _short_run(pipe, ar, width, 1)
-        entry["fixed_runs_s"] = [_short_run(pipe, ar, width, 1)[0] for _ in range(FIXED_REPEATS)]
+        _short_run(pipe, ar, width, 1, prompts=prompts)
+        entry["fixed_runs_s"] = [_short_run(pipe, ar, width, 1, prompts=prompts)[0] for _ in range(FIXED_REPEATS)]
         entry["fixed_s"] = statistics.median(entry["fixed_runs_s"])
     todo = [p for p in plans if p.name not in entry["plans"]]
     decoded = {p.name: p.decode(sampling) for p in todo}  # each plan's config, compiled once
@@ -273,7 +282,7 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
     ratios: dict[str, list[float]] = {p.name: [] for p in todo}
 
     def step_seconds(dcfg, per_chunk: float, steps: int, fraction: float) -> float:
-        wall, ran = _short_run(pipe, dcfg, width, tokens_for(steps, per_chunk, block), fraction)
+        wall, ran = _short_run(pipe, dcfg, width, tokens_for(steps, per_chunk, block), fraction, prompts)
         return max(wall - entry["fixed_s"], 0.0) / max(ran, 1)
 
     def time_plan(plan: Plan, steps: int) -> None:
@@ -281,7 +290,7 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
         fraction = attended_by_plan.get(plan.name, 0.5)
         if not ratios[plan.name]:
             prepare(dcfg)
-            _short_run(pipe, dcfg, width, 2, fraction)  # warm this runner's first steps
+            _short_run(pipe, dcfg, width, 2, fraction, prompts)  # warm this runner's first steps
         start = clock()
         reference = step_seconds(ar, float(block - 1), steps, 0.5)
         ar_steps.append(reference)

@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+import torch
+
 from lantern.decoding.config import DecodeConfig
 from lantern.decoding.sampling import SamplingConfig
 from lantern.plan import calibration, records
@@ -124,12 +126,15 @@ def check_min_speedup(value) -> None:
 def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] = None, allow_relaxed: bool = False,
            validated: Optional[dict] = None, shipped_records: Optional[dict] = None,
            profile: Optional[calibration.ProfileCosts] = None, progress: bool = True,
-           classes: Optional[Sequence[int]] = None, min_speedup: float = MIN_SPEEDUP) -> Choice:
+           classes: Optional[Sequence[int]] = None, min_speedup: float = MIN_SPEEDUP,
+           prompts: Optional[torch.Tensor] = None) -> Choice:
     """The plan for `n_images` on this pipeline. validated: the bundle's quality-validated relaxation settings
     per method; shipped_records: the bundle's acceptance records by dtype; profile: a hardware profile's
     calibration (else this machine's cached one, measured where missing); classes: the request's class ids in
     order (c2i), to predict each image from its class's steps (None: every image from all the record's);
-    min_speedup: the predicted speed-up over AR a plan needs to be chosen."""
+    min_speedup: the predicted speed-up over AR a plan needs to be chosen; prompts: the request's prompt rows
+    (n, P) for a prompt-conditioned target (a model family's), which its acceptance record and calibration are
+    measured on where missing."""
     check_min_speedup(min_speedup)
     if isinstance(n_images, bool) or not isinstance(n_images, numbers.Integral) or n_images < 1:
         raise ValueError(f"n_images {n_images!r} is not allowed; allowed: an integer >= 1 (the images to plan for)")
@@ -145,7 +150,7 @@ def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] =
                               sampling)
     key = pipe.model_key
     steps, spent = steps_by_plan(pipe, plans, sampling, key, shipped_records, progress,
-                                 list(classes) if classes is not None else [None] * n_images)
+                                 list(classes) if classes is not None else [None] * n_images, prompts)
     mean_steps = {p.name: statistics.fmean(statistics.fmean(v) for v in steps[p.name]) for p in plans}
     if profile is not None and any(e.get("model") != key for e in profile.widths.values()):
         print(f"lantern: hardware profile {profile.name} was calibrated with another model; auto uses this "
@@ -162,7 +167,8 @@ def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] =
         skipped += [{"plan": name, "skipped": f"not calibrated in profile {profile.name}"} for name in missing]
         plans = [p for p in plans if p.name not in missing]
     else:
-        costs, source, calibrating, prepared = machine_costs(pipe, plans, sampling, key, width, steps, progress)
+        costs, source, calibrating, prepared = machine_costs(pipe, plans, sampling, key, width, steps, progress,
+                                                             prompts)
         spent += calibrating
 
     rows = []
@@ -188,7 +194,8 @@ def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] =
 
 
 def steps_by_plan(pipe, plans: list[Plan], sampling: SamplingConfig, key: str, shipped_records: Optional[dict],
-                  progress: bool, wanted: list) -> tuple[dict[str, list[list[float]]], float]:
+                  progress: bool, wanted: list, prompts: Optional[torch.Tensor] = None
+                  ) -> tuple[dict[str, list[list[float]]], float]:
     """Every plan's steps for each requested image (wanted: its class id, or None), from the acceptance record;
     plans it lacks are measured here, once. Returns them and the seconds spent measuring."""
     block = pipe.config.block_size
@@ -200,18 +207,18 @@ def steps_by_plan(pipe, plans: list[Plan], sampling: SamplingConfig, key: str, s
             record = records.load_record(key, sampling, pipe.dtype, shipped_records)
             missing = [p for p in plans if records.plan_steps(record, p, block) is None]
         if missing:
-            _measure_record(pipe, missing, record, sampling, key, progress)
+            _measure_record(pipe, missing, record, sampling, key, progress, prompts)
     per_image = {p.name: records.per_image_steps(records.plan_steps(record, p, block),
                                                  records.plan_conditions(record, p), wanted) for p in plans}
     return per_image, time.perf_counter() - t0 if missing else 0.0
 
 
 def _measure_record(pipe, missing: list[Plan], record: dict, sampling: SamplingConfig, key: str,
-                    progress: bool) -> None:
+                    progress: bool, prompts: Optional[torch.Tensor] = None) -> None:
     print(f"lantern: measuring the acceptance of {len(missing)} plan(s) for this model, sampling and dtype, "
           f"once ({RECORD_IMAGES} images each; cached in {records.record_path(key, sampling, pipe.dtype)})",
           file=sys.stderr)
-    cond = calibration.conditions(pipe.config, RECORD_IMAGES)
+    cond = calibration.conditions(pipe.config, RECORD_IMAGES, prompts)
     records.measure_record(lambda p: pipe.generate(cond, p.decode(sampling), seed=0, batch=RECORD_IMAGES),
                            missing, record, cond if isinstance(cond, list) else None, progress)
     pipe.release()
@@ -219,7 +226,8 @@ def _measure_record(pipe, missing: list[Plan], record: dict, sampling: SamplingC
 
 
 def machine_costs(pipe, plans: list[Plan], sampling: SamplingConfig, key: str, width: int,
-                  steps: dict[str, list[list[float]]], progress: bool) -> tuple[dict, str, float, float]:
+                  steps: dict[str, list[list[float]]], progress: bool,
+                  prompts: Optional[torch.Tensor] = None) -> tuple[dict, str, float, float]:
     """This machine's calibration at `width` (plans it lacks measured here, once; steps: each requested image's
     steps per plan: a plan is timed over the steps and at the attention width of the request's first chunk),
     where it is kept, and the seconds spent timing and preparing runners for it (0, 0 when it was cached).
@@ -252,7 +260,7 @@ def machine_costs(pipe, plans: list[Plan], sampling: SamplingConfig, key: str, w
         per_chunk = {name: records.expected_max(images) for name, images in first.items()}
         attended = {name: records.attended_fraction(images) for name, images in first.items()}
         entry = calibration.measure_width(pipe, lacking, sampling, width, per_chunk, entry, progress, attended,
-                                          **(probe_rounds() if probe else {}))
+                                          prompts=prompts, **(probe_rounds() if probe else {}))
         if probe:
             entry["provisional"] = True
         else:

@@ -23,6 +23,10 @@ def write_results(stem: str | Path, record: dict, markdown: Callable[[dict], str
     record = {**record, "provenance": provenance()}
     atomic_io.write_text(out.with_suffix(".json"), json.dumps(record, indent=2))
     table = markdown(record)
+    prov = record["provenance"]
+    if prov["command"] not in table:  # the table does not name its provenance itself
+        table = table.rstrip("\n") + (f"\n\nMachine: {prov['machine']}; commit {prov['commit']}; "
+                                      f"command `{prov['command']}`.\n")
     atomic_io.write_text(out.with_suffix(".md"), table)
     if plot is not None:
         plot(record, out.with_suffix(".png"))

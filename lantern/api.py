@@ -84,7 +84,9 @@ class Pipeline:
             raise ValueError(f"a drafter for {drafts_for} targets was given for a {self.config.family} target (a "
                              f"drafter for another target); run a Jacobi method (sjd, mc-sjd) or AR without one")
         self._runners: dict = {}
-        self.prepare_seconds: dict = {}  # StaticSpec -> seconds its runner took to prepare and warm up (compile)
+        # StaticSpec -> seconds its runner took to prepare and warm up (compile): a fused step's compile, paid at
+        # an engine's first steps (lantern.engine.fused), is added once a generation has paid it
+        self.prepare_seconds: dict = {}
         self._rules: dict = {}  # (rule parameters, device) -> Acceptance, its neighbourhood built once
         self.text_encoder = None  # t2i: a lantern.text.T5Conditioner, so generate() takes prompts
         self.lock = threading.RLock()  # held by generate for the whole call (and by release)
@@ -157,8 +159,10 @@ class Pipeline:
         return self._runners[spec]
 
     def prepared(self, dcfg: DecodeConfig, batch: int) -> bool:
-        """Whether the runner for this static shape is already prepared (its compile or export paid)."""
-        return self.spec(dcfg, batch) in self._runners
+        """Whether the runner for this static shape is already prepared (its compile or export paid; a fused
+        step's compile included)."""
+        runner = self._runners.get(self.spec(dcfg, batch))
+        return runner is not None and (not getattr(runner, "fused", False) or runner.fused_warm)
 
     def _rule(self, dcfg: DecodeConfig, runner: Runner) -> Acceptance:
         """The acceptance rule of `dcfg` on the runner's device, built once and reused by every generation."""
@@ -247,6 +251,7 @@ class Pipeline:
         runner = engine.runner
         runner.reset_times()
         runner.reset_peak_memory()
+        compiled_before = getattr(runner, "fused_warmup_seconds", 0.0)
         for i in range(n):
             condition = int(cond[i]) if self.config.model_type == "c2i" else cond[i]
             engine.submit(Request(condition, seeds[i], request_id=str(i), tokens=tokens))
@@ -255,6 +260,9 @@ class Pipeline:
             results = {int(r.request_id): r for r in engine.run(bar.update)}
         stats = GenerationStats(batch=engine.width, wall_seconds=time.perf_counter() - t0,
                                 draft_forwards=engine.steps_run * engine.proposer.drafter_calls)
+        compiled = getattr(runner, "fused_warmup_seconds", 0.0) - compiled_before
+        if compiled:  # the fused step compiled at this engine's first steps: part of preparing the runner
+            self.prepare_seconds[runner.spec] = self.prepare_seconds.get(runner.spec, 0.0) + compiled
         for i in range(n):
             stats.images += results[i].stats.images
         stats.phase_seconds = {k: v["total_s"] for k, v in runner.profile()["phases"].items()}

@@ -143,8 +143,9 @@ def decode_plan(args, bundle, pipe, n_images: int, classes: Optional[list[int]] 
     from lantern.plan.backend_choice import choose_backend, pinned_backend
     from lantern.profile.cli import profile_costs
     if pinned_backend(args.backend) is None and not getattr(args, "profile", None):  # auto weighs every mode too
-        choice = choose_backend(lambda name, dtype: pipe if (name, dtype) == (pipe.backend.name, pipe.dtype) else
-                                type(pipe).from_bundle(bundle, backend=name, dtype=dtype), n_images,
+        choice = choose_backend(lambda name, dtype, **options: pipe
+                                if (name, dtype, options) == (pipe.backend.name, pipe.dtype, {}) else
+                                type(pipe).from_bundle(bundle, backend=name, dtype=dtype, **options), n_images,
                                 sampling_from_args(args, bundle), batch=args.batch, allow_relaxed=args.allow_relaxed,
                                 validated=bundle.relaxation_defaults, shipped_records=bundle.acceptance_records,
                                 classes=classes, min_speedup=args.min_speedup, dtype=args.dtype)

@@ -394,9 +394,14 @@ def test_cli_reports_the_plan_and_says_it_calibrates(tmp_path, monkeypatch):
     rows = {c["plan"]: c for c in plan["candidates"]}
     assert {"ar", "mc-sjd/L16", "eagle2", "exact/chain-5"} <= set(rows) and rows["mc-sjd/L4"]["step_ms"] > 0
     assert second["plan"]["plan"] == "mc-sjd/L16" and second["plan"]["calibration_seconds"] == 0.0
-    # no backend pinned: auto weighed the modes; compiled was never prepared here, and its prior compile cost is
-    # more than this sub-second request, so it stays eager and says why, against the fastest AR it knows
+    # no backend pinned: auto weighed the modes; compiled and fused were never prepared here, and their prior
+    # compile costs are more than this sub-second request, so it stays eager and says why, against the fastest AR
+    # it knows
     assert plan["backend"] == "cpu" and plan["mode"] == "eager" and plan["fastest_ar"]["backend"] == "cpu"
-    modes = {row["backend"]: row for row in plan["backends"]}
-    assert modes["cpu"]["status"] == "weighed" and modes["cpu-graph"]["status"].startswith("not calibrated")
+    assert plan["fused_step"] is False
+    modes = {(row["backend"], row["mode"]): row for row in plan["backends"]}
+    assert modes["cpu", "eager"]["status"] == "weighed"
+    assert modes["cpu-graph", "compiled"]["status"].startswith("not calibrated")
+    fused = modes["cpu-graph", "fused"]
+    assert fused["fused_step"] and fused["status"].startswith("not calibrated")
     assert "fastest AR, cpu (eager)" in plan["why"]

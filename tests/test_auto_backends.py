@@ -3,14 +3,19 @@ compile costs counted; and the first-run probe that bounds a cold machine's deci
 import json
 
 import pytest
+import torch._dynamo
 
+from conftest import make_models
 from lantern.backends.torch_eager import CPUBackend
+from lantern.config import GPTConfig
 
 from lantern.api import ModelDefaults, Pipeline
 from lantern.atomic_io import write_json
 from lantern.decoding.sampling import SamplingConfig
 from lantern.plan import backend_choice, calibration, choose as choose_mod
-from lantern.plan.backend_choice import PRIOR_PREPARE_S, candidate_backends, choose_backend, ledger_path, pinned_backend
+from lantern.decoding import method_preset
+from lantern.plan.backend_choice import (FUSED, PRIOR_PREPARE_S, backend_of, candidate_backends, choose_backend,
+                                         ledger_path, pinned_backend, prepare_cost, record_prepared)
 from lantern.plan.candidates import AR, RELAXED_METHODS, candidate_plans
 from lantern.plan.choose import choose
 
@@ -37,30 +42,39 @@ def cache(module_cache, monkeypatch):
 
 
 class TwinBackend(CPUBackend):
-    """The eager CPU backend under another name: a second mode whose calibration this test can afford."""
+    """The eager CPU backend under another name: a second mode whose calibration this test can afford. It takes
+    fused_step as graph backends do (a LABELLED FAKE of a fused mode: its runners stay eager ones; these tests
+    pin the planner's costs, not graphs)."""
 
     name = "cpu-twin"
+
+    def __init__(self, threads: int | None = None, fused_step: bool = False):
+        super().__init__(threads)
+        self.fused_step = fused_step
 
 
 def make_pipe_factory(models):
     target, drafter, proximity = models
     made = {}
 
-    def make(name, dtype):
-        if (name, dtype) not in made:
+    def make(name, dtype, **options):
+        key = (name, dtype, tuple(sorted(options.items())))
+        if key not in made:
             pipe = Pipeline(target, drafter, proximity, backend="cpu" if name == TwinBackend.name else name,
-                            dtype=dtype, defaults=ModelDefaults(sampling=SAMPLING))
+                            dtype=dtype, defaults=ModelDefaults(sampling=SAMPLING),
+                            **({} if name == TwinBackend.name else options))
             if name == TwinBackend.name:
-                pipe.backend = TwinBackend()
-            made[name, dtype] = pipe
-        return made[name, dtype]
+                pipe.backend = TwinBackend(**options)
+            made[key] = pipe
+        return made[key]
     return make
 
 
-def seed(pipe, width: int, step_ms: dict, fixed_s: float = 0.0, prepare_s: dict | None = None) -> None:
-    """A synthetic calibration (made by the test) for this pipeline's backend: the plans named in step_ms only;
-    prepare_s: the ledger's last preparation seconds per plan."""
-    key = calibration.calibration_key(pipe.backend.name, pipe.dtype, pipe.model_key)
+def seed(pipe, width: int, step_ms: dict, fixed_s: float = 0.0, prepare_s: dict | None = None,
+         candidate: str | None = None) -> None:
+    """A synthetic calibration (made by the test) for this pipeline's backend (or the candidate mode named): the
+    plans named in step_ms only; prepare_s: the ledger's last preparation seconds per plan."""
+    key = calibration.calibration_key(candidate or pipe.backend.name, pipe.dtype, pipe.model_key)
     plans = {name: {"step_s": ms / 1e3} for name, ms in step_ms.items()}
     calibration.save_calibration({"key": key, "widths": {str(width): {"fixed_s": fixed_s, "plans": plans}}})
     if prepare_s is not None:
@@ -151,8 +165,10 @@ def test_pinned_backend_wins_over_auto(monkeypatch):
 def test_candidate_modes_start_with_the_default_and_say_why_others_are_out(monkeypatch):
     monkeypatch.delenv("LANTERN_BACKEND", raising=False)
     names, left_out, dtype = candidate_backends(None)
-    assert names[0] == "cpu" and dtype == "fp32" and "cpu-graph" in names
-    assert set(names) | {r["backend"] for r in left_out} == {"cpu", "cpu-graph", "onnx"}
+    assert names[0] == "cpu" and dtype == "fp32" and "cpu-graph" in names and "cpu-graph" + FUSED in names
+    assert backend_of("cpu-graph" + FUSED) == ("cpu-graph", {"fused_step": True})
+    assert backend_of("cpu-graph") == ("cpu-graph", {})
+    assert {backend_of(n)[0] for n in names} | {r["backend"] for r in left_out} == {"cpu", "cpu-graph", "onnx"}
     assert all(r["status"].startswith("unavailable") for r in left_out)
     bf16, out16, _ = candidate_backends("bf16")
     assert "onnx" not in bf16 and "cpu-graph" in bf16
@@ -253,3 +269,84 @@ def test_another_mode_is_calibrated_when_the_request_pays_or_when_asked(cache, t
     write_json(ledger_path(key), {"key": key, "widths": {"1": {name: 0.01 for name in entry["plans"]}}})
     paid = choose_backend(make, 1, SAMPLING, batch=1, progress=False)
     assert {r["backend"]: r for r in paid.backends}["cpu-twin"]["status"] == "weighed"
+
+
+# --- the fused step as a mode: cpu-graph with the engine's whole step as one graph ------------------------------
+@pytest.fixture
+def three_modes(monkeypatch):
+    """This machine runs eager, compiled and fused (the eager backend under another name, with and without
+    fused_step: choosing either compiles nothing; ONNX left out)."""
+    out = [{"backend": "onnx", "mode": "onnx", "status": "unavailable: left out by the test"}]
+    monkeypatch.setitem(backend_choice.MODES, TwinBackend.name, "compiled")
+    monkeypatch.setitem(backend_choice.MODES, TwinBackend.name + FUSED, "fused")
+    monkeypatch.setattr(backend_choice, "candidate_backends",
+                        lambda dtype=None: (["cpu", TwinBackend.name, TwinBackend.name + FUSED], out, dtype or "fp32"))
+
+
+def test_the_fused_mode_wins_when_its_costs_do_and_its_compile_counts_until_cached(cache, tiny, three_modes):
+    make = make_pipe_factory(tiny)
+    eager, compiled = make("cpu", "fp32"), make(TwinBackend.name, "fp32")
+    fused = make(TwinBackend.name, "fp32", fused_step=True)
+    seed(eager, 1, {**everything(1000.0), "ar": 1.0, "mc-sjd/L4": 0.5}, prepare_s=FREE)
+    seed(compiled, 1, {"ar": 0.5, "mc-sjd/L4": 0.4}, prepare_s=FREE)
+    # the fused step makes Jacobi's step a quarter of the compiled one's; its compile never measured here
+    fast_steps = {"ar": 0.45, "mc-sjd/L4": 0.1}
+    seed(fused, 1, fast_steps, candidate=TwinBackend.name + FUSED)
+    cold = choose_backend(make, 1, SAMPLING, batch=1, progress=False)
+    rows = {(r["backend"], r["mode"]): r for r in cold.backends}
+    row = rows[TwinBackend.name, "fused"]
+    # the prior compile (60 s a runner) is counted against a sub-second request: the fused mode loses
+    assert row["status"] == "weighed" and row["fused_step"] and not rows[TwinBackend.name, "compiled"]["fused_step"]
+    assert row["best_prepare_seconds"] == row["ar_prepare_seconds"] == PRIOR_PREPARE_S["fused"]
+    assert cold.mode != "fused" and not cold.to_dict()["fused_step"]
+    assert not fused.prepare_seconds  # weighed from its cached calibration: nothing prepared or compiled
+    # its last preparation here was slow (a cold compile): still counted, still loses
+    seed(fused, 1, fast_steps, candidate=TwinBackend.name + FUSED, prepare_s={"ar": 100.0, "mc-sjd/L4": 100.0})
+    slow = choose_backend(make, 1, SAMPLING, batch=1, progress=False)
+    assert slow.mode != "fused"
+    slow_rows = {(r["backend"], r["mode"]): r for r in slow.backends}
+    assert slow_rows[TwinBackend.name, "fused"]["ar_prepare_seconds"] == 100.0
+    # the compile cached (its last preparation took next to nothing): the fused mode wins, and the plan says so
+    seed(fused, 1, fast_steps, candidate=TwinBackend.name + FUSED, prepare_s={"ar": 1e-4, "mc-sjd/L4": 1e-4})
+    warm = choose_backend(make, 1, SAMPLING, batch=1, progress=False)
+    assert warm.pipeline is fused and warm.pipeline.backend.fused_step
+    assert warm.backend == TwinBackend.name and warm.mode == "fused" and warm.fused_step
+    assert warm.choice.plan.name == "mc-sjd/L4" and warm.prepare_source == "its last preparation here"
+    out = json.loads(json.dumps(warm.to_dict()))  # the --json plan: plain data naming backend, mode and why
+    assert (out["backend"], out["mode"], out["fused_step"]) == (TwinBackend.name, "fused", True)
+    assert out["why"].startswith(f"mc-sjd/L4 on {TwinBackend.name} (fused)")
+    assert out["fastest_ar"]["mode"] in ("eager", "compiled", "fused")
+    # the chosen runner was prepared here, under the fused mode's own ledger
+    key = calibration.calibration_key(TwinBackend.name + FUSED, "fp32", eager.model_key)
+    assert set(backend_choice.load_ledger(key)["widths"]["1"]) == {"ar", "mc-sjd/L4"} and fused.prepare_seconds
+
+
+def test_a_fused_runner_is_prepared_only_once_its_step_has_compiled(cache):
+    """A real cpu-graph fused runner (dynamo's eager compiler: tracing, no inductor): the step compiles at an
+    engine's first steps, so the runner alone is not prepared; compile_fused_step runs those steps, and the
+    pipeline's preparation seconds, hence the ledger, include the step's compile."""
+    cfg = GPTConfig(dim=64, n_layer=1, n_head=4, vocab_size=64, num_classes=4, block_size=16, multiple_of=32)
+    target, drafter, proximity = make_models(cfg)
+    pipe = Pipeline(target, drafter, proximity, backend="cpu-graph", compiler="eager", fused_step=True)
+    ar = method_preset("ar", SamplingConfig(greedy=True))
+    torch._dynamo.reset()
+    try:
+        runner = pipe.runner(ar, 1)
+        spec = pipe.spec(ar, 1)
+        prefill_only = pipe.prepare_seconds[spec]
+        assert runner.fused and not runner.fused_warm and not pipe.prepared(ar, 1)
+        assert calibration.costs_name(pipe) == "cpu-graph" + FUSED  # its costs are not per-module graphs'
+        key = calibration.calibration_key(calibration.costs_name(pipe), "fp32", pipe.model_key)
+        empty = {"key": key, "widths": {}}
+        assert prepare_cost(pipe, empty, AR, SamplingConfig(greedy=True), 1, "fused") == (
+            PRIOR_PREPARE_S["fused"], "prior: never prepared here")
+        calibration.compile_fused_step(pipe, ar, 1)
+        assert runner.fused_warm and pipe.prepared(ar, 1) and pipe.runner(ar, 1) is runner
+        assert pipe.prepare_seconds[spec] == pytest.approx(prefill_only + runner.fused_warmup_seconds)
+        assert runner.fused_warmup_seconds > 0
+        ledger = record_prepared(pipe, key, 1, [AR], SamplingConfig(greedy=True))
+        assert ledger["widths"]["1"]["ar"] == pytest.approx(pipe.prepare_seconds[spec])
+        assert prepare_cost(pipe, ledger, AR, SamplingConfig(greedy=True), 1, "fused") == (
+            0.0, "prepared in this process")
+    finally:
+        torch._dynamo.reset()

@@ -76,9 +76,9 @@ def setting(bundle, backend: str, dtype: str, n: int, seeds: list[int], repeats:
     # setting's backend is the machine's default one
     anywhere = None
     if backend == resolve_name("auto"):
-        def make(name, d):
-            return pipe if (name, d) == (backend, dtype) else Pipeline(bundle.target, bundle.drafter, bundle.proximity,
-                                                                       backend=name, dtype=d)
+        def make(name, d, **options):
+            return pipe if (name, d, options) == (backend, dtype, {}) else Pipeline(
+                bundle.target, bundle.drafter, bundle.proximity, backend=name, dtype=d, **options)
         anywhere = choose_backend(make, n, sampling, validated=bundle.relaxation_defaults,
                                   shipped_records=bundle.acceptance_records, progress=False, classes=classes,
                                   dtype=dtype)

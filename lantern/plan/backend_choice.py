@@ -1,5 +1,6 @@
 """`--method auto` over backends and modes. When the user pins no backend (no --backend, no $LANTERN_BACKEND),
-auto weighs every mode this machine runs -- eager, compiled (`cpu-graph`), ONNX Runtime -- with the same measured
+auto weighs every mode this machine runs -- eager, compiled (`cpu-graph`: one graph per static step), fused
+(`cpu-graph` with `fused_step=True`: the engine's whole step as one graph), ONNX Runtime -- with the same measured
 cost model, and counts a mode's one-time cost against the request:
 
     T(backend, plan) = prepare(backend, plan) + the plan's predicted generation seconds there (choose.py)
@@ -7,15 +8,24 @@ cost model, and counts a mode's one-time cost against the request:
 prepare is 0 when this process already holds the prepared runner; else the seconds its last preparation on this
 machine took (compile or export included; a warm compile or ONNX cache makes a later one cheaper, and the
 ledger keeps the latest: the chosen runner is prepared here and its seconds recorded); else PRIOR_PREPARE_S of
-its mode until measured. The baseline is the fastest AR over
-the modes, its own prepare counted: a speculative plan must be predicted min_speedup times faster than that.
+its mode until measured. A fused runner's preparation includes its step's compile, which lands at an engine's
+first steps: calibration and the chosen runner's preparation run those steps (calibration.compile_fused_step).
+The baseline is the fastest AR over the modes, its own prepare counted: a speculative plan must be predicted
+min_speedup times faster than that.
 
 Deciding must not cost more than the generation it decides for. The default backend (eager) is calibrated as
 choose.py does it (a bounded first-run probe on a cold machine). Another mode is calibrated -- AR and the
 CROSS_PLANS plans the default backend ranks best, one round -- only when preparing its runners (by the ledger,
 else the prior) is expected to cost no more than the request's predicted seconds; otherwise it is reported as
 not calibrated, and `calibrate_all` (`lantern profile calibrate`) calibrates it ahead of time, then prepares
-its runners once more to record what a later process pays with the compile and export caches warm.
+its runners once more to record what a later process pays with the compile and export caches warm. So the fused
+mode, whose compiles take minutes cold, is measured within a request only once the ledger says its compile is
+cheap (inductor's FX graph and AOTAutograd caches warm) or the request is long enough to pay for it; its step
+costs are never guessed from another mode's.
+
+A candidate is a backend name, or a graph backend's name + FUSED (the same backend with fused_step=True): its
+calibration and ledger are its own (calibration.costs_name), make_pipe(backend, dtype, **options) builds its
+pipeline.
 """
 from __future__ import annotations
 
@@ -27,23 +37,39 @@ from typing import Callable, Optional, Sequence
 from lantern.backends.registry import ENV_VAR, backend_class, get_backend, registered, resolve_name
 from lantern.decoding.sampling import SamplingConfig
 from lantern.plan import calibration, records
+from lantern.plan.calibration import FUSED  # a candidate name's suffix: the backend with fused_step=True
 from lantern.plan.candidates import AR, Plan, candidate_plans
 from lantern.plan.choose import MIN_SPEEDUP, Choice, allowed_relaxation, choose, probe_rounds, steps_by_plan
 from lantern.user_cache import cache_root, entry_folder, entry_lock, field_problem, is_number, read_entry, write_entry
 
-# The modes auto weighs, per device family (the default backend first).
-FAMILIES: dict[str, tuple[str, ...]] = {"cpu": ("cpu", "cpu-graph", "onnx"),
+# The modes auto weighs, per device family (the default backend first). CUDA's fused step (one CUDA graph per
+# engine) is tested against fakes only, so auto leaves it to those who ask for it (--backend cuda-graph --fused-step).
+FAMILIES: dict[str, tuple[str, ...]] = {"cpu": ("cpu", "cpu-graph", "cpu-graph" + FUSED, "onnx"),
                                         "cuda": ("cuda", "cuda-graph", "onnx-cuda")}
 MODES: dict[str, str] = {"cpu": "eager", "cuda": "eager", "cpu-graph": "compiled", "cuda-graph": "compiled",
-                         "onnx": "onnx", "onnx-cuda": "onnx", "hpu": "graphs"}
+                         "cpu-graph" + FUSED: "fused", "onnx": "onnx", "onnx-cuda": "onnx", "hpu": "graphs"}
 # Seconds to prepare one runner in a mode never prepared on this machine: a prior used only until the first
-# preparation is measured (inductor compiles of the embedded model's steps take tens of seconds on a CPU).
-PRIOR_PREPARE_S: dict[str, float] = {"eager": 1.0, "compiled": 30.0, "onnx": 20.0, "graphs": 30.0}
+# preparation is measured (inductor compiles of the embedded model's steps take tens of seconds on a CPU; its
+# fused steps 40-130 s cold, as tools/bench_fused_step.py reports them).
+PRIOR_PREPARE_S: dict[str, float] = {"eager": 1.0, "compiled": 30.0, "fused": 60.0, "onnx": 20.0, "graphs": 30.0}
 CROSS_PLANS = 2  # plans besides AR calibrated on another mode: the default backend's best
 
 
-def mode_of(backend: str) -> str:
-    return MODES.get(backend, backend)
+def mode_of(candidate: str) -> str:
+    return MODES.get(candidate, candidate)
+
+
+def backend_of(candidate: str) -> tuple[str, dict]:
+    """(backend name, backend constructor options) of a candidate mode."""
+    if candidate.endswith(FUSED):
+        return candidate[:-len(FUSED)], {"fused_step": True}
+    return candidate, {}
+
+
+def mode_row(candidate: str, **fields) -> dict:
+    """A `backends` row of the plan: the backend, the mode, whether the step is fused, then `fields`."""
+    backend, options = backend_of(candidate)
+    return {"backend": backend, "mode": mode_of(candidate), "fused_step": bool(options.get("fused_step")), **fields}
 
 
 def pinned_backend(name: Optional[str]) -> Optional[str]:
@@ -60,13 +86,14 @@ def candidate_backends(dtype: Optional[str] = None) -> tuple[list[str], list[dic
         dtype = get_backend(default).capabilities().dtypes[0]
     names, left_out = [], []
     for name in FAMILIES.get(default, (default,)):
-        if name not in registered():
+        backend = backend_of(name)[0]
+        if backend not in registered():
             continue
-        avail = backend_class(name).availability()
+        avail = backend_class(backend).availability()
         if not avail.ok:
-            left_out.append({"backend": name, "mode": mode_of(name), "status": f"unavailable: {avail.reason}"})
-        elif dtype not in get_backend(name).capabilities().dtypes:
-            left_out.append({"backend": name, "mode": mode_of(name), "status": f"unavailable: no {dtype}"})
+            left_out.append(mode_row(name, status=f"unavailable: {avail.reason}"))
+        elif dtype not in get_backend(backend).capabilities().dtypes:
+            left_out.append(mode_row(name, status=f"unavailable: no {dtype}"))
         else:
             names.append(name)
     return names, left_out, dtype
@@ -111,21 +138,22 @@ def record_prepared(pipe, key: dict, width: int, plans: Sequence[Plan], sampling
     return ledger
 
 
-def prepare_cost(pipe, ledger: dict, plan: Plan, sampling: SamplingConfig, width: int) -> tuple[float, str]:
-    """(seconds, source) of the one-time cost `plan` adds to a request on this pipeline's backend."""
+def prepare_cost(pipe, ledger: dict, plan: Plan, sampling: SamplingConfig, width: int,
+                 mode: str) -> tuple[float, str]:
+    """(seconds, source) of the one-time cost `plan` adds to a request on this pipeline (of `mode`)."""
     if pipe.prepared(plan.decode(sampling), width):
         return 0.0, "prepared in this process"
     last = ledger["widths"].get(str(width), {}).get(plan.name)
     if last is not None:
         return float(last), "its last preparation here"
-    return PRIOR_PREPARE_S.get(mode_of(pipe.backend.name), PRIOR_PREPARE_S["compiled"]), "prior: never prepared here"
+    return PRIOR_PREPARE_S.get(mode, PRIOR_PREPARE_S["compiled"]), "prior: never prepared here"
 
 
 @dataclass
 class BackendChoice:
     pipeline: object  # the Pipeline on the chosen backend (the runner calibration prepared is kept)
     choice: Choice  # the plan on that backend
-    mode: str
+    mode: str  # eager, compiled, fused (compiled, the whole step as one graph), onnx, graphs
     prepare_s: float  # one-time cost counted against the request
     prepare_source: str
     baseline: dict  # the fastest AR: backend, mode, predicted_seconds (prepare included)
@@ -135,6 +163,10 @@ class BackendChoice:
     @property
     def backend(self) -> str:
         return self.pipeline.backend.name
+
+    @property
+    def fused_step(self) -> bool:
+        return self.mode == "fused"
 
     @property
     def predicted_s(self) -> float:
@@ -153,11 +185,12 @@ class BackendChoice:
                f"{b['predicted_seconds']:.2f} s")
         unweighed = [r for r in self.backends if r.get("status") != "weighed"]
         if unweighed:
-            out += "; not weighed: " + "; ".join(f"{r['backend']} ({r['status']})" for r in unweighed)
+            out += "; not weighed: " + "; ".join(f"{r['backend']} ({r['mode']}: {r['status']})" for r in unweighed)
         return out
 
     def to_dict(self) -> dict:
-        return {**self.choice.to_dict(), "backend": self.backend, "mode": self.mode, "why": self.why,
+        return {**self.choice.to_dict(), "backend": self.backend, "mode": self.mode, "fused_step": self.fused_step,
+                "why": self.why,
                 "predicted_total_seconds": self.predicted_s, "prepare_seconds": self.prepare_s,
                 "prepare_source": self.prepare_source, "fastest_ar": self.baseline,
                 "speedup_over_fastest_ar": self.speedup_over_fastest_ar, "backends": self.backends,
@@ -173,10 +206,10 @@ def _weighable(choice: Choice) -> list[dict]:
             and (not choice.disturbed or r["plan"] == AR.name)]
 
 
-def _other_mode(pipe, key: dict, ledger: dict, cross: list[Plan], sampling: SamplingConfig, width: int,
+def _other_mode(pipe, mode: str, key: dict, ledger: dict, cross: list[Plan], sampling: SamplingConfig, width: int,
                 request_s: float, calibrate_all: bool, progress: bool,
                 steps_of: Callable[[list[Plan]], dict]) -> tuple[Optional[dict], str, float]:
-    """Another mode's calibration at `width` for the plans `cross`: (entry or None, why not, seconds spent).
+    """Another mode's (`mode`) calibration at `width` for the plans `cross`: (entry or None, why not, seconds spent).
     What it lacks is measured (one round, as the first-run probe, under the calibration's lock; not stored and
     not weighed when disturbed) when preparing its runners is expected to cost no more than the request
     (`request_s`), or when `calibrate_all`."""
@@ -184,7 +217,7 @@ def _other_mode(pipe, key: dict, ledger: dict, cross: list[Plan], sampling: Samp
     lacking = [p for p in cross if not entry or p.name not in entry["plans"]]
     if not lacking:
         return entry, "", 0.0
-    cost = sum(prepare_cost(pipe, ledger, p, sampling, width)[0] for p in lacking)
+    cost = sum(prepare_cost(pipe, ledger, p, sampling, width, mode)[0] for p in lacking)
     if not calibrate_all and cost > request_s:
         if entry and AR.name in entry["plans"]:
             return entry, "", 0.0  # weighed on what it has
@@ -214,24 +247,25 @@ def _other_mode(pipe, key: dict, ledger: dict, cross: list[Plan], sampling: Samp
         pipe.release()
         for plan in lacking:
             if not entry["plans"][plan.name].get("lower_bound"):
-                pipe.runner(plan.decode(sampling), width)
+                calibration.compile_fused_step(pipe, plan.decode(sampling), width)  # the runner (+ fused step)
     record_prepared(pipe, key, width, lacking, sampling)
     return entry, "", spent
 
 
-def choose_backend(make_pipe: Callable[[str, str], object], n_images: int, sampling: SamplingConfig,
+def choose_backend(make_pipe: Callable[..., object], n_images: int, sampling: SamplingConfig,
                    batch: Optional[int] = None, allow_relaxed: bool = False, validated: Optional[dict] = None,
                    shipped_records: Optional[dict] = None, progress: bool = True,
                    classes: Optional[Sequence[int]] = None, min_speedup: Optional[float] = None,
                    dtype: Optional[str] = None, calibrate_all: bool = False) -> BackendChoice:
-    """The backend, mode and plan for the request. make_pipe(backend name, dtype) -> a Pipeline of the same
-    models on that backend in that dtype (`dtype` None: the default backend's preferred); calibrate_all:
+    """The backend, mode and plan for the request. make_pipe(backend name, dtype, **backend options) -> a
+    Pipeline of the same models on that backend in that dtype (`dtype` None: the default backend's preferred;
+    options: {"fused_step": True} for the fused mode, none otherwise); calibrate_all:
     calibrate every mode whatever the request (ahead of time) instead of only those the request can pay for."""
     min_speedup = MIN_SPEEDUP if min_speedup is None else min_speedup
     names, left_out, dtype = candidate_backends(dtype)
     if not names:
         raise ValueError(f"no backend of this machine runs {dtype}: " + "; ".join(r["status"] for r in left_out))
-    pipes = {names[0]: make_pipe(names[0], dtype)}
+    pipes = {names[0]: make_pipe(names[0], dtype)}  # the default backend: eager
     base_pipe = pipes[names[0]]
     common = dict(allow_relaxed=allow_relaxed, validated=validated, shipped_records=shipped_records,
                   classes=classes, min_speedup=min_speedup)
@@ -248,18 +282,24 @@ def choose_backend(make_pipe: Callable[[str, str], object], n_images: int, sampl
     ranked = sorted((r for r in _weighable(base) if r["plan"] != AR.name), key=lambda r: r["predicted_seconds"])
     cross = [AR, *(by_name[r["plan"]] for r in ranked[:CROSS_PLANS])]
     rows, spent = list(left_out), base.calibrated_s
+    from lantern.backends.torch_graph import fusable
     for name in names[1:]:
-        pipe = make_pipe(name, dtype)
+        backend, backend_options = backend_of(name)
+        not_fusable = backend_options.get("fused_step") and fusable(None, base_pipe.config)
+        if not_fusable:  # its runners would keep per-module graphs: the compiled mode, weighed already
+            rows.append(mode_row(name, status=f"unavailable: {not_fusable}"))
+            continue
+        pipe = make_pipe(backend, dtype, **backend_options)
         pipe.__dict__["model_key"] = key  # the same models: hashed once
-        key_c = calibration.calibration_key(name, pipe.dtype, key)
+        key_c = calibration.calibration_key(name, pipe.dtype, key)  # the fused mode's calibration is its own
         ledgers[name] = load_ledger(key_c)
-        entry, status, seconds = _other_mode(pipe, key_c, ledgers[name], cross, sampling, width, request_s,
-                                             calibrate_all, progress,
+        entry, status, seconds = _other_mode(pipe, mode_of(name), key_c, ledgers[name], cross, sampling, width,
+                                             request_s, calibrate_all, progress,
                                              lambda plans, p=pipe: steps_by_plan(p, plans, sampling, key,
                                                                                  shipped_records, False, wanted)[0])
         spent += seconds
         if entry is None:
-            rows.append({"backend": name, "mode": mode_of(name), "status": status})
+            rows.append(mode_row(name, status=status))
             continue
         ledgers[name] = load_ledger(key_c)
         profile = calibration.ProfileCosts(f"{name} calibration on this machine",
@@ -269,16 +309,17 @@ def choose_backend(make_pipe: Callable[[str, str], object], n_images: int, sampl
         choices[name].cost_source = f"{kind}calibration cached in {calibration.calibration_path(key_c)}"
         pipes[name] = pipe
 
-    options = []  # (total seconds, backend, candidate row, prepare seconds, its source)
+    options = []  # (total seconds, candidate mode, plan's row, prepare seconds, its source)
     for name, ch in choices.items():
         for r in _weighable(ch):
-            prep, source = prepare_cost(pipes[name], ledgers[name], by_name[r["plan"]], sampling, width)
+            prep, source = prepare_cost(pipes[name], ledgers[name], by_name[r["plan"]], sampling, width,
+                                        mode_of(name))
             options.append((prep + r["predicted_seconds"], name, r, prep, source))
         ar = next(o for o in options if o[1] == name and o[2]["plan"] == AR.name)
         best = min((o for o in options if o[1] == name), key=lambda o: o[0])
-        rows.append({"backend": name, "mode": mode_of(name), "status": "weighed", "cost_source": ch.cost_source,
-                     "ar_seconds": ar[0], "ar_prepare_seconds": ar[3], "best_plan": best[2]["plan"],
-                     "best_seconds": best[0], "best_prepare_seconds": best[3]})
+        rows.append(mode_row(name, status="weighed", cost_source=ch.cost_source, ar_seconds=ar[0],
+                             ar_prepare_seconds=ar[3], best_plan=best[2]["plan"], best_seconds=best[0],
+                             best_prepare_seconds=best[3]))
     fastest_ar = min((o for o in options if o[2]["plan"] == AR.name), key=lambda o: o[0])
     best = min(options, key=lambda o: o[0])
     if best[2]["plan"] != AR.name and fastest_ar[0] < min_speedup * best[0]:
@@ -291,9 +332,9 @@ def choose_backend(make_pipe: Callable[[str, str], object], n_images: int, sampl
         if other != name:
             pipe.release()
     pipes[name].release(keep=chosen.decode, batch=width)
-    pipes[name].runner(chosen.decode, width)  # prepared here, so the ledger learns what this preparation cost
+    # prepared here (a fused step compiled too), so the ledger learns what this preparation cost
+    calibration.compile_fused_step(pipes[name], chosen.decode, width)
     record_prepared(pipes[name], calibration.calibration_key(name, pipes[name].dtype, key), width, [plan], sampling)
     return BackendChoice(pipes[name], chosen, mode_of(name), prep, source,
-                         {"backend": fastest_ar[1], "mode": mode_of(fastest_ar[1]),
-                          "predicted_seconds": fastest_ar[0], "prepare_seconds": fastest_ar[3]},
-                         sorted(rows, key=lambda r: r["backend"] not in names), spent)
+                         mode_row(fastest_ar[1], predicted_seconds=fastest_ar[0], prepare_seconds=fastest_ar[3]),
+                         sorted(rows, key=lambda r: r["status"].startswith("unavailable")), spent)

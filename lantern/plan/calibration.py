@@ -73,6 +73,15 @@ def machine_id() -> dict:
             "platform": platform.platform()}
 
 
+FUSED = "+fused"  # the costs of a graph backend running the engine's whole step as one graph (fused_step=True)
+
+
+def costs_name(pipe) -> str:
+    """The name this pipeline's step costs are kept under: its backend's, + FUSED when the backend runs the
+    fused step (lantern.engine.fused), whose costs are not per-module graphs'."""
+    return pipe.backend.name + (FUSED if getattr(pipe.backend, "fused_step", False) else "")
+
+
 def calibration_key(backend: str, dtype: str, model: str) -> dict:
     return {"machine": machine_id(), "backend": backend, "dtype": dtype, "threads": torch.get_num_threads(),
             "model": model}
@@ -211,6 +220,21 @@ def _short_run(pipe, dcfg, width: int, tokens: int, attended: float = 0.5,
     return result.stats.wall_seconds, steps
 
 
+def compile_fused_step(pipe, dcfg, width: int, prompts: torch.Tensor | None = None) -> None:
+    """A fused runner's step (`fused_step=True`) compiled now, by short generations: it compiles at an engine's
+    first steps (lantern.engine.fused), not in the runner's warm-up, and a timed run must not pay it. Each run
+    generates enough tokens for more than WARM_CALLS steps (a step emits at most its depth plus one). Other
+    runners: prepared, nothing more."""
+    from lantern.engine.fused import WARM_CALLS
+    runner = pipe.runner(dcfg, width)
+    per_step = 1 if dcfg.strategy is None else dcfg.strategy.depth + 1
+    tokens = min(pipe.config.block_size, (WARM_CALLS + 1) * per_step + 1)
+    for _ in range(WARM_CALLS):  # one run is enough unless the image ends within its first steps
+        if not getattr(runner, "fused", False) or runner.fused_warm:
+            return
+        _short_run(pipe, dcfg, width, tokens, prompts=prompts)
+
+
 def tokens_for(steps: int, steps_per_chunk: float, block: int) -> int:
     """Tokens per image for about `steps` loop steps at the plan's whole-chunk rate (the start of an image
     accepts less, so it takes more)."""
@@ -245,10 +269,10 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
       at the first run that does not fit.
     rounds / max_rounds / budget replace ROUNDS / MAX_ROUNDS / budget_s() (the first-run probe of choose.py);
     prompts: the request's prompt rows, for a prompt-conditioned target (`conditions`).
-    Preparing runners (and exporting graphs, for ONNX) is counted apart (`prepare_s`): every later run
-    reuses what it made. The runners stay prepared, so the plan chosen runs on the very runner that was timed
-    (on a 2-core EPYC VM the same plan's step has differed by 10-20% between runners and processes); the
-    caller frees the others. Returns the width's entry."""
+    Preparing runners (and exporting graphs, for ONNX; compiling a fused step) is counted apart (`prepare_s`):
+    every later run reuses what it made. The runners stay prepared, so the plan chosen runs on the very runner
+    that was timed (on a 2-core EPYC VM the same plan's step has differed by 10-20% between runners and
+    processes); the caller frees the others. Returns the width's entry."""
     from tqdm import tqdm
     block = pipe.config.block_size
     entry = entry or {"plans": {}}
@@ -261,7 +285,7 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
     def prepare(dcfg) -> None:
         nonlocal prepare_s
         t = clock()
-        pipe.runner(dcfg, width)
+        compile_fused_step(pipe, dcfg, width, prompts)  # the runner, and its fused step if it has one
         prepare_s += clock() - t
 
     budget = budget_s() if budget is None else budget

@@ -237,7 +237,7 @@ def machine_costs(pipe, plans: list[Plan], sampling: SamplingConfig, key: str, w
     work, kept as a `provisional` entry. A provisional entry is refined (timed again in full, up to
     calibration.budget_s()) by the first request whose predicted AR time is at least that budget. Either is
     measured under the calibration's lock and not stored when disturbed (calibration.cached_or_measured)."""
-    key_c = calibration.calibration_key(pipe.backend.name, pipe.dtype, key)
+    key_c = calibration.calibration_key(calibration.costs_name(pipe), pipe.dtype, key)
     path = calibration.calibration_path(key_c)
     before: list[float] = []  # (seconds, prepare_s) of the entry before measuring; empty when nothing was
 

@@ -101,7 +101,8 @@ def cmd_calibrate(args) -> dict:
     from lantern.decoding.sampling import SamplingConfig
     from lantern.plan.backend_choice import choose_backend
     bundle = load_bundle(args.model)
-    choice = choose_backend(lambda name, dtype: Pipeline.from_bundle(bundle, backend=name, dtype=dtype), args.images,
+    choice = choose_backend(lambda name, dtype, **options: Pipeline.from_bundle(bundle, backend=name, dtype=dtype,
+                                                                                **options), args.images,
                             SamplingConfig(**bundle.default_sampling), batch=args.batch,
                             allow_relaxed=args.allow_relaxed, validated=bundle.relaxation_defaults,
                             shipped_records=bundle.acceptance_records, dtype=args.dtype, calibrate_all=True)

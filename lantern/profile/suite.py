@@ -164,7 +164,7 @@ class Suite:
         entry = calibration.measure_width(pipe, plans, self.sampling, width, per_chunk, progress=False,
                                           attended=records.attended_fractions(record, width))
         model = pipe.model_key
-        cached = calibration.refresh_cache(pipe.backend.name, pipe.dtype, model, width, entry)
+        cached = calibration.refresh_cache(calibration.costs_name(pipe), pipe.dtype, model, width, entry)
         return {**entry, "model": model, "cache": str(cached)}
 
     def _probe(self) -> dict:

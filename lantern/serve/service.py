@@ -83,10 +83,10 @@ class Service:
         self._choice = None  # auto's plan, made once at warm-up
         self.plan_why = ""  # what auto chose and why (its backend among them when none was pinned)
 
-    def _pipeline(self, backend, dtype) -> Pipeline:
+    def _pipeline(self, backend, dtype, **mode_options) -> Pipeline:
         """The bundle's pipeline on `backend`, its steps at the service's thread count where the backend takes
-        one (torch CPU modes, ONNX Runtime)."""
-        options = dict(self.config.backend_options)
+        one (torch CPU modes, ONNX Runtime); mode_options: auto's mode (fused_step)."""
+        options = {**self.config.backend_options, **mode_options}
         if "threads" in inspect.signature(backend_class(resolve_name(backend)).__init__).parameters:
             options["threads"] = self.threads
         return Pipeline.from_bundle(self.bundle, backend=backend, dtype=dtype, **options)
@@ -111,9 +111,9 @@ class Service:
             return self.pipe
         common = dict(batch=cfg.batch, allow_relaxed=cfg.allow_relaxed, progress=False)
         if pinned_backend(cfg.backend) is None:
-            choice = choose_backend(lambda name, dtype: self.pipe if (name, dtype) == (self.pipe.backend.name,
-                                                                                      self.pipe.dtype)
-                                    else self._pipeline(name, dtype), cfg.plan_images, self.sampling,
+            choice = choose_backend(lambda name, dtype, **options: self.pipe
+                                    if (name, dtype, options) == (self.pipe.backend.name, self.pipe.dtype, {})
+                                    else self._pipeline(name, dtype, **options), cfg.plan_images, self.sampling,
                                     validated=self.bundle.relaxation_defaults,
                                     shipped_records=self.bundle.acceptance_records, dtype=cfg.dtype, **common)
             self.pipe, self._choice = choice.pipeline, choice.choice

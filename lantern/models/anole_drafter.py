@@ -29,6 +29,7 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 class AnoleDrafter(nn.Module):
     family = "chameleon"  # the targets it drafts for
+    prefix_pairs = 0  # it reads image pairs only, from the first image token (no prefix draft step)
 
     def __init__(self, layer_config, vocab: int, bias: bool = True):
         super().__init__()

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lantern.kv_cache import StaticKVCache
-from lantern.models.family import FolderInfo, folder_identity
+from lantern.models.family import FolderInfo, folder_identity, rope_cos_sin
 from lantern.models.gpt import attention_bias
 from lantern.models.janus import STATIC_ROPE, rotate_half
 
@@ -140,10 +140,8 @@ class ChameleonTarget(nn.Module):
         return positions - hidden.sum(-1)
 
     def rope_at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, T) positions -> cos, sin (B, T, 1, hd) in `dtype`, computed in fp32 as transformers does."""
-        freqs = positions[..., None].float() * self.inv_freq  # (B, T, hd/2)
-        emb = torch.cat([freqs, freqs], dim=-1)[:, :, None]
-        return (emb.cos() * self.rope_scaling).to(dtype), (emb.sin() * self.rope_scaling).to(dtype)
+        """(B, T) positions -> cos, sin (B, T, 1, hd) in `dtype`."""
+        return rope_cos_sin(positions, self.inv_freq, self.rope_scaling, dtype)
 
     def forward_cached(self, h: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: StaticKVCache,
                        slots: torch.Tensor) -> torch.Tensor:

@@ -72,6 +72,15 @@ class TargetModel(Protocol):
     # and unconditional rows alike) a query may attend; the engine hides the others in every mask. Default: all.
 
 
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A transformers rotary embedding at (B, T) positions -> cos, sin (B, T, 1, hd) in `dtype`, computed in fp32
+    as transformers does (inv_freq: its (hd/2,) frequencies; scaling: its attention_scaling)."""
+    freqs = positions[..., None].float() * inv_freq  # (B, T, hd/2)
+    emb = torch.cat([freqs, freqs], dim=-1)[:, :, None]
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
 @dataclass(frozen=True)
 class FolderInfo:
     """What a model folder is, read from its config.json alone."""

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lantern.kv_cache import StaticKVCache
-from lantern.models.family import FolderInfo, folder_identity
+from lantern.models.family import FolderInfo, folder_identity, rope_cos_sin
 from lantern.models.gpt import attention_bias
 
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # rope types whose frequencies do not depend on length
@@ -86,10 +86,8 @@ class JanusTarget(nn.Module):
 
     # --- the language model over lantern's static cache ---------------------------------------
     def rope_at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, T) positions -> cos, sin (B, T, 1, hd) in `dtype`, computed in fp32 as transformers does."""
-        freqs = positions[..., None].float() * self.inv_freq  # (B, T, hd/2)
-        emb = torch.cat([freqs, freqs], dim=-1)[:, :, None]
-        return (emb.cos() * self.rope_scaling).to(dtype), (emb.sin() * self.rope_scaling).to(dtype)
+        """(B, T) positions -> cos, sin (B, T, 1, hd) in `dtype`."""
+        return rope_cos_sin(positions, self.inv_freq, self.rope_scaling, dtype)
 
     def forward_cached(self, h: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: StaticKVCache,
                        slots: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,10 @@ tokens. Shapes:
     tiny-janus, tiny-anole   2-layer models, to check the tool runs (--quick)
 A shape whose weights exceed --max-gib runs with the most layers that fit, and the record names how many (Anole's
 fp32 weights, ~26 GiB, do not fit a 24 GB machine: its fp32 curve is of the largest layer count that fits).
-Writes results/family-verify-cost-<backend>.{json,md} (or --out).
+Writes results/family-verify-cost-<backend>.{json,md} (or --out) after every curve; --resume keeps the curves
+already there, so each big model can run in a process of its own:
+
+    for m in janus-pro-1b llamagen-xl anole-7b; do python tools/bench_family_verify_cost.py --models $m --resume; done
 
     python tools/bench_family_verify_cost.py [--models janus-pro-1b llamagen-xl] [--dtypes fp32 bf16]
     python tools/bench_family_verify_cost.py --quick --out /tmp/verify-cost   # a tiny check, numbers meaningless
@@ -19,6 +22,7 @@ Writes results/family-verify-cost-<backend>.{json,md} (or --out).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -148,7 +152,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
-    ap.add_argument("--max-gib", type=float, default=16.0, help="weights budget; bigger shapes lose layers")
+    ap.add_argument("--max-gib", type=float, default=12.0,
+                    help="weights budget (GiB); bigger shapes lose layers (12: a 24 GB machine keeps room for the "
+                         "runner and the model's construction)")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the curves already in the output's .json (same backend and threads) and measure "
+                         "only the missing ones: run one model per process, each a fresh address space")
     ap.add_argument("--quick", action="store_true", help="tiny-janus and tiny-anole, widths 1 2 4, 2 repeats, and "
                                                          "anole-7b's layer plan per dtype (not built): checks the "
                                                          "tool, not the machine")
@@ -159,26 +168,38 @@ def main() -> None:
     if args.quick:
         args.models, args.widths, args.repeats, args.warmup = ["tiny-janus", "tiny-anole"], [1, 2, 4], 2, 1
     backend = get_backend(args.backend)
+    stem = Path(args.out) if args.out else ROOT / "results" / f"family-verify-cost-{args.backend}"
     record = {"date": utc_now(), "backend": args.backend, "threads": torch.get_num_threads(),
               "rows": "one image with CFG (2 rows)", "models": {}}
+    if args.resume and stem.with_suffix(".json").exists():  # curves measured by earlier runs are kept
+        earlier = json.loads(stem.with_suffix(".json").read_text())
+        if (earlier["backend"], earlier["threads"]) != (args.backend, record["threads"]):
+            ap.error(f"--resume: {stem.with_suffix('.json')} was measured on {earlier['backend']} with "
+                     f"{earlier['threads']} threads, not {args.backend} with {record['threads']}")
+        record["models"] = earlier["models"]
     budget = args.max_gib * 2 ** 30
     if args.quick:  # what the full run would build, without building it
         big = ANOLE_SHAPES["anole-7b"]
         record["plans"] = {"anole-7b": {d: anole_label("anole-7b", anole_layers_that_fit(big, d, budget))
                                         for d in args.dtypes}}
     for name in args.models:
+        entry = record["models"].setdefault(name, {"curves": {}})
+        todo = [d for d in args.dtypes if d not in entry["curves"]]
+        for dtype in todo:
+            backend.check_dtype(dtype)
         if name in ANOLE_SHAPES:  # built per dtype: 7B's weights fit in bf16 only
-            shape, entry = ANOLE_SHAPES[name], {"curves": {}, "labels": {}}
-            for dtype in args.dtypes:
-                backend.check_dtype(dtype)
+            shape = ANOLE_SHAPES[name]
+            for dtype in todo:
                 layers = anole_layers_that_fit(shape, dtype, budget)
                 target = build_anole(shape, layers, dtype)
-                entry["labels"][dtype] = anole_label(name, layers)
-                entry["curves"][dtype] = curve(backend, target, dtype, args.widths, args.warmup, args.repeats)
+                entry.setdefault("labels", {})[dtype] = anole_label(name, layers)
                 entry.update(label=name, layers=shape["num_hidden_layers"], dim=target.config.dim,
                              prefix=target.config.cls_token_num, image_tokens=target.config.block_size)
+                entry["curves"][dtype] = curve(backend, target, dtype, args.widths, args.warmup, args.repeats)
                 del target
-            record["models"][name] = entry
+                write_results(stem, record, markdown)  # each curve as soon as it is measured
+            continue
+        if not todo:
             continue
         if name in JANUS_SHAPES:
             shape = JANUS_SHAPES[name]
@@ -188,14 +209,12 @@ def main() -> None:
             label = name if layers == full else f"{name} shape with {layers} of {full} layers (largest that fits)"
         else:
             target, label = GPT(gpt_preset("GPT-XL", vocab_size=16384)).eval(), name
-        entry = {"label": label, "layers": target.config.n_layer, "dim": target.config.dim,
-                 "prefix": target.config.cls_token_num, "image_tokens": target.config.block_size, "curves": {}}
-        for dtype in args.dtypes:
-            backend.check_dtype(dtype)
+        entry.update(label=label, layers=target.config.n_layer, dim=target.config.dim,
+                     prefix=target.config.cls_token_num, image_tokens=target.config.block_size)
+        for dtype in todo:
             entry["curves"][dtype] = curve(backend, target, dtype, args.widths, args.warmup, args.repeats)
-        record["models"][name] = entry
+            write_results(stem, record, markdown)
         del target
-    stem = Path(args.out) if args.out else ROOT / "results" / f"family-verify-cost-{args.backend}"
     write_results(stem, record, markdown)
 
 

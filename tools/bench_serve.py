@@ -75,24 +75,25 @@ async def closed_loop(clients: int, per_client: int, num_classes: int, send) -> 
 def cli_level(args, method: str, clients: int, out_dir: Path) -> dict:
     async def send(class_id: int, seed: int):
         proc = await asyncio.create_subprocess_exec(
-            *lantern_command("generate", *model_args(args), "--classes", str(class_id), "--seed", str(seed),
+            *lantern_command("generate", *model_args(args), "--backend", args.cli_backend, "--classes", str(class_id), "--seed", str(seed),
                              "--method", method, "--batch", "1", "--out", str(out_dir / f"{seed}"), "--json"),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         out, err = await proc.communicate()
         if proc.returncode != 0:
             raise RuntimeError(f"lantern generate failed ({proc.returncode}): {err.decode()[-500:]}")
-    return asyncio.run(closed_loop(clients, args.per_client, args.num_classes, send))
+    return asyncio.run(closed_loop(clients, args.cli_per_client, args.num_classes, send))
 
 
 def model_args(args) -> list[str]:
-    return [*(["--model", args.model] if args.model else []), "--backend", args.backend]
+    return ["--model", args.model] if args.model else []
 
 
 def start_service(args, method: str) -> tuple[subprocess.Popen, str]:
     queue = max(args.levels) * 1  # every client's request fits: nothing is refused with 429
     tuning = [*(["--widths", args.widths] if args.widths else []),
               *(["--threads", str(args.threads)] if args.threads else [])]
-    proc = subprocess.Popen(lantern_command("serve", *model_args(args), "--method", method, "--methods", "ar",
+    backend = ["--backend", args.backend, *(["--fused-step"] if args.fused_step else [])]
+    proc = subprocess.Popen(lantern_command("serve", *model_args(args), *backend, "--method", method, "--methods", "ar",
                                             "--batch", str(args.batch), "--queue", str(queue), "--max-n", "1",
                                             *tuning, "--port", "0"),
                             stderr=subprocess.PIPE, text=True)
@@ -131,12 +132,19 @@ def num_classes(model) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="bundle folder (default: the embedded model)")
-    ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--backend", default="cpu", help="the service's --backend")
+    ap.add_argument("--cli-backend", default="auto", help="the one-process-per-image baseline's --backend (default "
+                                                          "auto: what `lantern generate` picks for one image)")
     ap.add_argument("--batch", type=int, default=16, help="the service's widest engine's slots (default 16)")
     ap.add_argument("--widths", help="the service's --widths (default: its own, 1, 4, ... up to --batch)")
     ap.add_argument("--threads", type=int, help="the service's --threads (default: its own, the physical cores)")
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 4, 16], help="concurrent clients")
+    ap.add_argument("--fused-step", action="store_true", help="pass --fused-step (with --backend cpu-graph or "
+                                                              "cuda-graph: the whole step as one graph)")
     ap.add_argument("--per-client", type=int, default=4, help="requests each client sends per level")
+    ap.add_argument("--cli-per-client", type=int, help="requests each client sends per level to the one-process-"
+                                                       "per-image baseline (default: --per-client); each process is "
+                                                       "independent, so its rate needs fewer")
     ap.add_argument("--methods", nargs="+", default=["ar", "auto"])
     ap.add_argument("--modes", nargs="+", default=["cli", "service"], choices=["cli", "service"])
     ap.add_argument("--quick", action="store_true", help="a smoke run: levels 1 2, two requests per client")
@@ -144,13 +152,17 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.levels, args.per_client = [1, 2], 2
+    args.cli_per_client = args.cli_per_client or args.per_client
+    for name in ("per_client", "cli_per_client", "batch"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
     args.num_classes = num_classes(args.model)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for method in args.methods:
             if "cli" in args.modes:
                 if method == "auto":  # the calibration auto makes on first use is made here, untimed
-                    cli_level(argparse.Namespace(**{**vars(args), "per_client": 1}), method, 1, Path(tmp))
+                    cli_level(argparse.Namespace(**{**vars(args), "cli_per_client": 1}), method, 1, Path(tmp))
                 for clients in args.levels:
                     rows.append({"mode": "cli", "method": method, "ran": method, "clients": clients,
                                  **cli_level(args, method, clients, Path(tmp))})
@@ -159,7 +171,7 @@ def main() -> None:
                 proc, url = start_service(args, method)
                 try:
                     ready = httpx.get(f"{url}/ready", timeout=10).json()
-                    served = {k: ready[k] for k in ("backend", "dtype", "threads", "widths", "plan")}
+                    served = {k: ready.get(k) for k in ("backend", "fused_step", "dtype", "threads", "widths", "plan")}
                     service_level(url, argparse.Namespace(**{**vars(args), "per_client": 1}), 1)  # untimed warm-up
                     for clients in args.levels:
                         rows.append({"mode": "service", "method": method, "ran": ready["methods"].get(method, method),
@@ -175,6 +187,7 @@ def main() -> None:
                                        text=True).stdout.strip(),
               "command": " ".join(sys.argv), "model": args.model or "embedded", "backend": args.backend,
               "batch": args.batch, "widths": args.widths, "threads": args.threads, "per_client": args.per_client,
+              "cli_per_client": args.cli_per_client, "cli_backend": args.cli_backend, "fused_step": args.fused_step,
               "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "rows": rows}
     write_results(args.out or ROOT / "results" / f"serve-{args.backend}", record, markdown, plot)
 
@@ -182,7 +195,10 @@ def main() -> None:
 def markdown(record: dict) -> str:
     lines = [f"# lantern serve load test ({record['backend']}, service batch {record['batch']})", "",
              f"{record['date']}, commit {record['commit']}, {record['machine']['cpus']} CPUs; `{record['command']}`; "
-             f"each client sends {record['per_client']} one-image requests in turn, mixed classes.", "",
+             f"each client sends {record['per_client']} one-image requests in turn to the service and "
+             f"{record.get('cli_per_client', record['per_client'])} to one `lantern generate --backend "
+             f"{record.get('cli_backend', record['backend'])}` process per image, mixed classes"
+             f"{'; the service runs --fused-step' if record.get('fused_step') else ''}.", "",
              f"Machine: {record['provenance']['machine'] if 'provenance' in record else record['machine']['cpu']}; "
              f"OMP_NUM_THREADS={record.get('omp_num_threads') or 'unset'} (every process; the service runs its steps at "
              f"its own thread count, in the table).", "",
@@ -190,8 +206,9 @@ def markdown(record: dict) -> str:
              "images by width |", "|---|---|---|---|---|---|---|---|"]
     for r in record["rows"]:
         s = r.get("served")
-        how = f"{s['backend']} ({s['dtype']}), {s['threads']} threads, widths {s['widths']}" if s else \
-            f"{record['backend']}, OMP_NUM_THREADS={record.get('omp_num_threads') or 'unset'}"
+        omp = record.get("omp_num_threads") or "unset"
+        how = (f"{s['backend']}{' fused' if s.get('fused_step') else ''} ({s['dtype']}), {s['threads']} threads, "
+               f"widths {s['widths']}" if s else f"{record.get('cli_backend', record['backend'])}, OMP_NUM_THREADS={omp}")
         used = ", ".join(f"{w}: {n}" for w, n in r.get("images_by_width", {}).items()) or "-"
         lines.append(f"| {r['mode']} | {r['method']} ({r['ran']}) | {how} | {r['clients']} | "
                      f"{r['images_per_s']:.2f} | {r['p50_s']:.2f} | {r['p99_s']:.2f} | {used} |")

@@ -23,7 +23,8 @@ class ServeConfig:
     widths: Optional[tuple[int, ...]] = None  # the static widths prepared per engine (None: default_widths(batch))
     threads: Optional[int] = None  # intra-op threads of the steps (torch, ONNX Runtime); None: the physical cores
     t5: Optional[str] = None  # t2i bundles: the local T5 encoder folder (None: $LANTERN_T5)
-    plan_images: int = 256  # auto: the images its one-time costs (calibration, compiles) are weighed against
+    plan_images: int = 4096  # auto: the images its one-time costs (calibration, compiles) are weighed against:
+    # a service's life, not one request (4096 images: under an hour of full load of the embedded model on 2 CPU cores)
     queue: int = 64  # images that may wait for a slot; beyond, 429
     timeout_s: float = 300.0  # a request's deadline unless it asks for less (its `timeout`)
     max_timeout_s: float = 3600.0  # the most a request's `timeout` may ask for

@@ -126,8 +126,10 @@ class Service:
         return self.pipe
 
     def describe(self) -> dict:
-        """What serves: backend, dtype, threads, widths, and what each engine runs (auto: its plan)."""
-        return {"backend": self.pipe.backend.name, "dtype": self.pipe.dtype, "threads": self.threads,
+        """What serves: backend (fused_step: the whole step as one graph), dtype, threads, widths, and what each
+        engine runs (auto: its plan)."""
+        return {"backend": self.pipe.backend.name, "fused_step": bool(getattr(self.pipe.backend, "fused_step", False)),
+                "dtype": self.pipe.dtype, "threads": self.threads,
                 "widths": list(self.worker.widths), "methods": dict(self.worker.described),
                 "plan": self.plan_why or None, "prompts": "t5" if self.prompts is not None else None}
 

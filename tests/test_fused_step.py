@@ -95,6 +95,24 @@ def test_every_method_fuses_into_one_graph_and_never_recompiles(small, method):
     assert not counters["graph_break"]  # fullgraph makes a break an error; dynamo saw none either
 
 
+def test_warm_up_compiles_the_fused_step_before_any_request_and_changes_no_tokens(small):
+    """A service warms each engine before it reports ready: after Engine.warm_up the step is compiled (a request
+    compiles nothing), the engine is idle and has counted no step, and requests get eager's tokens."""
+    models, _ = small
+    counter = CompileCounterWithBackend("eager")
+    fused = Pipeline(*models, backend="cpu-graph", compiler=counter, fused_step=True)
+    engine = Engine(fused, decode("ar", True), 2)
+    engine.warm_up()
+    assert counter.frame_count == 2 and engine.runner.fused_warm  # prefill and the step
+    assert (engine.busy, engine.waiting, engine.steps_run) == (0, 0, 0)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        got = run_stream(engine)
+    assert got == run_stream(Engine(Pipeline(*models, backend="cpu"), decode("ar", True), 2))
+    plain = Engine(Pipeline(*models, backend="cpu"), decode("ar", True), 2)
+    plain.warm_up()  # no fused step: nothing to do
+    assert (plain.steps_run, plain.busy) == (0, 0)
+
+
 def test_functionalized_step_matches_eager_and_keeps_its_buffers(small):
     """aot_eager functionalizes the step's in-place writes (KV caches, slot state, records) as inductor does:
     the tokens stay eager's, and the caches and the engine's state buffers are written where they live."""

@@ -177,6 +177,24 @@ class Engine:
         drafts, draft_tokens, accepted, _ = packed[:4]
         return StepReport(len(busy), finished, drafts, draft_tokens, accepted, packed[4:4 + depth])
 
+    def warm_up(self) -> None:
+        """Compile a fused step now (it compiles at an engine's first steps, lantern.engine.fused), by a short
+        request of a neutral condition run to completion, so that no request pays it; an engine without a fused
+        step has nothing to do. Call it while the engine is idle."""
+        if self._fused is None:
+            return
+        from lantern.engine.fused import WARM_CALLS
+        cfg = self.pipeline.config
+        neutral = {"c2i": lambda: 0, "t2i": lambda: torch.zeros(cfg.cls_token_num, cfg.caption_dim),
+                   "prompt": lambda: self.slots.cond[0].cpu()}[self._kind]()
+        tokens = min(cfg.block_size, (WARM_CALLS + 1) * (self.proposer.depth + 1) + 1)
+        for n in range(WARM_CALLS):  # one request is enough unless its image ends within its first steps
+            if self._fused.calls >= WARM_CALLS:
+                break
+            self.submit(Request(neutral, seed=0, request_id=f"warm-up-{n}", tokens=tokens))
+            self.run()
+        self.steps_run = 0  # the warm-up's steps are not the engine's work
+
     def run(self, progress=None) -> list[RequestResult]:
         """Step until the queue and the slots are empty; results in finishing order. progress: called with
         the number of requests finished by each step."""

@@ -180,6 +180,7 @@ class EngineWorker:
             self._drop(idle[0])
         dcfg, what = self.make_decode(key)
         engine = Engine(self.pipeline, dcfg, width, runner=self._runner(dcfg, width))
+        engine.warm_up()  # a fused step compiles now, not in a request
         self._engines.setdefault(key, {})[width] = engine
         self.described[str(key)] = what
         self.metrics.slots.labels(str(key), str(width)).set(width)

@@ -21,6 +21,7 @@ from lantern.decoding.sampling import SamplingConfig
 from lantern.decoding.stats import GenerationStats
 from lantern.engine import Engine, Request, derive_seed
 from lantern.engine.step import acceptance_rule, static_spec
+from lantern.models.drafter import prefix_pairs
 
 
 @dataclass
@@ -142,8 +143,7 @@ class Pipeline:
     def spec(self, dcfg: DecodeConfig, batch: int):
         """The StaticSpec of `dcfg` at `batch` images per step (lantern.engine.step.static_spec, with the prefix
         pairs this pipeline's drafter reads)."""
-        prefix = self.drafter.prefix_pairs if self.drafter is not None else 0
-        return static_spec(dcfg, self.config, batch, self.dtype, draft_prefix=prefix)
+        return static_spec(dcfg, self.config, batch, self.dtype, draft_prefix=prefix_pairs(self.drafter, self.config))
 
     def runner(self, dcfg: DecodeConfig, batch: int) -> Runner:
         """The runner for this static shape (`batch` images per step): prepared and warmed up once, then reused."""

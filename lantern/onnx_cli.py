@@ -83,6 +83,7 @@ def cmd_export_onnx(args: argparse.Namespace) -> dict:
     from lantern.backends.onnx_runtime import ONNXBackend
     from lantern.decoding import SamplingConfig, method_preset
     from lantern.engine.step import static_spec
+    from lantern.models.drafter import prefix_pairs
     from lantern.extras import require
 
     require("onnx", "lantern export-onnx")
@@ -100,7 +101,7 @@ def cmd_export_onnx(args: argparse.Namespace) -> dict:
     cfg_scale = args.cfg_scale if args.cfg_scale is not None else default_cfg
     dcfg = method_preset(args.method, SamplingConfig(cfg_scale=cfg_scale), **overrides)
     spec = static_spec(dcfg, target.config, args.batch, args.dtype,
-                       draft_prefix=drafter.prefix_pairs if drafter is not None else 0)
+                       draft_prefix=prefix_pairs(drafter, target.config))
     paths = ensure_graphs(target, drafter, spec, Path(args.out), force=args.force)
     import onnxruntime as ort
 

@@ -2,6 +2,7 @@
 own forward over lantern's static cache for both CFG rows (the unconditional one left-padded, at its own positions),
 greedy AR and Jacobi equal to a reference CFG image loop over transformers' forward, the sampling path lossless
 (SJD, MC-SJD) with a broken CFG row caught, the taming VQGAN decoder against a reference written here, bad input."""
+import copy
 import itertools
 import json
 import shutil
@@ -336,10 +337,12 @@ def drafted(anole, tmp_path_factory):
     return dfolder, state, read_anole_drafter(dfolder, hf)
 
 
-def reference_drafter_logits(state: dict, hf, family, feats, codes, positions) -> torch.Tensor:
+def reference_drafter(state: dict, hf, family, feats, ids, positions, allowed=None):
     """LANTERN's Anole drafter, written from its published layer over its state dict: fc([embed(x); f]) -> RMSNorm
-    (layer 0 keeps it) -> attention with per-head q/k LayerNorm (no reduction across heads) and RoPE, causal over the
-    pairs -> SwiGLU MLP after RMSNorm; read out by the base model's lm_head over the image codes."""
+    (layer 0 keeps it) -> attention with per-head q/k LayerNorm (no reduction across heads) and RoPE -> SwiGLU MLP
+    after RMSNorm; read out by the base model's lm_head over the image codes. Pairs (feats (B, T, D), vocabulary ids
+    (B, T)) at `positions` (B, T), attending by `allowed` (B, T, T) bool (default: causal).
+    Returns (logits (B, T, V), predicted features (B, T, D))."""
     cfg = hf.config
     h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size
     hd, eps = d // h, cfg.rms_norm_eps
@@ -352,7 +355,8 @@ def reference_drafter_logits(state: dict, hf, family, feats, codes, positions) -
         return F.layer_norm(x, (hd,), eps=1e-5) * s[name + ".weight"] + s[name + ".bias"]
 
     b, t, _ = feats.shape
-    x = torch.cat([s["embed_tokens.weight"][family.bpe_of_code[codes]], feats], -1) @ s["fc.weight"].T + s["fc.bias"]
+    allowed = torch.ones(t, t, dtype=torch.bool).tril().expand(b, t, t) if allowed is None else allowed
+    x = torch.cat([s["embed_tokens.weight"][ids], feats], -1) @ s["fc.weight"].T + s["fc.bias"]
     y = rms(x, s["input_layernorm.weight"])
     q = head_norm((y @ s["self_attn.q_proj.weight"].T).view(b, t, h, hd), "self_attn.q_norm")
     k = head_norm((y @ s["self_attn.k_proj.weight"].T).view(b, t, kv, hd), "self_attn.k_norm")
@@ -366,11 +370,11 @@ def reference_drafter_logits(state: dict, hf, family, feats, codes, positions) -
 
     q, k = rot(q).transpose(1, 2), rot(k).transpose(1, 2).repeat_interleave(h // kv, 1)
     v = v.transpose(1, 2).repeat_interleave(h // kv, 1)
-    w = (q @ k.transpose(-1, -2)) / hd ** 0.5 + torch.full((t, t), float("-inf")).triu(1)
+    w = ((q @ k.transpose(-1, -2)) / hd ** 0.5).masked_fill(~allowed[:, None], float("-inf"))
     x = x + (w.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d) @ s["self_attn.o_proj.weight"].T
     y = rms(x, s["post_attention_layernorm.weight"])
     x = x + (F.silu(y @ s["mlp.gate_proj.weight"].T) * (y @ s["mlp.up_proj.weight"].T)) @ s["mlp.down_proj.weight"].T
-    return (x @ hf.lm_head.weight.T)[..., family.bpe_of_code]
+    return (x @ hf.lm_head.weight.T)[..., family.bpe_of_code], x
 
 
 def test_the_anole_drafter_over_the_static_cache_equals_the_reference(anole, drafted):
@@ -386,8 +390,82 @@ def test_the_anole_drafter_over_the_static_cache_equals_the_reference(anole, dra
     slots = torch.arange(runner.spec.max_len)
     mask = (slots[None, None] >= p) & (slots[None, None] <= positions[..., None])
     got = runner.draft(codes, feats, positions, positions.clone(), mask).logits
-    want = reference_drafter_logits(state, hf, family, feats, codes, positions)
+    with torch.no_grad():
+        want = reference_drafter(state, hf, family, feats, family.bpe_of_code[codes], positions)[0]
     assert torch.allclose(got, want, atol=1e-4)
+
+
+def anole_engine_drafts(family, drafter, rows):
+    """One engine step of EAGLE-2 (greedy, CFG 3) on the cpu backend for one prompt row -> the prefill's features
+    (2, P, D) and every drafter call's (inputs, logits) in order."""
+    from lantern.engine import Engine, Request
+
+    pipe = Pipeline(family.target(rows.shape[1]), drafter, backend="cpu")
+    engine = Engine(pipe, method_preset("eagle2", SamplingConfig(greedy=True, cfg_scale=3.0), dynamic_depth=2,
+                                        dynamic_top_k=3, dynamic_total=6), 1)
+    runner, seen = engine.runner, {"drafts": []}
+    prefill, draft = runner.prefill, runner.draft
+
+    def record_prefill(cond, mask):
+        out = prefill(cond, mask)
+        seen["features"] = out.hidden.clone()
+        return out
+
+    def record_draft(*inputs):
+        out = draft(*inputs)
+        seen["drafts"].append(([x.clone() for x in inputs], out.logits.clone()))
+        return out
+
+    runner.prefill, runner.draft = record_prefill, record_draft
+    engine.submit(Request(rows[0], seed=0))
+    engine.step()
+    return seen
+
+
+def test_the_anole_drafter_reads_the_prompt_as_lantern_feeds_it(anole, drafted):
+    """Through the engine (prefill, catch-up, EAGLE-2's first tree level), the Anole drafter's logits equal the
+    reference fed as LANTERN's Anole code feeds it: each row's P prompt features with the next token (the prompt's
+    tokens, then the first image token) in one causal pass, the unconditional row's `<pad>` slots hidden and its
+    positions P - 2 behind (clamped at 0), the tree's nodes after them. Without the prompt's pairs they differ."""
+    _, hf, family = anole
+    _, state, drafter = drafted
+    rows = family.prompt_rows(PROMPT)
+    p, bpe = rows.shape[1], family.bpe_of_code
+    seen = anole_engine_drafts(family, drafter, rows)
+    (prefix_in, _), (catch_in, catch_logits), (tree_in, tree_logits) = seen["drafts"][:3]
+    ids = torch.cat([rows, family.target(p).unconditional(rows)])  # (2, P): LANTERN's [cond; uncond] input
+    assert torch.equal(prefix_in[0], ids[:, 1:] + family.image_vocab)  # the next prompt token, as a vocabulary id
+    feats = seen["features"]  # (2, P, D)
+    root = catch_in[0][:, :1]  # (2, 1) the first image code, both rows
+    seq_ids = torch.cat([ids[:, 1:], bpe[root]], 1)  # pair i: (f_i, token i + 1)
+    positions = torch.arange(p).expand(2, p).clone()
+    positions[1] = (positions[1] - (p - 2)).clamp(min=0)  # LANTERN's unconditional positions
+    keys = ids != PAD  # LANTERN's attention mask over the drafter's slots, as over the target's
+    eye = torch.eye(p, dtype=torch.bool)
+    allowed = (torch.ones(p, p, dtype=torch.bool).tril() & keys[:, None]) | eye  # a pad query sees itself
+    with torch.no_grad():
+        ref_logits, ref_out = reference_drafter(state, hf, family, feats, seq_ids, positions, allowed)
+        assert (catch_logits[:, 0] - ref_logits[:, -1]).abs().max() <= 1e-4 * max(1.0, ref_logits.abs().max().item())
+        # the first tree level: k nodes one position on, each seeing the row's visible pairs and itself
+        k = tree_in[0].shape[1]
+        tree = torch.zeros(2, p + k, p + k, dtype=torch.bool)
+        tree[:, :p, :p] = allowed
+        tree[:, p:, :p] = keys[:, None]
+        tree[:, p:, p:] = torch.eye(k, dtype=torch.bool)
+        all_feats = torch.cat([feats, ref_out[:, -1:].expand(-1, k, -1)], 1)
+        all_ids = torch.cat([seq_ids, bpe[tree_in[0]]], 1)
+        all_positions = torch.cat([positions, positions[:, -1:] + torch.ones(2, k, dtype=torch.long)], 1)
+        ref_tree = reference_drafter(state, hf, family, all_feats, all_ids, all_positions, tree)[0][:, p:]
+    assert (tree_logits - ref_tree).abs().max() <= 1e-4 * max(1.0, ref_tree.abs().max().item())
+    # the check is sensitive to the prompt's pairs: the same drafter starting at the first image token drafts
+    # otherwise, and so does one that sees the unconditional row's padding
+    alone = copy.deepcopy(drafter)
+    alone.reads_prefix = False
+    first = anole_engine_drafts(family, alone, rows)["drafts"][0]
+    assert first[0][0].shape[1] != p - 1 and (first[1][:, 0] - ref_logits[:, -1]).abs().max() > 1e-3
+    with torch.no_grad():
+        unmasked = reference_drafter(state, hf, family, feats, seq_ids, positions)[0]
+    assert (unmasked[1, -1] - ref_logits[1, -1]).abs().max() > 1e-3
 
 
 def test_greedy_eagle2_with_the_drafter_equals_the_reference_cfg_loop(anole, drafted):
@@ -463,3 +541,4 @@ def test_relaxed_methods_read_the_vqgan_codebook_proximity(anole, drafted, tmp_p
     assert main(["generate", "--model", str(no_vq), "--prompt", "a cat", "--method", "mc-sjd-relaxed", "--k", "3",
                  "--no-images"]) == 2
     assert "no VQGAN found" in capsys.readouterr().err
+

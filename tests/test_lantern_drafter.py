@@ -16,6 +16,7 @@ import torch
 
 from lantern.config import GPTConfig
 from lantern.llamagen import read_lantern_drafter
+from lantern.models.drafter import prefix_pairs
 from lantern.models.gpt import GPT
 
 from test_llamagen_import import write_lantern_drafter
@@ -82,7 +83,7 @@ def test_lantern_drafter_logits_match_the_reference(tmp_path, input_type, model_
     conf = json.loads((tmp_path / "d" / "config.json").read_text())
     drafter = read_lantern_drafter(tmp_path / "d", cfg)
     assert not drafter.options.input_norm and drafter.options.own_embedding and drafter.options.reads_prefix
-    assert drafter.prefix_pairs == prefix - 1  # c2i: none; t2i: the caption's first 119 positions
+    assert prefix_pairs(drafter, cfg) == prefix - 1  # c2i: none; t2i: the caption's first 119 positions
     B, T = 2, 7
     first = math.isqrt(block) - 4  # pairs for image tokens first+1 .. first+T, across a grid row's end
     feats = torch.randn(B, T, HIDDEN)

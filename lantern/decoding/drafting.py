@@ -6,7 +6,8 @@ device; nothing here reads a value back to the host.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -33,6 +34,16 @@ def window_mask(relative: torch.Tensor, root: torch.Tensor, base: torch.Tensor) 
     return base[:, None, :] | placed
 
 
+@dataclass(frozen=True)
+class PrefixPairs:
+    """What a drafter that reads the prefix is fed at prefill besides the features f_0 .. f_{W-1}, per row (R*B, W):
+    the drafter token paired with each (Drafter.prefix_tokens) and whether its slot may be attended (False: the
+    feature comes from a padded prompt slot, hidden from every drafter query, as the target hides it)."""
+
+    tokens: torch.Tensor
+    visible: torch.Tensor
+
+
 @dataclass
 class DraftRunner:
     """The drafter steps of one runner (lantern.models.drafter.Drafter, prepared by the backend), with the
@@ -41,6 +52,14 @@ class DraftRunner:
     runner: Runner
     sampling: SamplingConfig
     generator: Draws
+    # (R*B, S) the drafter slots each row may attend, when its cache holds the prefix (padded prompt slots hidden);
+    # updated in place at every prefill, so a captured graph reads the current rows
+    keys: Optional[torch.Tensor] = field(default=None, init=False)
+
+    def __post_init__(self):
+        spec = self.runner.spec
+        if spec.draft_prefix:
+            self.keys = torch.ones(spec.batch, spec.max_len, dtype=torch.bool, device=self.runner.device)
 
     @property
     def rows(self) -> int:
@@ -56,22 +75,27 @@ class DraftRunner:
         s = self.slots[None]
         return (s >= self.runner.spec.draft_first_slot) & (s <= last[:, None])
 
-    def read_prefix(self, features: torch.Tensor) -> None:
-        """Feed the prefix pairs (f_i, token 0), i = 0 .. W-1 (W = spec.draft_prefix, P - 1) at positions and slots
-        1 .. W, causal and unmasked, as LANTERN feeds its t2i drafters; features (R*B, P, D) from the prefill.
-        Every row is rewritten (a busy row with what it held)."""
+    def read_prefix(self, features: torch.Tensor, prefix: PrefixPairs) -> None:
+        """Feed the prefix pairs (f_i, prefix.tokens[:, i]), i = 0 .. W-1 (W = spec.draft_prefix, P - 1) at
+        positions and slots 1 .. W, causal, as LANTERN feeds its drafters (t2i: token 0, no caption mask; Anole: the
+        next prompt token, padded slots hidden from then on); features (R*B, P, D) from the prefill. Every row is
+        rewritten (a busy row with what it held)."""
         w, dev, n = self.runner.spec.draft_prefix, self.runner.device, features.shape[0]
+        self.keys[:, 1:w + 1] = prefix.visible
         positions = (1 + torch.arange(w, device=dev))[None].expand(n, w).contiguous()  # (R*B, W)
-        mask = (self.slots[None, None] >= 1) & (self.slots[None, None] <= positions[..., None])  # (R*B, W, S)
-        self.runner.draft(torch.zeros(n, w, dtype=torch.long, device=dev), features[:, :w].contiguous(), positions,
-                          positions.clone(), mask)  # only its cache is kept
+        s = self.slots[None, None]
+        causal = (s >= 1) & (s <= positions[..., None])  # (R*B, W, S)
+        mask = (causal & self.keys[:, None]) | (s == positions[..., None])  # a hidden slot still sees itself
+        self.runner.draft(prefix.tokens.contiguous(), features[:, :w].contiguous(), positions, positions.clone(),
+                          mask)  # only its cache is kept
 
     def step(self, tokens, features, positions, slots, mask):
         """Per image tokens, positions, slots (B, T), mask (B, T, S); features (R*B, T, D) ->
         (distributions (B, T, K), predicted features (R*B, T, D))."""
         r = self.rows
+        mask = on_rows(mask, r) if self.keys is None else on_rows(mask, r) & self.keys[:, None, :mask.shape[-1]]
         out = self.runner.draft(on_rows(tokens, r), features.contiguous(), on_rows(positions, r),
-                                on_rows(slots, r), on_rows(mask, r))
+                                on_rows(slots, r), mask)
         return target_support(out.logits, self.sampling), out.hidden
 
     def catch_up(self, features, tokens, count, root):

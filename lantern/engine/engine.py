@@ -13,6 +13,7 @@ import torch
 
 from lantern.caption_mask import CaptionMaskedRunner, caption_slots_visible
 from lantern.decoding.config import DecodeConfig
+from lantern.decoding.drafting import PrefixPairs
 from lantern.decoding.sampling import SamplingConfig
 from lantern.decoding.stats import GenerationStats
 from lantern.engine.draws import SlotDraws, check_seed
@@ -247,10 +248,23 @@ class Engine:
         fresh = torch.zeros(self._width, dtype=torch.bool, device=dev)
         fresh[idx] = True
         null = self.pipeline.target.unconditional(s.cond)
+        rows = condition_rows(s.cond, self._decode, null)
         if self._prefix_visible is not None:
-            visible = self._prefix_visible(condition_rows(s.cond, self._decode, null)).cpu()  # (rows, P)
+            visible = self._prefix_visible(rows).cpu()  # (rows, P)
             self._run = self.runner if visible.all() else CaptionMaskedRunner(self.runner, visible)
-        prefill(self._run, self.proposer, s, null, fresh)
+        prefill(self._run, self.proposer, s, null, fresh, self._prefix_pairs(rows))
+
+    def _prefix_pairs(self, rows: torch.Tensor) -> Optional[PrefixPairs]:
+        """What the drafter pairs with the prefill's features f_0 .. f_{W-1} of condition `rows`, when it reads the
+        prefix (StaticSpec.draft_prefix = W): its tokens, and the target's visible prefix slots (every one for a
+        target without padded rows: LANTERN's t2i drafters read the caption unmasked)."""
+        w = self.runner.spec.draft_prefix
+        if not w:
+            return None
+        target = self.pipeline.target
+        visible = (self._prefix_visible(rows)[:, :w] if self._prefix_visible is not None
+                   else torch.ones(rows.shape[0], w, dtype=torch.bool, device=rows.device))
+        return PrefixPairs(self.pipeline.drafter.prefix_tokens(target, rows), visible)
 
     def _collect(self, done: list[int]) -> list[RequestResult]:
         """The finished (or cancelled) slots' tokens and records: one transfer; the slots are free after."""

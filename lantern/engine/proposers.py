@@ -3,9 +3,11 @@ proposes its window. One small protocol; the step (lantern.engine.step) verifies
 for all of them.
 
 A proposer keeps its own per-slot state, (B, ...) tensors like the engine's, and answers:
-  reset(slots, fresh, first, features)  new requests took the `fresh` (B,) slots: start their state from the
+  reset(slots, fresh, first, features, prefix)
+                                        new requests took the `fresh` (B,) slots: start their state from the
                                         prefill's distribution `first` (B, K) and features (R*B, P, D) at
-                                        every prefix position
+                                        every prefix position (prefix: what a drafter that reads the prefix
+                                        pairs with them, lantern.decoding.drafting.PrefixPairs)
   propose(slots) -> DraftedTree         every slot's candidates: node 0 is its root (the last accepted token)
   distributions(logits)                 the verify logits as the acceptance reads them (`.index(nodes)`)
   accept(p_nodes, tree) -> StepAcceptance
@@ -16,11 +18,13 @@ Only the reset rows change in `reset`; rows that are not running carry garbage t
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from lantern.decoding.acceptance import Acceptance, DraftedTree, StepAcceptance, accept, accept_chain
 from lantern.decoding.config import DecodeConfig
-from lantern.decoding.drafting import DraftRunner, draft_dynamic, draft_static, on_rows
+from lantern.decoding.drafting import DraftRunner, PrefixPairs, draft_dynamic, draft_static, on_rows
 from lantern.decoding.jacobi import CoupledNoise, redraw, spatial_prior
 from lantern.decoding.sampling import GuidedLogits, Support, combine_cfg, draw, target_support
 from lantern.decoding.strategy import StaticTree
@@ -38,8 +42,10 @@ class Proposer:
         self.sampling = sampling
         self.vocab = runner.model_config.vocab_size
 
-    def reset(self, slots, fresh: torch.Tensor, first: Support, features: torch.Tensor) -> None:
-        """(optional) Start the fresh slots' state; default: no state."""
+    def reset(self, slots, fresh: torch.Tensor, first: Support, features: torch.Tensor,
+              prefix: Optional[PrefixPairs] = None) -> None:
+        """(optional) Start the fresh slots' state; default: no state. prefix: what a drafter that reads the
+        prefix is fed with the features (None when it reads none)."""
 
     def distributions(self, logits: torch.Tensor):
         """(R*B, N, V) verify logits -> each image's guided logits, warped where the acceptance reads them."""
@@ -93,9 +99,9 @@ class TreeProposal(Proposer):
         self.chain = isinstance(self.strategy, StaticTree) and self.strategy.tree.is_chain
         self.pend_feats = self.pend_tokens = self.pend_count = None
 
-    def reset(self, slots, fresh, first, features) -> None:
-        if self.runner.spec.draft_prefix:  # a drafter that reads the prefix (LANTERN's t2i): its pairs, every row
-            self.drafter.read_prefix(features)
+    def reset(self, slots, fresh, first, features, prefix=None) -> None:
+        if self.runner.spec.draft_prefix:  # a drafter that reads the prefix (LANTERN's): its pairs, every row
+            self.drafter.read_prefix(features, prefix)
         a, rows = self.strategy.catchup_width, self.sampling.rows_per_image
         feats = features[:, -1:].repeat(1, a, 1)  # (R*B, A, D) the root's pair, then padding
         tokens = slots.root_tok[:, None].repeat(1, a)
@@ -158,7 +164,7 @@ class WindowProposal(Proposer):
         g = self.noise.at(root[:, None] + self.nodes[1:], q.ids, self.draws, rows) if self.noise is not None else None
         return redraw(q, g, self.sampling.greedy, self.draws)
 
-    def reset(self, slots, fresh, first, features) -> None:
+    def reset(self, slots, fresh, first, features, prefix=None) -> None:
         b = fresh.shape[0]
         if self.coupled and self.noise is None:
             self.noise = CoupledNoise(b, self.window, self.vocab, self.runner.device)

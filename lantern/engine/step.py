@@ -18,7 +18,7 @@ import torch
 from lantern.backends.base import Runner, StaticSpec
 from lantern.decoding.acceptance import Acceptance, DraftedTree
 from lantern.decoding.config import DecodeConfig
-from lantern.decoding.drafting import on_rows, window_mask
+from lantern.decoding.drafting import PrefixPairs, on_rows, window_mask
 from lantern.decoding.sampling import draw, target_support
 from lantern.engine.draws import SlotDraws
 from lantern.engine.proposers import Proposer
@@ -27,7 +27,7 @@ from lantern.engine.records import SlotRecords
 
 def static_spec(dcfg: DecodeConfig, model_config, batch: int, dtype: str, draft_prefix: int = 0) -> StaticSpec:
     """Every shape the step uses for `batch` slots (B, a static width of the runner). draft_prefix: the prefix
-    pairs the drafter reads at prefill (Drafter.prefix_pairs; a draft step of its own width)."""
+    pairs the drafter reads at prefill (lantern.models.drafter.prefix_pairs; a draft step of its own width)."""
     rows = dcfg.sampling.rows_per_image * batch
     p = model_config.cls_token_num
     strategy = dcfg.strategy
@@ -83,10 +83,12 @@ def condition_rows(cond: torch.Tensor, dcfg: DecodeConfig, null: torch.Tensor) -
     return torch.cat([cond, null]) if dcfg.sampling.use_cfg else cond
 
 
-def prefill(runner: Runner, proposer: Proposer, slots: Slots, null: torch.Tensor, fresh: torch.Tensor) -> None:
+def prefill(runner: Runner, proposer: Proposer, slots: Slots, null: torch.Tensor, fresh: torch.Tensor,
+            prefix: Optional[PrefixPairs] = None) -> None:
     """New requests hold the `fresh` (B,) slots (their condition, seed and limit already placed): one
     static-shape prefill of every row, of which only the fresh rows' results are kept. A busy row's prefix is
-    rewritten with what it held (its own condition, the same computation), so its image goes on unchanged."""
+    rewritten with what it held (its own condition, the same computation), so its image goes on unchanged.
+    prefix: what a drafter that reads the prefix pairs with its features, every row (None: it reads none)."""
     spec, dev, sc = runner.spec, runner.device, proposer.sampling
     with runner.phase("prefill"):
         s = torch.arange(spec.max_len, device=dev)
@@ -102,7 +104,7 @@ def prefill(runner: Runner, proposer: Proposer, slots: Slots, null: torch.Tensor
         slots.emitted = torch.where(fresh, 1, slots.emitted)
         slots.out[:, 0] = torch.where(fresh, tok, slots.out[:, 0])
         slots.records.admit(fresh)
-        proposer.reset(slots, fresh, first, out.hidden)  # features (R*B, P, D)
+        proposer.reset(slots, fresh, first, out.hidden, prefix)  # features (R*B, P, D)
 
 
 def decode_step(runner: Runner, proposer: Proposer, slots: Slots) -> torch.Tensor:

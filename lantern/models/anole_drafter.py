@@ -9,9 +9,13 @@ intermediate_size, vocab_size 65536, `bias` of fc) and `pytorch_model.bin` or `m
                                       and both RMSNorms (the layer-0 input norm included, unlike LlamaGen's EAGLE)
 The output (no final norm) is read out by the target's head, as LANTERN reads it with the base model's lm_head.
 
-The drafter's KV cache holds image pairs only (lantern's drafters never see the prefix), so both CFG rows sit at
-the sequence positions the core gives them: with RoPE only relative positions count, and a row never attends
-across the prefix here.
+Its cache holds the prompt's pairs too, as LANTERN feeds it (models/ea_model_anole.py, drafters/cnets_anole.py): at
+prefill, the target's features f_0 .. f_{P-2} of each row paired with the row's next prompt token (the pair
+(f_i, token i+1), i < P - 1; the pair (f_{P-1}, first image token) is the first catch-up), every pair whose
+feature comes from a `<pad>` slot hidden (the unconditional row's left padding). Drafter tokens are image codes
+0..V-1, or V + a vocabulary id for the prompt's tokens (`prefix_tokens`). Both CFG rows sit at the positions the
+core gives them: LANTERN's unconditional row runs P - 2 positions behind, a shift RoPE does not see across the
+slots the row attends.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 class AnoleDrafter(nn.Module):
     family = "chameleon"  # the targets it drafts for
-    prefix_pairs = 0  # it reads image pairs only, from the first image token (no prefix draft step)
+    reads_prefix = True  # its cache holds the prompt's pairs (lantern.models.drafter.prefix_pairs)
 
     def __init__(self, layer_config, vocab: int, bias: bool = True):
         super().__init__()
@@ -39,17 +43,27 @@ class AnoleDrafter(nn.Module):
         self.fc = nn.Linear(2 * dim, dim, bias=bias)
         self.layers = nn.ModuleList([ChameleonDecoderLayer(layer_config, 0)])
 
+    def prefix_tokens(self, target: ChameleonTarget, rows: torch.Tensor) -> torch.Tensor:
+        """Prompt rows (B, P) -> the drafter tokens paired with f_0 .. f_{P-2}: each row's next prompt token."""
+        return rows[:, 1:] + target.config.vocab_size
+
     def forward(self, target: ChameleonTarget, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 mask: torch.Tensor, cache: StaticKVCache, slots: torch.Tensor) -> torch.Tensor:
         """Image codes, positions, slots (B, T); features (B, T, D); mask (B, T, s) over the drafter's cache.
         Returns predicted features (B, T, D), read out by `target.head`."""
-        x = self.fc(torch.cat([self.embed_tokens(target.bpe_of_code[tokens]).to(self.fc.weight.dtype),
+        x = self.fc(torch.cat([self.embed_tokens(vocabulary_ids(target, tokens)).to(self.fc.weight.dtype),
                                features.to(self.fc.weight.dtype)], dim=-1))
         cos, sin = target.rope_at(positions, x.dtype)
         layer = self.layers[0]
         h = x + attention(layer.self_attn, layer.input_layernorm(x), cos, sin, attention_bias(mask, x.dtype), cache,
                           0, cache.flat(slots), mask.shape[-1], target.config)
         return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def vocabulary_ids(target: ChameleonTarget, tokens: torch.Tensor) -> torch.Tensor:
+    """Drafter tokens (B, T) -> vocabulary ids: an image code c < V is its BPE token, V + i is the vocabulary's i."""
+    v = target.config.vocab_size
+    return torch.where(tokens < v, target.bpe_of_code[tokens.clamp(max=v - 1)], tokens - v)
 
 
 def check_anole_drafter(folder: Path, tcfg) -> tuple[dict, Path]:

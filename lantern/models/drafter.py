@@ -61,9 +61,14 @@ class Drafter(nn.Module):
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
 
     @property
-    def prefix_pairs(self) -> int:
-        """Pairs the drafter reads over the condition prefix at prefill: P - 1 if it `reads_prefix`, else 0."""
-        return self.config.cls_token_num - 1 if self.options.reads_prefix else 0
+    def reads_prefix(self) -> bool:
+        """Whether its cache holds the condition prefix's pairs (lantern.models.drafter.prefix_pairs)."""
+        return self.options.reads_prefix
+
+    def prefix_tokens(self, target: GPT, rows: torch.Tensor) -> torch.Tensor:
+        """Condition rows (B, P, C) -> the tokens paired with the prefix features f_0 .. f_{P-2}: token 0, as
+        LANTERN zero-pads its t2i drafters' input ids over the caption."""
+        return torch.zeros(rows.shape[0], target.config.cls_token_num - 1, dtype=torch.long, device=rows.device)
 
     def embed(self, target: GPT, tokens: torch.Tensor) -> torch.Tensor:
         table = self.embed_tokens if self.options.own_embedding else target.tok_embeddings
@@ -80,3 +85,9 @@ class Drafter(nn.Module):
         flat = cache.flat(slots) if cache is not None else None
         m = attention_bias(mask, x.dtype) if mask is not None else None
         return self.layer(x, rope, m, cache, flat)
+
+
+def prefix_pairs(drafter, target_config) -> int:
+    """Pairs a drafter reads over the target's condition prefix at prefill: P - 1 if it `reads_prefix` (the prefix
+    features f_0 .. f_{P-2}, each with the token after it), else 0 (its cache starts at the first image token)."""
+    return target_config.cls_token_num - 1 if drafter is not None and drafter.reads_prefix else 0

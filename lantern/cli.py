@@ -171,9 +171,9 @@ def cmd_generate(args) -> dict:
 
     if is_family_folder(args.model):
         return cmd_generate_family(args)
-    if args.vq is not None or args.drafter is not None:
-        raise UsageError("--vq and --drafter are for Chameleon / Anole folders; a bundle carries its own VQ model "
-                         "and drafter")
+    if args.vq is not None or args.drafter is not None or args.proximity is not None:
+        raise UsageError("--vq, --drafter and --proximity are for Chameleon / Anole folders; a bundle carries its "
+                         "own VQ model, drafter and proximity table")
     check_method_flags(args)
     prompts = check_prompt_args(args) if wants_prompts(args) else None
     apply_profile(args)  # a --profile supplies backend, dtype, threads and the tree tuned for this batch width
@@ -348,6 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "model.safetensors or pytorch_model.bin), for eagle2")
     g.add_argument("--vq", help="Chameleon / Anole folders: the folder with vqgan.yaml and vqgan.ckpt (default: "
                                 "<model>/tokenizer, <model> or <model>/../tokenizer, where they are)")
+    g.add_argument("--proximity", help="Chameleon / Anole folders: LANTERN's Anole proximity table "
+                                       "(top_8191_indices.npy) for the relaxed methods (default: computed from the "
+                                       "VQGAN's codebook)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--profile", help="hardware profile NAME or .toml FILE: its backend, dtype, threads, the tree "
                                      "tuned for this batch width, and for --method auto its calibration")

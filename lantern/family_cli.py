@@ -26,8 +26,8 @@ RELAXED = ("lantern", "lantern++", "mc-sjd-relaxed")  # methods that read a prox
 
 def needs_vq(args) -> bool:
     """Whether this request needs the model's VQ: to write images, or (Chameleon) for the codebook's proximity
-    table that relaxed acceptance reads."""
-    return not args.no_images or args.method in RELAXED
+    table that relaxed acceptance reads when no --proximity table is given."""
+    return not args.no_images or (args.method in RELAXED and args.proximity is None)
 
 
 def check_family_request(args) -> list[str]:
@@ -56,6 +56,12 @@ def check_family_request(args) -> list[str]:
         from transformers import ChameleonConfig
         from lantern.models.anole_drafter import check_anole_drafter
         check_anole_drafter(Path(args.drafter), ChameleonConfig.from_pretrained(args.model))
+    if args.proximity is not None and info.family != "chameleon":
+        raise UsageError(f"--proximity takes LANTERN's Anole table, for Chameleon folders; {args.model} is a "
+                         f"{info.family} model")
+    if args.proximity is not None and args.method not in RELAXED:
+        raise UsageError(f"--proximity is read by the relaxed methods ({', '.join(RELAXED)}); --method "
+                         f"{args.method} does not read it")
     get_backend(args.backend, **backend_options(args)).check_family(info.family)
     if not args.no_images:
         check_writable(Path(args.out), "--out", folder=True)
@@ -74,6 +80,7 @@ def cmd_generate_family(args) -> dict:
 
     check_method_flags(args)
     prompts = check_family_request(args)
+    lantern_table = read_family_table(args) if args.proximity is not None else None
     family = load_family(args.model, args.vq, need_vq=needs_vq(args))
     drafter = None
     if args.drafter is not None:
@@ -83,7 +90,9 @@ def cmd_generate_family(args) -> dict:
     auto = args.method == "auto"
     dcfg = None if auto else decode_config_from_args(args, family)
     table = getattr(family, "proximity_table", None)  # Chameleon: from its VQGAN's codebook
-    proximity = table() if dcfg is not None and dcfg.acceptance != "exact" and table is not None else None
+    proximity = None
+    if dcfg is not None and dcfg.acceptance != "exact":
+        proximity = lantern_table if lantern_table is not None else table() if table is not None else None
     pipes: dict = {}
 
     def pipeline(length: int) -> Pipeline:  # one per prompt length (static prefix)
@@ -120,6 +129,16 @@ def cmd_generate_family(args) -> dict:
         "plan": None if choice is None else {**choice.to_dict(), "why": choice.summary(),
                                              "measured_seconds": s["wall_seconds"]},
     }
+
+
+def read_family_table(args):
+    """--proximity: LANTERN's Anole table in code order (lantern.models.chameleon.read_lantern_table), read against
+    the folder's vocabulary map before any weights are loaded."""
+    from lantern.bundle import read_json_object
+    from lantern.models.chameleon import image_vocabulary, read_lantern_table
+    from lantern.proximity import DEFAULT_K
+    cfg = read_json_object(Path(args.model) / "config.json")
+    return read_lantern_table(args.proximity, image_vocabulary(cfg["vocabulary_map"]), DEFAULT_K)
 
 
 def choose_for_family(args, family, pipe, rows: list):
@@ -162,7 +181,8 @@ def family_info(model: str) -> dict:
         methods += ["mc-sjd-relaxed", "eagle2, lantern, lantern++ (with --drafter FOLDER: LANTERN's Anole drafter)"]
     elif info.family == "chameleon":
         methods.append("eagle2 (with --drafter FOLDER: LANTERN's Anole drafter)")
-        missing["lantern, lantern++, mc-sjd-relaxed"] = "no VQGAN found, whose codebook gives the proximity table"
+        missing["lantern, lantern++, mc-sjd-relaxed"] = ("no VQGAN found, whose codebook gives the proximity table "
+                                                          "(or give --proximity: LANTERN's Anole table)")
     else:
         missing["eagle2, lantern, lantern++"] = "no drafter for this family yet"
         missing["mc-sjd-relaxed"] = "no proximity table for this family yet"

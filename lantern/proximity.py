@@ -54,7 +54,11 @@ def compact_table(table: torch.Tensor | np.ndarray, vocab: int, k: int | None = 
     if not 0 <= width <= table.shape[1]:
         raise ValueError(f"{what} holds {table.shape[1]} neighbours per code; k {width} is not in 0..{table.shape[1]}")
     part = table[:, :width]
-    part = torch.from_numpy(np.array(part)) if isinstance(part, np.ndarray) else part  # a writable copy of k columns
+    if isinstance(part, np.ndarray):
+        part = np.array(part)  # a writable copy of k columns
+        if part.dtype.kind == "u":  # LANTERN saves its tables as uint16, which torch cannot reduce
+            part = part.astype(np.int32)
+        part = torch.from_numpy(part)
     if part.is_floating_point() or part.dtype == torch.bool:
         raise ValueError(f"{what} holds {part.dtype} values; expected integer code ids")
     if part.numel() and (int(part.min()) < 0 or int(part.max()) >= vocab):

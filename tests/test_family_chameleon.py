@@ -542,3 +542,47 @@ def test_relaxed_methods_read_the_vqgan_codebook_proximity(anole, drafted, tmp_p
                  "--no-images"]) == 2
     assert "no VQGAN found" in capsys.readouterr().err
 
+
+def lantern_layout(table_by_code: torch.Tensor, bpe: torch.Tensor) -> np.ndarray:
+    """A code-order table in the layout LANTERN's Anole code reads (uint16, as LANTERN saves it): row
+    `bpe(c) - offset` lists the neighbours' `bpe - offset` (offset: the first image token's id)."""
+    slot = bpe - bpe.min()
+    out = torch.empty_like(table_by_code)
+    out[slot] = slot[table_by_code]
+    return out.numpy().astype(np.uint16)
+
+
+def test_lanterns_anole_table_is_read_by_image_token_slot(anole, tmp_path, capsys):
+    """--proximity reads LANTERN's table by BPE id - offset and maps it to code order: the neighbourhoods of the
+    VQGAN's codebook come back exactly (reading its rows as codes would not), and a relaxed method run from it
+    on a folder without its VQGAN emits what the codebook's own table gives."""
+    from lantern.models.chameleon import read_lantern_table
+    from lantern.proximity import build_proximity_table
+    folder, _, family = anole
+    bpe = family.bpe_of_code
+    by_code = build_proximity_table(load_vqgan(folder / "tokenizer").quantize.embedding.weight.detach(), 23).long()
+    np.save(tmp_path / "top_23_indices.npy", lantern_layout(by_code, bpe))
+    got = read_lantern_table(tmp_path / "top_23_indices.npy", bpe, 1000)
+    assert got.shape == (24, 23) and torch.equal(got.long(), by_code)
+    assert not torch.equal(torch.from_numpy(lantern_layout(by_code, bpe).astype(np.int64)), by_code)  # rows != codes
+    no_vq = bad_copy(folder, tmp_path, drop=("tokenizer",))
+    runs = []
+    for model, extra in ((folder, []), (no_vq, ["--proximity", str(tmp_path / "top_23_indices.npy")])):
+        code = main(["generate", "--model", str(model), "--prompt", PROMPT, "--method", "mc-sjd-relaxed", "--window",
+                     "4", "--k", "3", "--seed", "3", *extra, "--no-images", "--json"])
+        assert code == 0
+        runs.append(json.loads(capsys.readouterr().out)["tokens"])
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("table, method, expect", [
+    (np.zeros((10, 9), np.uint16), "mc-sjd-relaxed", "has shape (10, 9); expected (24, k)"),
+    (np.full((24, 23), 24, np.uint16), "mc-sjd-relaxed", "holds ids in [24, 24]; allowed [0, 24)"),
+    (np.zeros((24, 23), np.float32), "mc-sjd-relaxed", "holds torch.float32 values"),
+    (np.zeros((24, 23), np.uint16), "mc-sjd", "--method mc-sjd does not read it")])
+def test_a_bad_lantern_table_exits_2_before_any_work(anole, tmp_path, capsys, table, method, expect):
+    folder = anole[0]
+    np.save(tmp_path / "t.npy", table)
+    code = main(["generate", "--model", str(folder), "--prompt", "a cat", "--method", method, "--proximity",
+                 str(tmp_path / "t.npy"), "--out", str(tmp_path / "out")])
+    assert code == 2 and expect in capsys.readouterr().err and not (tmp_path / "out").exists()

@@ -30,6 +30,21 @@ def test_index_dtype_holds_every_id():
         compact_table(torch.zeros(3, 1), 3)
 
 
+def test_lanterns_uint16_npy_reads_as_its_ids(tmp_path):
+    """LANTERN saves its tables as uint16 (generate_codebook.py), a type torch cannot reduce: read, checked, same ids."""
+    import numpy as np
+
+    from lantern.proximity import read_npy_table
+    table = np.random.default_rng(0).integers(0, 50, (50, 7)).astype(np.uint16)
+    np.save(tmp_path / "t.npy", table)
+    got = read_npy_table(tmp_path / "t.npy", 50, 5)
+    assert got.dtype == torch.int16 and torch.equal(got.long(), torch.from_numpy(table[:, :5].astype(np.int64)))
+    table[3, 2] = 40000  # beyond int16 as well as the vocabulary
+    np.save(tmp_path / "t.npy", table)
+    with pytest.raises(ValueError, match=r"ids in \[0, 40000\]; allowed \[0, 50\)"):
+        read_npy_table(tmp_path / "t.npy", 50, 5)
+
+
 @pytest.mark.parametrize("method,overrides", [("lantern", dict(k=8)), ("lantern++", dict(k=8, form="paper")),
                                               ("mc-sjd-relaxed", dict(k=8, window=4))])
 def test_relaxed_acceptance_is_unchanged_by_the_table_type(tiny, method, overrides):

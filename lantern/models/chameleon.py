@@ -187,6 +187,29 @@ def image_grid(vq_config) -> int:
     return get("resolution") // 2 ** (len(get("channel_multiplier")) - 1)
 
 
+def read_lantern_table(path: str | Path, bpe_of_code: torch.Tensor, k: int) -> torch.Tensor:
+    """LANTERN's Anole proximity table (`top_8191_indices.npy`) -> (V, k) neighbour codes in code order.
+
+    LANTERN's Anole code reads the table by image-token slot, the BPE id less the first image token's id (its
+    `image_token_offset`, 4 in Anole's vocabulary): row `bpe - offset` lists neighbours as slots, `slot + offset`
+    being their BPE tokens. Here a code c reads row bpe_of_code[c] - offset and each neighbour slot becomes the code
+    whose BPE token it names, so relaxed acceptance over codes sees the neighbourhoods LANTERN's acceptance sees.
+    ValueError (naming the file) for a table that is not (V, K) integers in [0, V), or a vocabulary whose image
+    tokens are not one contiguous block of ids (no slot order to read)."""
+    from lantern.proximity import index_dtype, read_npy_table
+    v = len(bpe_of_code)
+    offset = int(bpe_of_code.min())
+    if int(bpe_of_code.max()) - offset != v - 1:
+        raise ValueError(f"proximity table {path}: the vocabulary's {v} image tokens are not contiguous ids "
+                         f"({offset}..{int(bpe_of_code.max())}), so a table indexed by image-token slot cannot be "
+                         f"read")
+    table = read_npy_table(path, v, k).long()  # (V, k) slots, checked in [0, V)
+    slot_of_code = bpe_of_code - offset
+    code_of_slot = torch.empty_like(slot_of_code)
+    code_of_slot[slot_of_code] = torch.arange(v)
+    return code_of_slot[table[slot_of_code]].to(index_dtype(v)).contiguous()
+
+
 def check_config(cfg: dict, cfg_path: Path) -> tuple[int, int]:
     """A chameleon config.json -> (image vocabulary, image tokens); ValueError naming what is missing."""
     vocab_map = cfg.get("vocabulary_map")
@@ -258,7 +281,8 @@ class ChameleonFamily:
             if need_vq:
                 raise ValueError(f"{root}: no VQGAN found (vqgan.yaml and vqgan.ckpt in {root}/tokenizer, {root} or "
                                  f"{root.parent}/tokenizer): give --vq FOLDER, or --no-images for tokens only (and "
-                                 f"no relaxed method: its proximity table comes from the VQGAN's codebook)")
+                                 f"for a relaxed method --proximity: its table comes from the VQGAN's codebook "
+                                 f"otherwise)")
             return None
         check_vqgan_folder(folder, info.image_vocab, image_grid(cfg["vq_config"]))
         return folder

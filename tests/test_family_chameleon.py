@@ -305,6 +305,10 @@ def no_image_tokens(cfg):
     (lambda cfg: cfg["vocabulary_map"].pop("<racm3:break>"), (), [], "lacks <racm3:break>"),
     (None, ("tokenizer",), [], "no VQGAN found"),
     (None, ("tokenizer.json", "tokenizer_config.json"), ["--no-images"], "no tokenizer"),
+    (lambda cfg: cfg.update(architectures=["ChameleonXLLMXForConditionalGeneration"]), (), [],
+     "is a Lumina-mGPT model (architectures ChameleonXLLMXForConditionalGeneration)"),
+    (lambda cfg: cfg.update(z_loss_weight=1e-5, mask_image_logits=True), (), [],
+     "is a Lumina-mGPT model (z_loss_weight, mask_image_logits)"),
 ])
 def test_bad_folders_exit_2_naming_what_is_missing_before_any_work(anole, tmp_path, capsys, edit, drop, args,
                                                                    names):

@@ -1,5 +1,6 @@
-"""Chameleon-family targets (Anole; Lumina-mGPT shares the layout): transformers' `ChameleonForConditionalGeneration`
-from a local folder, generating images.
+"""Chameleon-family targets (Anole, Chameleon; Lumina-mGPT shares the architecture but not the image stream, and is
+refused: `check_not_lumina`): transformers' `ChameleonForConditionalGeneration` from a local folder, generating
+images.
 
 Chameleon's image tokens live inside its 65536-token vocabulary: the BPE tokens named `IMGIMG<code>Z` (transformers'
 ChameleonImageVocabularyMapping) stand for the VQGAN codes 0..8191. lantern's tokens are those codes: `embed_tokens`
@@ -210,8 +211,26 @@ def read_lantern_table(path: str | Path, bpe_of_code: torch.Tensor, k: int) -> t
     return code_of_slot[table[slot_of_code]].to(index_dtype(v)).contiguous()
 
 
+LUMINA_ARCHITECTURE = "ChameleonXLLMXForConditionalGeneration"  # what Lumina-mGPT's save_pretrained writes
+LUMINA_KEYS = ("z_loss_weight", "mask_image_logits")  # fields only Lumina-mGPT's config classes carry
+
+
+def check_not_lumina(cfg: dict, cfg_path: Path) -> None:
+    """ValueError for a Lumina-mGPT config.json (its architecture or its config class's own fields): its image stream
+    is not Anole's, so Anole's prompt and token layout would generate the wrong sequence."""
+    marks = [f"architectures {LUMINA_ARCHITECTURE}"] if LUMINA_ARCHITECTURE in (cfg.get("architectures") or []) else []
+    marks += [key for key in LUMINA_KEYS if key in cfg]
+    if marks:
+        raise ValueError(f"{cfg_path} is a Lumina-mGPT model ({', '.join(marks)}): lantern runs Anole's image layout, "
+                         f"and Lumina-mGPT generates its own (its chat template, <racm3:break> and two resolution "
+                         f"tokens, a new-line token after every row of codes, CFG against the sequence from "
+                         f"<racm3:break> on), which lantern does not run yet")
+
+
 def check_config(cfg: dict, cfg_path: Path) -> tuple[int, int]:
-    """A chameleon config.json -> (image vocabulary, image tokens); ValueError naming what is missing."""
+    """A chameleon config.json -> (image vocabulary, image tokens); ValueError naming what is missing (or that it is
+    a Lumina-mGPT model, whose layout lantern does not run)."""
+    check_not_lumina(cfg, cfg_path)
     vocab_map = cfg.get("vocabulary_map")
     if not isinstance(vocab_map, dict):
         raise ValueError(f"{cfg_path} has no image vocabulary: vocabulary_map is missing (Chameleon finds its "

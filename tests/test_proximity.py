@@ -31,7 +31,7 @@ def test_index_dtype_holds_every_id():
 
 
 def test_lanterns_uint16_npy_reads_as_its_ids(tmp_path):
-    """LANTERN saves its tables as uint16 (generate_codebook.py), a type torch cannot reduce: read, checked, same ids."""
+    """LANTERN saves its tables as uint16 (generate_codebook.py), which torch cannot reduce: read, checked, same ids."""
     import numpy as np
 
     from lantern.proximity import read_npy_table

@@ -7,8 +7,9 @@ Position convention: the pair (f_t, x_{t+1}) sits at x_{t+1}'s sequence position
 drafter's guess of f_{t+1}, whose logits predict x_{t+2}. (LANTERN's drafters put the same pair at position
 one lower in a RoPE table with one prefix row fewer: the same rotation.)
 Where the drafter's cache starts: lantern's drafters at the first image token (the pair (f_{P-1}, x_P)); a drafter
-that `reads_prefix` also holds the condition prefix's pairs (f_i, token 0) for i < P-1, fed once at prefill
-(LANTERN's t2i drafters: LANTERN pads their input ids with zeros over the caption and masks nothing).
+that `reads_prefix` also holds the condition prefix's pairs (f_i, its `prefix_tokens`) for i < P-1, fed once at
+prefill (LANTERN's t2i drafters: token 0, as LANTERN pads their input ids with zeros over the caption and masks
+nothing; LANTERN's Anole drafter, lantern.models.anole_drafter: the next prompt token).
 """
 from __future__ import annotations
 

@@ -482,6 +482,19 @@ def test_greedy_eagle2_with_the_drafter_equals_the_reference_cfg_loop(anole, dra
     assert torch.equal(result.tokens, hf_greedy(family, hf, rows, 3.0))
 
 
+def test_cpu_graph_runs_the_drafter_with_its_prompt_pairs_token_for_token(anole, drafted):
+    """The drafter's hidden prefix slots reach graph steps too; a fused step, which would bypass the engine's mask
+    of the unconditional row's padding, is declined and says why."""
+    _, hf, family = anole
+    rows = family.prompt_rows(PROMPT)
+    dcfg = method_preset("eagle2", SamplingConfig(greedy=True, cfg_scale=3.0), dynamic_depth=3, dynamic_top_k=3,
+                         dynamic_total=8)
+    pipe = Pipeline(family.target(rows.shape[1]), drafted[2], backend="cpu-graph", compiler="eager", fused_step=True)
+    result = pipe.generate(rows, dcfg, batch=1)
+    assert torch.equal(result.tokens, hf_greedy(family, hf, rows, 3.0))
+    assert "padded prompt rows" in result.profile["not_fused"] and result.profile["step"] == "per-module graphs"
+
+
 def test_eagle2_sampling_with_the_drafter_reproduces_the_ar_distribution(flat, tmp_path):
     """Exact speculative sampling over the drafter's dynamic tree, CFG + warping, on the 2x2 Anole."""
     pipe, rows, expected, hf = flat

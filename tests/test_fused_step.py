@@ -151,8 +151,8 @@ def test_a_fused_step_is_the_default_off_and_text_to_image_says_why_not(small):
     runner = Pipeline(*models, backend="cpu-graph", compiler="eager").runner(decode("ar", True), 1)
     assert not runner.fused and runner.profile()["step"] == "per-module graphs"
     from lantern.backends.torch_graph import fusable
-    t2i = type("Config", (), {"model_type": "t2i"})()
-    assert "caption mask" in fusable(runner.spec, t2i) and fusable(runner.spec, models[0].config) is None
+    t2i = type("Target", (), {"config": type("Config", (), {"model_type": "t2i"})()})()
+    assert "caption mask" in fusable(runner.spec, t2i) and fusable(runner.spec, models[0]) is None
 
 
 class FakeCUDA:

@@ -89,8 +89,8 @@ class HPURunner(CapturedRunner):
     def __init__(self, target, drafter, spec: StaticSpec, device: torch.device, core: ModuleType,
                  hpu: ModuleType, autocast: bool = False, fused: bool = False):
         self.core, self.hpu, self.autocast = core, hpu, autocast
-        self.fused = fused and fusable(spec, target.config) is None
-        self.not_fused = fusable(spec, target.config) if fused else None
+        self.fused = fused and fusable(spec, target) is None
+        self.not_fused = fusable(spec, target) if fused else None
         super().__init__(target, drafter, spec, device)
 
     def wrap_step(self, name, module):

@@ -55,11 +55,15 @@ def as_inference(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(t if t.is_inference() else t.clone() for t in tensors)
 
 
-def fusable(spec: StaticSpec, model_config) -> Optional[str]:
-    """Why the engine's step cannot run as one graph on a runner of this shape and model (None: it can)."""
-    if model_config.model_type == "t2i":
+def fusable(spec: Optional[StaticSpec], target) -> Optional[str]:
+    """Why the engine's step cannot run as one graph on a runner of this shape and target (None: it can)."""
+    if target.config.model_type == "t2i":
         return ("text-to-image: the caption mask is rebuilt on the host at each refill (lantern.caption_mask), "
                 "so its steps keep one graph per static step")
+    if getattr(target, "prefix_visible", None) is not None:
+        return ("padded prompt rows (Chameleon's unconditional row): the engine hides the padding in a runner "
+                "wrapper (lantern.caption_mask) that one fused graph would bypass, so its steps keep one graph per "
+                "static step")
     return None
 
 
@@ -216,8 +220,8 @@ class CompiledRunner(CapturedRunner):
     def __init__(self, target, drafter, spec: StaticSpec, device: torch.device,
                  compiler: Union[str, Callable] = "inductor", mode: Optional[str] = None, fused: bool = False):
         self.compiler, self.mode = compiler, mode
-        self.fused = fused and fusable(spec, target.config) is None
-        self.not_fused = fusable(spec, target.config) if fused else None  # why a fused step was not possible
+        self.fused = fused and fusable(spec, target) is None
+        self.not_fused = fusable(spec, target) if fused else None  # why a fused step was not possible
         self.capture_kind = f"torch.compile(backend={getattr(compiler, '__name__', compiler)!s}, mode={mode})"
         self._compiled_steps: dict = {}
         # reduce-overhead (CUDA graphs) replays into the same output buffers, so the next replay overwrites them

@@ -285,7 +285,7 @@ def choose_backend(make_pipe: Callable[..., object], n_images: int, sampling: Sa
     from lantern.backends.torch_graph import fusable
     for name in names[1:]:
         backend, backend_options = backend_of(name)
-        not_fusable = backend_options.get("fused_step") and fusable(None, base_pipe.config)
+        not_fusable = backend_options.get("fused_step") and fusable(None, base_pipe.target)
         if not_fusable:  # its runners would keep per-module graphs: the compiled mode, weighed already
             rows.append(mode_row(name, status=f"unavailable: {not_fusable}"))
             continue

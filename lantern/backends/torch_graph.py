@@ -20,7 +20,6 @@ from abc import abstractmethod
 from typing import Callable, Optional, Union
 
 import torch
-import torch._dynamo
 
 from lantern.backends.base import Runner, StaticSpec, StepOutput, run_every_static_step, run_prefill
 from lantern.backends.torch_eager import CPUBackend, CUDABackend, TorchRunner
@@ -39,6 +38,7 @@ def check_width(step: str, width: int, widths: tuple[int, ...]) -> None:
 @contextlib.contextmanager
 def recompile_limit_at_least(limit: int):
     """Dynamo's process-wide recompile limit raised to `limit` inside the block only."""
+    import torch._dynamo  # here, not at the top: importing dynamo costs seconds that eager-only commands skip
     config = torch._dynamo.config
     old = config.cache_size_limit  # torch 2.4's name; newer torch keeps it as an alias of recompile_limit
     config.cache_size_limit = max(old, limit)

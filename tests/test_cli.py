@@ -43,11 +43,12 @@ def test_speculative_generate_reports_acceptance(tmp_path):
     (["--backend", "tpu"], 2, "unknown backend 'tpu'"),
     (["--dtype", "fp8"], 2, "dtype 'fp8' is not supported"),
 ])
-def test_bad_input_exits_2_and_writes_nothing(tmp_path, args, code, message):
+def test_bad_input_exits_2_and_writes_nothing(tmp_path, capsys, args, code, message):
+    """In process (a subprocess's exit code 2 is checked by test_unwritable_output_is_found_before_generation)."""
+    from lantern.cli import main
     out_dir = tmp_path / "out"
-    r = lantern("generate", "--out", str(out_dir), "--json", *args)
-    assert r.returncode == code, r.stderr
-    assert message in json.loads(r.stdout)["error"]
+    assert main(["generate", "--out", str(out_dir), "--json", *args]) == code
+    assert message in json.loads(capsys.readouterr().out)["error"]
     assert not out_dir.exists()
 
 
@@ -113,21 +114,23 @@ def test_fused_step_is_a_graph_backend_option(capsys):
     assert backend_options(args) == {"fused_step": True}
 
 
-def test_unwritable_output_is_found_before_generation(tmp_path):
+def test_unwritable_output_is_found_before_generation(tmp_path, capsys):
     """--out under a file, or on a file system that refuses writes: exit 2 at once (no model is loaded, so this
-    takes well under the seconds a generation would), nothing written."""
+    takes well under the seconds a generation would), nothing written. The first case runs as a user runs it (a
+    process of its own, its exit code the shell's); the others in process."""
+    from lantern.cli import main
     blocker = tmp_path / "file"
     blocker.write_text("x")
     r = lantern("generate", "--classes", "1", "--out", str(blocker / "out"), "--json")
     assert r.returncode == 2 and f"{blocker} is a file, not a folder" in json.loads(r.stdout)["error"]
     assert blocker.read_text() == "x" and sorted(p.name for p in tmp_path.iterdir()) == ["file"]
-    r = lantern("generate", "--out", str(blocker), "--json")
-    assert r.returncode == 2 and "exists and is not a folder" in json.loads(r.stdout)["error"]
+    assert main(["generate", "--out", str(blocker), "--json"]) == 2
+    assert "exists and is not a folder" in json.loads(capsys.readouterr().out)["error"]
     read_only = tmp_path / "ro"
     read_only.mkdir(mode=0o555)
     unwritable = read_only if os.geteuid() != 0 else "/sys/lantern-out"  # root writes through mode bits
-    r = lantern("generate", "--out", os.path.join(unwritable, "out"), "--json")
-    assert r.returncode == 2 and "is not writable" in json.loads(r.stdout)["error"]
+    assert main(["generate", "--out", os.path.join(unwritable, "out"), "--json"]) == 2
+    assert "is not writable" in json.loads(capsys.readouterr().out)["error"]
     assert not any(read_only.iterdir())
 
 
@@ -150,8 +153,9 @@ def test_unavailable_backend_exits_3():
     assert r.returncode == 3 and json.loads(r.stdout)["error"].startswith("cuda: ")
 
 
-def test_bad_tree_file_is_named(tmp_path):
+def test_bad_tree_file_is_named(tmp_path, capsys):
+    from lantern.cli import main
     tree = tmp_path / "tree.json"
     tree.write_text("[[0], [0, 0, 0]]")
-    r = lantern("generate", "--method", "lantern++", "--drafting", str(tree), "--json")
-    assert r.returncode == 2 and "not prefix-closed" in json.loads(r.stdout)["error"]
+    assert main(["generate", "--method", "lantern++", "--drafting", str(tree), "--json"]) == 2
+    assert "not prefix-closed" in json.loads(capsys.readouterr().out)["error"]

@@ -80,13 +80,15 @@ def run_cli(*args, env=None):
     return subprocess.run([sys.executable, "-m", "lantern.cli", *args], capture_output=True, text=True, env=env)
 
 
-def test_cli_backends_json_and_exit_codes(monkeypatch):
-    import os
+def test_cli_backends_json_and_exit_codes(monkeypatch, capsys):
+    """The listing as a user runs it (a process of its own); the refused $LANTERN_BACKEND in process."""
+    from lantern.cli import main
     ok = run_cli("backends", "--json")
     assert ok.returncode == 0
     out = json.loads(ok.stdout)
     assert {row["name"] for row in out["backends"]} >= {"cpu", "cuda"}
     cpu = next(r for r in out["backends"] if r["name"] == "cpu")
     assert cpu["available"] and cpu["device"] == "cpu" and "fp32" in cpu["dtypes"]
-    bad = run_cli("backends", "--json", env={**os.environ, "LANTERN_BACKEND": "nope"})
-    assert bad.returncode == 2 and "unknown backend 'nope'" in json.loads(bad.stdout)["error"]
+    monkeypatch.setenv("LANTERN_BACKEND", "nope")
+    assert main(["backends", "--json"]) == 2
+    assert "unknown backend 'nope'" in json.loads(capsys.readouterr().out)["error"]

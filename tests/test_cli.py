@@ -15,24 +15,28 @@ def lantern(*args, env=None):
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
-def test_generate_json_reports_every_field_and_same_seed_same_tokens(tmp_path):
-    runs = [lantern("generate", "--classes", "3", "5", "--method", "ar", "--seed", "11", "--out", str(tmp_path / d),
-                    "--json") for d in ("a", "b")]
-    outs = [json.loads(r.stdout) for r in runs]
-    assert all(r.returncode == 0 for r in runs)
+def test_generate_json_reports_every_field_and_same_seed_same_tokens(tmp_path, capsys):
+    """The first run as a user runs it (a process of its own), the second in process."""
+    from lantern.cli import main
+    argv = ["generate", "--classes", "3", "5", "--method", "ar", "--seed", "11", "--json", "--out"]
+    first = lantern(*argv, str(tmp_path / "a"))
+    assert first.returncode == 0 and main(argv + [str(tmp_path / "b")]) == 0
+    outs = [json.loads(first.stdout), json.loads(capsys.readouterr().out)]
     assert FIELDS <= set(outs[0])
     assert outs[0]["tokens"] == outs[1]["tokens"] and len(outs[0]["tokens"]) == 2
     assert outs[0]["backend"] == "cpu" and outs[0]["num_tokens"] == 512
     assert all(os.path.isfile(p) for p in outs[0]["image_paths"] + [outs[0]["grid_path"]])
 
 
-def test_speculative_generate_reports_acceptance(tmp_path):
+def test_speculative_generate_reports_acceptance(tmp_path, capsys):
+    from lantern.cli import main
     r = lantern("generate", "--classes", "1", "--method", "lantern++", "--drafting", "chain-5", "--lam", "1",
                 "--greedy", "--no-images", "--json")
     out = json.loads(r.stdout)
     assert r.returncode == 0 and out["mean_accepted_length"] > 1.0  # the trained drafter gets tokens accepted
     assert out["target_forwards"] < 256 and set(out["phase_seconds"]) >= {"draft", "verify", "accept", "commit"}
-    ar = json.loads(lantern("generate", "--classes", "1", "--method", "ar", "--greedy", "--no-images", "--json").stdout)
+    assert main(["generate", "--classes", "1", "--method", "ar", "--greedy", "--no-images", "--json"]) == 0
+    ar = json.loads(capsys.readouterr().out)  # in process
     assert ar["tokens"] == out["tokens"]  # greedy + exact acceptance is lossless
 
 

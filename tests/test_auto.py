@@ -374,21 +374,27 @@ def test_generate_auto_runs_the_plan_it_reports(tiny):
         Pipeline(target, drafter, proximity, backend="cpu").generate([1], "auto")
 
 
-def test_cli_reports_the_plan_and_says_it_calibrates(tmp_path, monkeypatch):
+def test_cli_reports_the_plan_and_says_it_calibrates(tmp_path, monkeypatch, capsys):
     """The embedded model (it ships its acceptance record), its calibration seeded by the test for every plan but
-    one (MC-SJD L=16 made cheapest, so the choice is known): the first run calibrates that one plan, says so on
-    stderr and reports the plan with its prediction and the measured wall time; the second run measures nothing."""
+    one (MC-SJD L=16 made cheapest, so the choice is known): the first run (a process of its own) calibrates that
+    one plan, says so on stderr and reports the plan with its prediction and the measured wall time; the second
+    run (in process) measures nothing."""
     from lantern.bundle import load_bundle
+    from lantern.cli import main
     bundle = load_bundle()
-    monkeypatch.setenv("LANTERN_CACHE_DIR", str(tmp_path / "cache"))  # the subprocesses inherit it
+    monkeypatch.setenv("LANTERN_CACHE_DIR", str(tmp_path / "cache"))  # the subprocess inherits it
+    monkeypatch.setenv("LANTERN_BACKEND", "")
     seed_calibration(Pipeline.from_bundle(bundle, backend="cpu"), 1, {"mc-sjd/L16": 1.0}, skip="mc-sjd/L4",
                      validated=bundle.relaxation_defaults)
-    runs = [lantern("generate", "--classes", "3", "--no-images", "--json", env={"LANTERN_BACKEND": ""})
-            for _ in range(2)]
-    assert all(r.returncode == 0 for r in runs), runs[0].stderr
-    first, second = (json.loads(r.stdout) for r in runs)
-    assert "calibrating 1 plan(s) on cpu (fp32) at 1 image(s) per step" in runs[0].stderr
-    assert "calibrating" not in runs[1].stderr and "measuring the acceptance" not in runs[0].stderr
+    argv = ["generate", "--classes", "3", "--no-images", "--json"]
+    run = lantern(*argv)
+    assert run.returncode == 0, run.stderr
+    capsys.readouterr()
+    assert main(argv) == 0
+    again = capsys.readouterr()
+    first, second = json.loads(run.stdout), json.loads(again.out)
+    assert "calibrating 1 plan(s) on cpu (fp32) at 1 image(s) per step" in run.stderr
+    assert "calibrating" not in again.err and "measuring the acceptance" not in run.stderr
     plan = first["plan"]
     assert first["mode"] == "auto" and plan["plan"] == "mc-sjd/L16" and plan["batch"] == 1
     assert plan["calibration_seconds"] > 0 and plan["measured_seconds"] == first["wall_seconds"]

@@ -45,3 +45,21 @@ def private_cache(tmp_path_factory):
     mp.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("lantern-cache")))
     yield
     mp.undo()
+
+
+# The modules that take longest, longest first. CI hands whole modules to its two xdist workers (--dist loadscope):
+# a long module handed out last keeps one worker busy while the other has nothing left, so these go out first and
+# the short ones fill in at the end. A name missing here only costs balance, never a test.
+LONGEST_FIRST = ("test_speculative", "test_graph_mode", "test_fused_step", "test_cli", "test_faults_processes",
+                 "test_engine", "test_jacobi", "test_backend_onnx", "test_auto", "test_training_pipeline",
+                 "test_family_chameleon", "test_models_doc", "test_serve_ray")
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # xdist would reorder modules by their number of tests
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.module.__name__ if item.module else "", len(rank)))

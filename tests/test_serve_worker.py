@@ -23,6 +23,11 @@ class ScriptedEngine:
     def __init__(self, pipeline, decode, width, runner=None):
         self.decode, self.width, self.runner = decode, width, runner
         self.queue, self.held = [], {}
+        self.warmed = False
+
+    def warm_up(self):
+        assert not (self.queue or self.held), "warmed up while it had work"
+        self.warmed = True
 
     @property
     def busy(self):
@@ -121,6 +126,7 @@ def test_new_images_take_the_narrowest_width_that_fits_the_load_and_never_move(m
     w = make_worker(max_engines=1, steps=60, widths=(1, 4))
     ar = EngineKey("ar")
     assert sorted(w._engines[ar]) == [1, 4]  # the default ladder is built before ready
+    assert all(e.warmed for e in w._engines[ar].values())  # and warmed up (a fused step compiles then)
     alone = submit(w, ar, 1, "alone")  # load 1: the width-1 engine
     deadline = time.monotonic() + WAIT_S
     while w._engines[ar][1].busy == 0 and time.monotonic() < deadline:

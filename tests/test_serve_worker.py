@@ -144,6 +144,22 @@ def test_new_images_take_the_narrowest_width_that_fits_the_load_and_never_move(m
     assert w.outstanding == 0
 
 
+def test_a_burst_arriving_during_a_step_is_placed_by_its_whole_load(make_worker):
+    """Requests that arrive while the worker steps are placed together: with one image in flight, four more
+    arriving at once fit width 16 only, so all four go there (one at a time they would split: 4, 4, 4, 16)."""
+    w = make_worker(max_engines=1, steps=400, widths=(1, 4, 16))
+    ar = EngineKey("ar")
+    first = submit(w, ar, 1, "first")
+    deadline = time.monotonic() + WAIT_S
+    while w._engines[ar][1].busy == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    with w.pipeline.lock:  # the worker waits for it at its next step; the burst queues meanwhile
+        time.sleep(0.05)
+        burst = [submit(w, ar, 1, f"burst{i}")[0] for i in range(4)]
+    assert [f.result(WAIT_S).width for f in burst] == [16] * 4
+    assert first[0].result(WAIT_S).width == 1
+
+
 def test_prompts_waiting_while_the_encoder_is_busy_are_encoded_together_up_to_its_batch():
     from lantern.serve.prompts import PromptBatcher
     first_call, release, calls = threading.Event(), threading.Event(), []

@@ -22,6 +22,7 @@ already there, so each big model can run in a process of its own:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 from pathlib import Path
@@ -197,6 +198,7 @@ def main() -> None:
                              prefix=target.config.cls_token_num, image_tokens=target.config.block_size)
                 entry["curves"][dtype] = curve(backend, target, dtype, args.widths, args.warmup, args.repeats)
                 del target
+                gc.collect()  # the runners' reference cycles hold the weights: free them before the next build
                 write_results(stem, record, markdown)  # each curve as soon as it is measured
             continue
         if not todo:

@@ -6,8 +6,9 @@ actually requested, a ladder of engines, one per width (e.g. 1, 4, 16), at most 
 the default one is built and warmed up at every width before the service reports ready; another is built, in this
 thread, width by width as requests first need it (its warm-up holds up the other engines' steps meanwhile),
 replacing an idle ladder when the limit is reached. New images go to the narrowest engine of their ladder that fits
-the ladder's load (its images in flight and queued, with the new ones), so a request alone runs a width-1 step and
-a full load the widest; images already admitted never move. Each engine has a runner (KV cache) of its own. Busy
+the ladder's load (its images in flight and queued, with the new ones and every other request taken in the same
+turn, so a burst arriving during a step lands together), so a request alone runs a width-1 step and a full load the
+widest; images already admitted never move. Each engine has a runner (KV cache) of its own. Busy
 engines take turns, one step each, under the pipeline's lock (so nothing else uses its runners meanwhile); an
 engine with no work is not stepped.
 """
@@ -208,26 +209,37 @@ class EngineWorker:
         return runner
 
     def _take_commands(self, block: bool) -> None:
+        """Every command waiting: the submissions together, so that a burst of requests arriving during one step
+        is placed by its whole load, not one request at a time; then the cancellations (a request is always
+        submitted before it can be cancelled) and a stop."""
         try:
             command = self._commands.get(timeout=IDLE_POLL_S) if block else self._commands.get_nowait()
         except queue.Empty:
             return
+        taken = {"submit": [], "cancel": [], "stop": []}
         while True:
-            kind, payload = command
-            if kind == "submit":
-                self._submit(payload)
-            elif kind == "cancel":
-                self._cancel(payload)
-            else:
-                self._stopping = True
+            taken[command[0]].append(command[1])
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return
+                break
+        incoming: dict[EngineKey, int] = {}  # key -> images of these submissions not yet placed
+        for jobs in taken["submit"]:
+            incoming[jobs[0].key] = incoming.get(jobs[0].key, 0) + len(jobs)
+        for jobs in taken["submit"]:
+            self._submit(jobs, incoming)
+        for request_ids in taken["cancel"]:
+            self._cancel(request_ids)
+        if taken["stop"]:
+            self._stopping = True
 
-    def _submit(self, jobs: list[Job]) -> None:
+    def _submit(self, jobs: list[Job], incoming: dict) -> None:
         """One request's images: they go together to the narrowest engine of their key's ladder that fits the
-        ladder's load with them."""
+        ladder's load with them and with the other requests' images arriving now (`incoming`: key -> images not
+        yet placed, these included)."""
+        key = jobs[0].key
+        arriving = incoming[key]
+        incoming[key] -= len(jobs)
         live = []
         for job in jobs:
             if job.future.set_running_or_notify_cancel():
@@ -236,7 +248,7 @@ class EngineWorker:
                 self._resolve(job)
         if not live:
             return
-        width = fitting_width(self.widths, self.load(live[0].key) + len(live))
+        width = fitting_width(self.widths, self.load(key) + arriving)
         for job in live:
             job.width = width
             try:

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine_recording import first_step_seen
 from chameleon_fixtures import BOI, BOS, EOT, PAD, make_chameleon_folder, write_anole_drafter, write_vqgan
 from lantern.api import Pipeline
 from lantern.backends import get_backend
@@ -402,28 +403,12 @@ def test_the_anole_drafter_over_the_static_cache_equals_the_reference(anole, dra
 def anole_engine_drafts(family, drafter, rows):
     """One engine step of EAGLE-2 (greedy, CFG 3) on the cpu backend for one prompt row -> the prefill's features
     (2, P, D) and every drafter call's (inputs, logits) in order."""
-    from lantern.engine import Engine, Request
+    from lantern.engine import Engine
 
     pipe = Pipeline(family.target(rows.shape[1]), drafter, backend="cpu")
     engine = Engine(pipe, method_preset("eagle2", SamplingConfig(greedy=True, cfg_scale=3.0), dynamic_depth=2,
                                         dynamic_top_k=3, dynamic_total=6), 1)
-    runner, seen = engine.runner, {"drafts": []}
-    prefill, draft = runner.prefill, runner.draft
-
-    def record_prefill(cond, mask):
-        out = prefill(cond, mask)
-        seen["features"] = out.hidden.clone()
-        return out
-
-    def record_draft(*inputs):
-        out = draft(*inputs)
-        seen["drafts"].append(([x.clone() for x in inputs], out.logits.clone()))
-        return out
-
-    runner.prefill, runner.draft = record_prefill, record_draft
-    engine.submit(Request(rows[0], seed=0))
-    engine.step()
-    return seen
+    return first_step_seen(engine, rows[0])
 
 
 def test_the_anole_drafter_reads_the_prompt_as_lantern_feeds_it(anole, drafted):

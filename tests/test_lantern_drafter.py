@@ -19,6 +19,7 @@ from lantern.llamagen import read_lantern_drafter
 from lantern.models.drafter import prefix_pairs
 from lantern.models.gpt import GPT
 
+from engine_recording import first_step_seen
 from test_llamagen_import import write_lantern_drafter
 
 HIDDEN, HEADS, VOCAB = 64, 4, 64
@@ -148,27 +149,11 @@ def t2i_engine_drafts(target, drafter, captions):
     (R, P, D) and every drafter call's (inputs, logits) in order."""
     from lantern.api import Pipeline
     from lantern.decoding import SamplingConfig, method_preset
-    from lantern.engine import Engine, Request
+    from lantern.engine import Engine
 
     pipe = Pipeline(target, drafter, backend="cpu")
     engine = Engine(pipe, method_preset("eagle2", SamplingConfig(greedy=True, cfg_scale=7.5)), 1)
-    runner, seen = engine.runner, {"drafts": []}
-    prefill, draft = runner.prefill, runner.draft
-
-    def record_prefill(cond, mask):
-        out = prefill(cond, mask)
-        seen["features"] = out.hidden.clone()
-        return out
-
-    def record_draft(*inputs):
-        out = draft(*inputs)
-        seen["drafts"].append(([x.clone() for x in inputs], out.logits.clone()))
-        return out
-
-    runner.prefill, runner.draft = record_prefill, record_draft
-    engine.submit(Request(captions[0], seed=0))
-    engine.step()
-    return seen
+    return first_step_seen(engine, captions[0])
 
 
 def test_lantern_t2i_drafter_reads_the_caption_prefix_as_lantern_feeds_it(tmp_path):

@@ -67,7 +67,8 @@ class ServerThread:
 @pytest.fixture(scope="module")
 def served(bundle_dir):
     service = Service(ServeConfig(model=str(bundle_dir), method="ar", methods=("ar", "eagle2"), batch=BATCH,
-                                  queue=QUEUE, max_n=BATCH + QUEUE, timeout_s=WAIT_S, threads=1))
+                                  queue=QUEUE, max_n=BATCH + QUEUE, timeout_s=WAIT_S, threads=1,
+                                  width_hold_s=0))  # placement by the load of the moment (the hold: test_serve_worker)
     with ServerThread(service) as server:
         yield server
 

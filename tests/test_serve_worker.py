@@ -70,9 +70,9 @@ def make_worker(monkeypatch):
     pipeline = SimpleNamespace(runner=lambda dcfg, width: object(), lock=threading.RLock())
     made = []
 
-    def make(max_engines, steps=3, widths=(2,)):
+    def make(max_engines, steps=3, widths=(2,), hold_s=0.0):
         w = EngineWorker(pipeline, lambda key: ({"steps": steps}, str(key)), EngineKey("ar"), widths=widths,
-                         queue_limit=8, max_engines=max_engines, metrics=ServeMetrics())
+                         queue_limit=8, max_engines=max_engines, metrics=ServeMetrics(), hold_s=hold_s)
         w.start()
         assert w.ready.wait(WAIT_S) and w.failure is None
         made.append(w)
@@ -181,3 +181,42 @@ def test_prompts_waiting_while_the_encoder_is_busy_are_encoded_together_up_to_it
     batcher.close()
     with pytest.raises(RuntimeError, match="closed"):
         batcher.encode("e")
+
+
+def test_clients_coming_back_within_the_hold_land_on_the_width_they_left(make_worker):
+    """A load of 4 that just finished still places the next image at width 4 (its client coming back for the next
+    one); once the hold has passed with nothing in flight, a request alone runs at width 1 again."""
+    hold_s = 1.0
+    w = make_worker(max_engines=1, steps=5, widths=(1, 4, 16), hold_s=hold_s)
+    ar = EngineKey("ar")
+    assert [f.result(WAIT_S).width for f in submit(w, ar, 4, "four")] == [4] * 4
+    assert submit(w, ar, 1, "back")[0].result(WAIT_S).width == 4
+    time.sleep(hold_s + 0.2)
+    assert submit(w, ar, 1, "alone")[0].result(WAIT_S).width == 1
+    assert w.outstanding == 0
+
+
+def test_recent_load_keeps_the_highest_load_for_its_hold():
+    recent = worker_module.RecentLoad(hold_s=2.0)
+    recent.see(16, now=10.0)
+    recent.see(3, now=11.0)
+    assert recent.at(11.5) == 16  # fell within the hold: the highest still counts
+    recent.see(16, now=11.9)
+    assert recent.at(13.5) == 16  # seen again: held from then
+    assert recent.at(14.0) == 0  # nothing seen for longer than the hold
+    recent.see(2, now=14.0)
+    assert recent.at(14.0) == 2
+
+
+def test_calls_run_in_the_worker_thread_between_steps_and_inline_once_it_has_ended(make_worker):
+    w = make_worker(max_engines=1, steps=50, widths=(2,))
+    running = submit(w, EngineKey("ar"), 2, "running")
+    where = w.call(threading.current_thread).result(WAIT_S)
+    assert where is w._thread  # not the caller's, not a pool's: no torch work beside the steps
+    assert not any(f.done() for f in running)  # ran between two steps of images still in flight
+    with pytest.raises(ZeroDivisionError):
+        w.call(lambda: 1 / 0).result(WAIT_S)  # what it raised reaches the caller
+    assert all(f.result(WAIT_S).width == 2 for f in running)
+    w.stop(WAIT_S)
+    assert not w.alive
+    assert w.call(threading.current_thread).result(0) is threading.current_thread()

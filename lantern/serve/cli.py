@@ -43,6 +43,10 @@ def add_serve_command(subparsers) -> None:
     s.add_argument("--widths", help="comma-separated static widths prepared per engine, up to --batch (always "
                                     "included); new requests take the narrowest that fits the load (default: 1, 4, "
                                     "16, ... below --batch)")
+    s.add_argument("--width-hold", type=number(float, 0), default=d.width_hold_s,
+                   help=f"seconds a width's load still places new requests after it fell, so clients coming back "
+                        f"for their next image stay on the width they left (default {d.width_hold_s:g}; 0: the load "
+                        f"of the moment only)")
     s.add_argument("--threads", type=number(int, 1), help="intra-op threads of the steps (torch CPU modes, ONNX "
                                                           "Runtime; default: the physical cores)")
     s.add_argument("--plan-images", type=number(int, 1), default=d.plan_images,
@@ -76,6 +80,7 @@ def config_from_args(args):
     return ServeConfig(model=args.model, backend=args.backend, dtype=args.dtype, method=args.method,
                        methods=methods, allow_relaxed=args.allow_relaxed, batch=args.batch,
                        widths=None if args.widths is None else parse_widths(args.widths), threads=args.threads,
+                       width_hold_s=args.width_hold,
                        plan_images=args.plan_images, t5=args.t5, queue=args.queue,
                        timeout_s=args.timeout, max_timeout_s=args.max_timeout, max_n=args.max_n,
                        max_engines=args.max_engines, served_name=args.served_model_name,

@@ -21,6 +21,8 @@ class ServeConfig:
     allow_relaxed: bool = False  # auto may choose relaxed plans
     batch: int = DEFAULT_BATCH  # the widest engine's slots: images decoded together, one static step
     widths: Optional[tuple[int, ...]] = None  # the static widths prepared per engine (None: default_widths(batch))
+    width_hold_s: float = 1.0  # how long a ladder's highest load still places new images after it fell (clients
+    # coming back for their next image within it land on the width they left, not one by one on narrower ones)
     threads: Optional[int] = None  # intra-op threads of the steps (torch, ONNX Runtime); None: the physical cores
     t5: Optional[str] = None  # t2i bundles: the local T5 encoder folder (None: $LANTERN_T5)
     plan_images: int = 4096  # auto: the images its one-time costs (calibration, compiles) are weighed against:
@@ -42,6 +44,10 @@ class ServeConfig:
         if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
                                          or self.threads < 1):
             raise ValueError(f"threads {self.threads!r} is not allowed; allowed: an integer >= 1")
+        if isinstance(self.width_hold_s, bool) or not isinstance(self.width_hold_s, (int, float)) or not (
+                math.isfinite(self.width_hold_s) and self.width_hold_s >= 0):
+            raise ValueError(f"width_hold_s {self.width_hold_s!r} is not allowed; allowed: a finite number of seconds "
+                             f">= 0")
         for width in self.widths or ():
             if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= self.batch:
                 raise ValueError(f"widths: {width!r} is not allowed; allowed: integers in 1..{self.batch} (batch, "

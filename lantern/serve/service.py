@@ -78,7 +78,8 @@ class Service:
                               max_timeout_s=config.max_timeout_s)
         self.metrics = ServeMetrics()
         self.worker = EngineWorker(self.pipe, self._decode, EngineKey(config.method), config.ladder, config.queue,
-                                   config.max_engines, self.metrics, setup=self._setup)
+                                   config.max_engines, self.metrics, setup=self._setup,
+                                   hold_s=config.width_hold_s)
         self.draining = False
         self._choice = None  # auto's plan, made once at warm-up
         self.plan_why = ""  # what auto chose and why (its backend among them when none was pinned)
@@ -213,7 +214,8 @@ class Service:
             if not images.done():
                 images.cancel()
                 self.worker.cancel([r.request_id for r in requests])
-        pngs = await asyncio.to_thread(self._pngs, [r.tokens for r in results])
+        tokens = [r.tokens for r in results]  # to images in the worker thread: no torch beside the steps
+        pngs = await asyncio.wrap_future(self.worker.call(lambda: self._pngs(tokens)))
         return self._response(req, rid, results, pngs)
 
     async def _condition(self, req: ImageRequest):

@@ -7,8 +7,10 @@ the default one is built and warmed up at every width before the service reports
 thread, width by width as requests first need it (its warm-up holds up the other engines' steps meanwhile),
 replacing an idle ladder when the limit is reached. New images go to the narrowest engine of their ladder that fits
 the ladder's load (its images in flight and queued, with the new ones and every other request taken in the same
-turn, so a burst arriving during a step lands together), so a request alone runs a width-1 step and a full load the
-widest; images already admitted never move. Each engine has a runner (KV cache) of its own. Busy
+turn, so a burst arriving during a step lands together), or the highest load the ladder had in the last `hold_s`
+seconds if that is higher (clients that just got their images and send the next request land with the load they
+left, not one by one on narrower engines), so a request alone runs a width-1 step and a full load the widest;
+images already admitted never move. Each engine has a runner (KV cache) of its own. Busy
 engines take turns, one step each, under the pipeline's lock (so nothing else uses its runners meanwhile); an
 engine with no work is not stepped.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import traceback
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -58,6 +61,21 @@ class Job:
     width: int = 0  # the engine of the key's ladder it runs on (set when submitted to it)
 
 
+@dataclass
+class RecentLoad:
+    """A ladder's highest load (images in flight and queued) seen within the last `hold_s` seconds."""
+    hold_s: float
+    peak: int = 0
+    seen_s: float = float("-inf")  # when `peak` was last seen
+
+    def see(self, load: int, now: float) -> None:
+        if load >= self.peak or now - self.seen_s > self.hold_s:
+            self.peak, self.seen_s = load, now
+
+    def at(self, now: float) -> int:
+        return self.peak if now - self.seen_s <= self.hold_s else 0
+
+
 def fitting_width(widths: tuple[int, ...], load: int) -> int:
     """The narrowest of `widths` (ascending) with a slot for each of `load` images; the widest when none has."""
     return next((w for w in widths if w >= load), widths[-1])
@@ -66,11 +84,12 @@ def fitting_width(widths: tuple[int, ...], load: int) -> int:
 class EngineWorker:
     def __init__(self, pipeline, make_decode: Callable[[EngineKey], tuple], default: EngineKey,
                  widths: tuple[int, ...], queue_limit: int, max_engines: int, metrics: ServeMetrics,
-                 setup: Optional[Callable[[], object]] = None):
+                 setup: Optional[Callable[[], object]] = None, hold_s: float = 0.0):
         """make_decode(key) -> (DecodeConfig, what runs: the method, or auto's plan), called in the worker thread
         (auto's first call plans, and may calibrate). widths: the ladder's static widths, ascending. queue_limit:
         images that may wait for a slot beyond the widest engine's. setup(): (optional) run first in the worker
-        thread, returns the pipeline the engines run on (auto's backend choice); default: `pipeline`."""
+        thread, returns the pipeline the engines run on (auto's backend choice); default: `pipeline`. hold_s: how
+        long a ladder's load counts for placing new images after it fell (0: only the load of the moment)."""
         self.pipeline, self.make_decode, self.default, self.setup = pipeline, make_decode, default, setup
         self.widths = tuple(sorted(widths))
         self.queue_limit, self.max_engines, self.metrics = queue_limit, max_engines, metrics
@@ -80,9 +99,12 @@ class EngineWorker:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._engines: dict[EngineKey, dict[int, Engine]] = {}  # key -> width -> engine (built on first use)
         self._jobs: dict[str, Job] = {}  # request id -> job, owned by the worker thread
+        self.hold_s = hold_s
+        self._recent: dict[EngineKey, RecentLoad] = {}  # key -> its ladder's recent highest load (worker thread)
         self._outstanding = 0  # images admitted and not yet resolved
         self._lock = threading.Lock()
         self._stopping = False
+        self._closed = False  # the thread has ended: call() runs its function in the caller's thread
         self._thread = threading.Thread(target=self._run, name="lantern-engine", daemon=True)
 
     # ---- the asyncio side ----
@@ -128,6 +150,19 @@ class EngineWorker:
     def cancel(self, request_ids: list[str]) -> None:
         self._commands.put(("cancel", list(request_ids)))
 
+    def call(self, fn: Callable[[], object]) -> Future:
+        """Run fn() in the worker thread between steps; the future resolves to what it returns (or raises what it
+        raised). For work that must not run beside the steps: torch work from a second thread (turning tokens into
+        images) would contend with the steps' intra-op threads for the same cores. Once the thread has ended, fn
+        runs in the caller's thread."""
+        future: Future = Future()
+        with self._lock:
+            if not self._closed:
+                self._commands.put(("call", (fn, future)))
+                return future
+        _run_call(fn, future)
+        return future
+
     def stop(self, timeout: Optional[float] = None) -> None:
         """Finish every admitted image, then end the thread."""
         self._commands.put(("stop", None))
@@ -145,11 +180,33 @@ class EngineWorker:
         except BaseException as e:  # noqa: BLE001  reported by /ready and the serve command
             self.failure = e
             log.error("warm-up failed: %s", e, exc_info=True)
+            self._close()
             return
         finally:
             self.ready.set()
+        try:
+            self._serve()
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        """From now on call() runs in its caller's thread; the calls already queued run here."""
+        with self._lock:
+            self._closed = True
+        while True:
+            try:
+                command, payload = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command == "call":
+                _run_call(*payload)
+
+    def _serve(self) -> None:
         while not (self._stopping and not self._jobs):
             self._take_commands(block=not self._jobs)
+            now = time.monotonic()
+            for key in self._engines:
+                self._recent_load(key).see(self.load(key), now)
             for key, width, engine in self._all_engines():
                 if engine.busy or engine.waiting:
                     self._step(key, width, engine)
@@ -165,6 +222,9 @@ class EngineWorker:
     def load(self, key: EngineKey) -> int:
         """Images of `key` in flight or queued, over its ladder (worker thread)."""
         return sum(e.busy + e.waiting for e in self._engines.get(key, {}).values())
+
+    def _recent_load(self, key: EngineKey) -> RecentLoad:
+        return self._recent.setdefault(key, RecentLoad(self.hold_s))
 
     def _engine(self, key: EngineKey, width: int) -> Engine:
         """The engine for `key` at `width`, built and warmed up on first use (a new key's ladder in place of an
@@ -189,6 +249,7 @@ class EngineWorker:
 
     def _drop(self, key: EngineKey) -> None:
         """Forget a key's ladder (its runners stay with the pipeline) and its gauges."""
+        self._recent.pop(key, None)
         for width in self._engines.pop(key, {}):
             for gauge in (self.metrics.slots, self.metrics.slots_busy):
                 try:
@@ -211,12 +272,12 @@ class EngineWorker:
     def _take_commands(self, block: bool) -> None:
         """Every command waiting: the submissions together, so that a burst of requests arriving during one step
         is placed by its whole load, not one request at a time; then the cancellations (a request is always
-        submitted before it can be cancelled) and a stop."""
+        submitted before it can be cancelled), the calls and a stop."""
         try:
             command = self._commands.get(timeout=IDLE_POLL_S) if block else self._commands.get_nowait()
         except queue.Empty:
             return
-        taken = {"submit": [], "cancel": [], "stop": []}
+        taken = {"submit": [], "cancel": [], "call": [], "stop": []}
         while True:
             taken[command[0]].append(command[1])
             try:
@@ -230,13 +291,15 @@ class EngineWorker:
             self._submit(jobs, incoming)
         for request_ids in taken["cancel"]:
             self._cancel(request_ids)
+        for fn, future in taken["call"]:
+            _run_call(fn, future)
         if taken["stop"]:
             self._stopping = True
 
     def _submit(self, jobs: list[Job], incoming: dict) -> None:
         """One request's images: they go together to the narrowest engine of their key's ladder that fits the
         ladder's load with them and with the other requests' images arriving now (`incoming`: key -> images not
-        yet placed, these included)."""
+        yet placed, these included), or its recent highest load if higher."""
         key = jobs[0].key
         arriving = incoming[key]
         incoming[key] -= len(jobs)
@@ -248,7 +311,10 @@ class EngineWorker:
                 self._resolve(job)
         if not live:
             return
-        width = fitting_width(self.widths, self.load(key) + arriving)
+        load = self.load(key) + arriving
+        recent = self._recent_load(key)
+        recent.see(load, time.monotonic())
+        width = fitting_width(self.widths, max(load, recent.at(time.monotonic())))
         for job in live:
             job.width = width
             try:
@@ -302,3 +368,12 @@ class EngineWorker:
             job.future.set_exception(error)
         else:
             job.future.set_result(result)
+
+
+def _run_call(fn: Callable[[], object], future: Future) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(fn())
+    except BaseException as e:  # noqa: BLE001  the caller's to handle
+        future.set_exception(e)

@@ -3,7 +3,7 @@
 The inflated target and drafter (lantern.models.inflate) generate the embedded model's tokens, so acceptance is
 the trained model's while every forward costs what LlamaGen's does. For each shape, dtype and number of images B
 (one image per class 0..B-1, decoded together), every method runs on every mode of --modes (eager `cpu`,
-compiled `cpu-graph`; ONNX Runtime on request) and AR also on every mode of --baseline-modes (ONNX included), seeds
+compiled `cpu-graph`; the fused step and ONNX Runtime on request) and AR also on every mode of --baseline-modes (ONNX included), seeds
 in turn and methods in a rotating order, so drift of the machine falls on all alike. Each method is reported against the fastest AR of the same run (over the modes run: named in the
 table) and against AR on its own mode, with its ceiling: tokens per target forward (step compression) / verify
 cost ratio (the method's median verify over AR's median step on the same mode), the speed-up a method would
@@ -26,8 +26,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from fastest_ar import MODES, provenance, runnable_modes
-from lantern.api import Pipeline
+from fastest_ar import MODES, mode_pipeline, prepare as prepare_runner, provenance, runnable_modes
 from lantern.bundle import load_bundle
 from lantern.decoding import METHODS, SamplingConfig, method_preset
 from lantern.models.inflate import INFLATE_SHAPES, inflate_models
@@ -61,9 +60,9 @@ def setting(models, bundle, shape: str, dtype: str, n: int, modes: list[str], me
     for mode in ar_modes:
         plan.setdefault(mode, ["ar"])
     for mode, names in plan.items():
-        pipe = Pipeline(models.target, models.drafter, models.proximity, backend=MODES[mode], dtype=dtype)
+        pipe = mode_pipeline(mode, models.target, models.drafter, models.proximity, dtype)
         for m in names:  # prepare (compile, export) every runner before timing anything
-            pipe.generate(classes, configs[m], batch=n, tokens=2)
+            prepare_runner(pipe, configs[m], classes, n)
             prepare[mode, m] = pipe.prepare_seconds[next(reversed(pipe.prepare_seconds))]
         pipes[mode] = pipe
     jobs = [(mode, m) for mode, names in plan.items() for m in names]
@@ -88,7 +87,7 @@ def setting(models, bundle, shape: str, dtype: str, n: int, modes: list[str], me
         ratio = statistics.median(verify) / ar_step if verify and ar_step else None
         compression = statistics.median(r["step_compression"] for r in v)
         rows.append({
-            "shape": shape, "dtype": dtype, "images": n, "mode": mode, "backend": MODES[mode], "method": m,
+            "shape": shape, "dtype": dtype, "images": n, "mode": mode, "backend": MODES[mode][0], "method": m,
             "decode": configs[m].to_dict(), "median_s": median[mode, m], "walls": [r["wall_seconds"] for r in v],
             "fastest_ar": {"mode": fastest, "median_s": ar_by_mode[fastest]} if fastest else None,
             "speedup_vs_fastest_ar": ar_by_mode[fastest] / median[mode, m] if fastest else None,
@@ -200,7 +199,7 @@ def plot(rec: dict, path: Path) -> None:
             pts = sorted((r["images"], r["speedup_vs_fastest_ar"]) for r in rows
                          if (r["method"], r["mode"]) == (method, mode) and r["speedup_vs_fastest_ar"])
             if pts:
-                ax.plot(*zip(*pts), marker="o", ls="-" if mode == "compiled" else "--", label=f"{method} ({mode})")
+                ax.plot(*zip(*pts), marker="o", ls="-" if mode in ("compiled", "fused") else "--", label=f"{method} ({mode})")
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_title(f"{shape} {dtype}")

@@ -162,7 +162,7 @@ class Pipeline:
         """Whether the runner for this static shape is already prepared (its compile or export paid; a fused
         step's compile included)."""
         runner = self._runners.get(self.spec(dcfg, batch))
-        return runner is not None and (not getattr(runner, "fused", False) or runner.fused_warm)
+        return runner is not None and (not getattr(runner, "fused", False) or runner.fused_warm(dcfg))
 
     def _rule(self, dcfg: DecodeConfig, runner: Runner) -> Acceptance:
         """The acceptance rule of `dcfg` on the runner's device, built once and reused by every generation."""

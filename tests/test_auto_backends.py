@@ -334,14 +334,14 @@ def test_a_fused_runner_is_prepared_only_once_its_step_has_compiled(cache):
         runner = pipe.runner(ar, 1)
         spec = pipe.spec(ar, 1)
         prefill_only = pipe.prepare_seconds[spec]
-        assert runner.fused and not runner.fused_warm and not pipe.prepared(ar, 1)
+        assert runner.fused and not runner.fused_warm(ar) and not pipe.prepared(ar, 1)
         assert calibration.costs_name(pipe) == "cpu-graph" + FUSED  # its costs are not per-module graphs'
         key = calibration.calibration_key(calibration.costs_name(pipe), "fp32", pipe.model_key)
         empty = {"key": key, "widths": {}}
         assert prepare_cost(pipe, empty, AR, SamplingConfig(greedy=True), 1, "fused") == (
             PRIOR_PREPARE_S["fused"], "prior: never prepared here")
         calibration.compile_fused_step(pipe, ar, 1)
-        assert runner.fused_warm and pipe.prepared(ar, 1) and pipe.runner(ar, 1) is runner
+        assert runner.fused_warm(ar) and pipe.prepared(ar, 1) and pipe.runner(ar, 1) is runner
         assert pipe.prepare_seconds[spec] == pytest.approx(prefill_only + runner.fused_warmup_seconds)
         assert runner.fused_warmup_seconds > 0
         ledger = record_prepared(pipe, key, 1, [AR], SamplingConfig(greedy=True))

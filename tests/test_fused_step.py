@@ -103,7 +103,7 @@ def test_warm_up_compiles_the_fused_step_before_any_request_and_changes_no_token
     fused = Pipeline(*models, backend="cpu-graph", compiler=counter, fused_step=True)
     engine = Engine(fused, decode("ar", True), 2)
     engine.warm_up()
-    assert counter.frame_count == 2 and engine.runner.fused_warm  # prefill and the step
+    assert counter.frame_count == 2 and engine.runner.fused_warm(engine.decode)  # prefill and the step
     assert (engine.busy, engine.waiting, engine.steps_run) == (0, 0, 0)
     with torch.compiler.set_stance("fail_on_recompile"):
         got = run_stream(engine)
@@ -259,3 +259,24 @@ def test_hpu_fused_step_is_one_hpu_graph_per_engine_on_the_fake_bridge(small, mo
                        for label in fake.wrapped)  # fused: the per-module step graphs are never captured
     finally:
         uninstall()
+
+
+def test_each_configuration_on_a_runner_compiles_its_own_step_before_it_counts_as_prepared(small):
+    """Two configurations of one static shape share a runner but not a step graph (the acceptance rule is part of
+    it): the runner is prepared for the one whose step compiled, not for the other, and compile_fused_step
+    compiles the other's before any timed run (else a calibration times that compile as steps)."""
+    from lantern.plan import calibration
+    models, _ = small
+    counter = CompileCounterWithBackend("eager")
+    pipe = Pipeline(*models, backend="cpu-graph", compiler=counter, fused_step=True)
+    relaxed = decode("mc-sjd-relaxed", False)
+    exact = method_preset("mc-sjd", relaxed.sampling, window=4)
+    assert pipe.spec(relaxed, 2) == pipe.spec(exact, 2)  # one runner
+    calibration.compile_fused_step(pipe, relaxed, 2)
+    assert pipe.prepared(relaxed, 2) and not pipe.prepared(exact, 2)
+    frames = counter.frame_count
+    calibration.compile_fused_step(pipe, exact, 2)
+    assert counter.frame_count > frames and pipe.prepared(exact, 2)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for dcfg in (relaxed, exact):
+            run_stream(Engine(pipe, dcfg, 2))

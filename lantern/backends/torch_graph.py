@@ -104,8 +104,16 @@ class CapturedRunner(TorchRunner):
     capture_kind = ""  # how steps are captured, for the profile record
     fused = False  # the engine's step runs as one graph (lantern.engine.fused)
     fused_warmup_seconds = 0.0  # the fused step's compile and capture, paid at an engine's first steps
-    fused_warm = False  # the first engine's first steps have compiled (and captured) the fused step
     not_fused: Optional[str] = None  # why a requested fused step is not used
+
+    def fused_warm(self, decode) -> bool:
+        """Whether an engine of this DecodeConfig has compiled (and captured) its fused step on this runner. A
+        step's graph depends on the configuration (its acceptance rule, its proposer), not on the runner's shape
+        alone: another configuration on the same runner compiles a graph of its own at its first steps."""
+        return decode in self.__dict__.get("_fused_warm", ())
+
+    def mark_fused_warm(self, decode) -> None:
+        self.__dict__.setdefault("_fused_warm", set()).add(decode)
 
     def inside(self) -> StepInside:
         """The view the fused step is traced against (one per runner)."""

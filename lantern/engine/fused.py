@@ -21,7 +21,7 @@ import torch
 from lantern.engine.step import decode_step
 
 SLOT_STATE = ("root", "root_tok", "emitted")  # what decode_step replaces on the slots
-WARM_CALLS = 3  # eager, compile (CUDA: warm-up), capture and replay: a runner's fused warm-up
+WARM_CALLS = 3  # eager, compile (CUDA: warm-up), capture and replay: a configuration's fused warm-up on a runner
 
 
 def fused_decode_step(runner, proposer, slots, places) -> torch.Tensor:
@@ -63,7 +63,7 @@ class FusedStep:
     on `runner.inside()`; slots: the engine's."""
 
     def __init__(self, runner, proposer, slots):
-        self.runner = runner
+        self.runner, self.decode = runner, proposer.dcfg
         self.places = tuple((slots, name) for name in SLOT_STATE) + tuple((proposer, n) for n in proposer.state)
         self.args = (runner.inside(), proposer, slots, self.places)
         compiled = runner.capture_step(fused_decode_step)
@@ -79,14 +79,14 @@ class FusedStep:
         else:
             t0 = time.perf_counter()
             report = self._replay()
-            if not self.runner.fused_warm and self.calls < WARM_CALLS:
+            if not self.runner.fused_warm(self.decode) and self.calls < WARM_CALLS:
                 self.runner.sync()
                 spent = time.perf_counter() - t0
                 self.runner.fused_warmup_seconds += spent
                 self.runner.warmup_seconds += spent
         self.calls += 1
         if self.calls == WARM_CALLS:
-            self.runner.fused_warm = True
+            self.runner.mark_fused_warm(self.decode)
         return report
 
     def _pin(self) -> None:

@@ -230,7 +230,7 @@ def compile_fused_step(pipe, dcfg, width: int, prompts: torch.Tensor | None = No
     per_step = 1 if dcfg.strategy is None else dcfg.strategy.depth + 1
     tokens = min(pipe.config.block_size, (WARM_CALLS + 1) * per_step + 1)
     for _ in range(WARM_CALLS):  # one run is enough unless the image ends within its first steps
-        if not getattr(runner, "fused", False) or runner.fused_warm:
+        if not getattr(runner, "fused", False) or runner.fused_warm(dcfg):
             return
         _short_run(pipe, dcfg, width, tokens, prompts=prompts)
 

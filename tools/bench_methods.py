@@ -3,12 +3,12 @@
 For each (class, seed) the methods run back to back on the same runner set (so drift in machine load
 hits all of them alike); speed-up = AR wall time / method wall time over the same images, against AR on the
 same backend and against the fastest AR on this machine (tools/fastest_ar.py: AR on every mode that runs here,
-eager, compiled and ONNX, timed on the same images in the same run; named in the table). Quality: the bundle's
+eager, compiled, fused and ONNX, timed on the same images in the same run; named in the table). Quality: the bundle's
 evaluator (class accuracy, Frechet distance to held-out real images). Writes
 results/methods-<backend>-<dtype>.{json,md,png}, naming the CPU, commit and command.
 
     python tools/bench_methods.py [--backend cpu] [--dtype bf16] [--per-class 2] [--greedy]
-                                  [--baseline-modes eager compiled onnx] [--tokens N] [--quick]
+                                  [--baseline-modes eager compiled fused onnx] [--tokens N] [--quick]
 
 --quick checks that the tool runs (class 0, one image, AR and MC-SJD, eager baseline, 3 tokens, no quality, a
 temporary output); its numbers mean nothing.

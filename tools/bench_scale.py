@@ -205,7 +205,7 @@ def plot(rec: dict, path: Path) -> None:
         ax.set_title(f"{shape} {dtype}")
         ax.set_xlabel("images decoded together (B)")
         ax.set_ylabel("speed-up over the fastest AR")
-    axes[0][0].legend(fontsize=6)
+        ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -311,10 +311,9 @@ class EngineWorker:
                 self._resolve(job)
         if not live:
             return
-        load = self.load(key) + arriving
-        recent = self._recent_load(key)
-        recent.see(load, time.monotonic())
-        width = fitting_width(self.widths, max(load, recent.at(time.monotonic())))
+        recent, now = self._recent_load(key), time.monotonic()
+        recent.see(self.load(key) + arriving, now)  # at(now) is then at least this load
+        width = fitting_width(self.widths, recent.at(now))
         for job in live:
             job.width = width
             try:

@@ -22,11 +22,15 @@ def slot_rows(slots: torch.Tensor, n_kv_head: int, max_len: int) -> torch.Tensor
 
 class StaticKVCache(nn.Module):
     def __init__(self, n_layer: int, batch: int, max_len: int, n_kv_head: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str, spare: int = 0):
+        """max_len slots per row that steps write and attend, and `spare` more that none ever does: with one,
+        the slots a step attends are always a proper prefix of the cache, so a graph compiled with that length
+        dynamic never meets the whole cache (where torch.compile specializes a contiguous view into a graph of
+        its own; lantern.backends.torch_graph's bounded attention)."""
         super().__init__()
-        self.n_layer, self.batch, self.max_len = n_layer, batch, max_len
+        self.n_layer, self.batch, self.max_len = n_layer, batch, max_len + spare
         self.n_kv_head, self.head_dim = n_kv_head, head_dim
-        shape = (batch * n_kv_head * max_len, head_dim)
+        shape = (batch * n_kv_head * self.max_len, head_dim)
         for i in range(n_layer):
             self.register_buffer(f"k{i}", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
             self.register_buffer(f"v{i}", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
@@ -35,14 +39,15 @@ class StaticKVCache(nn.Module):
         """(B, T) per-row slot indices -> (B*H_kv*T,) row indices into every layer's cache."""
         return slot_rows(slots, self.n_kv_head, self.max_len)
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, flat_slots: torch.Tensor):
-        """Write k, v (B, T, H_kv, hd) at flat_slots; return the whole cache as (B, H_kv, S, hd) views.
-        The cache keeps its own dtype whatever autocast computed k and v in."""
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, flat_slots: torch.Tensor, live: int):
+        """Write k, v (B, T, H_kv, hd) at flat_slots; return the cache's first `live` slots (the step's mask may
+        cover only the first slots: the rest are never attended) as (B, H_kv, live, hd) views. The cache keeps
+        its own dtype whatever autocast computed k and v in."""
         kc, vc = getattr(self, f"k{layer}"), getattr(self, f"v{layer}")
         kc.index_copy_(0, flat_slots, k.transpose(1, 2).reshape(-1, self.head_dim).to(kc.dtype))
         vc.index_copy_(0, flat_slots, v.transpose(1, 2).reshape(-1, self.head_dim).to(vc.dtype))
         shape = (self.batch, self.n_kv_head, self.max_len, self.head_dim)
-        return kc.view(shape), vc.view(shape)
+        return kc.view(shape).narrow(2, 0, live), vc.view(shape).narrow(2, 0, live)
 
     def compact(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """Copy slots src -> dst, both (B, A), in every layer (gather first, so overlaps are safe)."""

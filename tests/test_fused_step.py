@@ -141,7 +141,7 @@ def test_each_fused_step_moves_only_its_report_to_the_host(small):
             finished = len(engine.step().finished)
         per_step.append((moved.calls, moved.elements, finished))
     assert len(per_step) > 4 and engine._fused.calls == len(per_step)
-    report = 4 + engine.proposer.depth + engine.width
+    report = 4 + engine.proposer.depth + 2 * engine.width  # counters, then each slot's completion and root
     assert all(calls == 1 + (finished > 0) for calls, _, finished in per_step)
     assert all(elements == report for _, elements, finished in per_step if not finished)
 

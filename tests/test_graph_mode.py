@@ -96,7 +96,13 @@ def step_loop(runner, rounds: int = 3, seed: int = 0) -> list[torch.Tensor]:
             outs += [d.logits, d.hidden]
     assert pos + max(spec.verify_widths) <= s
     caches = [runner.target_cache] + ([runner.draft_cache] if runner.drafter is not None else [])
-    return outs + [c.k0.clone() for c in caches] + [c.v0.clone() for c in caches]
+    return outs + [used_slots(c, c.k0, s) for c in caches] + [used_slots(c, c.v0, s) for c in caches]
+
+
+def used_slots(cache, layer: torch.Tensor, max_len: int) -> torch.Tensor:
+    """A layer's K or V cache over the slots steps use, (B, H_kv, max_len, hd), without a bounded runner's spare
+    slot."""
+    return layer.view(cache.batch, cache.n_kv_head, cache.max_len, -1)[:, :, :max_len].clone()
 
 
 def prepare(backend: str, models, spec: StaticSpec, **options):

@@ -149,6 +149,7 @@ class Runner(ABC):
     backend_name: ClassVar[str] = ""
     trims_attention = False  # True: a step attends only the cache slots in use (eager CPU), else the whole cache
     attention_floor = 0  # a trimming runner attends at least this many slots (attend_at_least)
+    bounds_attention = False  # True: verify reads only the slots below the engine's bound (attend_until; cpu-graph)
 
     def __init__(self, spec: StaticSpec, device: torch.device, model_config):
         self.spec = spec
@@ -193,6 +194,12 @@ class Runner(ABC):
         if cfg.model_type == "prompt":
             return torch.zeros(b, cfg.cls_token_num, dtype=torch.long, device=self.device)
         return torch.zeros(b, cfg.cls_token_num, cfg.caption_dim, device=self.device)
+
+    def attend_until(self, end: int) -> None:
+        """(optional) The engine's bound for its next step: no running row attends a cache slot at or past `end`
+        (a row not running may; its outputs are discarded). A runner that can then read only the first `end`
+        slots does (cpu-graph); default: ignored (eager trims by the mask itself, recorded graphs keep one
+        shape)."""
 
     @contextlib.contextmanager
     def attend_at_least(self, slots: int) -> Iterator[None]:

@@ -72,8 +72,11 @@ class FunctionalKV:
         """(B, T) per-row slots -> (B*H_kv*T,) cache rows, ordered (b, h, t)."""
         return slot_rows(slots, self.n_kv_head, self.max_len)
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, flat_slots: torch.Tensor):
-        """k, v (B, T, H_kv, hd) -> both whole caches as (B, H_kv, S, hd) views, the new rows scattered in."""
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, flat_slots: torch.Tensor, live: int):
+        """k, v (B, T, H_kv, hd) -> both whole caches as (B, H_kv, S, hd) views, the new rows scattered in (an
+        exported graph's mask covers the whole cache: `live` is S)."""
+        if live != self.max_len:
+            raise ValueError(f"an exported step attends the whole cache ({self.max_len} slots), not {live}")
         hd = k.shape[-1]
         self.keys[layer] = self.keys[layer].index_put((flat_slots,), k.transpose(1, 2).reshape(-1, hd))  # ScatterND
         self.values[layer] = self.values[layer].index_put((flat_slots,), v.transpose(1, 2).reshape(-1, hd))

@@ -64,7 +64,8 @@ class TorchRunner(Runner):
         self.drafter = drafter if spec.draft_widths else None
         if spec.draft_widths and self.drafter is None:
             raise ValueError("StaticSpec has draft widths but no drafter was given")
-        self.target_cache, self.draft_cache = make_caches(self.target, spec, parse_dtype(spec.dtype), device)
+        self.target_cache, self.draft_cache = make_caches(self.target, spec, parse_dtype(spec.dtype), device,
+                                                          spare=int(self.bounds_attention))
         # the eager step modules (graph modes' fused step calls these inside its one graph), then as called
         self.modules = {"prefill": TargetPrefill(self.target, self.target_cache),
                         "verify": TargetStep(self.target, self.target_cache),

@@ -55,6 +55,14 @@ def as_inference(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(t if t.is_inference() else t.clone() for t in tensors)
 
 
+def dynamic_length(t: torch.Tensor) -> torch.Tensor:
+    """t, its last dimension marked dynamic for torch.compile: a step compiled once reads any number of cache
+    slots (cpu-graph's bounded attention) instead of one graph per length."""
+    import torch._dynamo
+    torch._dynamo.mark_dynamic(t, t.dim() - 1)
+    return t
+
+
 def fusable(spec: Optional[StaticSpec], target) -> Optional[str]:
     """Why the engine's step cannot run as one graph on a runner of this shape and target (None: it can)."""
     if target.config.model_type == "t2i":
@@ -76,11 +84,22 @@ class StepInside:
     def __init__(self, runner: "CapturedRunner"):
         self.spec, self.device, self.model_config = runner.spec, runner.device, runner.model_config
         self.modules = runner.modules
+        self.bounded = runner.bounds_attention
+        self._span = torch.empty(self.spec.max_len, dtype=torch.bool, device=self.device)
+        self.span = self._span  # its length: the slots the next verify reads (a graph input of dynamic length)
+
+    def attend(self, slots: int) -> None:
+        """The next verify reads the first `slots` cache slots (a bounded runner's graph reads the length of
+        `span`, one dynamic dimension, so any length replays the same graph)."""
+        if self.bounded:
+            self.span = dynamic_length(self._span[:slots])
 
     def phase(self, name: str):
         return contextlib.nullcontext()
 
     def verify(self, tokens, positions, slots, mask):
+        if self.bounded:
+            mask = mask[..., :self.span.shape[0]]
         return StepOutput(*self.modules["verify"](tokens, positions, slots, mask))
 
     def draft(self, tokens, features, positions, slots, mask):
@@ -98,13 +117,29 @@ class CapturedRunner(TorchRunner):
     `capture_step(fn)`, the step function compiled once per runner and captured once per engine by
     `replayable`. Prefill stays a per-module graph (it runs at refills, not every step)."""
 
-    trims_attention = False  # every step keeps its one static shape
+    trims_attention = False  # the mask never sets a step's shape (bounds_attention: the engine's bound does)
 
     clone_outputs = False  # True where a replay returns the same output buffers every time
     capture_kind = ""  # how steps are captured, for the profile record
     fused = False  # the engine's step runs as one graph (lantern.engine.fused)
     fused_warmup_seconds = 0.0  # the fused step's compile and capture, paid at an engine's first steps
     not_fused: Optional[str] = None  # why a requested fused step is not used
+
+    _attend_end: Optional[int] = None  # the engine's bound for its next step (attend_until)
+
+    def attend_until(self, end: int) -> None:
+        if self.bounds_attention:
+            self._attend_end = end
+
+    def take_attended(self) -> int:
+        """The cache slots the next verify reads, and the engine's bound is used up: the whole cache unless the
+        runner bounds attention and an engine gave a bound for this step (at least `attention_floor`, at most
+        the cache). A bound holds for one step only, so a later caller (a profile, another engine) never
+        inherits it."""
+        end, self._attend_end = self._attend_end, None
+        if end is None:
+            return self.spec.max_len
+        return min(self.spec.max_len, max(end, self.attention_floor))
 
     def fused_warm(self, decode) -> bool:
         """Whether an engine of this DecodeConfig has compiled (and captured) its fused step on this runner. A
@@ -157,7 +192,12 @@ class CapturedRunner(TorchRunner):
 
     def verify(self, tokens, positions, slots, mask):
         check_width("verify", tokens.shape[1], self.spec.verify_widths)
-        return self._finish(super().verify(*as_inference(tokens, positions, slots, mask)))
+        end = self.take_attended()
+        tokens, positions, slots, mask = as_inference(tokens, positions, slots, mask)
+        if self.bounds_attention:
+            with torch.inference_mode():
+                mask = dynamic_length(mask[..., :end].contiguous())
+        return self._finish(super().verify(tokens, positions, slots, mask))
 
     def draft(self, tokens, features, positions, slots, mask):
         if self.drafter is not None:
@@ -221,13 +261,16 @@ class CUDAGraphReplay:
 
 
 class CompiledRunner(CapturedRunner):
-    """Each step module through torch.compile(fullgraph=True, dynamic=False): one graph per static shape.
+    """Each step module through torch.compile(fullgraph=True): one graph per static shape (on a CPU, with the
+    attended slots as its one dynamic dimension: `bounds_attention`, dynamic=None so that the marked dimension is
+    dynamic from the first compile and every other stays static).
     fused: the engine's whole step compiled the same way instead (one graph; on CUDA compiled without
     reduce-overhead and recorded as one CUDA graph by `CUDAGraphReplay`)."""
 
     def __init__(self, target, drafter, spec: StaticSpec, device: torch.device,
                  compiler: Union[str, Callable] = "inductor", mode: Optional[str] = None, fused: bool = False):
         self.compiler, self.mode = compiler, mode
+        self.bounds_attention = device.type == "cpu"  # inductor's CPU code takes a dynamic length at no cost
         self.fused = fused and fusable(spec, target) is None
         self.not_fused = fusable(spec, target) if fused else None  # why a fused step was not possible
         self.capture_kind = f"torch.compile(backend={getattr(compiler, '__name__', compiler)!s}, mode={mode})"
@@ -236,9 +279,14 @@ class CompiledRunner(CapturedRunner):
         self.clone_outputs = mode == "reduce-overhead"
         super().__init__(target, drafter, spec, device)
 
+    @property
+    def _dynamic(self) -> Optional[bool]:
+        """torch.compile's `dynamic`: None (static but for marked dimensions) where attention is bounded."""
+        return None if self.bounds_attention else False
+
     def wrap_step(self, name, module):
         options = {"mode": self.mode} if self.mode else {}
-        return torch.compile(module, backend=self.compiler, fullgraph=True, dynamic=False, **options)
+        return torch.compile(module, backend=self.compiler, fullgraph=True, dynamic=self._dynamic, **options)
 
     def warmup(self) -> float:
         """Every step compiled here (graph modes never compile after warm-up), under a raised recompile limit."""
@@ -250,7 +298,7 @@ class CompiledRunner(CapturedRunner):
         if fn not in self._compiled_steps:
             mode = None if self.mode == "reduce-overhead" else self.mode  # CUDA: recorded by CUDAGraphReplay
             options = {"mode": mode} if mode else {}
-            compiled = torch.compile(fn, backend=self.compiler, fullgraph=True, dynamic=False, **options)
+            compiled = torch.compile(fn, backend=self.compiler, fullgraph=True, dynamic=self._dynamic, **options)
 
             def step(*args):
                 with recompile_limit_at_least(MIN_RECOMPILE_LIMIT):

@@ -59,9 +59,11 @@ class CacheCommit(nn.Module):
         self.cache.compact(src, dst)
 
 
-def make_caches(target, spec, dtype, device) -> tuple[StaticKVCache, StaticKVCache | None]:
+def make_caches(target, spec, dtype, device, spare: int = 0) -> tuple[StaticKVCache, StaticKVCache | None]:
+    """The target's cache and (with draft widths) the drafter's, each with `spare` slots (StaticKVCache)."""
     cfg = target.config
-    target_cache = StaticKVCache(cfg.n_layer, spec.batch, spec.max_len, cfg.kv_heads, cfg.head_dim, dtype, device)
-    draft_cache = (StaticKVCache(1, spec.batch, spec.max_len, cfg.kv_heads, cfg.head_dim, dtype, device)
+    target_cache = StaticKVCache(cfg.n_layer, spec.batch, spec.max_len, cfg.kv_heads, cfg.head_dim, dtype, device,
+                                 spare)
+    draft_cache = (StaticKVCache(1, spec.batch, spec.max_len, cfg.kv_heads, cfg.head_dim, dtype, device, spare)
                    if spec.draft_widths else None)
     return target_cache, draft_cache

@@ -102,6 +102,9 @@ class Engine:
         self._ids = itertools.count()
         self._known: set[str] = set()
         self._dropped: list[RequestResult] = []  # cancelled while queued, reported at the next step
+        # each slot's root position as of the last step (host copy): a running row attends no cache slot past its
+        # root plus the verify's nodes, the bound a runner may read up to (Runner.attend_until)
+        self._roots = [self.runner.spec.prefix_len] * self._width
         self.steps_run = 0
 
     @property
@@ -164,19 +167,26 @@ class Engine:
         cancelled = [i for i in busy if self._held[i].cancelled]
         if cancelled:
             self.slots.busy[torch.tensor(cancelled, device=self.runner.device)] = False
+        self.runner.attend_until(self._attention_bound(busy))
         if self._fused is not None:
             report = self._fused()
         else:
             report = decode_step(self._run, self.proposer, self.slots)
         self.steps_run += 1
         complete = self.slots.busy & (self.slots.emitted >= self.slots.limit)
-        packed = torch.cat([report, complete.long()]).tolist()  # the step's one transfer to the host
-        depth = self.proposer.depth
+        packed = torch.cat([report, complete.long(), self.slots.root]).tolist()  # the step's one host transfer
+        depth, width = self.proposer.depth, self._width
+        self._roots = packed[4 + depth + width:]
         done = [i for i in busy if packed[4 + depth + i] or self._held[i].cancelled]
         if done:
             finished += self._collect(done)
         drafts, draft_tokens, accepted, _ = packed[:4]
         return StepReport(len(busy), finished, drafts, draft_tokens, accepted, packed[4:4 + depth])
+
+    def _attention_bound(self, busy: list[int]) -> int:
+        """The cache slots the coming step's running rows attend: up to the furthest root, plus the verify's
+        nodes (node i sits at its slot's root + i)."""
+        return max(self._roots[i] for i in busy) + max(self.runner.spec.verify_widths)
 
     def warm_up(self) -> None:
         """Compile a fused step now (it compiles at an engine's first steps, lantern.engine.fused), by a short
@@ -232,6 +242,7 @@ class Engine:
             ticket, slot = self._queue.popleft(), free.pop(0)
             ticket.started_s = time.perf_counter()
             self._held[slot] = ticket
+            self._roots[slot] = self.runner.spec.prefix_len  # the prefill puts a fresh slot's root there
             take.append((slot, ticket))
         dev, s = self.runner.device, self.slots
         idx = torch.tensor([slot for slot, _ in take], device=dev)

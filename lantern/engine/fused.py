@@ -74,6 +74,7 @@ class FusedStep:
     def __call__(self) -> torch.Tensor:
         """Every running slot moves on by one step; returns decode_step's report."""
         self._pin()
+        self.runner.inside().attend(self.runner.take_attended())
         if self.calls == 0:
             report = fused_decode_step(*self.args)  # eager: first-use caches are built outside any graph
         else:

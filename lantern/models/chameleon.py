@@ -83,8 +83,7 @@ def attention(attn, x: torch.Tensor, cos, sin, bias, cache: StaticKVCache, layer
     k = attn.k_norm(attn.k_proj(x).reshape(B * T, Hkv, hd)).view(B, T, Hkv, hd)
     v = attn.v_proj(x).view(B, T, Hkv, hd)
     q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-    keys, values = cache.update(layer, k, v, flat)  # (B, Hkv, S, hd)
-    keys, values = keys[:, :, :live], values[:, :, :live]
+    keys, values = cache.update(layer, k, v, flat, live)  # (B, Hkv, s, hd)
     if H > Hkv:
         keys, values = keys.repeat_interleave(H // Hkv, dim=1), values.repeat_interleave(H // Hkv, dim=1)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=bias,

@@ -72,9 +72,7 @@ class Attention(nn.Module):
         q, k = qk.split([self.n_head, self.n_kv_head], dim=2)
         v = v.view(B, T, self.n_kv_head, self.head_dim)
         if cache is not None:
-            keys, values = cache.update(self.layer_id, k, v, flat_slots)  # (B, Hkv, S, hd)
-            live = mask.shape[-1]  # a mask may cover only the first slots (the rest are never attended)
-            keys, values = keys[:, :, :live], values[:, :, :live]  # (B, Hkv, s, hd)
+            keys, values = cache.update(self.layer_id, k, v, flat_slots, mask.shape[-1])  # (B, Hkv, s, hd)
         else:
             keys, values = k.transpose(1, 2), v.transpose(1, 2)  # (B, Hkv, T, hd)
         rep = self.n_head // self.n_kv_head

@@ -104,8 +104,7 @@ class JanusTarget(nn.Module):
             k = attn.k_proj(x).view(B, T, cfg.kv_heads, cfg.head_dim)
             v = attn.v_proj(x).view(B, T, cfg.kv_heads, cfg.head_dim)
             q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-            keys, values = cache.update(i, k, v, flat)  # (B, Hkv, S, hd)
-            keys, values = keys[:, :, :live], values[:, :, :live]
+            keys, values = cache.update(i, k, v, flat, live)  # (B, Hkv, s, hd)
             if rep > 1:
                 keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
             out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=bias,

@@ -2,9 +2,9 @@
 width, measured with the real decode loop (drafting, verify, acceptance and commit included).
 
 A step attends over the whole preallocated KV cache on most backends, so it costs the same at any position, and
-a few steps at the start of an image time it. Eager CPU runners attend only the slots in use (up to the
-furthest image of the chunk), which makes an image's first steps cheaper than its average (AR's most: its step
-is mostly attention and per-op overhead); calibration times them at the width a plan's steps attend on average
+a few steps at the start of an image time it. CPU runners (eager, and cpu-graph's bounded verify) attend only
+the slots in use (up to the furthest image of the chunk), which makes an image's first steps cheaper than its
+average (AR's most: its step is mostly attention and per-op overhead); calibration times them at the width a plan's steps attend on average
 over a chunk (`Runner.attend_at_least`, records.attended_fraction: the middle of an image for one image or for
 AR, further for a chunk whose first images finish early and pad at full length), as attention's cost grows with
 the slots it reads. Per width w:
@@ -82,9 +82,14 @@ def costs_name(pipe) -> str:
     return pipe.backend.name + (FUSED if getattr(pipe.backend, "fused_step", False) else "")
 
 
+# What a step costs depends on lantern's step code as well as the machine: a change that moves costs (2:
+# cpu-graph's verify reads only the slots in use) gets a new number, so no cached timing of the old code is read.
+STEP_CODE = 2
+
+
 def calibration_key(backend: str, dtype: str, model: str) -> dict:
     return {"machine": machine_id(), "backend": backend, "dtype": dtype, "threads": torch.get_num_threads(),
-            "model": model}
+            "model": model, "step_code": STEP_CODE}
 
 
 def calibration_path(key: dict) -> Path:

@@ -251,16 +251,17 @@ def test_another_mode_is_calibrated_when_the_request_pays_or_when_asked(cache, t
     skipped = choose_backend(make, 1, SAMPLING, batch=1, progress=False)
     assert {r["backend"]: r for r in skipped.backends}["cpu-twin"]["status"].startswith("not calibrated")
     assert not twin.prepare_seconds and not calibration.load_calibration(key)["widths"]
-    # asked to (lantern profile calibrate): AR and the two best plans, one round, then weighed
+    # asked to (lantern profile calibrate): AR and the two best plans, in full rounds, then weighed
     asked = choose_backend(make, 1, SAMPLING, batch=1, progress=False, calibrate_all=True)
     entry = calibration.load_calibration(key)["widths"]["1"]
     ranked = sorted((r for r in choose(eager, 1, SAMPLING, batch=1, progress=False).candidates
                      if "predicted_seconds" in r and not r.get("lower_bound") and r["plan"] != "ar"),
                     key=lambda r: r["predicted_seconds"])
     assert set(entry["plans"]) == {"ar", *(r["plan"] for r in ranked[:backend_choice.CROSS_PLANS])}
-    assert entry["provisional"] and asked.calibrated_s > 0
+    assert not entry.get("provisional") and asked.calibrated_s > 0
+    assert len(entry["plans"]["ar"]["ratio_to_ar"]) >= calibration.ROUNDS
     twin_row = {r["backend"]: r for r in asked.backends}["cpu-twin"]
-    assert twin_row["status"] == "weighed" and twin_row["cost_source"].startswith("first-run probe calibration cached")
+    assert twin_row["status"] == "weighed" and twin_row["cost_source"].startswith("calibration cached")
     ledger = backend_choice.load_ledger(key)["widths"]["1"]
     timed = {name for name, v in entry["plans"].items() if not v.get("lower_bound")}  # (a floor is never prepared)
     assert set(ledger) == timed and all(s > 0 for s in ledger.values())
@@ -269,6 +270,15 @@ def test_another_mode_is_calibrated_when_the_request_pays_or_when_asked(cache, t
     write_json(ledger_path(key), {"key": key, "widths": {"1": {name: 0.01 for name in entry["plans"]}}})
     paid = choose_backend(make, 1, SAMPLING, batch=1, progress=False)
     assert {r["backend"]: r for r in paid.backends}["cpu-twin"]["status"] == "weighed"
+    probed = calibration.load_calibration(key)["widths"]["1"]  # a short request: the first-run probe, one round
+    assert probed["provisional"] and len(probed["plans"]["ar"]["ratio_to_ar"]) == 1
+    # a request whose AR takes at least the full calibration's budget (a service weighing thousands of images)
+    # refines the probe in full rounds, as it would the default mode's: one round is noise at a choice's margin
+    refined = choose_backend(make, 10_000, SAMPLING, batch=1, progress=False)
+    entry = calibration.load_calibration(key)["widths"]["1"]
+    assert not entry.get("provisional") and len(entry["plans"]["ar"]["ratio_to_ar"]) >= calibration.ROUNDS
+    twin_row = {r["backend"]: r for r in refined.backends}["cpu-twin"]
+    assert twin_row["cost_source"].startswith("calibration cached")
 
 
 # --- the fused step as a mode: cpu-graph with the engine's whole step as one graph ------------------------------

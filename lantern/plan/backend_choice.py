@@ -210,12 +210,18 @@ def _other_mode(pipe, mode: str, key: dict, ledger: dict, cross: list[Plan], sam
                 request_s: float, calibrate_all: bool, progress: bool,
                 steps_of: Callable[[list[Plan]], dict]) -> tuple[Optional[dict], str, float]:
     """Another mode's (`mode`) calibration at `width` for the plans `cross`: (entry or None, why not, seconds spent).
-    What it lacks is measured (one round, as the first-run probe, under the calibration's lock; not stored and
-    not weighed when disturbed) when preparing its runners is expected to cost no more than the request
-    (`request_s`), or when `calibrate_all`."""
+    What it lacks is measured (under the calibration's lock; not stored and not weighed when disturbed) when
+    preparing its runners is expected to cost no more than the request (`request_s`), or when `calibrate_all`:
+    in full rounds when the request pays for them (as the default mode's calibration: its predicted time at
+    least calibration.budget_s(), e.g. a service weighing thousands of images, or `calibrate_all`), which also
+    refines a first-run probe's entry; else one round, as the first-run probe (a `provisional` entry)."""
     entry = calibration.load_calibration(key)["widths"].get(str(width))
+    full = calibrate_all or request_s >= calibration.budget_s()
+
+    def refines(cached: dict) -> bool:  # a probe's entry this request pays for timing in full
+        return full and bool(cached.get("provisional"))
     lacking = [p for p in cross if not entry or p.name not in entry["plans"]]
-    if not lacking:
+    if not lacking and not refines(entry or {}):
         return entry, "", 0.0
     cost = sum(prepare_cost(pipe, ledger, p, sampling, width, mode)[0] for p in lacking)
     if not calibrate_all and cost > request_s:
@@ -227,16 +233,20 @@ def _other_mode(pipe, mode: str, key: dict, ledger: dict, cross: list[Plan], sam
 
     def measure(entry: Optional[dict]) -> dict:
         todo = [p for p in cross if not entry or p.name not in entry["plans"]]  # what it lacks once locked
+        before.append(entry["seconds"] + entry.get("prepare_s", 0.0) if entry else 0.0)
+        if not todo:  # a probe's entry refined: every plan timed again in full rounds
+            todo, entry = cross, None
         steps = steps_of(todo)
         first = {p.name: steps[p.name][:width] for p in todo}  # the first chunk's images
-        before.append(entry["seconds"] + entry.get("prepare_s", 0.0) if entry else 0.0)
         entry = calibration.measure_width(pipe, todo, sampling, width,
                                           {n: records.expected_max(v) for n, v in first.items()}, entry, progress,
                                           {n: records.attended_fraction(v) for n, v in first.items()},
-                                          **probe_rounds())
-        entry["provisional"] = True
+                                          **({} if full else probe_rounds()))
+        if not full:  # (a full measurement over a probe's entry keeps its flag: its other plans were probed)
+            entry["provisional"] = True
         return entry
-    entry, _, disturbed = calibration.cached_or_measured(key, width, [p.name for p in cross], measure)
+    entry, _, disturbed = calibration.cached_or_measured(key, width, [p.name for p in cross], measure,
+                                                         stale=refines)
     if not before:  # another process calibrated it while this one waited
         return entry, "", 0.0
     spent = entry["seconds"] + entry["prepare_s"] - before[0]

@@ -220,6 +220,12 @@ def test_a_cold_cache_decides_with_a_bounded_probe(cache, tiny, monkeypatch):
     refined = choose(pipe, 1, SAMPLING, batch=1, progress=False)
     assert refined.calibrated_s > 0 and "first-run probe" not in refined.cost_source
     assert "provisional" not in calibration.load_calibration(key)["widths"]["1"]
+    # ... and so does such a request on a cold cache, right after its probe: it decides on full rounds
+    cold(cache)
+    paying = choose(pipe, 1, SAMPLING, batch=1, progress=False)
+    assert "first-run probe" not in paying.cost_source
+    entry = calibration.load_calibration(key)["widths"]["1"]
+    assert "provisional" not in entry
 
 
 def test_the_full_calibration_does_more_work_than_the_probe(cache, tiny, monkeypatch):

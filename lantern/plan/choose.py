@@ -235,7 +235,8 @@ def machine_costs(pipe, plans: list[Plan], sampling: SamplingConfig, key: str, w
     Deciding must not cost more than the generation it decides for. A width never calibrated (or plans new to
     a first-run entry) gets the first-run probe (PROBE_ROUNDS): every plan timed once, a bounded amount of
     work, kept as a `provisional` entry. A provisional entry is refined (timed again in full, up to
-    calibration.budget_s()) by the first request whose predicted AR time is at least that budget. Either is
+    calibration.budget_s()) by the first request whose predicted AR time is at least that budget, the probing
+    request itself included (a service weighing thousands of images probes, then times in full). Either is
     measured under the calibration's lock and not stored when disturbed (calibration.cached_or_measured)."""
     key_c = calibration.calibration_key(calibration.costs_name(pipe), pipe.dtype, key)
     path = calibration.calibration_path(key_c)
@@ -266,13 +267,22 @@ def machine_costs(pipe, plans: list[Plan], sampling: SamplingConfig, key: str, w
         else:
             entry.pop("provisional", None)
         return entry
-    entry, where, disturbed = calibration.cached_or_measured(key_c, width, [p.name for p in plans], measure,
-                                                             stale=refines)
+    spent = [0.0, 0.0]  # seconds timing and preparing runners, over the measurements below
+
+    def measured() -> tuple[dict, str, str]:
+        before.clear()
+        entry, where, disturbed = calibration.cached_or_measured(key_c, width, [p.name for p in plans], measure,
+                                                                 stale=refines)
+        if before:
+            spent[0] += entry["seconds"] - before[0]
+            spent[1] += entry["prepare_s"] - before[1]
+        return entry, where, disturbed
+    entry, where, disturbed = measured()
+    if before and not disturbed and refines(entry):  # this request probed, and its AR pays for the full rounds
+        entry, where, disturbed = measured()
     kind = "first-run probe " if entry.get("provisional") else ""
     source = (f"{kind}calibration disturbed ({disturbed}), not cached" if disturbed
               else f"{kind}calibration cached in {where}")
     if disturbed:
         entry = {**entry, "disturbed": disturbed}
-    if not before:
-        return entry, source, 0.0, 0.0
-    return entry, source, entry["seconds"] - before[0], entry["prepare_s"] - before[1]
+    return entry, source, spent[0], spent[1]

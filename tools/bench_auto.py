@@ -17,8 +17,9 @@ counts on both); auto's predicted speed-up over AR vs the measured one. The nois
 as two entries (`ar` and `ar again`, identical work on the same runner); their paired ratio and its spread over
 seeds say how far apart two identical configurations land on this machine.
 Every setting is also compared with the fastest AR on this machine (tools/fastest_ar.py: AR on every mode that runs
-the dtype here -- eager, compiled, fused, ONNX -- on the same images, once per seed and repeat, in the same run), named in
-the table. Writes results/auto-cpu.{json,md,png}, naming the CPU, commit and command. Timing wants a quiet machine.
+the dtype here -- eager, compiled, fused, ONNX -- on the same images, once per seed and repeat, in the same run),
+named in the table. Writes results/auto-cpu.{json,md,png}, naming the CPU, commit and command. Timing wants a quiet
+machine.
 
     python tools/bench_auto.py [--backends cpu:fp32 cpu:bf16 onnx:fp32] [--images 1 4 10] [--seeds 0 1 2 3 4]
                                [--repeats 3] [--baseline-modes eager compiled fused onnx] [--calibrate-machine]

@@ -2,13 +2,14 @@
 
 The inflated target and drafter (lantern.models.inflate) generate the embedded model's tokens, so acceptance is
 the trained model's while every forward costs what LlamaGen's does. For each shape, dtype and number of images B
-(one image per class 0..B-1, decoded together), every method runs on every mode of --modes (eager `cpu`,
-compiled `cpu-graph`; the fused step and ONNX Runtime on request) and AR also on every mode of --baseline-modes (ONNX included), seeds
-in turn and methods in a rotating order, so drift of the machine falls on all alike. Each method is reported against the fastest AR of the same run (over the modes run: named in the
-table) and against AR on its own mode, with its ceiling: tokens per target forward (step compression) / verify
-cost ratio (the method's median verify over AR's median step on the same mode), the speed-up a method would
-reach if drafting, acceptance and commit cost nothing. Runners are prepared (compiled) before timing; the
-seconds are reported apart. Writes results/scale-<cpu>.{json,md,png}, naming the CPU, commit and command.
+(one image per class 0..B-1, decoded together), every method runs on every mode of --modes (eager `cpu`, compiled
+`cpu-graph`; the fused step and ONNX Runtime on request) and AR also on every mode of --baseline-modes (ONNX
+included), seeds in turn and methods in a rotating order, so drift of the machine falls on all alike. Each method is
+reported against the fastest AR of the same run (over the modes run: named in the table) and against AR on its own
+mode, with its ceiling: tokens per target forward (step compression) / verify cost ratio (the method's median verify
+over AR's median step on the same mode), the speed-up a method would reach if drafting, acceptance and commit cost
+nothing. Runners are prepared (compiled) before timing; the seconds are reported apart. Writes
+results/scale-<cpu>.{json,md,png}, naming the CPU, commit and command.
 
     python tools/bench_scale.py [--shapes GPT-B GPT-L] [--images 1 4 16] [--dtypes fp32 bf16]
                                 [--modes eager compiled] [--methods ...] [--seeds 0 1] [--threads N] [--quick]
@@ -199,7 +200,8 @@ def plot(rec: dict, path: Path) -> None:
             pts = sorted((r["images"], r["speedup_vs_fastest_ar"]) for r in rows
                          if (r["method"], r["mode"]) == (method, mode) and r["speedup_vs_fastest_ar"])
             if pts:
-                ax.plot(*zip(*pts), marker="o", ls="-" if mode in ("compiled", "fused") else "--", label=f"{method} ({mode})")
+                ax.plot(*zip(*pts), marker="o", ls="-" if mode in ("compiled", "fused") else "--",
+                        label=f"{method} ({mode})")
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_title(f"{shape} {dtype}")

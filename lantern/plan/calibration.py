@@ -4,10 +4,10 @@ width, measured with the real decode loop (drafting, verify, acceptance and comm
 A step attends over the whole preallocated KV cache on most backends, so it costs the same at any position, and
 a few steps at the start of an image time it. CPU runners (eager, and cpu-graph's bounded verify) attend only
 the slots in use (up to the furthest image of the chunk), which makes an image's first steps cheaper than its
-average (AR's most: its step is mostly attention and per-op overhead); calibration times them at the width a plan's steps attend on average
-over a chunk (`Runner.attend_at_least`, records.attended_fraction: the middle of an image for one image or for
-AR, further for a chunk whose first images finish early and pad at full length), as attention's cost grows with
-the slots it reads. Per width w:
+average (AR's most: its step is mostly attention and per-op overhead); calibration times them at the width a
+plan's steps attend on average over a chunk (`Runner.attend_at_least`, records.attended_fraction: the middle of
+an image for one image or for AR, further for a chunk whose first images finish early and pad at full length),
+as attention's cost grows with the slots it reads. Per width w:
 
     fixed_s            one chunk's prefill, first draw and statistics (AR with a one-token image)
     plans[name].step_s (wall time of a short generation - fixed_s) / its loop steps, relative to an AR run of

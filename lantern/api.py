@@ -58,8 +58,8 @@ DEFAULT_BATCH = 16  # images per static step unless the caller says otherwise
 
 @dataclass(frozen=True)
 class ModelDefaults:
-    """What a bundle says about decoding its model: validated sampling, quality-validated relaxation settings
-    per method, and its acceptance records by dtype (`--method auto`)."""
+    """What a bundle says about decoding its model: validated sampling, its validated relaxations per method
+    (Bundle.validations), and its acceptance records by dtype (`--method auto`)."""
 
     sampling: Optional[SamplingConfig] = None
     relaxation: dict = field(default_factory=dict)
@@ -96,7 +96,7 @@ class Pipeline:
     def from_bundle(cls, bundle, backend: str | None = None, dtype: str | None = None,
                     **backend_options) -> "Pipeline":
         """The bundle's models, with its validated sampling, relaxation settings and acceptance records."""
-        defaults = ModelDefaults(SamplingConfig(**bundle.default_sampling), bundle.relaxation_defaults,
+        defaults = ModelDefaults(SamplingConfig(**bundle.default_sampling), bundle.validations,
                                  bundle.acceptance_records)
         return cls(bundle.target, bundle.drafter, bundle.proximity, backend=backend, dtype=dtype, defaults=defaults,
                    **backend_options)

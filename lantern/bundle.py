@@ -133,10 +133,21 @@ class Bundle:
                 "top_k": int(s.get("top_k", 0)), "top_p": float(s.get("top_p", 1.0))}
 
     @property
+    def validations(self) -> dict:
+        """Per relaxed method, its validated relaxations (lantern.plan.validated.Validation: settings, the
+        sampling validated at, evidence), as tools/quality_frontier.py recorded them; {} if none."""
+        from lantern.plan.validated import read_validations
+        return read_validations(self.manifest.get("relaxation_defaults", {}))
+
+    @property
     def relaxation_defaults(self) -> dict[str, dict]:
-        """Per method, the relaxation chosen on the quality frontier (tools/quality_frontier.py): the largest
-        tau whose class accuracy and Frechet distance stay within AR's spread over seeds; {} if never chosen."""
-        return {m: dict(v["settings"]) for m, v in self.manifest.get("relaxation_defaults", {}).items()}
+        """Per method, the relaxation settings validated at the bundle's own sampling (default_sampling), as
+        benchmarks at that sampling run them; {} if none. Requests elsewhere: lantern.plan.validated."""
+        from lantern.decoding.sampling import SamplingConfig
+        from lantern.plan.validated import same_sampling
+        sampling, vocab = SamplingConfig(**self.default_sampling), self.target.config.vocab_size
+        return {m: dict(v.settings) for m, entries in self.validations.items() for v in entries
+                if v.sampling is not None and same_sampling(v.sampling, sampling, vocab)}
 
     @property
     def acceptance_records(self) -> dict:
@@ -214,6 +225,26 @@ def proximity_k(root: Path) -> int:
         return int(f.get_slice("neighbours").get_shape()[1])
 
 
+def relaxation_text(manifest: dict, config: dict, vocab: int) -> str:
+    """Each validated relaxation in words: what it allows, where it was validated, its step compression."""
+    from lantern.decoding.config import method_preset
+    from lantern.decoding.sampling import SamplingConfig
+    from lantern.plan.validated import bound_problems, describe_bound, read_validations, sampling_text
+    parts = []
+    sampling = SamplingConfig(**{k: v for k, v in config.get("sampling", {}).items()})
+    for method, entries in read_validations(manifest.get("relaxation_defaults", {})).items():
+        for v in entries:
+            dcfg = method_preset(method, sampling, **v.settings)
+            where = (f"validated at {sampling_text(v.sampling)}" if v.sampling is not None else
+                     "records no sampling: validated nowhere, not applied")
+            problems = bound_problems(dcfg, vocab)
+            gain = v.evidence.get("step_compression")
+            parts.append(f"{method} {', '.join(f'{k}={x}' for k, x in v.settings.items())}: {describe_bound(dcfg, vocab)}"
+                         f" ({where}" + (f"; step compression {gain:.2f}" if gain else "") + ")"
+                         + (f" NOT APPLIED, it bounds nothing: {'; '.join(problems)}" if problems else ""))
+    return "; ".join(parts) if parts else "none (auto stays lossless by default)"
+
+
 def describe_bundle(path: str | Path | None = None) -> str:
     """A human-readable account of a bundle: what the models are, how they were made, what they measure."""
     root = Path(path) if path is not None else DEFAULT_BUNDLE
@@ -265,12 +296,8 @@ def describe_bundle(path: str | Path | None = None) -> str:
             ", ".join(f"{dtype} ({len(rec['plans'])} plans, {len(rec['conditions'])} images each)"
                       for dtype, rec in manifest["acceptance_records"].items())
             if manifest.get("acceptance_records") else "none (auto measures one, once, on first use)"),
-        "relaxation validated within AR's quality spread (auto uses it without --allow-relaxed): " + (
-            "; ".join(f"{method} {', '.join(f'{k}={x}' for k, x in v['settings'].items())} (step compression "
-                      f"{v['evidence']['step_compression']:.2f}, class accuracy {v['evidence']['class_accuracy']:.3f},"
-                      f" Frechet {v['evidence']['frechet_distance']:.2f})"
-                      for method, v in manifest["relaxation_defaults"].items())
-            if manifest.get("relaxation_defaults") else "none (auto stays lossless by default)"),
+        "relaxations (each applies by default only at the sampling it was validated at; elsewhere the method "
+        "runs lossless unless --allow-relaxed): " + relaxation_text(manifest, config, t["vocab_size"]),
         f"sampling: {sampling_text}" + (
             f"; AR samples: class accuracy {fmt('ar_class_accuracy')}, Frechet distance {fmt('ar_frechet')} "
             f"(real-image floor {fmt('real_frechet')})" if measured("ar_class_accuracy", "ar_frechet") else ""),

@@ -33,10 +33,13 @@ def add_decode_options(p: argparse.ArgumentParser) -> None:
                         "exact) | lantern (dynamic, k=1000, delta=0.1) | lantern++ (57-node static tree, k=10, "
                         "lambda=3) | no drafter needed: sjd (Jacobi window, exact) | mc-sjd (Jacobi, Gumbel-coupled "
                         "drafts, exact) | mc-sjd-relaxed (mc-sjd with bounded LANTERN++ relaxation, k=10, lambda=3); a "
-                        "bundle's quality-validated relaxation (shown by lantern info) replaces these settings")
+                        "bundle's validated relaxation (shown by lantern info) replaces these settings at the sampling "
+                        "it was validated at; elsewhere a relaxed method runs lossless unless --allow-relaxed")
     g.add_argument("--allow-relaxed", action="store_true",
-                   help="auto may choose relaxed (LANTERN, LANTERN++) plans; without it only the bundle's "
-                        "quality-validated relaxations join the lossless ones")
+                   help="relax where the bundle validated no relaxation for this sampling: auto may choose relaxed "
+                        "(LANTERN, LANTERN++) plans, and a named relaxed method runs relaxed (the bundle's settings, "
+                        "else the preset's, k at most 1/16 of the codebook); without it relaxation applies only at "
+                        "the sampling it was validated at")
     g.add_argument("--min-speedup", type=number(float, 1),
                    help=f"auto keeps AR unless a plan is predicted at least this much faster (default {MIN_SPEEDUP}: "
                         f"a prediction within 20%% of the measured speed-up then still beats AR; hardware that times "
@@ -109,36 +112,49 @@ def sampling_from_args(args, bundle):
 
 
 def check_method_flags(args) -> None:
-    """Before any work: auto decides the drafting and acceptance itself; --allow-relaxed and --min-speedup are
-    auto's alone."""
+    """Before any work: auto decides the drafting and acceptance itself; --allow-relaxed is auto's and the relaxed
+    methods'; --min-speedup is auto's alone."""
     from lantern.decoding.config import METHODS
+    from lantern.plan.candidates import RELAXED_METHODS
     if args.method == "auto":
         given = [f"--{name.replace('_', '-')}" for name in AUTO_CHOOSES if getattr(args, name) is not None]
         if given:
             raise UsageError(f"--method auto chooses {', '.join(given)} itself; drop them or name a method "
                              f"(--method {' | '.join(METHODS)})")
-    elif args.allow_relaxed:
-        raise UsageError(f"--allow-relaxed is an option of --method auto; --method {args.method} already says "
-                         f"which acceptance rule runs")
+    elif args.allow_relaxed and args.method not in RELAXED_METHODS:
+        raise UsageError(f"--allow-relaxed is an option of --method auto and the relaxed methods "
+                         f"({', '.join(RELAXED_METHODS)}); --method {args.method} is lossless")
     elif args.min_speedup is not None:
         raise UsageError(f"--min-speedup is an option of --method auto; --method {args.method} runs that method "
                          f"whatever its speed-up")
 
 
 def decode_config_from_args(args, bundle):
-    """The decode config of a named method. A relaxed method's k / delta / lambda / form left out take the
-    bundle's quality-validated relaxation, if it has one."""
-    from lantern.decoding.config import method_preset
+    """(decode config, its relaxation or None) of a named method: a relaxed method's k / delta / lambda / form
+    left out take the bundle's relaxation validated at this sampling, else (lossless) exact acceptance unless
+    --allow-relaxed (lantern.plan.validated); relaxation flags named run as named, a warning where they bound
+    nothing."""
+    from lantern.plan.validated import named_config
     overrides = {name: getattr(args, name) for name in AUTO_CHOOSES if getattr(args, name) is not None}
-    return method_preset(args.method, sampling_from_args(args, bundle),
-                         **{**bundle.relaxation_defaults.get(args.method, {}), **overrides})
+    return named_config(args.method, sampling_from_args(args, bundle), overrides, bundle.validations,
+                        bundle.target.config.vocab_size, bool(getattr(args, "allow_relaxed", False)))
+
+
+def auto_relaxation(args, bundle, sampling) -> dict:
+    """Per relaxed method, whether auto could run it relaxed at this sampling and why (the JSON's account)."""
+    from lantern.plan.validated import allowed_relaxations
+    return {m: r.to_dict() for m, r in allowed_relaxations(bundle.validations, sampling,
+                                                           bundle.target.config.vocab_size,
+                                                           args.allow_relaxed).items()}
 
 
 def decode_plan(args, bundle, pipe, n_images: int, classes: Optional[list[int]] = None):
     """(decode config, batch width, the auto choice or None) for this request (classes: its images' class ids in
     order, when known)."""
     if args.method != "auto":
-        dcfg = decode_config_from_args(args, bundle)
+        dcfg, relaxation = decode_config_from_args(args, bundle)
+        for warning in (relaxation or {}).get("warnings", []):
+            print(f"lantern: warning: this relaxation bounds nothing: {warning}", file=sys.stderr)
         return dcfg, pipe.check(dcfg, args.batch), None
     from lantern.plan.backend_choice import choose_backend, pinned_backend
     from lantern.profile.cli import profile_costs
@@ -147,7 +163,7 @@ def decode_plan(args, bundle, pipe, n_images: int, classes: Optional[list[int]] 
                                 if (name, dtype, options) == (pipe.backend.name, pipe.dtype, {}) else
                                 type(pipe).from_bundle(bundle, backend=name, dtype=dtype, **options), n_images,
                                 sampling_from_args(args, bundle), batch=args.batch, allow_relaxed=args.allow_relaxed,
-                                validated=bundle.relaxation_defaults, shipped_records=bundle.acceptance_records,
+                                validated=bundle.validations, shipped_records=bundle.acceptance_records,
                                 classes=classes, min_speedup=args.min_speedup, dtype=args.dtype)
         print(f"lantern: {choice.summary()}", file=sys.stderr)
         return choice.choice.decode, choice.choice.width, choice
@@ -213,7 +229,16 @@ def cmd_generate(args) -> dict:
         "wall_seconds": s["wall_seconds"], "peak_memory_bytes": result.profile["memory"]["peak_bytes"],
         "memory": result.profile["memory"], "warmup_seconds": result.profile["warmup_s"], "stats": s,
         "plan": None if choice is None else {**choice.to_dict(), "measured_seconds": s["wall_seconds"]},
+        "relaxation": relaxation_account(args, bundle),
     }
+
+
+def relaxation_account(args, bundle) -> Optional[dict]:
+    """The JSON's "relaxation": for a named relaxed method, what applied and why; for auto, per relaxed method
+    whether it could run relaxed at this sampling and why; None for a lossless method."""
+    if args.method == "auto":
+        return auto_relaxation(args, bundle, sampling_from_args(args, bundle))
+    return decode_config_from_args(args, bundle)[1]
 
 
 def image_names(kind: str, conditions, seeds: list[int]) -> list[str]:
@@ -263,6 +288,7 @@ def cmd_eval(args) -> dict:
     bar.close()
     steps = sum(s["verify_steps"] for s in stats)
     out.update(mode=args.method, decode=dcfg.to_dict(), plan=None if choice is None else choice.to_dict(),
+               relaxation=relaxation_account(args, bundle),
                backend=pipe.backend.name, dtype=pipe.dtype, wall_seconds=sum(s["wall_seconds"] for s in stats),
                mean_accepted_length=(sum(s["mean_accepted_length"] * s["verify_steps"] for s in stats) / steps
                                      if steps else 1.0))

@@ -385,7 +385,7 @@ def test_cli_reports_the_plan_and_says_it_calibrates(tmp_path, monkeypatch, caps
     monkeypatch.setenv("LANTERN_CACHE_DIR", str(tmp_path / "cache"))  # the subprocess inherits it
     monkeypatch.setenv("LANTERN_BACKEND", "")
     seed_calibration(Pipeline.from_bundle(bundle, backend="cpu"), 1, {"mc-sjd/L16": 1.0}, skip="mc-sjd/L4",
-                     validated=bundle.relaxation_defaults)
+                     validated=bundle.validations)
     argv = ["generate", "--classes", "3", "--no-images", "--json"]
     run = lantern(*argv)
     assert run.returncode == 0, run.stderr

@@ -67,7 +67,7 @@ def setting(bundle, backend: str, dtype: str, n: int, seeds: list[int], repeats:
     classes = list(range(n))
     t0 = time.perf_counter()
     # `auto` last: a choice keeps the runner its plan was timed on and frees the others
-    choices = {name: choose(pipe, n, sampling, allow_relaxed=name != "auto", validated=bundle.relaxation_defaults,
+    choices = {name: choose(pipe, n, sampling, allow_relaxed=name != "auto", validated=bundle.validations,
                             shipped_records=bundle.acceptance_records, progress=False, classes=classes)
                for name in AUTOS[::-1]}
     planning = time.perf_counter() - t0
@@ -86,7 +86,7 @@ def setting(bundle, backend: str, dtype: str, n: int, seeds: list[int], repeats:
         def make(name, d, **options):
             return pipe if (name, d, options) == (backend, dtype, {}) else Pipeline(
                 bundle.target, bundle.drafter, bundle.proximity, backend=name, dtype=d, **options)
-        common = dict(validated=bundle.relaxation_defaults, shipped_records=bundle.acceptance_records,
+        common = dict(validated=bundle.validations, shipped_records=bundle.acceptance_records,
                       progress=False, classes=classes, dtype=dtype)
         machine_s = None
         if calibrate_machine:  # what `lantern profile calibrate --images n` does once per machine

@@ -30,7 +30,7 @@ from lantern.api import Pipeline
 from lantern.bundle import DEFAULT_BUNDLE, load_bundle, weights_hash
 from lantern.decoding import SamplingConfig, method_preset
 from lantern.plan.validated import RELAXED_METHODS, bound_problems, same_sampling, sampling_record
-from lantern.quality_gate import Reference, failed_checks, gate, heldout_features, measure, sample, token_tv_bound
+from lantern.quality_gate import Measure, Reference, failed_checks, gate, heldout_features, measure, sample, token_tv_bound
 from results_io import utc_now, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,6 +71,16 @@ def run(pipe, bundle, dcfg, per_class: int, seed: int, batch: int, reference: np
                "tau": sum(lengths) / len(lengths) if lengths else 1.0,
                "token_tv_mean": sum(tv) / len(tv) if tv else 0.0, "token_tv_max": max(tv, default=0.0)}
     return m, figures, codes[::per_class][:SHOWN]
+
+
+def reused_ar(path: Path, sampling: dict, per_class: int, seeds: int, target_hash: str):
+    """AR's runs from the results file at `path`, if it holds `seeds` of them at this sampling, image count and
+    target; else None."""
+    if not path.exists():
+        return None
+    old = json.loads(path.read_text())
+    same = (old.get("sampling"), old.get("per_class"), old.get("target_hash")) == (sampling, per_class, target_hash)
+    return old["ar"] if same and len(old.get("ar", [])) == seeds and "shown" in old["ar"][0] else None
 
 
 def kept_rows(path: Path, rec: dict, rerun: list[str]) -> list[dict]:
@@ -129,7 +139,12 @@ def main() -> None:
     ap.add_argument("--per-class", type=int, default=20, help="images per class per run")
     ap.add_argument("--ar-seeds", type=int, default=3)
     ap.add_argument("--batch", type=int, default=50, help="images per static step")
-    ap.add_argument("--only", nargs="+", metavar="LABEL", help="run only these rows of the grid (default: all)")
+    ap.add_argument("--only", nargs="*", metavar="LABEL",
+                    help="run only these rows of the grid (default: all; none: AR alone), keeping the results file's "
+                         "other rows gated against the same AR")
+    ap.add_argument("--reuse-ar", action="store_true",
+                    help="take AR's runs from the results file where it holds them at this sampling, image count, "
+                         "seeds and target (rows can then be added without rerunning AR)")
     ap.add_argument("--write-defaults", action="store_true", help="record the chosen defaults in the bundle")
     ap.add_argument("--out", help="output stem (default results/frontier-<setting>)")
     args = ap.parse_args()
@@ -144,13 +159,17 @@ def main() -> None:
     out = Path(args.out) if args.out else ROOT / "results" / f"frontier-{name}"
     pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend="cpu")
     reference = heldout_features(bundle)
-    shown = {}
-    ar_runs = []
-    for seed in tqdm(range(args.ar_seeds), desc="AR seeds"):
-        m, figures, first = run(pipe, bundle, method_preset("ar", sc), args.per_class, seed, args.batch, reference)
-        ar_runs.append((m, figures))
-        shown[f"AR seed {seed}"] = first.tolist()
-    ref = Reference(tuple(m for m, _ in ar_runs))
+    target_hash = weights_hash(bundle.target.state_dict())
+    ar_runs = reused_ar(out.with_suffix(".json"), sampling_record(sc), args.per_class, args.ar_seeds, target_hash) \
+        if args.reuse_ar else None
+    if ar_runs is None:
+        ar_runs = []
+        for seed in tqdm(range(args.ar_seeds), desc="AR seeds"):
+            m, figures, first = run(pipe, bundle, method_preset("ar", sc), args.per_class, seed, args.batch,
+                                    reference)
+            ar_runs.append({**figures, "shown": first.tolist()})
+    ref = Reference(tuple(Measure(**{k: r[k] for k in ("class_accuracy", "frechet_distance", "n", "frechet_sd")})
+                          for r in ar_runs))
     rows = []
     for label, method, overrides in tqdm([g for g in GRID if args.only is None or g[0] in args.only], desc="rows"):
         dcfg = method_preset(method, sc, **overrides)
@@ -163,20 +182,21 @@ def main() -> None:
                      **figures, "gate": verdict, "failed": failed_checks(verdict), "shown": first.tolist()})
     from lantern.profile.environment import provenance
     rec = {"date": utc_now(), "setting": name, "bundle": bundle.manifest.get("name"),
-           "target_hash": weights_hash(bundle.target.state_dict()),
+           "target_hash": target_hash,
            "drafter_hash": weights_hash(bundle.drafter.state_dict()) if bundle.drafter is not None else None,
            "sampling": sampling_record(sc), "vocab": vocab, "per_class": args.per_class,
-           "ar": [f for _, f in ar_runs], "ar_spread": ref.spread(), "z": ref.to_dict()["z"],
+           "ar": ar_runs, "ar_spread": ref.spread(), "z": ref.to_dict()["z"],
            "results": str(out.relative_to(ROOT)) if out.is_relative_to(ROOT) else str(out),
            "commit": provenance()["commit"]}
-    if args.only:  # read at the end, so rows of a run beside this one that finished meanwhile are kept too
+    if args.only is not None:  # read at the end, so rows of a run beside this one that finished meanwhile are kept too
         rows += kept_rows(out.with_suffix(".json"), rec, args.only)
     rows.sort(key=lambda r: [g[0] for g in GRID].index(r["label"]))
     chosen = choose(rows)
     rec.update(rows=rows, chosen={m: r["label"] for m, r in chosen.items()})
     write_results(out, rec, markdown, plot)
-    image_grid(bundle, {**shown, **{r["label"]: r["shown"] for r in rows}}, Path(f"{out}-images.png"))
-    if args.write_defaults:
+    image_grid(bundle, {**{f"AR seed {i}": r["shown"] for i, r in enumerate(ar_runs)},
+                        **{r["label"]: r["shown"] for r in rows}}, Path(f"{out}-images.png"))
+    if args.write_defaults and rows:
         write_defaults(chosen, sc, vocab, rec)
 
 

@@ -35,7 +35,7 @@ def main() -> None:
     bundle = load_bundle()
     pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend="cpu", dtype=args.dtype)
     sampling = SamplingConfig(**bundle.default_sampling)
-    relaxation, _ = allowed_relaxation(True, bundle.relaxation_defaults)
+    relaxation, _ = allowed_relaxation(True, bundle.validations, sampling, bundle.target.config.vocab_size)
     plans, _ = runnable(pipe, candidate_plans(True, True, relaxation), sampling)
     classes = [c for c in range(bundle.target.config.num_classes) for _ in range(args.per_class)]
     key, shipped = pipe.model_key, bundle.acceptance_records.get(args.dtype)

@@ -282,7 +282,7 @@ def choose_backend(make_pipe: Callable[..., object], n_images: int, sampling: Sa
     choices = {names[0]: choose(base_pipe, n_images, sampling, batch=batch, progress=progress, **common)}
     base, key = choices[names[0]], base_pipe.model_key
     width = base.width
-    allowed, _ = allowed_relaxation(allow_relaxed, validated or {})
+    allowed, _ = allowed_relaxation(allow_relaxed, validated or {}, sampling, base_pipe.config.vocab_size)
     by_name = {p.name: p for p in candidate_plans(base_pipe.drafter is not None, base_pipe.proximity is not None,
                                                   allowed)}
     ledgers = {names[0]: record_prepared(base_pipe, calibration.calibration_key(names[0], base_pipe.dtype, key),

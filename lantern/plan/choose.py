@@ -26,7 +26,8 @@ import torch
 from lantern.decoding.config import DecodeConfig
 from lantern.decoding.sampling import SamplingConfig
 from lantern.plan import calibration, records
-from lantern.plan.candidates import AR, RELAXED_METHODS, Plan, candidate_plans
+from lantern.plan.candidates import AR, Plan, candidate_plans
+from lantern.plan.validated import allowed_relaxations
 from lantern.user_cache import usable_root
 
 MIN_SPEEDUP = 1.25  # a speculative plan must be predicted this much faster than AR: a prediction within 20% of
@@ -90,17 +91,19 @@ def predict_seconds(width: int, fixed_s: float, step_s: float, images: list[list
     return sum(fixed_s + records.expected_max(images[i:i + width]) * step_s for i in range(0, len(images), width))
 
 
-def allowed_relaxation(allow_relaxed: bool, validated: dict) -> tuple[dict, str]:
-    """The relaxed methods auto may use (method -> settings) and why: all with --allow-relaxed (at the bundle's
-    validated settings where it has them, else the presets'), else those the bundle validated within AR's
-    quality spread, else none (lossless only)."""
+def allowed_relaxation(allow_relaxed: bool, validated: dict, sampling: SamplingConfig,
+                       vocab: int) -> tuple[dict, str]:
+    """The relaxed methods auto may use at `sampling` (method -> settings) and why (lantern.plan.validated): those
+    the bundle validated at this sampling; with --allow-relaxed every relaxed method (at the bundle's settings
+    where it has them, else the preset's); else none (lossless only). validated: Bundle.validations."""
+    relaxations = allowed_relaxations(validated, sampling, vocab, allow_relaxed)
+    ok = {m: r.settings for m, r in relaxations.items() if r.settings is not None}
+    why = "; ".join(f"{m}: {r.why}" for m, r in relaxations.items())
     if allow_relaxed:
-        return {m: validated.get(m, {}) for m in RELAXED_METHODS}, "relaxed plans allowed (--allow-relaxed)"
-    ok = {m: validated[m] for m in RELAXED_METHODS if m in validated}
+        return ok, f"relaxed plans allowed (--allow-relaxed): {why}"
     if ok:
-        return ok, (f"lossless, plus {', '.join(ok)} at the bundle's validated settings (quality within AR's "
-                    f"spread over seeds)")
-    return {}, "lossless plans only (no --allow-relaxed, and the bundle validates no relaxation)"
+        return ok, f"lossless, plus {', '.join(ok)} where validated at this sampling: {why}"
+    return {}, f"lossless plans only: {why}"
 
 
 def runnable(pipe, plans: list[Plan], sampling: SamplingConfig) -> tuple[list[Plan], list[dict]]:
@@ -145,7 +148,7 @@ def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] =
         raise ValueError(f"{len(classes)} class ids given for {n_images} images")
     validated = validated or {}
     width = min(pipe.check(AR.decode(sampling), batch), n_images)
-    allowed, why = allowed_relaxation(allow_relaxed, validated)
+    allowed, why = allowed_relaxation(allow_relaxed, validated, sampling, pipe.config.vocab_size)
     plans, skipped = runnable(pipe, candidate_plans(pipe.drafter is not None, pipe.proximity is not None, allowed),
                               sampling)
     key = pipe.model_key

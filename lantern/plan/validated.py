@@ -21,9 +21,9 @@ from typing import Optional
 
 from lantern.decoding.config import DecodeConfig, method_preset
 from lantern.decoding.sampling import SamplingConfig
+from lantern.plan.candidates import RELAXED_METHODS
 
 SAMPLING_KEYS = ("top_k", "top_p", "temperature", "cfg_scale")
-RELAXED_METHODS = ("mc-sjd-relaxed", "lantern", "lantern++")
 MAX_DELTA = 0.4  # the LANTERN form's per-token TV budget: the papers use delta <= 0.4
 K_FRACTION = 16  # k at most vocab // K_FRACTION: LANTERN's 1000 of 16384 codes is 6.1%, 1/16 is 6.25%
 LOSSLESS = dict(acceptance="exact", k=0, delta=0.0, lam=1.0)  # a relaxed method's drafting, exact acceptance
@@ -60,8 +60,8 @@ def describe_bound(dcfg: DecodeConfig, vocab: int) -> str:
                 f"recorded TV is a proxy")
     if dcfg.acceptance == "lantern":
         return f"each token's distribution moves by at most {dcfg.delta} in TV, {where}"
-    return (f"each token that the drafts over-propose may gain at most {dcfg.lam - 1:g}x its own probability, "
-            f"{where}")
+    return (f"no token's probability grows beyond {dcfg.lam:g}x AR's (the TV moved is at most {dcfg.lam - 1:g}x the "
+            f"mass of the tokens the drafts over-propose), {where}")
 
 
 def sampling_record(sampling: SamplingConfig) -> dict:

@@ -30,7 +30,7 @@ class ModelSource:
     proximity: Optional[torch.Tensor]
     default_cfg_scale: float
     info: dict = field(default_factory=dict)  # what the results file records
-    relaxation: dict = field(default_factory=dict)  # a bundle's quality-validated relaxation settings per method
+    relaxation: dict = field(default_factory=dict)  # a bundle's validated relaxations (Bundle.validations)
     acceptance_records: dict = field(default_factory=dict)  # by dtype (lantern.plan.records)
 
 
@@ -63,7 +63,7 @@ def _bundle_source(path: Optional[str]) -> ModelSource:
             "has_drafter": b.drafter is not None, "has_proximity": b.proximity is not None,
             "manifest_files": b.manifest.get("files", {}),
             "note": "trained bundle: acceptance and speed-ups are the model's own"}
-    return ModelSource(b.target, b.drafter, b.proximity, b.default_cfg_scale, info, b.relaxation_defaults,
+    return ModelSource(b.target, b.drafter, b.proximity, b.default_cfg_scale, info, b.validations,
                        b.acceptance_records)
 
 

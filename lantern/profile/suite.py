@@ -156,7 +156,7 @@ class Suite:
         from lantern.plan.candidates import AR, candidate_plans
         from lantern.plan.choose import allowed_relaxation, runnable
         src, pipe = self.source, self.make_pipe()
-        relaxation, _ = allowed_relaxation(True, src.relaxation)
+        relaxation, _ = allowed_relaxation(True, src.relaxation, self.sampling, src.target.config.vocab_size)
         plans, _ = runnable(pipe, candidate_plans(src.drafter is not None, src.proximity is not None, relaxation),
                             self.sampling)
         record = records.shipped_for(src.acceptance_records, pipe.dtype)

@@ -24,7 +24,7 @@ from PIL import Image
 from lantern.api import Pipeline
 from lantern.backends import backend_class, resolve_name
 from lantern.bundle import load_bundle
-from lantern.decoding.config import method_preset, supported_methods
+from lantern.decoding.config import supported_methods
 from lantern.decoding.sampling import SamplingConfig
 from lantern.engine import Request, SamplingOverrides, derive_seed
 from lantern.engine.sampling import PER_REQUEST
@@ -115,7 +115,7 @@ class Service:
             choice = choose_backend(lambda name, dtype, **options: self.pipe
                                     if (name, dtype, options) == (self.pipe.backend.name, self.pipe.dtype, {})
                                     else self._pipeline(name, dtype, **options), cfg.plan_images, self.sampling,
-                                    validated=self.bundle.relaxation_defaults,
+                                    validated=self.bundle.validations,
                                     shipped_records=self.bundle.acceptance_records, dtype=cfg.dtype, **common)
             self.pipe, self._choice = choice.pipeline, choice.choice
             self.plan_why = (f"{choice.why}; weighed over {cfg.plan_images} images, its preparation (a compile or "
@@ -144,7 +144,11 @@ class Service:
         return True
 
     def _decode_named(self, method: str):
-        return method_preset(method, self.sampling, **self.bundle.relaxation_defaults.get(method, {}))
+        """A named method at the service's sampling: a relaxed one relaxed only where the bundle validated it (or
+        with allow_relaxed), else lossless (lantern.plan.validated)."""
+        from lantern.plan.validated import named_config
+        return named_config(method, self.sampling, {}, self.bundle.validations, self.bundle.target.config.vocab_size,
+                            self.config.allow_relaxed)[0]
 
     def _decode(self, key: EngineKey) -> tuple:
         """(DecodeConfig, what runs) of an engine key (worker thread). auto plans once, for a full batch of slots

@@ -19,7 +19,7 @@ from lantern.decoding.config import method_preset
 from lantern.decoding.sampling import SamplingConfig
 from lantern.plan import calibration, records
 from lantern.plan.candidates import AR, RELAXED_METHODS, candidate_plans
-from lantern.plan.choose import MIN_SPEEDUP, choose, predict_seconds
+from lantern.plan.choose import MIN_SPEEDUP, allowed_relaxation, choose, predict_seconds
 
 SAMPLING = SamplingConfig(temperature=1.0, top_k=5, cfg_scale=2.0)
 
@@ -149,11 +149,12 @@ def pipe(tiny):
 
 
 def seed_calibration(pipe, width: int, step_ms: dict, fixed_s: float = 0.01, skip: str = "",
-                     validated: dict | None = None) -> None:
+                     validated: dict | None = None, sampling: SamplingConfig = SAMPLING) -> None:
     """Write a calibration (synthetic, made by the test) for this pipeline: every plan not named costs 1 s per
-    step; `skip` is left out (to be measured). validated: a bundle's relaxation settings (its plans' names)."""
+    step; `skip` is left out (to be measured). validated: a bundle's validations (its plans' names)."""
     key = calibration.calibration_key(pipe.backend.name, pipe.dtype, pipe.model_key)
-    everything = candidate_plans(True, True, {m: (validated or {}).get(m, {}) for m in RELAXED_METHODS})
+    everything = candidate_plans(True, True, allowed_relaxation(True, validated or {}, sampling,
+                                                                pipe.config.vocab_size)[0])
     plans = {p.name: {"step_s": step_ms.get(p.name, 1000.0) / 1e3} for p in everything if p.name != skip}
     calibration.save_calibration({"key": key, "widths": {str(width): {"fixed_s": fixed_s, "plans": plans}}})
 
@@ -182,10 +183,11 @@ def test_choice_follows_the_cost_model(pipe):
     for bad in (0.9, float("nan"), True, "1.5"):
         with pytest.raises(ValueError, match=f"min_speedup {bad!r} is not allowed; allowed: a finite number >= 1"):
             choose(pipe, 2, SAMPLING, batch=2, progress=False, min_speedup=bad)
-    seed_calibration(pipe, 2, {"ar": 1.0, "lantern++/chain-5": 0.01})
+    chain = "lantern++/chain-5@k=4"  # the preset's k = 10 clipped to 1/16 of the tiny model's 64 codes
+    seed_calibration(pipe, 2, {"ar": 1.0, chain: 0.01})
     assert choose(pipe, 2, SAMPLING, batch=2, progress=False).plan == AR  # lossless only by default
     allowed = choose(pipe, 2, SAMPLING, batch=2, allow_relaxed=True, progress=False)
-    assert allowed.plan.name == "lantern++/chain-5" and allowed.decode.acceptance == "lantern++"
+    assert allowed.plan.name == chain and allowed.decode.acceptance == "lantern++" and allowed.decode.k == 4
 
 
 class CostCurvePipe:
@@ -385,7 +387,7 @@ def test_cli_reports_the_plan_and_says_it_calibrates(tmp_path, monkeypatch, caps
     monkeypatch.setenv("LANTERN_CACHE_DIR", str(tmp_path / "cache"))  # the subprocess inherits it
     monkeypatch.setenv("LANTERN_BACKEND", "")
     seed_calibration(Pipeline.from_bundle(bundle, backend="cpu"), 1, {"mc-sjd/L16": 1.0}, skip="mc-sjd/L4",
-                     validated=bundle.validations)
+                     validated=bundle.validations, sampling=SamplingConfig(**bundle.default_sampling))
     argv = ["generate", "--classes", "3", "--no-images", "--json"]
     run = lantern(*argv)
     assert run.returncode == 0, run.stderr

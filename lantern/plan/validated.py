@@ -153,10 +153,12 @@ def relaxation_for(method: str, validations: dict, sampling: SamplingConfig, voc
         return Relaxation(method, dict(chosen.settings), f"relaxed (--allow-relaxed) at the bundle's settings; not "
                                                          f"validated here ({elsewhere})")
     preset = method_preset(method, sampling)
-    settings = {"k": min(preset.k, k_limit(vocab))}
-    clipped = f", k {preset.k} clipped to {settings['k']} of {vocab} codes" if preset.k > settings["k"] else ""
-    return Relaxation(method, settings, f"relaxed (--allow-relaxed) at the preset's settings{clipped}; not "
-                                        f"validated here ({elsewhere})")
+    if preset.k <= k_limit(vocab):
+        return Relaxation(method, {}, f"relaxed (--allow-relaxed) at the preset's settings; not validated here "
+                                      f"({elsewhere})")
+    return Relaxation(method, {"k": k_limit(vocab)}, f"relaxed (--allow-relaxed) at the preset's settings, k "
+                                                     f"{preset.k} clipped to {k_limit(vocab)} of {vocab} codes; not "
+                                                     f"validated here ({elsewhere})")
 
 
 def allowed_relaxations(validations: dict, sampling: SamplingConfig, vocab: int,

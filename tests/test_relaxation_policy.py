@@ -1,0 +1,111 @@
+"""Relaxations are bounds, applied only at the sampling they were validated at (lantern.plan.validated)."""
+import json
+
+import pytest
+
+from lantern.bundle import DEFAULT_BUNDLE, load_bundle
+from lantern.decoding import SamplingConfig, method_preset
+from lantern.plan.choose import allowed_relaxation
+from lantern.plan.validated import (Validation, bound_problems, describe_bound, k_limit, named_config,
+                                    read_validations, relaxation_for, same_sampling, sampling_record)
+
+V = 1024
+OWN = SamplingConfig(top_k=5, cfg_scale=3.0)  # the embedded bundle's
+WHOLE = SamplingConfig(top_k=0, cfg_scale=4.0)  # LANTERN's class-to-image setting
+SETTINGS = {"acceptance": "lantern", "k": 64, "delta": 0.2, "form": "bounded"}
+AT_OWN = {"mc-sjd-relaxed": (Validation(SETTINGS, sampling_record(OWN)),)}
+
+
+def test_the_bound_must_bound_something():
+    nothing = method_preset("mc-sjd-relaxed", WHOLE, acceptance="lantern", k=1000, delta=1.0)  # the old default
+    problems = bound_problems(nothing, V)
+    assert len(problems) == 2 and "delta 1.0" in problems[0] and "allowed: delta <= 0.4" in problems[0]
+    assert "k 1000" in problems[1] and f"allowed: k <= {k_limit(V)}" in problems[1]
+    assert bound_problems(method_preset("mc-sjd-relaxed", WHOLE, **SETTINGS), V) == []
+    assert k_limit(16384) >= 1000  # LANTERN's own k on LlamaGen's codebook stays allowed
+    assert describe_bound(method_preset("lantern", OWN, k=64, delta=0.2), V) == (
+        "each token's distribution moves by at most 0.2 in TV, only among each code's 64 nearest of 1024 codes")
+    assert describe_bound(method_preset("mc-sjd", OWN), V).startswith("lossless")
+
+
+def test_same_sampling_compares_the_support():
+    rec = sampling_record(SamplingConfig(top_k=0, cfg_scale=4.0))
+    assert same_sampling(rec, SamplingConfig(top_k=V, cfg_scale=4.0), V)  # 0 and V: the whole vocabulary
+    assert same_sampling(rec, SamplingConfig(top_k=5000, cfg_scale=4.0), V)
+    assert not same_sampling(rec, SamplingConfig(top_k=5, cfg_scale=4.0), V)
+    assert not same_sampling(rec, SamplingConfig(top_k=0, cfg_scale=3.0), V)
+    assert not same_sampling(rec, SamplingConfig(top_k=0, cfg_scale=4.0, greedy=True), V)
+
+
+def test_applied_only_where_validated():
+    here = relaxation_for("mc-sjd-relaxed", AT_OWN, OWN, V, allow_relaxed=False)
+    assert here.settings == SETTINGS and "validated at this sampling" in here.why
+    elsewhere = relaxation_for("mc-sjd-relaxed", AT_OWN, WHOLE, V, allow_relaxed=False)
+    assert elsewhere.settings is None and "validated only at top_k 5" in elsewhere.why
+    assert "--allow-relaxed" in elsewhere.why
+    allowed = relaxation_for("mc-sjd-relaxed", AT_OWN, WHOLE, V, allow_relaxed=True)
+    assert allowed.settings == SETTINGS and "not validated here" in allowed.why
+    # auto: lossless at an unvalidated sampling, the validated plan where it was validated
+    assert allowed_relaxation(False, AT_OWN, WHOLE, V)[0] == {}
+    assert allowed_relaxation(False, AT_OWN, OWN, V)[0] == {"mc-sjd-relaxed": SETTINGS}
+    # a preset relaxed on request keeps k within the codebook's limit
+    preset = relaxation_for("lantern", {}, WHOLE, V, allow_relaxed=True)
+    assert preset.settings == {"k": k_limit(V)} and "k 1000 clipped to 64 of 1024 codes" in preset.why
+
+
+def test_old_entries_are_validated_nowhere_and_meaningless_ones_never_apply():
+    old = read_validations({"lantern++": {"settings": {"k": 10, "lam": 2.0}, "evidence": {}}})
+    r = relaxation_for("lantern++", old, OWN, V, allow_relaxed=False)
+    assert r.settings is None and "records no sampling (treated as validated nowhere)" in r.why
+    nothing = {"mc-sjd-relaxed": (Validation({"acceptance": "lantern", "k": 1000, "delta": 1.0},
+                                             sampling_record(OWN)),)}
+    r = relaxation_for("mc-sjd-relaxed", nothing, OWN, V, allow_relaxed=False)
+    assert r.settings is None and "bound nothing" in r.why
+    with pytest.raises(ValueError, match="relaxation_defaults\\['lantern'\\]: sampling"):
+        read_validations({"lantern": [{"settings": {}, "sampling": {"top_k": 5}}]})
+
+
+def test_named_method_falls_back_to_lossless_and_says_why():
+    dcfg, info = named_config("mc-sjd-relaxed", WHOLE, {}, AT_OWN, V, allow_relaxed=False)
+    assert dcfg.acceptance == "exact" and dcfg.drafting == "jacobi" and not info["applied"]
+    assert info["allows"].startswith("lossless")
+    dcfg, info = named_config("mc-sjd-relaxed", OWN, {}, AT_OWN, V, allow_relaxed=False)
+    assert (dcfg.acceptance, dcfg.k, dcfg.delta) == ("lantern", 64, 0.2) and info["applied"]
+    assert info["validated_at"] == sampling_record(OWN)
+    dcfg, info = named_config("lantern", WHOLE, {"delta": 1.0, "k": 1000}, {}, V, allow_relaxed=False)
+    assert (dcfg.delta, dcfg.k) == (1.0, 1000) and "as named" in info["why"] and len(info["warnings"]) == 2
+    assert named_config("ar", WHOLE, {}, AT_OWN, V, False)[1] is None
+
+
+def test_cli_named_method_at_whole_vocabulary_runs_lossless():
+    from lantern.cli import build_parser, decode_config_from_args
+    bundle = load_bundle()
+    parser = build_parser()
+    sub = ["generate", "--method", "mc-sjd-relaxed", "--top-k", "0", "--cfg-scale", "4.0"]
+    dcfg, info = decode_config_from_args(parser.parse_args(sub), bundle)
+    assert dcfg.acceptance == "exact" and not info["applied"] and "lossless" in info["why"]
+    dcfg, info = decode_config_from_args(parser.parse_args([*sub, "--allow-relaxed"]), bundle)
+    assert dcfg.acceptance != "exact" and info["applied"] and not bound_problems(dcfg, V)
+
+
+def test_allow_relaxed_is_refused_for_lossless_methods(tmp_path, capsys):
+    from lantern.cli import main
+    assert main(["generate", "--method", "eagle2", "--allow-relaxed", "--out", str(tmp_path), "--json"]) == 2
+    assert "--method eagle2 is lossless" in json.loads(capsys.readouterr().out)["error"]
+
+
+def test_shipped_relaxations_record_their_sampling_and_bound_something():
+    """Every relaxation the embedded bundle ships names the sampling it was validated at and the gate's
+    evidence, and bounds something on its codebook."""
+    bundle = load_bundle()
+    entries = json.loads((DEFAULT_BUNDLE / "manifest.json").read_text()).get("relaxation_defaults", {})
+    vocab = bundle.target.config.vocab_size
+    for method, validations in read_validations(entries).items():
+        for v in validations:
+            assert v.sampling is not None, method
+            assert not bound_problems(method_preset(method, SamplingConfig(**v.sampling), **v.settings), vocab)
+            assert v.evidence["gate"].startswith("lantern.quality_gate") and v.evidence["passed_checks"]
+    defaults = bundle.relaxation_defaults  # what benchmarks at the bundle's own sampling run
+    own = SamplingConfig(**bundle.default_sampling)
+    assert all(any(v.sampling and same_sampling(v.sampling, own, vocab) for v in bundle.validations[m])
+               for m in defaults)

@@ -73,8 +73,8 @@ def reference_caption_features(state: dict, cfg: GPTConfig, rows: torch.Tensor, 
         h = x + (scores.softmax(-1, dtype=torch.float32) @ v).transpose(1, 2).reshape(-1, t, HIDDEN) @ \
             state[p + "attention.wo.weight"].T
         n = rms(h, state[p + "ffn_norm.weight"], cfg.norm_eps)
-        ffn = torch.nn.functional.silu(n @ state[p + "feed_forward.w1.weight"].T) * (n @ state[p + "feed_forward.w3.weight"].T)
-        x = h + ffn @ state[p + "feed_forward.w2.weight"].T
+        gate = torch.nn.functional.silu(n @ state[p + "feed_forward.w1.weight"].T)
+        x = h + (gate * (n @ state[p + "feed_forward.w3.weight"].T)) @ state[p + "feed_forward.w2.weight"].T
     return rms(x, state["norm.weight"], cfg.norm_eps)
 
 

@@ -1,9 +1,22 @@
-"""LlamaGen's caption mask: in text-to-image, no position attends to a padded caption slot.
+"""The caption mask of text-to-image: no image token attends to a padded caption slot; what a padded slot itself
+attends differs by convention, and only a drafter that reads the caption's features sees the difference.
 
-LlamaGen (autoregressive/models/generate.py) multiplies its causal mask's caption columns by each caption's mask,
-for the conditional and the unconditional (null caption) row of an image alike, and keeps the diagonal (a padded
-slot sees itself). Padded slots are the ones LlamaGen zeroed (lantern.text.llamagen_condition), so the mask is read
-from the condition itself: a caption slot whose embedding is all zero is padding.
+Padded slots are the ones LlamaGen zeroed (lantern.text.llamagen_condition), so the mask is read from the
+condition itself: a caption slot whose embedding is all zero is padding. Both conventions hide the padded slots
+from every valid caption slot and every image token, for the conditional and the unconditional (null caption) row
+of an image alike, so the target's outputs are the same under either; they differ in the features computed AT the
+padded slots (the null caption's, where the inputs are not zero):
+
+- "llamagen" (autoregressive/models/generate.py): the causal mask's caption columns times the caption mask, the
+  diagonal kept: a padded slot sees only itself. lantern's target and lantern's own drafters use it.
+- "lantern": LANTERN (models/kv_variants/modeling_llamagen_kv.py) adds a Hugging Face style additive mask,
+  causal (float32 minimum) plus padding (the minimum of the model's dtype, bf16 by default), and the softmax
+  cannot tell equally masked scores apart: a slot attends to the earlier caption slots that are not padding, or,
+  where there are none (a padded slot before the caption's first token, as LlamaGen lays captions out), to every
+  earlier slot. Caption slots' queries and keys are zero (LlamaGen's zero RoPE rows), so that is a plain average
+  of the earlier padded slots. LANTERN's text-to-image drafters were trained on, and are fed, these features.
+  (At fp32 LANTERN's sum makes the later valid slots visible to a padded slot as well; its runs and its drafters'
+  training data are bf16, where they are not.)
 
 `CaptionMaskedRunner` wraps any backend's Runner and applies this to every mask it is given (masks are inputs of
 every backend's steps, so no backend changes). The drafter's masks are left alone: lantern's drafters never
@@ -11,9 +24,19 @@ cover the caption, and LANTERN's t2i drafters read it unmasked, as LANTERN feeds
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from lantern.backends.base import Runner, StepOutput
+
+CAPTION_MASKS = ("llamagen", "lantern")
+
+
+def check_caption_mask(name: str) -> str:
+    if name not in CAPTION_MASKS:
+        raise ValueError(f"caption mask {name!r}; allowed: {', '.join(CAPTION_MASKS)}")
+    return name
 
 
 def caption_slots_visible(captions: torch.Tensor) -> torch.Tensor:
@@ -21,16 +44,36 @@ def caption_slots_visible(captions: torch.Tensor) -> torch.Tensor:
     return captions.ne(0).any(-1)
 
 
-class CaptionMaskedRunner:
-    """`runner`, with every target mask also hiding each row's padded caption slots. visible (rows, P) bool."""
+def drafter_caption_mask(drafter) -> str:
+    """The convention the caption features a drafter reads were computed with: its own (`Drafter.caption_mask`),
+    LlamaGen's for no drafter or one that records none (lantern's drafters start after the caption, whose last
+    slot is never padding, so they read the same features under both)."""
+    return getattr(drafter, "caption_mask", None) or "llamagen"
 
-    def __init__(self, runner: Runner, visible: torch.Tensor):
+
+def prefill_caption_mask(mask: torch.Tensor, keys: torch.Tensor, convention: str) -> torch.Tensor:
+    """mask (rows, T, S) the prefill's causal mask, keys (rows, S) bool the slots that are not padding ->
+    the mask under `convention` (CAPTION_MASKS)."""
+    hidden = mask & keys[:, None]
+    t = mask.shape[1]
+    if convention == "llamagen":  # a padded slot still sees itself
+        own = torch.eye(t, mask.shape[-1], dtype=torch.bool, device=mask.device)
+        return hidden | own[None]
+    # LANTERN: a slot that sees no earlier valid slot sees every earlier slot (equal additive-mask scores)
+    return torch.where(hidden.any(-1, keepdim=True), hidden, mask)
+
+
+class CaptionMaskedRunner:
+    """`runner`, with every target mask also hiding each row's padded caption slots. visible (rows, P) bool;
+    convention (CAPTION_MASKS): what a padded slot attends at prefill (the features a drafter reads there)."""
+
+    def __init__(self, runner: Runner, visible: torch.Tensor, convention: Optional[str] = None):
         self._runner = runner
+        self._convention = check_caption_mask(convention or "llamagen")
         rows, p = visible.shape
         keys = torch.ones(rows, runner.spec.max_len, dtype=torch.bool)
         keys[:, :p] = visible
         self._keys = keys.to(runner.device)  # (rows, S)
-        self._own = torch.eye(p, runner.spec.max_len, dtype=torch.bool, device=runner.device)  # (P, S) diagonal
 
     def __getattr__(self, name):
         return getattr(self._runner, name)
@@ -39,8 +82,8 @@ class CaptionMaskedRunner:
         return (mask & self._keys[:, None, : mask.shape[-1]]).contiguous()
 
     def prefill(self, cond: torch.Tensor, mask: torch.Tensor) -> StepOutput:
-        own = self._own[None, : mask.shape[1], : mask.shape[-1]]
-        return self._runner.prefill(cond, (self._hide(mask) | own).contiguous())
+        keys = self._keys[:, : mask.shape[-1]]
+        return self._runner.prefill(cond, prefill_caption_mask(mask, keys, self._convention).contiguous())
 
     def verify(self, tokens, positions, slots, mask) -> StepOutput:
         return self._runner.verify(tokens, positions, slots, self._hide(mask))

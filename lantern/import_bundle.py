@@ -29,7 +29,8 @@ from lantern.llamagen import (SAMPLING, WEIGHT_SETS, infer_gpt_config, infer_vq_
                               load_gpt, load_vq, read_lantern_drafter, read_llamagen_state, vq_state)
 from lantern.models.checkpoint import load_into, weights_hash
 from lantern.models.drafter import Drafter, DrafterOptions
-from lantern.proximity import DEFAULT_K, build_proximity_table, compact_table, read_npy_table
+from lantern.proximity import (CODEBOOK_PROXIMITIES, DEFAULT_K, build_proximity_table, compact_table,
+                               proximity_vectors, read_npy_table)
 
 LINKABLE = ("target", "vq")
 
@@ -44,7 +45,7 @@ class ImportRequest:
     heads: Optional[int] = None  # attention heads of a GPT of no LlamaGen size
     weights: str = "model"  # "model" or "ema" (of the GPT checkpoint)
     drafter: Optional[Path] = None  # lantern's drafter.safetensors, or LANTERN's drafter folder
-    proximity: Optional[str] = None  # None: none; "codebook": computed; else a LANTERN .npy / lantern .safetensors
+    proximity: Optional[str] = None  # None: none; a CODEBOOK_PROXIMITIES name: computed; else a .npy / .safetensors
     k: int = DEFAULT_K
     link: bool = False
     command: str = ""
@@ -89,8 +90,8 @@ def check_inputs(req: ImportRequest) -> Imported:
         out.drafter = read_drafter(Path(req.drafter), target_cfg, state)
     if req.proximity is not None:
         V = vq_cfg.codebook_size
-        if req.proximity == "codebook":
-            out.proximity = build_proximity_table(vq.codebook_vectors(), req.k)
+        if req.proximity in CODEBOOK_PROXIMITIES:
+            out.proximity = build_proximity_table(proximity_vectors(vq, req.proximity), req.k)
         elif str(req.proximity).endswith(".npy"):
             out.proximity = read_npy_table(req.proximity, V, req.k)
         else:
@@ -121,7 +122,7 @@ def read_drafter(path: Path, target_cfg: GPTConfig, target_state: dict) -> Draft
 def read_lantern_table(path: Path, vocab: int, k: int) -> torch.Tensor:
     if path.suffix != ".safetensors" or not path.is_file():
         raise ValueError(f"proximity table {path}: expected LANTERN's top_*_indices.npy, a lantern "
-                         f"proximity.safetensors, or 'codebook'")
+                         f"proximity.safetensors, or one of {', '.join(map(repr, CODEBOOK_PROXIMITIES))}")
     with safe_open(str(path), "pt") as f:
         if "neighbours" not in f.keys():
             raise ValueError(f"proximity table {path} has no 'neighbours' tensor")

@@ -8,8 +8,13 @@ from pathlib import Path
 
 from lantern.cli_args import number
 
-PROXIMITY_HELP = ("'codebook' (computed from the VQ codebook), LANTERN's top_*_indices.npy, or a lantern "
-                  "proximity.safetensors; the bundle keeps the first --proximity-k neighbours")
+
+
+def proximity_help() -> str:
+    from lantern.proximity import CODEBOOK_PROXIMITIES
+    computed = ", ".join(f"'{name}' (computed from {what})" for name, what in CODEBOOK_PROXIMITIES.items())
+    return (f"{computed}, LANTERN's top_*_indices.npy, or a lantern proximity.safetensors; the bundle keeps the "
+            f"first --proximity-k neighbours")
 
 
 def add_import_command(sub) -> None:
@@ -32,7 +37,7 @@ def add_import_command(sub) -> None:
     p.add_argument("--drafter", type=Path,
                    help="lantern's drafter.safetensors, or LANTERN's drafter folder (config.json + pytorch_model.bin "
                         "or model.safetensors)")
-    p.add_argument("--proximity", help=PROXIMITY_HELP)
+    p.add_argument("--proximity", help=proximity_help())
     p.add_argument("--proximity-k", type=number(int, 1), default=DEFAULT_K,
                    help=f"neighbours per code the bundle keeps (default {DEFAULT_K}: LANTERN's largest k)")
     p.add_argument("--link", action="store_true",

@@ -201,7 +201,7 @@ def is_lantern_drafter(path: Path) -> bool:
 
 def read_lantern_drafter(folder: Path, target_cfg: GPTConfig) -> Drafter:
     """LANTERN's published drafter folder -> a lantern Drafter with the same weights, checked against the
-    target: width, heads, vocabulary, condition type and image grid."""
+    target: width, heads, vocabulary, condition type and image grid; it records LANTERN's caption mask."""
     try:
         conf = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as e:
@@ -233,7 +233,8 @@ def read_lantern_drafter(folder: Path, target_cfg: GPTConfig) -> Drafter:
     state = read_llamagen_state(files[0], what="drafter weights")
     options = DrafterOptions(input_norm="layers.0.input_layernorm.weight" in state, own_embedding=True,
                              ffn_hidden=int(conf.get("intermediate_size", target_cfg.ffn_hidden)),
-                             norm_eps=float(conf.get("rms_norm_eps", 1e-6)), reads_prefix=True)
+                             norm_eps=float(conf.get("rms_norm_eps", 1e-6)), reads_prefix=True,
+                             caption_mask="lantern")  # fed as LANTERN feeds it (lantern.caption_mask)
     drafter = Drafter(target_cfg, options)
     load_into(drafter, lantern_drafter_keys(state, bias=conf.get("bias", True), dim=target_cfg.dim),
               f"drafter weights {files[0]}")

@@ -13,6 +13,11 @@ import numpy as np
 import torch
 
 DEFAULT_K = 1000  # LANTERN's largest published k; LANTERN++ reads 10
+# tables `lantern import --proximity NAME` computes from a LlamaGen VQ's codebook, by the vectors they measure
+CODEBOOK_PROXIMITIES = {
+    "codebook": "the L2-normalised code vectors LlamaGen's decoder looks up",
+    "codebook-raw": "the raw codebook weights, as LANTERN's generate_codebook.py does",
+}
 _ROWS_PER_CHUNK = 1024  # distance rows computed at once: (1024, V) float64, 128 MB at V = 16384
 
 
@@ -22,10 +27,12 @@ def index_dtype(vocab: int) -> torch.dtype:
 
 
 def build_proximity_table(codebook: torch.Tensor, k_max: int) -> torch.Tensor:
-    """codebook (V, d), the vectors the decoder actually uses -> (V, k) neighbour ids in `index_dtype(V)`.
+    """codebook (V, d), the code vectors to measure (`proximity_vectors`) -> (V, k) neighbour ids in
+    `index_dtype(V)`.
 
-    Row x lists n_1(x), n_2(x), ... by ascending Euclidean distance, x itself excluded; k = min(k_max, V-1).
-    Distances are computed a block of rows at a time, so memory stays O(rows * V), not O(V^2).
+    Row x lists n_1(x), n_2(x), ... by ascending Euclidean distance, x itself excluded (only x: a duplicate of x
+    is its nearest neighbour), ties broken by the lower code id; k = min(k_max, V-1). Distances are computed in
+    float64 a block of rows at a time, so memory stays O(rows * V), not O(V^2).
     """
     V = codebook.shape[0]
     if not 0 <= k_max:
@@ -41,6 +48,17 @@ def build_proximity_table(codebook: torch.Tensor, k_max: int) -> torch.Tensor:
         # stable sort so that ties are broken by code id, the same on every machine
         out[start:start + rows.shape[0]] = torch.sort(d2, dim=1, stable=True).indices[:, :k].to(out.dtype)
     return out.contiguous()
+
+
+def proximity_vectors(vq, definition: str) -> torch.Tensor:
+    """A LlamaGen VQ model (lantern.models.vq.VQModel) -> the (V, d) vectors the table `definition`
+    (CODEBOOK_PROXIMITIES) measures. The two orders differ wherever code norms differ (issue #44 found 41% of
+    nearest neighbours agreeing on LlamaGen's VQ-16)."""
+    if definition == "codebook":
+        return vq.codebook_vectors()
+    if definition == "codebook-raw":
+        return vq.quantize.embedding.weight.detach().float()
+    raise ValueError(f"proximity {definition!r}; computed tables: {', '.join(CODEBOOK_PROXIMITIES)}")
 
 
 def compact_table(table: torch.Tensor | np.ndarray, vocab: int, k: int | None = None, what: str = "proximity table"

@@ -136,6 +136,7 @@ def test_imported_t2i_bundle_with_a_lantern_drafter_runs_every_method(tmp_path):
                  "--proximity-k", "16", "--out", str(tmp_path / "b"), "--json"]) == 0
     b = load_bundle(tmp_path / "b")
     assert not b.drafter.options.input_norm and b.drafter.options.own_embedding
+    assert b.config["drafter"]["caption_mask"] == "lantern" and b.drafter.caption_mask == "lantern"  # recorded
     captions = torch.randn(1, 120, 32)
     captions[0, :100] = 0  # LlamaGen's layout: padding first, zeroed
     pipe = Pipeline.from_bundle(b, backend="cpu")

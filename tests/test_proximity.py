@@ -55,3 +55,67 @@ def test_relaxed_acceptance_is_unchanged_by_the_table_type(tiny, method, overrid
         pipe = Pipeline(target, drafter, proximity.to(dtype), backend="cpu")
         out[dtype] = pipe.generate([0, 1, 2], dcfg, seed=3).tokens
     assert torch.equal(out[torch.int64], out[torch.int16])
+
+
+def lantern_reference_table(weights: torch.Tensor) -> torch.Tensor:
+    """LANTERN's entrypoints/generate_codebook.py: float32 Euclidean distances between the raw codebook weights
+    (torch.cdist), the diagonal set to infinity, the V - 1 smallest by torch.topk, nearest first."""
+    d = torch.cdist(weights.float(), weights.float(), p=2)
+    d.fill_diagonal_(float("inf"))
+    return torch.topk(d, weights.shape[0] - 1, dim=-1, largest=False).indices
+
+
+def differ_only_at_near_ties(table: torch.Tensor, ref: torch.Tensor, weights: torch.Tensor) -> bool:
+    """Where the two orders differ, the codes they name are equally far (to float32's rounding of a distance)."""
+    d = torch.cdist(weights.double(), weights.double())
+    ours, theirs = d.gather(1, table.long()), d.gather(1, ref)
+    return bool(((ours - theirs).abs() <= 1e-6 * d.max()).all())
+
+
+def test_codebook_raw_import_is_lanterns_table(tmp_path):
+    """`lantern import --proximity codebook-raw` computes the table LANTERN's generate_codebook.py computes from
+    the same VQ checkpoint; `codebook` (normalised vectors) is another order on the same codebook."""
+    from lantern.bundle import load_bundle
+    from lantern.cli import main
+
+    from llamagen_files import VOCAB, write_gpt, write_vq
+
+    write_gpt(tmp_path / "gpt.pt")
+    write_vq(tmp_path / "vq.pt")
+    g = torch.Generator().manual_seed(5)  # codes of unequal norms, as a trained codebook's
+    state = torch.load(tmp_path / "vq.pt", weights_only=False)
+    state["model"]["quantize.embedding.weight"] *= torch.rand(VOCAB, 1, generator=g) * 3 + 0.2
+    torch.save(state, tmp_path / "vq.pt")
+    weights = state["model"]["quantize.embedding.weight"]
+    ref = lantern_reference_table(weights)
+    tables = {}
+    for name in ("codebook-raw", "codebook"):
+        out = tmp_path / name
+        assert main(["import", "--gpt", str(tmp_path / "gpt.pt"), "--vq", str(tmp_path / "vq.pt"), "--heads", "4",
+                     "--proximity", name, "--proximity-k", str(VOCAB - 1), "--out", str(out), "--json"]) == 0
+        tables[name] = load_bundle(out).proximity
+        assert load_bundle(out).manifest["inputs"]["proximity"] == name
+    assert tables["codebook-raw"].shape == ref.shape
+    assert differ_only_at_near_ties(tables["codebook-raw"], ref, weights)
+    assert (tables["codebook-raw"][:, 0].long() == ref[:, 0]).float().mean() == 1.0
+    assert (tables["codebook"][:, 0].long() == ref[:, 0]).float().mean() < 0.8  # the other definition
+
+
+def test_ties_go_to_the_lower_code_id_and_only_the_code_itself_is_excluded():
+    cb = torch.tensor([[0.0, 0.0], [1.0, 0.0], [-1.0, 0.0], [0.0, 0.0], [0.0, 2.0]])
+    table = build_proximity_table(cb, 4).long()
+    assert table[0].tolist() == [3, 1, 2, 4]  # its duplicate first, then the tie 1 / 2 by id
+    assert table[3].tolist() == [0, 1, 2, 4]
+
+
+def test_an_unknown_computed_proximity_is_refused(tmp_path, capsys):
+    from lantern.cli import main
+
+    from llamagen_files import write_gpt, write_vq
+
+    write_gpt(tmp_path / "gpt.pt")
+    write_vq(tmp_path / "vq.pt")
+    assert main(["import", "--gpt", str(tmp_path / "gpt.pt"), "--vq", str(tmp_path / "vq.pt"), "--heads", "4",
+                 "--proximity", "lantern", "--out", str(tmp_path / "b")]) == 2
+    assert "'codebook', 'codebook-raw'" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()

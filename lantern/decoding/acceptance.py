@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from lantern.decoding.relaxation import Neighbourhood, bounded_target, paper_boost
+from lantern.decoding.relaxation import bounded_target, paper_boost
 from lantern.decoding.sampling import Draws, Support, draw, uniform
 
 KINDS = ("exact", "lantern", "lantern++")
@@ -52,7 +52,6 @@ class Acceptance:
     lam: float = 1.0
     form: str = "bounded"
     proximity: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)  # (V, K) any integer type
-    _near: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # device -> Neighbourhood
 
     def __post_init__(self):
         check_rule(self.kind, self.k, self.delta, self.lam, self.form)
@@ -82,13 +81,6 @@ class Acceptance:
             raise ValueError(f"a proximity table holds integer code ids, not {self.proximity.dtype}")
         near = self.proximity[:, : self.k]
         return near if near.device == torch.device(device) else near.to(device)
-
-    def neighbourhood(self, device) -> Neighbourhood:
-        """The k-neighbourhoods on `device`, kept for the rule's life (their bitset is built once)."""
-        key = str(torch.device(device))
-        if key not in self._near:
-            self._near[key] = Neighbourhood(self.neighbours(device))
-        return self._near[key]
 
 
 @dataclass
@@ -131,51 +123,52 @@ def residual(r: torch.Tensor, q: torch.Tensor, tried: torch.Tensor) -> torch.Ten
     return torch.where(tried[..., None] & (total > 0), nxt / total.clamp_min(1e-30), r)
 
 
-def _acceptance_sampling(target: Support, p_orig: Support, cand, cvalid, q_dense, rule: Acceptance, vocab: int):
+def _acceptance_sampling(target: Support, p_orig: Support, cand, cvalid, q: Optional[Support], rule: Acceptance):
     """Acceptance probabilities (B, M, C), the final residuals (B, M, K) and papers' boosts (B, M, C)."""
     r, ids = target.probs, target.ids
     acc = torch.zeros(cand.shape, device=r.device)
     boost = torch.zeros(cand.shape, device=r.device)
-    if q_dense is not None:
-        q_sup, removed = q_dense.gather(2, ids), torch.zeros(r.shape[:2], device=r.device)
+    if q is not None:
+        q_at = q.lookup()
+        q_sup, removed = q_at.prob(ids), torch.zeros(r.shape[:2], device=r.device)
         earlier = torch.zeros(r.shape, dtype=torch.bool, device=r.device)
     paper = rule.relaxed and rule.form == "paper"
     for j in range(cand.shape[-1]):
         x, v = cand[..., j], cvalid[..., j]
         hit = ids == x[..., None]  # (B, M, K)
-        if q_dense is None:  # a deterministic draft: x was "drawn" with certainty
+        if q is None:  # a deterministic draft: x was "drawn" with certainty
             q_x, q_j = torch.ones(x.shape, dtype=r.dtype, device=r.device), hit.to(r.dtype)
         else:
-            q_x = q_dense.gather(2, x[..., None])[..., 0] / (1.0 - removed).clamp_min(1e-12)
+            q_drawn = q_at.prob(x[..., None])[..., 0]
+            q_x = q_drawn / (1.0 - removed).clamp_min(1e-12)
             q_j = draft_distribution(q_sup, earlier, removed)
         if paper:
-            p_tilde, b = paper_boost(Support(r, ids).dense(vocab), p_orig.prob_of(x), x,
-                                     rule.neighbours(r.device), *rule.bounds)
+            p_tilde, b = paper_boost(Support(r, ids), p_orig.prob_of(x), x, rule.neighbours(r.device), *rule.bounds)
             boost[..., j] = torch.where(v, b, 0.0)
         else:
             p_tilde = (r * hit).sum(-1)
         acc[..., j] = torch.where(v, (p_tilde / q_x.clamp_min(1e-30)).clamp(max=1.0), 0.0)  # min(1, p~/q_i)
         r = residual(r, q_j, v)
-        if q_dense is not None:
-            removed = removed + torch.where(v, q_dense.gather(2, x[..., None])[..., 0], 0.0)
+        if q is not None:
+            removed = removed + torch.where(v, q_drawn, 0.0)
             earlier = earlier | (hit & v[..., None])
     return acc, r, boost
 
 
-def _acceptance_greedy(target: Support, cand, cvalid, rule: Acceptance, vocab: int):
+def _acceptance_greedy(target: Support, cand, cvalid, rule: Acceptance):
     """Greedy: a child is accepted iff it is the argmax (of p_hat), or for the papers' rule iff its boosted
     probability reaches the best other token's. Returns (B, M, C) in {0, 1} and the boosts."""
     best = draw(target, True, None)  # (B, M)
     boost = torch.zeros(cand.shape, device=cand.device)
     if rule.relaxed and rule.form == "paper":
-        dense = target.dense(vocab)  # (B, M, V)
-        top2 = torch.topk(dense, 2, dim=-1)
+        top = torch.topk(target.probs, min(2, target.probs.shape[-1]), dim=-1)  # (B, M, 2) on the support
+        first = target.ids.gather(-1, top.indices[..., :1])[..., 0]
+        second = top.values[..., 1] if top.values.shape[-1] > 1 else torch.zeros_like(top.values[..., 0])
         acc = torch.zeros(cand.shape, device=cand.device)
         for j in range(cand.shape[-1]):
             x = cand[..., j]
-            p_tilde, b = paper_boost(dense, dense.gather(2, x[..., None])[..., 0], x, rule.neighbours(dense.device),
-                                     *rule.bounds)
-            other = torch.where(top2.indices[..., 0] == x, top2.values[..., 1], top2.values[..., 0])
+            p_tilde, b = paper_boost(target, target.prob_of(x), x, rule.neighbours(cand.device), *rule.bounds)
+            other = torch.where(first == x, second, top.values[..., 0])
             acc[..., j] = (p_tilde >= other).float()
             boost[..., j] = b
     else:
@@ -190,20 +183,22 @@ def _rule(p: Support, cand: torch.Tensor, cvalid: torch.Tensor, q: Optional[Supp
     probabilities (B, M, C), the distributions a bonus is drawn from after every valid child was rejected
     (B, M, K, on p's support), the papers' boosts (B, M, C) and TV(p_hat, p) (B, M)."""
     b, m_rows = cand.shape[:2]
-    q_dense = q.dense(vocab) if q is not None else None  # (B, M, V)
     tv = torch.zeros(b, m_rows, device=cand.device)
     target = p
     if rule.relaxed and rule.form == "bounded":
-        if q_dense is not None:
-            q_sup = q_dense.gather(2, p.ids)
-        else:  # deterministic drafts: the fixed candidate set plays q
-            q_sup = ((p.ids[..., None, :] == cand[..., None]) & cvalid[..., None]).any(-2).to(p.probs.dtype)
-        p_hat, tv = bounded_target(p, q_sup, rule.neighbourhood(cand.device), vocab, *rule.bounds)
+        near = rule.neighbours(cand.device)
+        if q is not None:
+            p_hat, tv = bounded_target(p, q.lookup().prob(p.ids), near, vocab, *rule.bounds)
+        else:  # deterministic drafts: the fixed candidate set plays q, and only a candidate can receive
+            slot, found = p.lookup().position(cand)
+            drafted = (found & cvalid).to(p.probs.dtype)
+            q_sup = torch.zeros_like(p.probs).scatter_add_(2, slot, drafted).clamp(max=1.0)
+            p_hat, tv = bounded_target(p, q_sup, near, vocab, *rule.bounds, receivers=slot)
         target = Support(p_hat, p.ids)
     if greedy:
-        acc, boost = _acceptance_greedy(target, cand, cvalid, rule, vocab)
+        acc, boost = _acceptance_greedy(target, cand, cvalid, rule)
         return acc, target.probs, boost, tv
-    acc, end, boost = _acceptance_sampling(target, p, cand, cvalid, q_dense, rule, vocab)
+    acc, end, boost = _acceptance_sampling(target, p, cand, cvalid, q, rule)
     return acc, end, boost, tv
 
 
@@ -285,10 +280,10 @@ def accept_chain(p_nodes: Support, tokens: torch.Tensor, valid: torch.Tensor, q:
     cand, cvalid = tokens[:, 1:, None], valid[:, 1:, None]  # (B, L, 1)
     sampled = not greedy and q is not None and not (rule.relaxed and rule.form == "paper")
     if sampled:  # one candidate per parent: the rule's few products, and a residual only where it is drawn
-        q_on_p = q.prob_of(p.ids)  # (B, L, K) q at p's support tokens
+        q_on_p = q.lookup().prob(p.ids)  # (B, L, K) q at p's support tokens
         target, tv = p.probs, torch.zeros(b, window, device=dev)
         if rule.relaxed:
-            target, tv = bounded_target(p, q_on_p, rule.neighbourhood(dev), vocab, *rule.bounds)
+            target, tv = bounded_target(p, q_on_p, rule.neighbours(dev), vocab, *rule.bounds)
         p_x = Support(target, p.ids).prob_of(cand)  # (B, L, 1)
         acc = torch.where(cvalid, (p_x / q.prob_of(cand).clamp_min(1e-30)).clamp(max=1.0), 0.0)  # min(1, p/q)
         boost = torch.zeros_like(acc)

@@ -5,11 +5,15 @@ moves probability from sources z (p(z) > q(z)) to receivers y (q(y) > p(y) > 0) 
 codebook neighbours: at most delta in all (LANTERN form) or at most (lam - 1) * p(y) into each y (LANTERN++
 form). Exact recursive rejection against p_hat outputs exactly p_hat, so each token's distribution is within
 TV(p_hat, p) = the moved mass of the target, recorded per token. For deterministic top-k drafts "q" is the
-fixed candidate set (q = 1 on candidates, 0 elsewhere).
+fixed candidate set (q = 1 on candidates, 0 elsewhere), and only the candidates can receive.
 
 Paper (LANTERN / LANTERN++ as published, kept for comparison): per candidate x, p~(x) = p(x) + C_m*(x)
 with C_m the mass of x's m nearest neighbours, m* the largest m <= k with C_m <= delta (or (lam-1) p(x)).
 Its output distortion is not bounded by delta (docs/algorithms.md says why); never boosts p(x) = 0.
+
+Memory: nothing here is quadratic in the support. The bounded target walks each receiver's neighbour list in
+blocks (rows x receivers x neighbours at most WORKSPACE_BYTES at a time) against one dense per-code vector
+per row, so a step's extra memory is O(rows * (K + V)) whatever K and k are; its time is O(rows * receivers * k).
 """
 from __future__ import annotations
 
@@ -17,124 +21,107 @@ import torch
 
 from lantern.decoding.sampling import Support
 
-
-def _scatter_sum(values: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
-    """values, ids (B, M, ...) -> (B, M, V): sum of values per token id."""
-    b, m = ids.shape[:2]
-    out = torch.zeros(b, m, vocab, dtype=values.dtype, device=values.device)
-    return out.scatter_add_(2, ids.reshape(b, m, -1), values.reshape(b, m, -1))
+WORKSPACE_BYTES = 64 * 2**20  # the most one block of neighbour-list temporaries may hold
+_BYTES_PER_PAIR = 16  # a (receiver, neighbour) pair in a block: its int64 id, its compact id, the value read
+_BYTES_PER_CODE = 12  # a row's dense per-code scratch: three float32 vectors over the vocabulary
 
 
-def _gather(dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """dense (B, M, V), ids (B, M, ...) -> dense values at ids, shaped like ids."""
-    b, m = ids.shape[:2]
-    return dense.gather(2, ids.reshape(b, m, -1)).reshape(ids.shape)
+def bounded_target(p: Support, q_on_support: torch.Tensor, neighbours: torch.Tensor, vocab: int,
+                   delta: float | None, lam: float | None,
+                   receivers: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """p (B, M, K) at M nodes; q_on_support (B, M, K) the draft distribution at p's support tokens (K distinct
+    tokens per node); neighbours (V, k) each code's nearest codes, nearest first, self excluded. Exactly one of
+    delta (LANTERN) / lam (LANTERN++). receivers (B, M, R): the only support slots that can receive (a
+    deterministic draft's candidates; None: every slot); a slot listed twice receives once.
+    Returns p_hat probs on p's support (B, M, K) and the moved mass TV(p_hat, p) (B, M)."""
+    b, m, k_sup = p.probs.shape
+    ps, qs, ids = (x.reshape(b * m, k_sup) for x in (p.probs, q_on_support, p.ids))
+    slots = None if receivers is None else receivers.reshape(b * m, -1)
+    n_recv = k_sup if slots is None else slots.shape[1]
+    p_hat, moved = torch.empty_like(ps), ps.new_empty(b * m)
+    rows, cols = _block_shape(n_recv, neighbours.shape[1], vocab)
+    for start in range(0, b * m, rows):
+        part = slice(start, start + rows)
+        p_hat[part], moved[part] = _bounded_rows(ps[part], qs[part], ids[part], None if slots is None else slots[part],
+                                                 neighbours, vocab, delta, lam, cols)
+    return p_hat.view(b, m, k_sup), moved.view(b, m)
 
 
-class Neighbourhood:
-    """Each code's k nearest codebook neighbours (self excluded): the list `ordered` (V, k) in any integer type
-    (a compact one at large V), nearest first,
-    and, built on first use, the same sets as a membership bitset (V, ceil(V / 64)) int64 whose row y has
-    bit z % 64 of word z // 64 set iff z is among y's neighbours."""
-
-    def __init__(self, ordered: torch.Tensor):
-        self.ordered = ordered
-        self._bits: torch.Tensor | None = None
-
-    @property
-    def k(self) -> int:
-        return self.ordered.shape[1]
-
-    def contains(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """y, z int64 ids (broadcastable) -> bool: z is among y's neighbours."""
-        if self._bits is None:
-            v, ordered = self.ordered.shape[0], self.ordered.long()  # shifts and scatter need int64, once
-            bit = torch.ones_like(ordered) << (ordered % 64)  # a row's ids are distinct: + is |
-            self._bits = torch.zeros(v, (v + 63) // 64, dtype=torch.long, device=self.ordered.device)
-            self._bits.scatter_add_(1, ordered // 64, bit)
-        return ((self._bits[y, z // 64] >> (z % 64)) & 1).bool()
+def _block_shape(n_recv: int, k: int, vocab: int) -> tuple[int, int]:
+    """(rows per block, neighbours per block) keeping a block's temporaries within WORKSPACE_BYTES."""
+    cols = max(1, min(k, WORKSPACE_BYTES // (_BYTES_PER_PAIR * max(n_recv, 1))))
+    rows = max(1, WORKSPACE_BYTES // (_BYTES_PER_PAIR * max(n_recv, 1) * cols + _BYTES_PER_CODE * vocab))
+    return rows, cols
 
 
-class _SupportSources:
-    """Flow sources of a node's receivers as (B, M, K, S) slots, S = K: the node's own support tokens (only
-    they have excess), with the slots of non-neighbours reading 0. For supports no wider than k.
-    from_support: per-token values (B, M, K) -> per source; at: per-source values read at every receiver's
-    slots; per_source: slot values summed per source; to_support: per-source values at the support tokens."""
-
-    def __init__(self, ids: torch.Tensor, near: Neighbourhood):
-        self.link = near.contains(ids[..., :, None], ids[..., None, :]).float()  # (B, M, K, K) y -> z
-
-    def from_support(self, values: torch.Tensor) -> torch.Tensor:
-        return values  # (B, M, K): one source per support token
-
-    def at(self, values: torch.Tensor) -> torch.Tensor:
-        return values[..., None, :] * self.link
-
-    def per_source(self, slots: torch.Tensor) -> torch.Tensor:
-        return slots.sum(-2)
-
-    def to_support(self, values: torch.Tensor) -> torch.Tensor:
-        return values
-
-
-class _CodeSources:
-    """The same, S = k: receiver y's slots are its k neighbours, sources indexed by code (B, M, V). For
-    supports wider than k."""
-
-    def __init__(self, ids: torch.Tensor, near: Neighbourhood, vocab: int):
-        self.ids, self.vocab = ids, vocab
-        self.nb = near.ordered[ids].long()  # (B, M, K, k)
-
-    def from_support(self, values: torch.Tensor) -> torch.Tensor:
-        return _scatter_sum(values, self.ids, self.vocab)
-
-    def at(self, values: torch.Tensor) -> torch.Tensor:
-        return _gather(values, self.nb)
-
-    def per_source(self, slots: torch.Tensor) -> torch.Tensor:
-        return _scatter_sum(slots, self.nb, self.vocab)
-
-    def to_support(self, values: torch.Tensor) -> torch.Tensor:
-        return values.gather(2, self.ids)
-
-
-def bounded_target(p: Support, q_on_support: torch.Tensor, near: Neighbourhood, vocab: int,
-                   delta: float | None, lam: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """p (B, M, K) at M nodes; q_on_support (B, M, K) the draft distribution at p's support tokens (K
-    distinct tokens per node); near: the codes' neighbourhoods. Exactly one of delta (LANTERN) / lam
-    (LANTERN++). Returns p_hat probs on p's support (B, M, K) and the moved mass TV(p_hat, p) (B, M).
-    Receivers read their sources as pairs among the support or through their neighbour lists, whichever is
-    narrower: the same flows, up to rounding."""
-    ps = p.probs
-    excess = (ps - q_on_support).clamp_min(0.0)  # sources
-    want = (q_on_support - ps).clamp_min(0.0) * (ps > 0)  # receivers, never a token AR cannot emit
+def _bounded_rows(ps, qs, ids, slots, neighbours, vocab, delta, lam, cols):
+    """bounded_target on r rows: ps, qs, ids (r, K), slots (r, R) or None."""
+    excess = (ps - qs).clamp_min(0.0)  # sources
+    want = (qs - ps).clamp_min(0.0) * (ps > 0)  # receivers, never a token AR cannot emit
     if lam is not None:
         want = torch.minimum(want, (lam - 1.0) * ps)
-    sources = _SupportSources(p.ids, near) if ps.shape[-1] <= near.k else _CodeSources(p.ids, near, vocab)
-    excess_s = sources.from_support(excess)
-    avail = sources.at(excess_s)  # (B, M, K, S) what each receiver's neighbours could give
-    total = avail.sum(-1)
-    take = torch.minimum(want, total)  # (B, M, K)
-    share = torch.where(total[..., None] > 0, avail / total[..., None].clamp_min(1e-30), 0.0)
-    flow = take[..., None] * share  # receiver y <- neighbour z, proportional to z's excess
-    demand = sources.per_source(flow)  # asked of each source
-    scale = torch.where(demand > 0, (excess_s / demand.clamp_min(1e-30)).clamp(max=1.0), 1.0)
-    flow = flow * sources.at(scale)  # no source gives more than its excess
-    moved = flow.sum((-1, -2))  # (B, M)
+    if slots is not None:  # a slot listed twice receives once (want already holds its whole due)
+        first = torch.ones_like(slots, dtype=torch.bool)
+        first[:, 1:] = ~(slots[:, 1:, None] == slots[:, None, :-1]).tril().any(-1)
+        recv_ids, want = ids.gather(1, slots), torch.where(first, want.gather(1, slots), 0.0)
+    else:
+        recv_ids = ids
+    lists = _NeighbourLists(recv_ids, neighbours, vocab, cols)
+    total = lists.sum_at(_per_code(ids, excess, vocab))  # what each receiver's neighbours could give
+    take = torch.minimum(want, total)
+    ratio = torch.where(total > 0, take / total.clamp_min(1e-30), 0.0)  # receiver y <- z: ratio(y) * excess(z)
+    asked = lists.spread(ratio).gather(1, ids)  # (r, K): each source's excess is asked asked(z) times over
+    give = torch.where(asked > 1, excess / asked.clamp_min(1e-30), excess)  # no source gives more than its excess
+    inflow = ratio * lists.sum_at(_per_code(ids, give, vocab))
+    outflow = give * asked
+    moved = outflow.sum(-1)
     if delta is not None:
-        cut = torch.where(moved > delta, delta / moved.clamp_min(1e-30), 1.0)
-        flow, moved = flow * cut[..., None, None], torch.minimum(moved, torch.full_like(moved, delta))
-    inflow = flow.sum(-1)
-    outflow = sources.to_support(sources.per_source(flow))
+        cut = torch.where(moved > delta, delta / moved.clamp_min(1e-30), 1.0)[:, None]
+        inflow, outflow, moved = inflow * cut, outflow * cut, torch.minimum(moved, torch.full_like(moved, delta))
+    if slots is not None:
+        inflow = torch.zeros_like(ps).scatter_add_(1, slots, inflow)
     return (ps + inflow - outflow).clamp_min(0.0), moved
 
 
-def paper_boost(residual_dense: torch.Tensor, original_px: torch.Tensor, x: torch.Tensor, neighbours: torch.Tensor,
+def _per_code(ids: torch.Tensor, values: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(r, K) values at distinct support ids -> (r, V), 0 off the support."""
+    return torch.zeros(ids.shape[0], vocab, dtype=values.dtype, device=values.device).scatter_(1, ids, values)
+
+
+class _NeighbourLists:
+    """The receivers' neighbour lists, read `cols` neighbours at a time: sum_at reads a per-code vector at every
+    receiver's neighbours, spread is its transpose (each receiver's value added to each of its neighbours)."""
+
+    def __init__(self, recv_ids: torch.Tensor, neighbours: torch.Tensor, vocab: int, cols: int):
+        self.recv_ids, self.neighbours, self.vocab, self.cols = recv_ids, neighbours, vocab, cols
+
+    def _blocks(self):
+        for start in range(0, self.neighbours.shape[1], self.cols):
+            yield self.neighbours[:, start:start + self.cols][self.recv_ids].long().flatten(1)  # (r, R * c)
+
+    def sum_at(self, per_code: torch.Tensor) -> torch.Tensor:
+        """(r, V) -> (r, R): the sum over each receiver's neighbours."""
+        out = per_code.new_zeros(self.recv_ids.shape)
+        for nb in self._blocks():
+            out = out + per_code.gather(1, nb).view(*self.recv_ids.shape, -1).sum(-1)
+        return out
+
+    def spread(self, values: torch.Tensor) -> torch.Tensor:
+        """(r, R) -> (r, V): each code's sum over the receivers it neighbours."""
+        out = values.new_zeros(values.shape[0], self.vocab)
+        for nb in self._blocks():
+            c = nb.shape[1] // values.shape[1]
+            out.scatter_add_(1, nb, values[..., None].expand(-1, -1, c).flatten(1))
+        return out
+
+
+def paper_boost(residual: Support, original_px: torch.Tensor, x: torch.Tensor, neighbours: torch.Tensor,
                 delta: float | None, lam: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The papers' per-candidate rule at candidates x (B, M) against residual_dense (B, M, V).
+    """The papers' per-candidate rule at candidates x (B, M) against the residual (B, M, K) on its support.
     Returns (p~(x), boost C_m*(x)), each (B, M); no boost where the original p(x) is 0."""
-    px = residual_dense.gather(2, x[..., None])[..., 0]
-    cum = _gather(residual_dense, neighbours[x].long()).double().cumsum(-1)  # (B, M, k) C_1..C_k, non-decreasing
+    found = residual.lookup()
+    px = found.prob(x[..., None])[..., 0]
+    cum = found.prob(neighbours[x].long()).double().cumsum(-1)  # (B, M, k) C_1..C_k, non-decreasing
     bound = torch.full_like(px, delta).double() if delta is not None else (lam - 1.0) * px.double()
     m = (cum <= bound[..., None]).sum(-1)  # qualifying m form a prefix: m* is their count
     boost = torch.where(m > 0, cum.gather(-1, (m - 1).clamp_min(0)[..., None])[..., 0], 0.0).float()

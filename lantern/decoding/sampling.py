@@ -62,9 +62,15 @@ class Support(NamedTuple):
         """(...) or (..., C) token ids -> their probabilities, same shape (0 off the support)."""
         squeeze = tokens.dim() == self.ids.dim() - 1
         t = tokens[..., None] if squeeze else tokens
-        hit = self.ids[..., None, :] == t[..., :, None]  # (..., C, K)
-        out = (hit * self.probs[..., None, :]).sum(-1)
+        if t.shape[-1] == 1:  # one token a row: compare along the support, O(K)
+            out = torch.where(self.ids == t, self.probs, 0.0).sum(-1, keepdim=True)
+        else:
+            out = self.lookup().prob(t)
         return out[..., 0] if squeeze else out
+
+    def lookup(self) -> "SupportLookup":
+        """The support sorted by token id, to find many tokens in it at O(log K) each."""
+        return SupportLookup(self)
 
     def dense(self, vocab: int) -> torch.Tensor:
         """(..., V) probabilities."""
@@ -76,6 +82,27 @@ class Support(NamedTuple):
         k = self.probs.shape[-1]
         at = idx[..., None].expand(*idx.shape, k)
         return Support(self.probs.gather(1, at), self.ids.gather(1, at))
+
+
+class SupportLookup:
+    """Where tokens sit in a Support: its ids sorted once (..., K), then a binary search per token, so finding C
+    tokens costs O((K + C) log K) time and O(K + C) memory, never a (..., C, K) comparison."""
+
+    def __init__(self, support: Support):
+        self.support = support
+        self.sorted_ids, self.order = support.ids.sort(-1)
+
+    def position(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(..., C) token ids -> (their index in the support (..., C), found (..., C) bool); index 0 where not
+        found."""
+        at = torch.searchsorted(self.sorted_ids, tokens.contiguous()).clamp(max=self.sorted_ids.shape[-1] - 1)
+        found = self.sorted_ids.gather(-1, at) == tokens
+        return torch.where(found, self.order.gather(-1, at), 0), found
+
+    def prob(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(..., C) token ids -> their probabilities (0 off the support)."""
+        at, found = self.position(tokens)
+        return torch.where(found, self.support.probs.gather(-1, at), 0.0)
 
 
 def per_image(value, like: torch.Tensor):

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from lantern.caption_mask import CaptionMaskedRunner, caption_slots_visible
+from lantern.caption_mask import CaptionMaskedRunner, caption_slots_visible, drafter_caption_mask
 from lantern.decoding.config import DecodeConfig
 from lantern.decoding.drafting import PrefixPairs
 from lantern.decoding.sampling import SamplingConfig
@@ -251,7 +251,8 @@ class Engine:
         if self._t2i:
             self._visible[idx.cpu()] = caption_slots_visible(conds)
             visible = self._visible.repeat(self.sampling.rows_per_image, 1)
-            self._run = self.runner if visible.all() else CaptionMaskedRunner(self.runner, visible)
+            self._run = self.runner if visible.all() else CaptionMaskedRunner(
+                self.runner, visible, drafter_caption_mask(self.pipeline.drafter))
         s.limit[idx] = torch.tensor([t.limit for _, t in take], device=dev)
         s.busy[idx] = True
         s.draws.admit(idx, torch.tensor([t.request.seed for _, t in take], dtype=torch.long, device=dev))

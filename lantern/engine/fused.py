@@ -10,7 +10,7 @@ per static step instead of one graph per forward with eager glue between them. T
   recorded graph (CUDA graphs, HPU graphs) replays over the same memory every step. A refill's eager prefill
   replaces some of them; `FusedStep` copies those values into the buffers before the next step (only then).
 The first step of an engine runs eagerly through the same view: it builds what rules and trees build on first
-use (a relaxed rule's neighbour bitset, a tree's device tables), outside any graph.
+use (a tree's device tables), outside any graph.
 """
 from __future__ import annotations
 

@@ -46,9 +46,7 @@ def _round8(n: int) -> int:
 
 
 def acceptance_rule(dcfg: DecodeConfig, proximity: Optional[torch.Tensor], device) -> Acceptance:
-    """The decode config's acceptance rule with its proximity table placed on `device` (as int64, read every
-    step). Build it once per pipeline and configuration: a relaxed rule builds its neighbourhood bitset on first
-    use, which costs more than a whole step."""
+    """The decode config's acceptance rule with its proximity table placed on `device` once (read every step)."""
     near = proximity.to(device) if proximity is not None else None  # its compact integer type, indexed directly
     return Acceptance(dcfg.acceptance, k=dcfg.k, delta=dcfg.delta, lam=dcfg.lam, form=dcfg.form, proximity=near)
 

@@ -1,0 +1,38 @@
+"""The peak of tensor memory a piece of code holds, counted on the `meta` device: every op's outputs are
+counted when they appear and dropped when their storage is freed, so code runs at any size with no memory and
+no arithmetic (what it would allocate on a real device, kernels' own scratch aside)."""
+from __future__ import annotations
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class PeakAllocations(TorchDispatchMode):
+    """with PeakAllocations() as seen: ...; seen.peak is the most bytes held at once by tensors created
+    inside the block (inputs made before it are not counted)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[StorageWeakRef, int] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.live = {ref: n for ref, n in self.live.items() if not ref.expired()}
+        inputs = {StorageWeakRef(t.untyped_storage()) for t in _tensors([*args, *kwargs.values()])}
+        for t in _tensors(out):
+            ref = StorageWeakRef(t.untyped_storage())
+            if ref not in inputs:  # a view or an in-place result allocates nothing
+                self.live.setdefault(ref, t.untyped_storage().nbytes())
+        self.peak = max(self.peak, sum(self.live.values()))
+        return out
+
+
+def _tensors(out):
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (tuple, list)):
+        for item in out:
+            yield from _tensors(item)

@@ -129,11 +129,21 @@ def check_method_flags(args) -> None:
                          f"whatever its speed-up")
 
 
-def decode_config_from_args(args, bundle):
-    """(decode config, its relaxation or None) of a named method: a relaxed method's k / delta / lambda / form
-    left out take the bundle's relaxation validated at this sampling, else (lossless) exact acceptance unless
-    --allow-relaxed (lantern.plan.validated); relaxation flags named run as named, a warning where they bound
-    nothing."""
+def decode_config_from_args(args, model):
+    """The decode config of a named method (model: a bundle, or a model family's folder, which validates no
+    relaxation and runs a named relaxed method at its preset)."""
+    if not hasattr(model, "validations"):
+        from lantern.decoding.config import method_preset
+        overrides = {name: getattr(args, name) for name in AUTO_CHOOSES if getattr(args, name) is not None}
+        return method_preset(args.method, sampling_from_args(args, model), **overrides)
+    return named_relaxation(args, model)[0]
+
+
+def named_relaxation(args, bundle):
+    """(decode config, its relaxation or None) of a named method on a bundle: a relaxed method's k / delta /
+    lambda / form left out take the bundle's relaxation validated at this sampling, else (lossless) exact
+    acceptance unless --allow-relaxed (lantern.plan.validated); relaxation flags named run as named, a warning
+    where they bound nothing."""
     from lantern.plan.validated import named_config
     overrides = {name: getattr(args, name) for name in AUTO_CHOOSES if getattr(args, name) is not None}
     return named_config(args.method, sampling_from_args(args, bundle), overrides, bundle.validations,
@@ -152,7 +162,7 @@ def decode_plan(args, bundle, pipe, n_images: int, classes: Optional[list[int]] 
     """(decode config, batch width, the auto choice or None) for this request (classes: its images' class ids in
     order, when known)."""
     if args.method != "auto":
-        dcfg, relaxation = decode_config_from_args(args, bundle)
+        dcfg, relaxation = named_relaxation(args, bundle)
         for warning in (relaxation or {}).get("warnings", []):
             print(f"lantern: warning: this relaxation bounds nothing: {warning}", file=sys.stderr)
         return dcfg, pipe.check(dcfg, args.batch), None
@@ -238,7 +248,7 @@ def relaxation_account(args, bundle) -> Optional[dict]:
     whether it could run relaxed at this sampling and why; None for a lossless method."""
     if args.method == "auto":
         return auto_relaxation(args, bundle, sampling_from_args(args, bundle))
-    return decode_config_from_args(args, bundle)[1]
+    return named_relaxation(args, bundle)[1]
 
 
 def image_names(kind: str, conditions, seeds: list[int]) -> list[str]:

@@ -388,7 +388,7 @@ def test_auto_source_prefers_the_embedded_bundle(tmp_path, monkeypatch, tiny):
     fake.DEFAULT_BUNDLE = tmp_path
     fake.load_bundle = lambda path=None: types.SimpleNamespace(
         path=tmp_path, target=target, drafter=drafter, proximity=proximity, default_cfg_scale=3.0,
-        manifest={"files": {"target.safetensors": "ab12"}}, relaxation_defaults={}, acceptance_records={})
+        manifest={"files": {"target.safetensors": "ab12"}}, validations={}, acceptance_records={})
     monkeypatch.setitem(sys.modules, "lantern.bundle", fake)
     monkeypatch.setattr("importlib.util.find_spec", lambda name: object() if name == "lantern.bundle" else None)
     src = load_source("auto")

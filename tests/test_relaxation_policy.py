@@ -78,13 +78,13 @@ def test_named_method_falls_back_to_lossless_and_says_why():
 
 
 def test_cli_named_method_at_whole_vocabulary_runs_lossless():
-    from lantern.cli import build_parser, decode_config_from_args
+    from lantern.cli import build_parser, named_relaxation
     bundle = load_bundle()
     parser = build_parser()
     sub = ["generate", "--method", "mc-sjd-relaxed", "--top-k", "0", "--cfg-scale", "4.0"]
-    dcfg, info = decode_config_from_args(parser.parse_args(sub), bundle)
+    dcfg, info = named_relaxation(parser.parse_args(sub), bundle)
     assert dcfg.acceptance == "exact" and not info["applied"] and "lossless" in info["why"]
-    dcfg, info = decode_config_from_args(parser.parse_args([*sub, "--allow-relaxed"]), bundle)
+    dcfg, info = named_relaxation(parser.parse_args([*sub, "--allow-relaxed"]), bundle)
     assert dcfg.acceptance != "exact" and info["applied"] and not bound_problems(dcfg, V)
 
 

@@ -109,3 +109,14 @@ def test_shipped_relaxations_record_their_sampling_and_bound_something():
     own = SamplingConfig(**bundle.default_sampling)
     assert all(any(v.sampling and same_sampling(v.sampling, own, vocab) for v in bundle.validations[m])
                for m in defaults)
+
+
+def test_generate_at_whole_vocabulary_runs_the_relaxed_method_lossless(tmp_path, capsys):
+    """The bundle validated no relaxation over the whole vocabulary at CFG 4.0: `--method mc-sjd-relaxed` runs
+    MC-SJD's drafting with exact acceptance there, and the JSON says why."""
+    from lantern.cli import main
+    assert main(["generate", "--method", "mc-sjd-relaxed", "--top-k", "0", "--cfg-scale", "4.0", "--classes", "3",
+                 "--no-images", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["decode"]["acceptance"] == "exact" and out["decode"]["drafting"] == "jacobi"
+    assert out["relaxation"]["applied"] is False and out["relaxation"]["why"].startswith("lossless: not validated")

@@ -1,5 +1,5 @@
 """Measure the embedded bundle's acceptance record for a dtype (steps per image of every `--method auto` plan,
-relaxed ones included, at the bundle's default sampling) and store it in the bundle's manifest
+the relaxations the bundle validated at its default sampling included, at that sampling) and store it in the bundle's manifest
 ("acceptance_records", by dtype), so that `lantern generate` on a fresh machine only calibrates latencies. Any
 backend gives the same record up to numerics, so it is measured on cpu in the dtype. Only plans the record
 lacks, or holds for other decode settings, are measured (all of them when `--per-class` changes the images);
@@ -35,7 +35,8 @@ def main() -> None:
     bundle = load_bundle()
     pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend="cpu", dtype=args.dtype)
     sampling = SamplingConfig(**bundle.default_sampling)
-    relaxation, _ = allowed_relaxation(True, bundle.validations, sampling, bundle.target.config.vocab_size)
+    # the relaxed plans auto runs without --allow-relaxed: those the bundle validated at this sampling
+    relaxation, _ = allowed_relaxation(False, bundle.validations, sampling, bundle.target.config.vocab_size)
     plans, _ = runnable(pipe, candidate_plans(True, True, relaxation), sampling)
     classes = [c for c in range(bundle.target.config.num_classes) for _ in range(args.per_class)]
     key, shipped = pipe.model_key, bundle.acceptance_records.get(args.dtype)

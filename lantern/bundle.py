@@ -239,8 +239,9 @@ def relaxation_text(manifest: dict, config: dict, vocab: int) -> str:
                      "records no sampling: validated nowhere, not applied")
             problems = bound_problems(dcfg, vocab)
             gain = v.evidence.get("step_compression")
-            parts.append(f"{method} {', '.join(f'{k}={x}' for k, x in v.settings.items())}: {describe_bound(dcfg, vocab)}"
-                         f" ({where}" + (f"; step compression {gain:.2f}" if gain else "") + ")"
+            settings = ", ".join(f"{k}={x}" for k, x in v.settings.items())
+            parts.append(f"{method} {settings}: {describe_bound(dcfg, vocab)} ({where}"
+                         + (f"; step compression {gain:.2f}" if gain else "") + ")"
                          + (f" NOT APPLIED, it bounds nothing: {'; '.join(problems)}" if problems else ""))
     return "; ".join(parts) if parts else "none (auto stays lossless by default)"
 

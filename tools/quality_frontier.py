@@ -30,7 +30,8 @@ from lantern.api import Pipeline
 from lantern.bundle import DEFAULT_BUNDLE, load_bundle, weights_hash
 from lantern.decoding import SamplingConfig, method_preset
 from lantern.plan.validated import RELAXED_METHODS, bound_problems, same_sampling, sampling_record
-from lantern.quality_gate import Measure, Reference, failed_checks, gate, heldout_features, measure, sample, token_tv_bound
+from lantern.quality_gate import (Measure, Reference, failed_checks, gate, heldout_features, measure, sample,
+                                  token_tv_bound)
 from results_io import utc_now, write_results
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -77,15 +77,20 @@ def test_named_method_falls_back_to_lossless_and_says_why():
     assert named_config("ar", WHOLE, {}, AT_OWN, V, False)[1] is None
 
 
-def test_cli_named_method_at_whole_vocabulary_runs_lossless():
+def test_cli_named_method_relaxes_only_where_the_bundle_validated_it():
+    """The embedded bundle validates relaxed MC-SJD at its own sampling and over the whole vocabulary at CFG 4.0
+    (each with its own delta), not at CFG 7.5 (LANTERN's text-to-image guidance)."""
     from lantern.cli import build_parser, named_relaxation
     bundle = load_bundle()
     parser = build_parser()
-    sub = ["generate", "--method", "mc-sjd-relaxed", "--top-k", "0", "--cfg-scale", "4.0"]
-    dcfg, info = named_relaxation(parser.parse_args(sub), bundle)
+    sub = ["generate", "--method", "mc-sjd-relaxed", "--top-k", "0"]
+    dcfg, info = named_relaxation(parser.parse_args([*sub, "--cfg-scale", "4.0"]), bundle)
+    assert info["applied"] and info["validated_at"] == sampling_record(WHOLE) and dcfg.delta <= 0.4
+    dcfg, info = named_relaxation(parser.parse_args([*sub, "--cfg-scale", "7.5"]), bundle)
     assert dcfg.acceptance == "exact" and not info["applied"] and "lossless" in info["why"]
-    dcfg, info = named_relaxation(parser.parse_args([*sub, "--allow-relaxed"]), bundle)
+    dcfg, info = named_relaxation(parser.parse_args([*sub, "--cfg-scale", "7.5", "--allow-relaxed"]), bundle)
     assert dcfg.acceptance != "exact" and info["applied"] and not bound_problems(dcfg, V)
+    assert "not validated here" in info["why"]
 
 
 def test_allow_relaxed_is_refused_for_lossless_methods(tmp_path, capsys):
@@ -111,11 +116,11 @@ def test_shipped_relaxations_record_their_sampling_and_bound_something():
                for m in defaults)
 
 
-def test_generate_at_whole_vocabulary_runs_the_relaxed_method_lossless(tmp_path, capsys):
-    """The bundle validated no relaxation over the whole vocabulary at CFG 4.0: `--method mc-sjd-relaxed` runs
+def test_generate_where_nothing_was_validated_runs_the_relaxed_method_lossless(tmp_path, capsys):
+    """The bundle validated no relaxation over the whole vocabulary at CFG 7.5: `--method mc-sjd-relaxed` runs
     MC-SJD's drafting with exact acceptance there, and the JSON says why."""
     from lantern.cli import main
-    assert main(["generate", "--method", "mc-sjd-relaxed", "--top-k", "0", "--cfg-scale", "4.0", "--classes", "3",
+    assert main(["generate", "--method", "mc-sjd-relaxed", "--top-k", "0", "--cfg-scale", "7.5", "--classes", "3",
                  "--no-images", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["decode"]["acceptance"] == "exact" and out["decode"]["drafting"] == "jacobi"

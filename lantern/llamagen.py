@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from lantern.config import GPTConfig
-from lantern.models.checkpoint import STRIP_PREFIXES, load_into
+from lantern.models.checkpoint import STRIP_PREFIXES, load_into, load_tensors_file
 from lantern.models.drafter import Drafter, DrafterOptions
 from lantern.models.gpt import GPT
 from lantern.models.vq import VQConfig, VQModel
@@ -40,6 +40,8 @@ def read_llamagen_state(path: str | Path, weights: str = "model", what: str = "c
     path = Path(path)
     if weights not in WEIGHT_SETS:
         raise ValueError(f"weights {weights!r}; allowed: {', '.join(WEIGHT_SETS)}")
+    if path.is_dir():
+        raise ValueError(f"{what} {path} is a folder; give the checkpoint file (.pt, .pth or .safetensors)")
     if not path.is_file():
         raise ValueError(f"{what} {path} does not exist")
     if path.suffix == ".safetensors":
@@ -48,14 +50,7 @@ def read_llamagen_state(path: str | Path, weights: str = "model", what: str = "c
             return _strip(load_file(str(path)))
         except Exception as e:  # noqa: BLE001  a damaged file is bad input
             raise ValueError(f"{what} {path} is not a readable safetensors file: {e}") from None
-    try:
-        raw = _torch_load(path, mmap=True)
-    except RuntimeError as e:
-        if "mmap" not in str(e):  # a file of torch's legacy (non-zip) format cannot be memory-mapped: read it
-            raise ValueError(f"{what} {path} is not a readable torch checkpoint (weights only): {e}") from None
-        raw = _torch_load_or_fail(path, what)
-    except Exception as e:  # noqa: BLE001
-        raise ValueError(f"{what} {path} is not a readable torch checkpoint (weights only): {e}") from None
+    raw = load_tensors_file(path, what, allowed=(argparse.Namespace,), mmap=True)  # LlamaGen saves its args
     if isinstance(raw, dict) and weights == "ema":
         if not isinstance(raw.get("ema"), dict):
             raise ValueError(f"{what} {path} has no 'ema' weights; its top-level keys are {sorted(raw)[:8]}")
@@ -69,18 +64,6 @@ def read_llamagen_state(path: str | Path, weights: str = "model", what: str = "c
         raise ValueError(f"{what} {path} holds no state_dict of tensors (looked under 'model', 'module', "
                          f"'state_dict', and at the top level)")
     return _strip(raw)
-
-
-def _torch_load(path: Path, mmap: bool):
-    with torch.serialization.safe_globals([argparse.Namespace]):  # LlamaGen saves its argparse args
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-
-
-def _torch_load_or_fail(path: Path, what: str):
-    try:
-        return _torch_load(path, mmap=False)
-    except Exception as e:  # noqa: BLE001
-        raise ValueError(f"{what} {path} is not a readable torch checkpoint (weights only): {e}") from None
 
 
 def _strip(state: dict) -> dict[str, torch.Tensor]:

@@ -44,6 +44,10 @@ class EnginesBusy(Exception):
     """A request needs an engine of its own, and every engine the worker may keep is busy (HTTP 429)."""
 
 
+class ShutDown(Exception):
+    """The service was stopped before the image finished (a second stop signal while draining): HTTP 503."""
+
+
 @dataclass(frozen=True)
 class EngineKey:
     method: str  # a named method, or "auto" (the plan made at warm-up)
@@ -169,6 +173,11 @@ class EngineWorker:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    def abandon(self) -> None:
+        """Stop without finishing: every image admitted is cancelled (its future raises ShutDown) at the next turn
+        of the worker, which then ends."""
+        self._commands.put(("abandon", None))
+
     # ---- the worker thread ----
     def _run(self) -> None:
         try:
@@ -200,6 +209,9 @@ class EngineWorker:
                 return
             if command == "call":
                 _run_call(*payload)
+            elif command == "submit":  # arrived after the stop: never started
+                for job in payload:
+                    self._resolve(job, error=ShutDown("the service stopped before this image started"))
 
     def _serve(self) -> None:
         while not (self._stopping and not self._jobs):
@@ -277,7 +289,7 @@ class EngineWorker:
             command = self._commands.get(timeout=IDLE_POLL_S) if block else self._commands.get_nowait()
         except queue.Empty:
             return
-        taken = {"submit": [], "cancel": [], "call": [], "stop": []}
+        taken = {"submit": [], "cancel": [], "call": [], "stop": [], "abandon": []}
         while True:
             taken[command[0]].append(command[1])
             try:
@@ -293,7 +305,13 @@ class EngineWorker:
             self._cancel(request_ids)
         for fn, future in taken["call"]:
             _run_call(fn, future)
-        if taken["stop"]:
+        if taken["abandon"]:
+            for rid, job in list(self._jobs.items()):
+                self._engines[job.key][job.width].cancel(rid)
+                self._resolve(job, error=ShutDown("the service was stopped (a second stop signal) before this "
+                                                  "image finished"))
+            self._jobs.clear()
+        if taken["stop"] or taken["abandon"]:
             self._stopping = True
 
     def _submit(self, jobs: list[Job], incoming: dict) -> None:

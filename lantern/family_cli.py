@@ -10,7 +10,8 @@ from lantern.cli_args import UsageError, check_writable
 
 
 TRANSFORMERS_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                      "pytorch_model.bin.index.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+                      "pytorch_model.bin.index.json", "generation_config.json", "tokenizer.json",
+                      "tokenizer_config.json")
 
 
 def is_family_folder(model) -> bool:

@@ -120,7 +120,7 @@ def infer_gpt_config(state: dict, path: Path, block_size: int, preset: Optional[
     fields = dict(dim=dim, n_layer=n_layer, n_head=n_head, n_kv_head=None if kv == n_head else kv,
                   vocab_size=vocab, block_size=block_size)
     ffn = _shape(state, "layers.0.feed_forward.w1.weight", path, what)[0]
-    if ffn != GPTConfig(dim=dim, n_head=n_head).ffn_hidden and ffn >= int(2 * 4 * dim / 3):
+    if ffn != gpt_config(path, dim=dim, n_head=n_head).ffn_hidden and ffn >= int(2 * 4 * dim / 3):
         fields["multiple_of"] = ffn  # find_multiple(hidden, ffn) == ffn for any hidden <= ffn
     if "cls_embedding.embedding_table.weight" in state:
         rows = _shape(state, "cls_embedding.embedding_table.weight", path, what)[0]
@@ -132,10 +132,17 @@ def infer_gpt_config(state: dict, path: Path, block_size: int, preset: Optional[
     else:
         raise ValueError(f"GPT checkpoint {path} has neither a class embedding (cls_embedding.embedding_table) nor a "
                          f"caption projection (cls_embedding.cap_proj): not a LlamaGen c2i or t2i GPT")
+    return gpt_config(path, **fields), name
+
+
+def gpt_config(path: Path, **fields) -> GPTConfig:
+    """GPTConfig(**fields) read from the GPT checkpoint at `path`, or a ValueError naming the file and the tensor
+    the refused size came from."""
     try:
-        return GPTConfig(**fields), name
+        return GPTConfig(**fields)
     except ValueError as e:
-        raise ValueError(f"GPT checkpoint {path}: {e}") from None
+        raise ValueError(f"GPT checkpoint {path}: {e} (its width {fields['dim']} is tok_embeddings.weight's second "
+                         f"dimension, over {fields['n_head']} heads)") from None
 
 
 def load_gpt(state: dict, cfg: GPTConfig, path: Path) -> GPT:

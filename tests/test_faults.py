@@ -406,7 +406,8 @@ def with_config(family: str, **fields):
                                                    "'model.generation_head.proj_out.weight']"),
     ("janus", ("model.language_model.layers.1.self_attn.q_proj.",),
      "1 tensors missing ['model.language_model.layers.1.self_attn.q_proj.weight']"),
-    ("chameleon", ("model.layers.1.self_attn.q_proj.",), "1 tensors missing ['model.layers.1.self_attn.q_proj.weight']"),
+    ("chameleon", ("model.layers.1.self_attn.q_proj.",),
+     "1 tensors missing ['model.layers.1.self_attn.q_proj.weight']"),
     ("chameleon", ("model.layers.1.",), "13 tensors missing ['model.layers.1.input_layernorm.weight'"),
 ])
 def test_a_family_folder_missing_a_tensor_never_runs_on_random_weights(family_folders, tmp_path, capsys, family,
@@ -481,8 +482,9 @@ def test_an_unreadable_chameleon_vqgan_is_refused_before_generating(family_folde
 
 
 def test_a_code_carrying_pickle_is_refused_without_torchs_advice(family_folders, tmp_path, capsys):
-    """Chameleon's vqgan.ckpt and LlamaGen's --gpt / --vq in `lantern import`: refused, the payload never runs, and
-    the refusal does not pass on torch's advice to load with weights_only=False."""
+    """Chameleon's vqgan.ckpt, a Janus folder's pytorch_model.bin and LlamaGen's --gpt / --vq in `lantern import`:
+    refused, the payload never runs, and the refusal does not pass on torch's advice to load with
+    weights_only=False."""
     from test_llamagen_import import import_argv, llamagen_gpt_file, llamagen_vq_file
 
     class Payload:
@@ -492,6 +494,16 @@ def test_a_code_carrying_pickle_is_refused_without_torchs_advice(family_folders,
                      lambda f: torch.save({"state_dict": {}, "callback": Payload()}, f / "tokenizer" / "vqgan.ckpt"))
     code, err = generate_family(capsys, folder, tmp_path)
     assert code == 2 and f"VQGAN checkpoint {folder}/tokenizer/vqgan.ckpt holds Python objects besides tensors" in err
+    assert "weights_only" not in err and "Re-running" not in err
+
+    def as_pickled_bin(f: Path) -> None:  # a transformers folder's pytorch_model.bin carrying the payload
+        from safetensors.torch import load_file
+        state = load_file(str(f / "model.safetensors"))
+        (f / "model.safetensors").unlink()
+        torch.save({**state, "callback": Payload()}, f / "pytorch_model.bin")
+    folder = damaged(family_folders, tmp_path, "janus", as_pickled_bin)
+    code, err = generate_family(capsys, folder, tmp_path)
+    assert code == 2 and f"{folder}: weights pytorch_model.bin cannot be loaded: it holds Python objects" in err
     assert "weights_only" not in err and "Re-running" not in err
     llamagen_gpt_file(tmp_path / "gpt.pt", "c2i")
     llamagen_vq_file(tmp_path / "vq.pt")
@@ -526,3 +538,31 @@ def test_an_image_size_the_gpt_was_not_trained_for_is_refused(tmp_path, capsys):
     assert code == 2 and "--image-size 512: the VQ makes a 256x256 grid of 65536 tokens, but GPT checkpoint" in err
     assert "was trained for 16 image tokens" in err and "give --image-size 8" in err
     assert not (tmp_path / "bundle").exists()
+
+
+def test_messages_name_the_file_and_the_tensor(tmp_path, capsys, bundle_dir):
+    """A GPT whose width gives a head size 2D RoPE cannot take, a folder given for --gpt, and `lantern info` of a
+    bundle whose config.json is not UTF-8, not JSON, or lacks its target: each names the file (and the tensor)."""
+    import shutil
+
+    from lantern.config import GPTConfig
+    from lantern.models.gpt import GPT
+    from test_llamagen_import import SMALL, import_argv, llamagen_vq_file
+    llamagen_vq_file(tmp_path / "vq.pt")
+    state = GPT(GPTConfig(**SMALL, num_classes=4)).state_dict()
+    wide = {k: torch.zeros([72 if n == 64 else n for n in v.shape]) for k, v in state.items()}  # 4 heads of 18
+    torch.save({"model": wide}, tmp_path / "odd.pt")
+    code, err = run(capsys, *import_argv(tmp_path / "odd.pt", tmp_path / "vq.pt", tmp_path / "b"))
+    assert code == 2 and f"GPT checkpoint {tmp_path / 'odd.pt'}: head_dim 18 must be a multiple of 4" in err
+    assert "tok_embeddings.weight" in err
+    code, err = run(capsys, *import_argv(tmp_path, tmp_path / "vq.pt", tmp_path / "b"))
+    assert code == 2 and f"GPT checkpoint {tmp_path} is a folder; give the checkpoint file" in err
+    for content, message in [(b"\xff\xfe{}", "config.json is not UTF-8 text"),
+                             (b"{not json", "config.json is not valid JSON"),
+                             (b"{}", "config.json: field 'target' is missing or not an object")]:
+        copy = tmp_path / "bundle"
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(bundle_dir, copy)
+        (copy / "config.json").write_bytes(content)
+        code, err = run(capsys, "info", "--model", str(copy))
+        assert code == 2 and f"{copy}/{message}" in err and "internal error" not in err, err

@@ -234,9 +234,13 @@ def load_pretrained(model_class, root: Path, config):
         raise ValueError(f"{root}: weights {names} cannot be loaded: {reason}") from None
     missing = sorted(report["missing_keys"])
     shapes = sorted(f"{key}: file {tuple(got)} vs config {tuple(want)}" for key, got, want in report["mismatched_keys"])
-    problems = [f"{len(missing)} tensors missing {short_list(missing)}"] if missing else []
-    problems += [f"{len(shapes)} tensors of another shape than config.json gives {short_list(shapes)}"] if shapes else []
-    problems += [f"load errors {short_list(report['error_msgs'])}"] if report["error_msgs"] else []
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} tensors missing {short_list(missing)}")
+    if shapes:
+        problems.append(f"{len(shapes)} tensors of another shape than config.json gives {short_list(shapes)}")
+    if report["error_msgs"]:
+        problems.append(f"load errors {short_list(report['error_msgs'])}")
     if problems:
         raise ValueError(f"{root}: weights {names} do not hold the model its config.json describes (part of it "
                          f"would run on random weights): " + "; ".join(problems))

@@ -139,7 +139,8 @@ def parse_request(body: object, info: ModelInfo, default_timeout_s: float) -> Im
     }.items() if v is not None}
     return_tokens = body.get("return_tokens", False)
     if not isinstance(return_tokens, bool):
-        raise RequestError("return_tokens", f"return_tokens {shown(return_tokens)} is not allowed; allowed: true, false")
+        raise RequestError("return_tokens",
+                           f"return_tokens {shown(return_tokens)} is not allowed; allowed: true, false")
     timeout = _number(body, "timeout", f"a finite number of seconds in (0, {info.max_timeout_s:g}]",
                       lambda v: 0 < v <= info.max_timeout_s)
     seed = _integer(body, "seed", 0, SEED_MAX)

@@ -448,18 +448,18 @@ def test_sigterm_finishes_the_requests_in_flight_then_exits_0(bundle_dir):
 def test_a_second_sigterm_while_draining_cancels_with_503_and_exits_at_once(bundle_dir):
     """The first SIGTERM drains; a second one cancels what is in flight (503) and stops with 143, the shell's code
     for SIGTERM, without the abort a running engine thread caused at interpreter exit."""
-    proc = run_lantern("serve", "--model", str(bundle_dir), "--method", "ar", "--batch", "1", "--max-n", "64",
-                       "--queue", "64", "--port", "0", "--threads", "1")
+    proc = run_lantern("serve", "--model", str(bundle_dir), "--method", "ar", "--batch", "1", "--max-n", "256",
+                       "--queue", "256", "--port", "0", "--threads", "1")
     try:
         url = json.loads(proc.stderr.readline())["url"]
         wait_until(lambda: _ready(url), "the subprocess service to be ready")
         answer = {}
-        request = threading.Thread(target=lambda: answer.update(r=generate(url, class_id=1, n=64)))
+        request = threading.Thread(target=lambda: answer.update(r=generate(url, class_id=1, n=256)))
         request.start()
         wait_until(lambda: metric_samples(url)[("lantern:requests_in_flight", ())] == 1, "the request in flight")
         proc.send_signal(signal.SIGTERM)
         wait_until(lambda: not _ready(url), "the service to drain")
-        assert request.is_alive()  # 64 images one at a time: still decoding
+        assert request.is_alive()  # 256 images one at a time (4096 steps): still decoding
         proc.send_signal(signal.SIGTERM)
         request.join(WAIT_S)
         assert answer["r"].status_code == 503 and "stopped" in answer["r"].json()["error"]["message"]

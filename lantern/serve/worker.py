@@ -146,9 +146,14 @@ class EngineWorker:
 
     def submit(self, key: EngineKey, requests: list[Request]) -> list[Future]:
         """Queue admitted images; each future resolves to its RequestResult, or raises Cancelled, ValueError (the
-        engine refused the request), EnginesBusy or EngineFailed."""
+        engine refused the request), EnginesBusy, EngineFailed or ShutDown (the worker stopped first)."""
         jobs = [Job(r, key, Future()) for r in requests]
-        self._commands.put(("submit", jobs))
+        with self._lock:
+            if not self._closed:
+                self._commands.put(("submit", jobs))
+                return [j.future for j in jobs]
+        for job in jobs:  # the thread has ended (stopped, or its warm-up failed): nothing will run them
+            self._resolve(job, error=ShutDown("the service stopped before this image started"))
         return [j.future for j in jobs]
 
     def cancel(self, request_ids: list[str]) -> None:

@@ -217,10 +217,12 @@ def proximity_k(root: Path) -> int:
 def describe_bundle(path: str | Path | None = None) -> str:
     """A human-readable account of a bundle: what the models are, how they were made, what they measure."""
     root = Path(path) if path is not None else DEFAULT_BUNDLE
-    config = json.loads((root / "config.json").read_text())
-    manifest = json.loads((root / "manifest.json").read_text()) if (root / "manifest.json").exists() else {}
+    if not (root / "config.json").exists():
+        raise ValueError(f"{root} is not a lantern bundle: config.json is missing")
+    config = read_json_object(root / "config.json")
+    manifest = read_json_object(root / "manifest.json") if (root / "manifest.json").exists() else {}
     m = manifest.get("metrics", {})
-    t, v = config["target"], config["vq"]
+    t, v = (from_section(config, name, lambda c: c, root / "config.json") for name in ("target", "vq"))
     size = sum(f.stat().st_size for f in root.iterdir() if f.is_file())
     data = manifest.get("data", {})
     sampling_text = ", ".join(f"{k} {v}" for k, v in config.get("sampling", {}).items()) or "default sampling"

@@ -6,6 +6,7 @@ import asyncio
 import base64
 import io
 import json
+import logging
 import os
 import re
 import signal
@@ -257,6 +258,78 @@ def test_text_to_image_model_takes_a_prompt_and_refuses_a_class(body, field, all
     assert e.value.field == field
 
 
+class RequestLog(logging.Handler):
+    """The `lantern.serve` logger's request records, captured while in use."""
+
+    def __init__(self):
+        super().__init__()
+        self.records = []
+
+    def emit(self, record):
+        if getattr(record, "fields", {}).get("event") == "request" or record.levelno >= logging.ERROR:
+            self.records.append(record)
+
+    def __enter__(self):
+        logger = logging.getLogger("lantern.serve")
+        self.level = logger.level
+        logger.setLevel(logging.INFO)
+        logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logger = logging.getLogger("lantern.serve")
+        logger.removeHandler(self)
+        logger.setLevel(self.level)
+
+
+@pytest.mark.parametrize("prompt", ["\u00b2", "9" * 5000, "\u0663"])  # a superscript two, 5000 digits, an Arabic three
+def test_a_prompt_of_digits_no_class_number_gets_422_naming_prompt(served, prompt):
+    r = generate(served.url, prompt=prompt)
+    assert r.status_code == 422 and r.json()["error"]["param"] == "prompt"
+    assert "allowed: a class number 0..3" in r.json()["error"]["message"]
+
+
+def test_a_refused_huge_prompt_is_not_echoed_whole(served):
+    prompt = "x" * 1_000_000
+    with RequestLog() as log:
+        r = generate(served.url, prompt=prompt)  # no class number: refused, and named
+        r2 = generate(served.url, **{prompt: 1})  # an unknown field of that name
+    for answer in (r, r2):
+        message = answer.json()["error"]["message"]
+        assert answer.status_code == 422 and len(message) < 2000 and "(1000002 characters)" in message
+    assert r.json()["error"]["param"] == "prompt" and len(r2.json()["error"]["param"]) < 200  # the name, cut
+    entries = [rec.fields for rec in log.records]
+    assert len(entries) == 2 and all(len(json.dumps(e)) < 4000 for e in entries)
+
+
+def test_a_deeply_nested_body_gets_422_not_500(served):
+    depth = 100_000
+    with RequestLog() as log:
+        r = httpx.post(f"{served.url}/v1/images/generations", content=b"[" * depth + b"]" * depth, timeout=WAIT_S)
+    assert r.status_code == 422 and r.json()["error"]["param"] == "body"
+    assert "nested" in r.json()["error"]["message"]
+    assert [getattr(rec, "fields", {}).get("outcome") for rec in log.records] == ["bad_request"]  # no error logged
+
+
+def test_a_client_that_disconnects_while_uploading_is_cancelled_not_an_error(served):
+    """Headers promising 100 kB, 10 bytes of body, then the connection closed: 499 in the log, counted as
+    cancelled, nothing logged as an internal error."""
+    before = metric_samples(served.url)
+    host, port = served.url.removeprefix("http://").split(":")
+    with RequestLog() as log:
+        with socket.create_connection((host, int(port)), timeout=WAIT_S) as sock:
+            sock.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100000\r\n\r\n{\"class_id\"")
+        wait_until(lambda: log.records, "the request's log record")
+    assert [(getattr(rec, "fields", {}).get("status"), getattr(rec, "fields", {}).get("outcome"))
+            for rec in log.records] == [(499, "cancelled")]
+    after = metric_samples(served.url)
+    key = ("lantern:requests_total", (("outcome", "cancelled"),))
+    assert after[key] == before[key] + 1
+    assert after.get(("lantern:requests_total", (("outcome", "error"),)), 0) == \
+        before.get(("lantern:requests_total", (("outcome", "error"),)), 0)
+
+
 def test_full_queue_gets_429_with_retry_after(served):
     worker = served.service.worker
     room = worker.capacity - worker.outstanding
@@ -366,6 +439,36 @@ def test_sigterm_finishes_the_requests_in_flight_then_exits_0(bundle_dir):
         assert lines[-1]["event"] == "stopped" and lines[-1]["exit_code"] == 0
         with pytest.raises(httpx.TransportError):
             generate(url, class_id=1)  # no longer listening
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_second_sigterm_while_draining_cancels_with_503_and_exits_at_once(bundle_dir):
+    """The first SIGTERM drains; a second one cancels what is in flight (503) and stops with 143, the shell's code
+    for SIGTERM, without the abort a running engine thread caused at interpreter exit."""
+    proc = run_lantern("serve", "--model", str(bundle_dir), "--method", "ar", "--batch", "1", "--max-n", "256",
+                       "--queue", "256", "--port", "0", "--threads", "1")
+    try:
+        url = json.loads(proc.stderr.readline())["url"]
+        wait_until(lambda: _ready(url), "the subprocess service to be ready")
+        answer = {}
+        request = threading.Thread(target=lambda: answer.update(r=generate(url, class_id=1, n=256)))
+        request.start()
+        wait_until(lambda: metric_samples(url)[("lantern:requests_in_flight", ())] == 1, "the request in flight")
+        proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: not _ready(url), "the service to drain")
+        assert request.is_alive()  # 256 images one at a time (4096 steps): still decoding
+        proc.send_signal(signal.SIGTERM)
+        request.join(WAIT_S)
+        assert answer["r"].status_code == 503 and "stopped" in answer["r"].json()["error"]["message"]
+        assert proc.wait(WAIT_S) == 143
+        err = proc.stderr.read()
+        assert "terminate called" not in err and "Traceback" not in err
+        lines = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+        assert [(x["status"], x["outcome"]) for x in lines if x.get("event") == "request"] == [(503, "unavailable")]
+        assert lines[-1]["event"] == "stopped" and lines[-1]["exit_code"] == 143
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("prometheus_client")
 from lantern.serve import worker as worker_module  # noqa: E402
 from lantern.serve.metrics import ServeMetrics  # noqa: E402
-from lantern.serve.worker import EngineFailed, EngineKey, EngineWorker, EnginesBusy  # noqa: E402
+from lantern.serve.worker import EngineFailed, EngineKey, EngineWorker, EnginesBusy, ShutDown  # noqa: E402
 
 WAIT_S = 10
 
@@ -113,6 +113,23 @@ def test_an_engine_that_raises_fails_its_own_images_and_is_built_anew(make_worke
     ScriptedEngine.explode.clear()
     assert [f.result(WAIT_S).request_id for f in submit(w, EngineKey("ar"), 2, "after")] == ["after-0", "after-1"]
     assert w.alive and w.outstanding == 0
+
+
+def test_abandon_fails_the_images_in_flight_and_later_ones_at_once(make_worker):
+    """A second stop signal: every image admitted raises ShutDown, the thread ends without finishing them, and an
+    image submitted afterwards is answered at once instead of waiting for a thread that is gone."""
+    w = make_worker(max_engines=1, steps=10_000)
+    running = submit(w, EngineKey("ar"), 4, "running")  # 2 decoding, 2 queued
+    time.sleep(0.05)
+    w.abandon()
+    for f in running:
+        with pytest.raises(ShutDown, match="stopped"):
+            f.result(WAIT_S)
+    w._thread.join(WAIT_S)
+    assert not w.alive and w.outstanding == 0
+    with pytest.raises(ShutDown, match="before this image started"):
+        submit(w, EngineKey("ar"), 1, "late")[0].result(WAIT_S)
+    assert w.outstanding == 0
 
 
 def samples(w) -> dict:

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lantern.kv_cache import StaticKVCache
-from lantern.models.family import FolderInfo, folder_identity, rope_cos_sin
+from lantern.models.family import (FolderInfo, folder_identity, load_pretrained, load_tokenizer, read_config,
+                                   rope_cos_sin)
 from lantern.models.gpt import attention_bias
 from lantern.models.janus import STATIC_ROPE, rotate_half
 
@@ -307,16 +308,19 @@ class ChameleonFamily:
 
     @classmethod
     def load(cls, info: FolderInfo, vq: Optional[str] = None, need_vq: bool = False) -> "ChameleonFamily":
-        from transformers import AutoTokenizer, ChameleonConfig, ChameleonForConditionalGeneration
+        from transformers import ChameleonConfig, ChameleonForConditionalGeneration
+        from lantern.models.vqgan import load_vqgan
         vq_path = cls.check(info, vq, need_vq)
+        vq_model = load_vqgan(vq_path) if need_vq and vq_path is not None else None  # refused before any work
         root = info.path
-        config = ChameleonConfig.from_pretrained(root)
+        config = read_config(ChameleonConfig, root)
         vocab_map = config.vocabulary_map
         ids = {key: vocab_map[name] for key, name in SPECIAL.items()}
-        model = ChameleonForConditionalGeneration.from_pretrained(root, config=config).eval().requires_grad_(False)
-        tokenizer = AutoTokenizer.from_pretrained(root)
+        model = load_pretrained(ChameleonForConditionalGeneration, root, config)
+        tokenizer = load_tokenizer(root)
         sampling = {"cfg_scale": 3.0, "temperature": 1.0, "top_k": 2000, "top_p": 1.0}  # Anole in LANTERN's paper
-        return cls(root, model, tokenizer, ids, image_vocabulary(vocab_map), vq_path, default_sampling=sampling)
+        return cls(root, model, tokenizer, ids, image_vocabulary(vocab_map), vq_path, default_sampling=sampling,
+                   _vq=vq_model)
 
     @property
     def identity(self) -> str:

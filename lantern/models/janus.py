@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lantern.kv_cache import StaticKVCache
-from lantern.models.family import FolderInfo, folder_identity, rope_cos_sin
+from lantern.models.family import (FolderInfo, folder_identity, load_pretrained, load_tokenizer, read_config,
+                                   rope_cos_sin)
 from lantern.models.gpt import attention_bias
 
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # rope types whose frequencies do not depend on length
@@ -155,7 +156,7 @@ class JanusFamily:
     @classmethod
     def load(cls, info: FolderInfo) -> "JanusFamily":
         """Check the folder's generation token ids, tokenizer, RoPE and grid, then load weights and tokenizer."""
-        from transformers import AutoTokenizer, GenerationConfig, JanusConfig, JanusForConditionalGeneration
+        from transformers import GenerationConfig, JanusConfig, JanusForConditionalGeneration
         root = info.path
         gen = GenerationConfig.from_pretrained(root) if (root / "generation_config.json").exists() else None
         ids = {"bos": getattr(gen, "bos_token_id", None), "pad": getattr(gen, "pad_token_id", None),
@@ -166,7 +167,7 @@ class JanusFamily:
                              f"image prompt and CFG's unconditional prompt from them)")
         if not any((root / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
             raise ValueError(f"{root} has no tokenizer (tokenizer.json): a prompt cannot be turned into tokens")
-        config = JanusConfig.from_pretrained(root)
+        config = read_config(JanusConfig, root)
         rope_type = (getattr(config.text_config, "rope_parameters", None) or {}).get("rope_type", "default")
         if rope_type not in STATIC_ROPE:
             raise ValueError(f"{root}: rope type {rope_type!r} changes with the sequence length; supported: "
@@ -175,8 +176,8 @@ class JanusFamily:
         if grid * grid != info.image_tokens:
             raise ValueError(f"{root}: vision_config.num_image_tokens {info.image_tokens} is not the VQ grid "
                              f"{grid} x {grid}")
-        model = JanusForConditionalGeneration.from_pretrained(root, config=config).eval().requires_grad_(False)
-        tokenizer = AutoTokenizer.from_pretrained(root)
+        model = load_pretrained(JanusForConditionalGeneration, root, config)
+        tokenizer = load_tokenizer(root)
         guidance = getattr(gen, "guidance_scale", None)
         sampling = {"cfg_scale": float(guidance) if guidance else 5.0, "temperature": 1.0, "top_k": 0,
                     "top_p": 1.0}  # Janus-Pro's reference sampling: CFG 5, plain softmax

@@ -128,13 +128,20 @@ def cmd_serve(args) -> int:
     log = logging.getLogger("lantern.serve")
     log_json_to_stderr(log)
 
+    stopped_by: list[int] = []  # the signal that cut the drain short
+
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
-            """SIGTERM or SIGINT: drain (new requests and /ready get 503, those in flight finish), then exit 0;
-            a second signal stops at once. Not re-raised after the drain, as uvicorn would."""
-            service.draining = True
-            if self.should_exit:
+            """SIGTERM or SIGINT: drain (new requests and /ready get 503, those in flight finish), then exit 0.
+            A second signal stops at once: the images in flight are cancelled and their requests answered 503,
+            then the engine thread ends and the command exits 128 + the signal's number. A third one leaves
+            without waiting for connections to close. Not re-raised afterwards, as uvicorn would."""
+            if self.should_exit and stopped_by:
                 self.force_exit = True
+            elif self.should_exit:
+                stopped_by.append(sig)
+                service.abandon()
+            service.draining = True
             self.should_exit = True
 
     server = Server(uvicorn.Config(build_app(service), log_level="warning", access_log=False, lifespan="on"))
@@ -154,6 +161,6 @@ def cmd_serve(args) -> int:
                                             "model": service.info.name, "method": config.method,
                                             "widths": list(config.ladder), "threads": service.threads}})
     server.run(sockets=[sock])
-    code = EXIT_INTERNAL if failed.is_set() else EXIT_OK
+    code = EXIT_INTERNAL if failed.is_set() else 128 + stopped_by[0] if stopped_by else EXIT_OK
     log.info("stopped", extra={"fields": {"event": "stopped", "exit_code": code}})
     return code

@@ -165,6 +165,11 @@ class Service:
         if self.prompts is not None:
             self.prompts.close()
 
+    def abandon(self) -> None:
+        """Stop at once: the images in flight are cancelled, their requests answered 503 (a second stop signal)."""
+        self.draining = True
+        self.worker.abandon()
+
     @property
     def ready(self) -> bool:
         return self.worker.ready.is_set() and self.worker.failure is None and not self.draining

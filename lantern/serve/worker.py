@@ -44,6 +44,10 @@ class EnginesBusy(Exception):
     """A request needs an engine of its own, and every engine the worker may keep is busy (HTTP 429)."""
 
 
+class ShutDown(Exception):
+    """The service was stopped before the image finished (a second stop signal while draining): HTTP 503."""
+
+
 @dataclass(frozen=True)
 class EngineKey:
     method: str  # a named method, or "auto" (the plan made at warm-up)
@@ -142,9 +146,14 @@ class EngineWorker:
 
     def submit(self, key: EngineKey, requests: list[Request]) -> list[Future]:
         """Queue admitted images; each future resolves to its RequestResult, or raises Cancelled, ValueError (the
-        engine refused the request), EnginesBusy or EngineFailed."""
+        engine refused the request), EnginesBusy, EngineFailed or ShutDown (the worker stopped first)."""
         jobs = [Job(r, key, Future()) for r in requests]
-        self._commands.put(("submit", jobs))
+        with self._lock:
+            if not self._closed:
+                self._commands.put(("submit", jobs))
+                return [j.future for j in jobs]
+        for job in jobs:  # the thread has ended (stopped, or its warm-up failed): nothing will run them
+            self._resolve(job, error=ShutDown("the service stopped before this image started"))
         return [j.future for j in jobs]
 
     def cancel(self, request_ids: list[str]) -> None:
@@ -168,6 +177,11 @@ class EngineWorker:
         self._commands.put(("stop", None))
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+    def abandon(self) -> None:
+        """Stop without finishing: every image admitted is cancelled (its future raises ShutDown) at the next turn
+        of the worker, which then ends."""
+        self._commands.put(("abandon", None))
 
     # ---- the worker thread ----
     def _run(self) -> None:
@@ -200,6 +214,9 @@ class EngineWorker:
                 return
             if command == "call":
                 _run_call(*payload)
+            elif command == "submit":  # arrived after the stop: never started
+                for job in payload:
+                    self._resolve(job, error=ShutDown("the service stopped before this image started"))
 
     def _serve(self) -> None:
         while not (self._stopping and not self._jobs):
@@ -277,7 +294,7 @@ class EngineWorker:
             command = self._commands.get(timeout=IDLE_POLL_S) if block else self._commands.get_nowait()
         except queue.Empty:
             return
-        taken = {"submit": [], "cancel": [], "call": [], "stop": []}
+        taken = {"submit": [], "cancel": [], "call": [], "stop": [], "abandon": []}
         while True:
             taken[command[0]].append(command[1])
             try:
@@ -293,7 +310,13 @@ class EngineWorker:
             self._cancel(request_ids)
         for fn, future in taken["call"]:
             _run_call(fn, future)
-        if taken["stop"]:
+        if taken["abandon"]:
+            for rid, job in list(self._jobs.items()):
+                self._engines[job.key][job.width].cancel(rid)
+                self._resolve(job, error=ShutDown("the service was stopped (a second stop signal) before this "
+                                                  "image finished"))
+            self._jobs.clear()
+        if taken["stop"] or taken["abandon"]:
             self._stopping = True
 
     def _submit(self, jobs: list[Job], incoming: dict) -> None:

@@ -129,8 +129,8 @@ class MemoryRefused(ValueError):
     """A request whose predicted peak exceeds the memory available (a ValueError: the CLI exits 2)."""
 
 
-def gib(nbytes: int) -> str:
-    return f"{nbytes / 2 ** 30:.2f} GiB"
+def size(nbytes: int) -> str:
+    return f"{nbytes / 2 ** 30:.2f} GiB" if nbytes >= 2 ** 30 else f"{nbytes / 2 ** 20:.1f} MiB"
 
 
 def refusal(dcfg, width: int, needed, available: int, source: str, prediction: PeakPrediction) -> MemoryRefused:
@@ -154,10 +154,10 @@ def refusal(dcfg, width: int, needed, available: int, source: str, prediction: P
         top_k //= 2
     if dcfg.speculative and needed(method_preset("ar", dcfg.sampling), width) <= available:
         fits.append("--method ar")
-    parts = ", ".join(f"{name.removesuffix('_bytes').replace('_', ' ')} {gib(value)}"
+    parts = ", ".join(f"{name.removesuffix('_bytes').replace('_', ' ')} {size(value)}"
                       for name, value in prediction.to_dict().items() if name != "total_bytes")
     advice = ("it would fit with " + ", or ".join(fits) if fits else
               "no smaller batch, top-k or AR fits either: free memory or use a machine with more")
     return MemoryRefused(f"this request cannot fit: its predicted peak at {width} image(s) per step is "
-                         f"{gib(prediction.total_bytes)} ({parts}), {gib(needed(dcfg, width))} of it still to be "
-                         f"allocated, and {gib(available)} is available ({source}); {advice}")
+                         f"{size(prediction.total_bytes)} ({parts}), {size(needed(dcfg, width))} of it still to be "
+                         f"allocated, and {size(available)} is available ({source}); {advice}")

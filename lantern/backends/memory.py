@@ -98,5 +98,7 @@ def available_bytes(device: torch.device) -> Optional[tuple[int, str]]:
     if device.type == "cpu":
         return psutil.virtual_memory().available, "psutil.virtual_memory().available"
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0], "torch.cuda.mem_get_info (free)"
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # torch's own free blocks
+        return (torch.cuda.mem_get_info(device)[0] + cached,
+                "torch.cuda.mem_get_info free + memory_reserved - memory_allocated")
     return None

@@ -34,7 +34,8 @@ def step_workspace_bytes(images: int, cfg_rows: int, nodes: int, support: int, v
       fp32 + int64 + fp32 (top-p: its cumsum and mask, two more fp32); trees warp the gathered parents: one
       more (B, N, V) copy;
     - a chain's sampled test (Jacobi) reads q at p's support through Support.prob_of: a (B, N, K, K) one-hot,
-      bool, its fp32 cast and the fp32 product (9 bytes an element, measured); a tree's exact test holds q dense (B, N, V) fp32 and about ten (B, N, K) fp32 per sibling;
+      bool, its fp32 cast and the fp32 product (9 bytes an element, measured); a tree's exact test holds q dense
+      (B, N, V) fp32 and about ten (B, N, K) fp32 per sibling;
     - MC-SJD keeps its fixed noise (B, N, V) fp32 + int64 for the image's life;
     - the bounded relaxation: with K <= k, pairs among the support: about eight (B, N, K, K) int64/fp32
       temporaries; with K > k, each support token's k neighbours: (B, N, K, k) int64 ids and about six fp32
@@ -42,8 +43,8 @@ def step_workspace_bytes(images: int, cfg_rows: int, nodes: int, support: int, v
     - a drafter's tree: the drafter's logits (rows x W x V), their guidance and warp, and EAGLE-2's candidate
       test through Support.prob_of, (B, W, C, K) bool + two fp32.
 
-    Another engineer is rewriting sampling, acceptance and relaxation to be linear in K (chunked, with a fixed
-    chunk budget): the constants here follow the code as it is and are to be adjusted here, in this one
+    Sampling, acceptance and relaxation are being rewritten to be linear in K (chunked, with a fixed chunk
+    budget; issue #44): the terms here follow the code as it is, and are to be adjusted here, in this one
     function, when that lands."""
     b, n, k, v = images, nodes, support, vocab
     guided = 2 * b * n * v * FP32 if cfg_rows > 1 else 0
@@ -109,15 +110,15 @@ def predict_peak(dcfg, model_config, spec, weights_bytes: int, itemsize: int, im
     v, n, rows = model_config.vocab_size, dcfg.verify_width, sampling.rows_per_image
     drafting = "none" if strategy is None else "jacobi" if dcfg.jacobi else "tree"
     relaxed = dcfg.acceptance != "exact"
-    children = dcfg.dynamic_top_k if dcfg.drafting == "dynamic" else max(getattr(getattr(strategy, "tree", None),
-                                                                              "max_children", 1), 1)
+    children = (dcfg.dynamic_top_k if dcfg.drafting == "dynamic" else strategy.tree.max_children
+                if drafting == "tree" else 1)
     workspace = step_workspace_bytes(images, rows, n, sampling.support_size(v), v, relax_k=dcfg.k if relaxed else 0,
                                      drafting=drafting, form=dcfg.form, children=children,
                                      draft_width=strategy.level_width if strategy is not None else 0,
                                      coupled=dcfg.jacobi and dcfg.coupling == "gumbel" and not sampling.greedy,
                                      top_p=sampling.top_p < 1.0)
     dim = model_config.dim
-    # query heads: the width over the head size; a family config without its SwiGLU width: LLaMA's 8/3 * dim, rounded up
+    # query heads: width over head size; a family config without a SwiGLU width: 3 * dim (above LLaMA's 8/3)
     activations = activation_bytes(spec.batch, n, spec.max_len, dim // model_config.head_dim, dim,
                                    getattr(model_config, "ffn_hidden", 3 * dim))
     return PeakPrediction(weights_bytes=weights_bytes, kv_cache_bytes=kv_cache_bytes(spec, model_config, itemsize),

@@ -193,8 +193,8 @@ def markdown(files: list[tuple[str, dict]], plots: dict) -> str:
         out.append("")
         out += speedup_table(measured)
         out += ["## Memory (widest generation of each run, MiB)", "",
-                "Where the peak is the process's high-water mark (CPU backends), workspace includes the interpreter and "
-                "libraries.",
+                "Where the peak is the process's high-water mark (CPU backends), workspace includes the interpreter "
+                "and libraries.",
                 "", "| run | case | B | N | peak | weights | KV cache | "
                 "tree buffers | workspace | source |", "|---|---|---|---|---|---|---|---|---|---|"]
         for n, d in measured:

@@ -226,7 +226,7 @@ class Pipeline:
         (lantern.backends.memory.available_bytes; devices where lantern cannot tell are not checked). What this
         process already holds for it (the weights where placed, the KV cache of a prepared runner) is not asked
         for again. The refusal (a ValueError) names the batch, top-k or method that would fit."""
-        free = available_bytes(torch.device(self.backend.capabilities().device))
+        free = available_bytes(self.backend.capabilities().device)
         if free is None:
             return
         available, source = free

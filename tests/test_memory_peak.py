@@ -96,3 +96,14 @@ def test_allocator_peak_is_reset_per_window_on_its_device():
     hpu = AllocatorPeak(fake, "habana_frameworks.torch.hpu")  # the bridge's calls take no device
     hpu.reset()
     assert hpu.read() == 0 and fake.devices[-2:] == [(), ()]
+
+
+def test_available_memory_per_device(monkeypatch):
+    """CPU: psutil's available; CUDA (torch.cuda's calls replaced by LABELLED FAKES): the device's free memory
+    plus the blocks torch's allocator holds unused; a device lantern cannot ask: None (not checked)."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (3 * GIB, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 5 * GIB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 4 * GIB)
+    assert memory.available_bytes("cuda:0")[0] == 4 * GIB
+    assert 0 < memory.available_bytes("cpu")[0] <= psutil.virtual_memory().total
+    assert memory.available_bytes("hpu:0") is None

@@ -92,13 +92,15 @@ class AllocatorPeak:
         return int(self.module.max_memory_allocated(*self._on_device()))
 
 
-def available_bytes(device: torch.device) -> Optional[tuple[int, str]]:
-    """(bytes a new allocation can still take on `device`, where that figure comes from), or None where lantern
-    cannot tell (devices other than the CPU and CUDA)."""
-    if device.type == "cpu":
+def available_bytes(device: str) -> Optional[tuple[int, str]]:
+    """(bytes a new allocation can still take on `device` ("cpu", "cuda:0", ... as a backend's capabilities name
+    it), where that figure comes from), or None where lantern cannot tell (devices other than the CPU and CUDA)."""
+    kind = device.split(":")[0]
+    if kind == "cpu":
         return psutil.virtual_memory().available, "psutil.virtual_memory().available"
-    if device.type == "cuda":
-        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # torch's own free blocks
-        return (torch.cuda.mem_get_info(device)[0] + cached,
+    if kind == "cuda":
+        gpu = torch.device(device)
+        cached = torch.cuda.memory_reserved(gpu) - torch.cuda.memory_allocated(gpu)  # torch's own free blocks
+        return (torch.cuda.mem_get_info(gpu)[0] + cached,
                 "torch.cuda.mem_get_info free + memory_reserved - memory_allocated")
     return None

@@ -132,7 +132,7 @@ class PhaseTimes:
 
 @dataclass
 class MemoryReport:
-    peak_bytes: int  # peak device memory (accelerators) or peak process RSS (CPU)
+    peak_bytes: int  # the true peak since the last reset (lantern.backends.memory): allocator or process
     weights_bytes: int
     kv_cache_bytes: int
     tree_buffer_bytes: int  # the static inputs of the widest step (tokens, positions, slots, mask)
@@ -181,10 +181,11 @@ class Runner(ABC):
 
     @abstractmethod
     def memory(self) -> MemoryReport:
-        """Peak memory since prepare(), and what it is made of."""
+        """The true peak since prepare() or the last reset_peak_memory(), and what it is made of."""
 
     def reset_peak_memory(self) -> None:
-        """(optional) Start a new peak-memory window; default: nothing to reset."""
+        """(optional) Start a new peak-memory window (Pipeline.generate: one per generation); default: nothing to
+        reset. A runner that offers it reads its peak from lantern.backends.memory."""
 
     def dummy_condition(self) -> torch.Tensor:
         """A valid condition of the prepared batch: class 0, an all-zero caption, or a prompt of token 0."""

@@ -15,16 +15,17 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
-import psutil
 import torch
 
 from lantern.backends.base import (Availability, Backend, BackendUnavailable, Capabilities, MemoryReport, Runner,
                                    StaticSpec, StepOutput, dummy_step_inputs, parse_dtype)
+from lantern.backends.memory import HostPeak
 from lantern.backends.onnx_export import cache_rows, ensure_graphs
 
 OPT_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED",
               "all": "ORT_ENABLE_ALL"}
 NUMPY = {torch.int64: np.int64, torch.bool: np.bool_, torch.float32: np.float32, torch.float16: np.float16}
+HOST_ONLY = " (host memory: the CUDA execution provider's device memory is not in it)"
 INSTALL_HINT = {"onnx": "pip install 'lantern-decoding[onnx]'",
                 "onnx-cuda": "pip install 'lantern-decoding[onnx-gpu]'"}
 
@@ -109,6 +110,7 @@ class ORTRunner(Runner):
                             for n, p in paths.items()}
         self.weights_bytes = sum(b for n, b in self.graph_bytes.items() if not n.startswith("commit"))
         self.ort_memory: dict[str, dict] = {}
+        self.peak = HostPeak()
         self.reset_peak_memory()
 
     def _caches_of(self, step: str) -> dict:
@@ -153,7 +155,6 @@ class ORTRunner(Runner):
         logits = torch.empty(b, 1 if name == "prefill" else t, self.vocab, dtype=torch.float32)  # prefill: the last
         hidden = torch.empty(b, t, self.dim, dtype=self.out_dtype)
         graph.run(inputs, {"logits": logits, "hidden": hidden})
-        self._sample_rss()
         return StepOutput(logits, hidden)
 
     def prefill(self, cond, mask):
@@ -183,13 +184,8 @@ class ORTRunner(Runner):
         return sum(int(np.prod(v.shape())) * np.dtype(NUMPY[self.out_dtype]).itemsize
                    for v in list(self.target_kv.values()) + list(self.draft_kv.values()))
 
-    def _sample_rss(self) -> None:
-        """After every step: a CPU allocator reports no peak, so the peak RSS is the largest sample."""
-        self._rss_peak = max(self._rss_peak, self._process.memory_info().rss)
-
     def reset_peak_memory(self):
-        self._process, self._rss_peak = psutil.Process(), 0
-        self._sample_rss()
+        self.peak.reset()
 
     def warmup(self) -> float:
         seconds = super().warmup()
@@ -230,15 +226,15 @@ class ORTRunner(Runner):
             self.commit(a, a.clone())
 
     def memory(self) -> MemoryReport:
-        self._sample_rss()
+        peak = self.peak.read()
         fixed = self.weights_bytes + self.kv_bytes() + self.tree_buffer_bytes()
         # a session's arena peak holds its own weights too: the workspace is what the peak holds beyond them
         arena = max((m["mem_in_use_peak"] - self.graph_bytes[n] for n, m in self.ort_memory.items()),
                     default=None)
-        source = "process RSS (psutil)" + ("; workspace: ORT profiler mem_in_use_peak minus the graph's weights"
-                                           if arena is not None else "")
-        workspace = max(arena, 0) if arena is not None else max(self._rss_peak - fixed, 0)
-        return MemoryReport(peak_bytes=self._rss_peak, weights_bytes=self.weights_bytes,
+        source = self.peak.source + (HOST_ONLY if self.ort_device[0] == "cuda" else "") + (
+            "; workspace: ORT profiler mem_in_use_peak minus the graph's weights" if arena is not None else "")
+        workspace = max(arena, 0) if arena is not None else max(peak - fixed, 0)
+        return MemoryReport(peak_bytes=peak, weights_bytes=self.weights_bytes,
                             kv_cache_bytes=self.kv_bytes(), tree_buffer_bytes=self.tree_buffer_bytes(),
                             workspace_bytes=workspace, source=source)
 
@@ -290,7 +286,7 @@ class ONNXBackend(Backend):
     def capabilities(self) -> Capabilities:
         return Capabilities(device="cpu", dtypes=("fp32",), supports_graphs=True,
                             timer="time.perf_counter (run_with_iobinding is synchronous)",
-                            memory_source="process RSS (psutil) + ORT profiler mem_in_use_peak")
+                            memory_source=HostPeak().source + " + ORT profiler mem_in_use_peak")
 
     @classmethod
     def supports_family(cls, family: str) -> Availability:
@@ -331,7 +327,7 @@ class ONNXCUDABackend(ONNXBackend):
     def capabilities(self) -> Capabilities:
         return Capabilities(device=f"cuda:{self.device_index}", dtypes=("fp32",), supports_graphs=True,
                             timer="time.perf_counter (run_with_iobinding is synchronous)",
-                            memory_source="process RSS (psutil) + ORT profiler mem_in_use_peak")
+                            memory_source=HostPeak().source + HOST_ONLY + " + ORT profiler mem_in_use_peak")
 
     def providers(self) -> list:
         return [(self.provider, {"device_id": self.device_index}), "CPUExecutionProvider"]

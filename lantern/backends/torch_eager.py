@@ -8,11 +8,11 @@ from __future__ import annotations
 import contextlib
 import copy
 
-import psutil
 import torch
 
 from lantern.backends.base import (Availability, Backend, Capabilities, MemoryReport, PhaseTimes, Runner,
                                    StaticSpec, StepOutput, parse_dtype)
+from lantern.backends.memory import AllocatorPeak, HostPeak
 from lantern.backends.torch_steps import CacheCommit, DraftStep, TargetPrefill, TargetStep, make_caches
 
 
@@ -74,7 +74,12 @@ class TorchRunner(Runner):
             self.modules["draft"] = DraftStep(self.target, self.drafter, self.draft_cache)
         self.steps = {name: self.wrap_step(name, module) for name, module in self.modules.items()}
         self.weights_bytes = module_bytes(self.target, self.drafter)
+        self.peak = self.peak_meter()
         self.reset_peak_memory()
+
+    def peak_meter(self):
+        """What this runner's peak is read from (lantern.backends.memory): CUDA's allocator, else the process."""
+        return AllocatorPeak(torch.cuda, "torch.cuda", self.device) if is_cuda(self.device) else HostPeak()
 
     def wrap_step(self, name: str, module: torch.nn.Module):
         """Eager: the module itself."""
@@ -145,22 +150,14 @@ class TorchRunner(Runner):
         return self.target_cache.nbytes + (self.draft_cache.nbytes if self.draft_cache is not None else 0)
 
     def reset_peak_memory(self):
-        if is_cuda(self.device):
-            torch.cuda.reset_peak_memory_stats(self.device)
-        self._rss_base = psutil.Process().memory_info().rss
+        self.peak.reset()
 
     def memory(self) -> MemoryReport:
         fixed = self.weights_bytes + self.kv_bytes() + self.tree_buffer_bytes()
-        if is_cuda(self.device):
-            peak = torch.cuda.max_memory_allocated(self.device)
-            source = "torch.cuda.max_memory_allocated"
-        else:
-            # CPU: the process's peak RSS is all a CPU allocator tells; weights and caches are inside it
-            peak = max(psutil.Process().memory_info().rss, self._rss_base)
-            source = "process RSS (psutil)"
+        peak = self.peak.read()  # on a CPU the process's: weights, caches, interpreter and libraries inside it
         return MemoryReport(peak_bytes=peak, weights_bytes=self.weights_bytes, kv_cache_bytes=self.kv_bytes(),
                             tree_buffer_bytes=self.tree_buffer_bytes(), workspace_bytes=max(peak - fixed, 0),
-                            source=source)
+                            source=self.peak.source)
 
 
 class CPUBackend(SharedWeights, Backend):
@@ -177,7 +174,7 @@ class CPUBackend(SharedWeights, Backend):
 
     def capabilities(self) -> Capabilities:
         return Capabilities(device="cpu", dtypes=("fp32", "bf16"), supports_graphs=False,
-                            timer="time.perf_counter", memory_source="process RSS (psutil)")
+                            timer="time.perf_counter", memory_source=HostPeak().source)
 
     def prepare(self, target, drafter, spec: StaticSpec) -> Runner:
         self.check_dtype(spec.dtype)

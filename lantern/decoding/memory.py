@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from lantern.decoding.relaxation import WORKSPACE_BYTES
+
 FP32, INT64, BOOL = 4, 8, 1
 # what a first generation adds beyond its tensors (allocator arenas, the engine's small state, lazily built library
 # buffers): 9 MiB on the embedded model's first AR generation on a CPU, so 32 MiB leaves room
@@ -27,45 +29,40 @@ def step_workspace_bytes(images: int, cfg_rows: int, nodes: int, support: int, v
     drafter's tree of `children` children per parent, drafted `draft_width` nodes per drafter step), relaxation
     `form` "bounded" or "paper".
 
-    Derived from the current code (lantern.decoding.sampling, acceptance, relaxation, jacobi, drafting), term by
-    term, as an upper bound:
+    Derived from the code (lantern.decoding.sampling, acceptance, relaxation, jacobi, drafting), term by term, as
+    an upper bound; nothing is quadratic in K or K x k:
     - guidance: u + s * (c - u) holds two (B, N, V) fp32 temporaries, then the guided logits (CFG only);
     - warp: logits / per-image temperature, (B, N, V); top-k's values and ids and the softmax, (B, N, K)
       fp32 + int64 + fp32 (top-p: its cumsum and mask, two more fp32); trees warp the gathered parents: one
       more (B, N, V) copy;
-    - a chain's sampled test (Jacobi) reads q at p's support through Support.prob_of: a (B, N, K, K) one-hot,
-      bool, its fp32 cast and the fp32 product (9 bytes an element, measured); a tree's exact test holds q dense
-      (B, N, V) fp32 and about ten (B, N, K) fp32 per sibling;
+    - finding tokens in a support (SupportLookup): its ids sorted with their order, int64 each, the binary
+      search's positions, int64, its hits, bool, and the probabilities read, fp32: about 33 bytes per (B, N, K)
+      element; the exact test keeps about ten (B, N, K) fp32 per sibling besides;
     - MC-SJD keeps its fixed noise (B, N, V) fp32 + int64 for the image's life;
-    - the bounded relaxation: with K <= k, pairs among the support: about eight (B, N, K, K) int64/fp32
-      temporaries; with K > k, each support token's k neighbours: (B, N, K, k) int64 ids and about six fp32
-      flows, plus four (B, N, V) fp32 per-code sums; the papers' form: a dense (B, N, V) residual per sibling;
+    - the bounded relaxation: about eight (B, N, K) fp32 per node, and its neighbour lists read in blocks of at
+      most lantern.decoding.relaxation.WORKSPACE_BYTES; the papers' form: a lookup and k neighbours' mass per
+      sibling;
     - a drafter's tree: the drafter's logits (rows x W x V), their guidance and warp, and EAGLE-2's candidate
-      test through Support.prob_of, (B, W, C, K) bool + two fp32.
-
-    Sampling, acceptance and relaxation are being rewritten to be linear in K (chunked, with a fixed chunk
-    budget; issue #44): the terms here follow the code as it is, and are to be adjusted here, in this one
-    function, when that lands."""
+      test through a lookup."""
     b, n, k, v = images, nodes, support, vocab
+    lookup = 33 * b * n * k
     guided = 2 * b * n * v * FP32 if cfg_rows > 1 else 0
     topk = b * n * k * (FP32 + INT64 + FP32) if k < v else b * n * v * FP32
     warp = b * n * v * FP32 + topk + (2 * b * n * k * FP32 if top_p else 0)
     total = guided + warp
     if drafting == "jacobi":
-        total += b * n * k * k * (BOOL + 2 * FP32)
+        total += lookup + 4 * b * n * k * FP32
         if coupled:
             total += b * n * v * (FP32 + INT64)
     elif drafting == "tree":
-        total += b * n * v * FP32 + b * n * v * FP32 + 10 * b * n * k * FP32  # parents' warp copy, dense q
+        total += b * n * v * FP32 + lookup + 10 * b * n * k * FP32  # parents' warp copy, q's lookup, siblings
         w = max(draft_width, 1)
-        total += cfg_rows * b * w * v * FP32 + 3 * b * w * v * FP32 + b * w * children * k * (BOOL + 2 * FP32)
+        total += cfg_rows * b * w * v * FP32 + 3 * b * w * v * FP32 + 33 * b * w * k
     if relax_k and drafting != "none":
         if form == "paper":
-            total += children * b * n * v * FP32
-        elif k <= relax_k:
-            total += 8 * b * n * k * k * INT64
+            total += lookup + b * n * relax_k * (INT64 + 2 * FP32)
         else:
-            total += b * n * k * relax_k * (INT64 + 6 * FP32) + 4 * b * n * v * FP32
+            total += 8 * b * n * k * FP32 + WORKSPACE_BYTES
     return total
 
 

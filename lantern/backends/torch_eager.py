@@ -11,9 +11,12 @@ import copy
 import psutil
 import torch
 
-from lantern.backends.base import (Availability, Backend, Capabilities, MemoryReport, PhaseTimes, Runner,
+from lantern.backends.base import (Availability, Backend, Capabilities, MemoryReport, Runner,
                                    StaticSpec, StepOutput, parse_dtype)
 from lantern.backends.torch_steps import CacheCommit, DraftStep, TargetPrefill, TargetStep, make_caches
+
+
+MAX_PENDING_PHASES = 4096  # CUDA phase marks held before those already done are resolved (bounds a long service)
 
 
 def module_bytes(*modules) -> int:
@@ -60,6 +63,7 @@ class TorchRunner(Runner):
 
     def __init__(self, target, drafter, spec: StaticSpec, device: torch.device):
         super().__init__(spec, device, target.config)
+        self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []  # CUDA phases not yet resolved
         self.target = target
         self.drafter = drafter if spec.draft_widths else None
         if spec.draft_widths and self.drafter is None:
@@ -129,7 +133,9 @@ class TorchRunner(Runner):
 
     @contextlib.contextmanager
     def phase(self, name: str):
-        """On CUDA, time the phase with CUDA events (device time between two stream marks)."""
+        """On CUDA, time the phase with CUDA events (device time between two stream marks), never waiting for
+        the device here: the marks are resolved when the times are read (`resolve_times`), or, past
+        `MAX_PENDING_PHASES`, those the device has already passed."""
         if not is_cuda(self.device):
             with super().phase(name):
                 yield
@@ -138,8 +144,30 @@ class TorchRunner(Runner):
         start.record()
         yield
         end.record()
-        end.synchronize()
-        self.times.setdefault(name, PhaseTimes()).seconds.append(start.elapsed_time(end) / 1e3)
+        self._pending.append((name, start, end))
+        if len(self._pending) > MAX_PENDING_PHASES:
+            self._resolve(wait=False)
+
+    def resolve_times(self):
+        self._resolve(wait=True)
+
+    def _resolve(self, wait: bool) -> None:
+        """Pending phases into seconds: all of them after one wait for the last mark (every earlier mark is on
+        the same stream, so done by then), or without waiting only those whose end mark the device has passed."""
+        pending = self.__dict__.get("_pending")
+        if not pending:
+            return
+        if wait:
+            pending[-1][2].synchronize()
+        done = len(pending) if wait else next((i for i, (_, _, end) in enumerate(pending) if not end.query()),
+                                              len(pending))
+        for name, start, end in pending[:done]:
+            self.add_time(name, start.elapsed_time(end) / 1e3)
+        del pending[:done]
+
+    def reset_times(self):
+        super().reset_times()
+        self._pending = []
 
     def kv_bytes(self) -> int:
         return self.target_cache.nbytes + (self.draft_cache.nbytes if self.draft_cache is not None else 0)

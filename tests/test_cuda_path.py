@@ -1,0 +1,93 @@
+"""The CUDA path, checked on a CPU: what a first run on a GPU would otherwise find (issue 45).
+
+Where a test needs torch.cuda, it uses a FAKE of the few calls involved (labelled as such) around the real
+runner code; everything else runs on the CPU for real."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import make_models
+from lantern.api import Pipeline
+from lantern.backends import get_backend, torch_eager
+from lantern.config import GPTConfig
+from lantern.decoding import SamplingConfig, method_preset
+
+
+@pytest.fixture(scope="module")
+def small():
+    cfg = GPTConfig(dim=32, n_layer=1, n_head=2, vocab_size=32, num_classes=4, block_size=16, multiple_of=32)
+    return make_models(cfg)
+
+
+class FakeCUDATiming:
+    """A FAKE of torch.cuda's timing and memory calls, on the CPU: events that report a fixed millisecond and
+    count how often the host waits on one, and a `synchronize` that counts."""
+
+    def __init__(self):
+        self.waits = 0
+        fake = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.recorded = False
+
+            def record(self, stream=None):
+                self.recorded = True
+
+            def query(self):
+                return self.recorded
+
+            def synchronize(self):
+                fake.waits += 1
+
+            def elapsed_time(self, end):
+                assert self.recorded and end.recorded
+                return 1.0
+        self.Event = Event
+
+    def synchronize(self, device=None):
+        self.waits += 1
+
+    def install(self, monkeypatch):
+        monkeypatch.setattr(torch_eager, "is_cuda", lambda device: True)  # the runner takes itself for CUDA
+        monkeypatch.setattr(torch.cuda, "Event", self.Event)
+        monkeypatch.setattr(torch.cuda, "synchronize", self.synchronize)
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 0)
+
+
+@pytest.mark.parametrize("method", ["ar", "lantern++"])
+def test_cuda_phase_timing_waits_once_per_generation_not_per_phase(small, monkeypatch, method):
+    """FAKE torch.cuda timing: a whole generation times every phase (draft, verify, accept, commit) with
+    events, and the host waits on the device once, when the times are read, not after every phase."""
+    target, drafter, proximity = small
+    dcfg = method_preset(method, SamplingConfig(greedy=True, cfg_scale=2.0, top_k=8), k=4)
+    pipe = Pipeline(target, drafter, proximity, backend="cpu")
+    pipe.runner(dcfg, 2)  # prepared (and warmed up) before the fake goes in
+    fake = FakeCUDATiming()
+    fake.install(monkeypatch)
+    result = pipe.generate([0, 1], dcfg, seed=3, batch=2)
+    phases = result.profile["phases"]
+    assert phases["verify"]["count"] >= 8 and phases["accept"]["count"] == phases["verify"]["count"]
+    assert method == "ar" or phases["draft"]["count"] >= phases["verify"]["count"] == phases["commit"]["count"]
+    assert fake.waits <= 1, f"{fake.waits} waits on the device for {phases['verify']['count']} steps"
+
+
+def test_pending_cuda_phases_are_bounded_without_waiting(small, monkeypatch):
+    """FAKE torch.cuda timing: past MAX_PENDING_PHASES the phases the device has passed are resolved, with no
+    wait on the device, so a long service holds a bounded number of events."""
+    target = small[0]
+    runner = get_backend("cpu").prepare(target, None, Pipeline(target, backend="cpu").spec(
+        method_preset("ar", SamplingConfig(greedy=True, cfg_scale=1.0)), 1))
+    fake = FakeCUDATiming()
+    fake.install(monkeypatch)
+    monkeypatch.setattr(torch_eager, "MAX_PENDING_PHASES", 10)
+    runner.reset_times()
+    for _ in range(25):
+        with runner.phase("verify"):
+            pass
+    assert len(runner._pending) <= 10 and fake.waits == 0
+    assert runner.times["verify"].summary()["count"] == 25 and fake.waits <= 1

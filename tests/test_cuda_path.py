@@ -91,3 +91,43 @@ def test_pending_cuda_phases_are_bounded_without_waiting(small, monkeypatch):
             pass
     assert len(runner._pending) <= 10 and fake.waits == 0
     assert runner.times["verify"].summary()["count"] == 25 and fake.waits <= 1
+
+
+@pytest.mark.parametrize("cls_name", ["CUDABackend", "CUDAGraphBackend"])
+def test_cuda_defaults_to_bf16_and_says_its_fp32_products_are_tf32(cls_name):
+    from lantern.backends import torch_graph
+    cls = getattr(torch_eager, cls_name, None) or getattr(torch_graph, cls_name)
+    caps = cls().capabilities()
+    assert caps.dtypes[0] == "bf16" and "fp32" in caps.dtypes
+    assert caps.fp32_matmul == "tf32" and cls(tf32=False).capabilities().fp32_matmul == "fp32"
+
+
+def test_importing_lantern_leaves_tf32_alone():
+    """No global side effect at import: TF32 is switched on where a CUDA runner is prepared, not before."""
+    import subprocess
+    import sys
+    code = ("import torch, lantern, lantern.api, lantern.backends.torch_graph, lantern.cli; "
+            "print(torch.backends.cuda.matmul.allow_tf32)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+@pytest.mark.parametrize("name", ["cuda", "cuda-graph"])
+def test_preparing_a_cuda_runner_switches_tf32_on(small, monkeypatch, name):
+    """The CUDA backends' device (here a CPU stand-in, so that the runner can be built without a GPU) is where
+    TF32 is switched on, once per prepare; tf32=False leaves it off."""
+    from lantern.backends import registry
+    from lantern.backends.torch_eager import CUDABackend
+    target = small[0]
+    spec = Pipeline(target, backend="cpu").spec(method_preset("ar", SamplingConfig(greedy=True, cfg_scale=1.0)), 1)
+    real = CUDABackend.device
+    monkeypatch.setattr(CUDABackend, "device", lambda self: (real(self), torch.device("cpu"))[1])
+    matmul, before = torch.backends.cuda.matmul, torch.backends.cuda.matmul.allow_tf32
+    matmul.allow_tf32 = False
+    try:
+        registry.backend_class(name)(tf32=False).prepare(target, None, spec)
+        assert matmul.allow_tf32 is False
+        registry.backend_class(name)().prepare(target, None, spec)
+        assert matmul.allow_tf32 is True
+    finally:
+        matmul.allow_tf32 = before

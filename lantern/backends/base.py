@@ -60,6 +60,7 @@ class Capabilities:
     supports_graphs: bool  # steps are captured once and replayed
     timer: str  # what phase timing rests on
     memory_source: str  # what peak memory rests on
+    fp32_matmul: str = "fp32"  # what an fp32 matrix product computes in: "fp32", or "tf32" (CUDA tensor cores)
 
 
 @dataclass(frozen=True)

@@ -217,12 +217,20 @@ class CPUBackend(SharedWeights, Backend):
         return runner
 
 
+def allow_tf32() -> None:
+    """fp32 matrix products on CUDA run on the tensor cores in TF32 (a 10-bit mantissa: relative errors near
+    3e-4). torch keeps this setting per process, so it is set where a CUDA runner is prepared, never at import."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+
+
 class CUDABackend(CPUBackend):
+    """cuda: bf16 by default; fp32 matrix products in TF32 unless `tf32=False`."""
+
     name = "cuda"
 
-    def __init__(self, device_index: int = 0):
+    def __init__(self, device_index: int = 0, tf32: bool = True):
         super().__init__()
-        self.device_index = device_index
+        self.device_index, self.tf32 = device_index, tf32
 
     @classmethod
     def availability(cls) -> Availability:
@@ -232,14 +240,21 @@ class CUDABackend(CPUBackend):
         return Availability(True)
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(device=f"cuda:{self.device_index}", dtypes=("fp32", "bf16", "fp16"),
+        return Capabilities(device=f"cuda:{self.device_index}", dtypes=("bf16", "fp32", "fp16"),
                             supports_graphs=False,
                             timer="torch.cuda.Event elapsed_time",
-                            memory_source="torch.cuda.max_memory_allocated")
+                            memory_source="torch.cuda.max_memory_allocated",
+                            fp32_matmul="tf32" if self.tf32 else "fp32")
+
+    def device(self) -> torch.device:
+        """Where this backend's runners live (and the one switch of the process-wide TF32 setting)."""
+        if self.tf32:
+            allow_tf32()
+        return torch.device("cuda", self.device_index)
 
     def prepare(self, target, drafter, spec: StaticSpec) -> Runner:
         self.check_dtype(spec.dtype)
-        device = torch.device("cuda", self.device_index)
+        device = self.device()
         runner = self.runner_cls(*self.placed(target, drafter if spec.draft_widths else None, device, spec.dtype),
                                  spec, device)
         runner.backend_name = self.name

@@ -362,9 +362,9 @@ class CUDAGraphBackend(CUDABackend):
 
     name = "cuda-graph"
 
-    def __init__(self, device_index: int = 0, fused_step: bool = False):
+    def __init__(self, device_index: int = 0, fused_step: bool = False, tf32: bool = True):
         """fused_step: the engine's whole decode step recorded as one CUDA graph (lantern.engine.fused)."""
-        super().__init__(device_index)
+        super().__init__(device_index, tf32)
         self.fused_step = fused_step
 
     def capabilities(self):
@@ -372,7 +372,7 @@ class CUDAGraphBackend(CUDABackend):
 
     def prepare(self, target, drafter, spec: StaticSpec) -> Runner:
         self.check_dtype(spec.dtype)
-        device = torch.device("cuda", self.device_index)
+        device = self.device()
         runner = CompiledRunner(*self.placed(target, drafter if spec.draft_widths else None, device, spec.dtype),
                                 spec, device, compiler="inductor", mode="reduce-overhead", fused=self.fused_step)
         runner.backend_name = self.name

@@ -4,7 +4,7 @@ Where a test needs torch.cuda, it uses a FAKE of the few calls involved (labelle
 runner code; everything else runs on the CPU for real."""
 from __future__ import annotations
 
-import copy
+import itertools
 
 import pytest
 import torch
@@ -131,3 +131,56 @@ def test_preparing_a_cuda_runner_switches_tf32_on(small, monkeypatch, name):
         assert matmul.allow_tf32 is True
     finally:
         matmul.allow_tf32 = before
+
+
+class DeepCopies:
+    """Counts tensor deep copies (torch.Tensor and nn.Parameter __deepcopy__): copy.deepcopy(model) makes one per
+    weight on the host before any .to(device)."""
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        for cls in (torch.Tensor, torch.nn.Parameter):
+            real = cls.__deepcopy__
+
+            def counting(t, memo, real=real):
+                self.count += 1
+                return real(t, memo)
+            monkeypatch.setattr(cls, "__deepcopy__", counting)
+
+
+def check_placed(original: torch.nn.Module, placed: torch.nn.Module, dtype: torch.dtype, fp32: str) -> None:
+    """placed: every floating tensor in dtype (`fp32` buffers exact in fp32), none sharing the original's memory,
+    and the original unchanged (fp32)."""
+    before = {n: t for n, t in itertools.chain(original.named_parameters(), original.named_buffers())}
+    for name, t in itertools.chain(placed.named_parameters(), placed.named_buffers()):
+        assert t.data_ptr() != before[name].data_ptr(), name
+        if name.rsplit(".", 1)[-1] == fp32:
+            assert t.dtype == torch.float32 and torch.equal(t, before[name]), name
+        elif t.is_floating_point():
+            assert t.dtype == dtype and not t.requires_grad, name
+            assert torch.equal(t, before[name].to(dtype)), name
+    assert all(p.dtype == torch.float32 for p in original.parameters())
+
+
+def test_placing_the_target_and_drafter_makes_no_host_copy_of_a_weight(small, monkeypatch):
+    """The target (GPT.placed) and the drafter (SharedWeights) are placed tensor by tensor, straight into their
+    dtype on the device (here the CPU in bf16): no deep copy of a weight on the way, rotations exact in fp32."""
+    target, drafter, _ = small
+    copies = DeepCopies(monkeypatch)
+    _, placed_drafter = get_backend("cpu").placed(target, drafter, torch.device("cpu"), "bf16")
+    placed_target = target.placed(torch.device("cpu"), torch.bfloat16)
+    assert copies.count == 0, f"{copies.count} tensors deep-copied on the host"
+    check_placed(target, placed_target, torch.bfloat16, fp32="rope")
+    check_placed(drafter, placed_drafter, torch.bfloat16, fp32="rope")
+
+
+def test_placing_a_janus_target_makes_no_host_copy_of_a_weight(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    from janus_fixtures import make_janus_folder
+    from lantern.models.family import load_family
+    make_janus_folder(tmp_path)
+    target = load_family(tmp_path).target(4)
+    copies = DeepCopies(monkeypatch)
+    placed = target.placed(torch.device("cpu"), torch.bfloat16)
+    assert copies.count == 0, f"{copies.count} tensors deep-copied on the host"
+    check_placed(target, placed, torch.bfloat16, fp32="inv_freq")

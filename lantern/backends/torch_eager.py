@@ -6,7 +6,6 @@ holds one copy of the weights, and the caller's fp32 models are never changed.""
 from __future__ import annotations
 
 import contextlib
-import copy
 
 import psutil
 import torch
@@ -14,6 +13,7 @@ import torch
 from lantern.backends.base import (Availability, Backend, Capabilities, MemoryReport, Runner,
                                    StaticSpec, StepOutput, parse_dtype)
 from lantern.backends.torch_steps import CacheCommit, DraftStep, TargetPrefill, TargetStep, make_caches
+from lantern.models.placement import placed_copy
 
 
 MAX_PENDING_PHASES = 4096  # CUDA phase marks held before those already done are resolved (bounds a long service)
@@ -47,8 +47,7 @@ class SharedWeights:
             # the target places itself (lantern.models.family: a copy where device or dtype differ) and the drafter
             # is copied, so preparing never changes the caller's models
             tc = target.placed(device, t)
-            dc = (copy.deepcopy(drafter).to(device=device, dtype=t).eval().requires_grad_(False)
-                  if drafter is not None else None)
+            dc = placed_copy(drafter, device, t) if drafter is not None else None
             cache[key] = (target, drafter, tc, dc)  # the originals are kept so their ids stay theirs
         return cache[key][2:]
 

@@ -184,3 +184,81 @@ def test_placing_a_janus_target_makes_no_host_copy_of_a_weight(tmp_path, monkeyp
     placed = target.placed(torch.device("cpu"), torch.bfloat16)
     assert copies.count == 0, f"{copies.count} tensors deep-copied on the host"
     check_placed(target, placed, torch.bfloat16, fp32="inv_freq")
+
+
+class FakeCUDAProviderORT:
+    """A FAKE onnxruntime whose CUDA execution provider 'starts': sessions are real CPU sessions that report
+    CUDAExecutionProvider, OrtValues asked for on cuda are made on the host, and every bind_input/bind_output
+    records the device it was asked for."""
+
+    def __init__(self, real):
+        self.real, self.bound = real, []
+        fake = self
+
+        class Binding:
+            def __init__(self, binding):
+                self.binding = binding
+
+            def bind_ortvalue_input(self, *args):
+                self.binding.bind_ortvalue_input(*args)
+
+            def bind_ortvalue_output(self, *args):
+                self.binding.bind_ortvalue_output(*args)
+
+            def bind_input(self, name, device, index, *rest):
+                fake.bound.append(device)
+                self.binding.bind_input(name, "cpu", 0, *rest)
+
+            def bind_output(self, name, device, index, *rest):
+                fake.bound.append(device)
+                self.binding.bind_output(name, "cpu", 0, *rest)
+
+        class Session:
+            def __init__(self, path, options, providers):
+                self.session = real.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+
+            def get_providers(self):
+                return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+
+            def io_binding(self):
+                return Binding(self.session.io_binding())
+
+            def run_with_iobinding(self, binding):
+                self.session.run_with_iobinding(binding.binding)
+
+            def __getattr__(self, name):
+                return getattr(self.session, name)
+
+        class OrtValue:
+            @staticmethod
+            def ortvalue_from_shape_and_type(shape, dtype, device, index):
+                return real.OrtValue.ortvalue_from_shape_and_type(shape, dtype, "cpu", 0)
+        self.InferenceSession, self.OrtValue = Session, OrtValue
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def test_onnx_cuda_says_its_step_tensors_cross_to_the_host_where_torch_has_no_cuda(small, monkeypatch, tmp_path):
+    """FAKE onnxruntime (its CUDA provider 'starts'), real torch without CUDA: the runner cannot bind its steps
+    on the GPU, so it says so (a warning, the profile's io_device) and binds on the host where its tensors are."""
+    ort = pytest.importorskip("onnxruntime")
+    from lantern.backends import onnx_runtime
+    from lantern.backends.base import StaticSpec, run_every_static_step
+    if torch.cuda.is_available():
+        pytest.skip("torch has CUDA here: the runner binds on the device")
+    fake = FakeCUDAProviderORT(ort)
+    monkeypatch.setattr(onnx_runtime, "_import_ort", lambda name: (fake, ""))
+    spec = StaticSpec(batch=1, max_len=20, prefix_len=1, verify_widths=(1,))
+    with pytest.warns(RuntimeWarning, match="inputs and outputs cross to the host"):
+        runner = onnx_runtime.ONNXCUDABackend(cache_dir=str(tmp_path)).prepare(small[0], None, spec)
+    run_every_static_step(runner)
+    assert runner.provider == "CUDAExecutionProvider" and runner.device == torch.device("cpu")
+    assert runner.profile()["ort"]["io_device"] == "cpu" and set(fake.bound) == {"cpu"}
+
+
+def test_onnx_step_tensors_live_on_the_providers_gpu_where_torch_has_cuda():
+    from lantern.backends.onnx_runtime import io_device
+    assert io_device(("cuda", 1), torch_has_cuda=True) == torch.device("cuda", 1)
+    assert io_device(("cuda", 1), torch_has_cuda=False) == torch.device("cpu")
+    assert io_device(("cpu", 0), torch_has_cuda=True) == torch.device("cpu")

@@ -153,7 +153,7 @@ class TorchRunner(Runner):
     def _resolve(self, wait: bool) -> None:
         """Pending phases into seconds: all of them after one wait for the last mark (every earlier mark is on
         the same stream, so done by then), or without waiting only those whose end mark the device has passed."""
-        pending = self.__dict__.get("_pending")
+        pending = self._pending
         if not pending:
             return
         if wait:

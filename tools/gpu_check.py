@@ -685,7 +685,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     from lantern.models.inflate import INFLATE_SHAPES
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="CPU stand-ins, tiny shapes: a check that the tool runs")
-    ap.add_argument("--budget-s", type=float, help="seconds the check may start work in (default 420; --quick 300, every section runs)")
+    ap.add_argument("--budget-s", type=float,
+                    help="seconds the check may start work in (default 420; --quick 300, every section runs)")
     ap.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
     ap.add_argument("--shapes", nargs="+", default=["GPT-B", "GPT-L"], choices=sorted(INFLATE_SHAPES))
     ap.add_argument("--images", type=int, nargs="+", default=[1, 4, 16], help="images decoded together")

@@ -71,3 +71,20 @@ def test_without_cuda_it_points_to_quick():
         pytest.skip("this machine has CUDA")
     done = run_tool("--sections", "parity")
     assert done.returncode == 2 and "--quick runs the check on CPU stand-ins" in done.stderr
+
+
+def test_cuda_syncs_are_counted_from_the_sync_debug_mode_warnings(monkeypatch):
+    """FAKE torch.cuda.set_sync_debug_mode (a CPU torch has none): the GPU path counts the warnings torch's
+    "warn" mode raises at each synchronising call while the run lasts, and puts the mode back after."""
+    import warnings
+    import torch
+    sys.path.insert(0, str(ROOT / "tools"))
+    import gpu_check
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def run():
+        for _ in range(3):
+            warnings.warn("called a synchronizing CUDA operation", UserWarning)
+        warnings.warn("something else", UserWarning)
+    assert gpu_check.count_syncs(False, run) == 3 and modes == ["warn", "default"]

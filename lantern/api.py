@@ -77,7 +77,7 @@ class Pipeline:
 
     def __init__(self, target, drafter=None, proximity: Optional[torch.Tensor] = None, backend: str | None = None,
                  dtype: str | None = None, defaults: Optional[ModelDefaults] = None, **backend_options):
-        """dtype None = the backend's preferred one (fp32 on CPU and CUDA, bf16 on HPU)."""
+        """dtype None = the backend's preferred one (fp32 on CPU, bf16 on CUDA and HPU)."""
         self.target, self.drafter, self.proximity = target.eval(), drafter, proximity
         self.defaults = defaults or ModelDefaults()
         self.backend = get_backend(backend, **backend_options)

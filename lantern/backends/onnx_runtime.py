@@ -4,6 +4,11 @@ The KV caches are OrtValues allocated once on the execution provider's device an
 `k{i}` and output `k{i}_out` of every graph (safe: see onnx_export.py); step inputs are bound from the
 caller's torch tensors and logits/features are written straight into torch tensors allocated for the
 call, so no model math runs in torch and the cache never crosses to the host.
+
+Where the step tensors live (the runner's `device`): on the provider's GPU when the CUDA provider started and
+torch has CUDA (ONNX Runtime then runs on torch's current stream, so no wait is needed between them); on the host
+otherwise, said in a warning and in the profile (`ort.io_device`), since every step's inputs and outputs then
+cross to the host.
 """
 from __future__ import annotations
 
@@ -78,10 +83,17 @@ class _Graph:
             self.binding.bind_ortvalue_output(f"{name}_out", value)  # in place: past and present are one buffer
 
     def run(self, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> None:
+        """Binds each tensor where it lives (host or CUDA device) and runs the graph."""
         for name, t in list(inputs.items()) + list(outputs.items()):
             bind = self.binding.bind_input if name in inputs else self.binding.bind_output
-            bind(name, "cpu", 0, NUMPY[t.dtype], tuple(t.shape), t.data_ptr())
+            bind(name, t.device.type, t.device.index or 0, NUMPY[t.dtype], tuple(t.shape), t.data_ptr())
         self.session.run_with_iobinding(self.binding)
+
+
+def io_device(ort_device: tuple[str, int], torch_has_cuda: bool) -> torch.device:
+    """Where a runner's step tensors live: on the provider's GPU where torch can hold tensors there, else the host."""
+    kind, index = ort_device
+    return torch.device("cuda", index) if kind == "cuda" and torch_has_cuda else torch.device("cpu")
 
 
 class ORTRunner(Runner):
@@ -90,7 +102,6 @@ class ORTRunner(Runner):
     def __init__(self, ort, paths: dict[str, Path], model_config, spec: StaticSpec, providers: list,
                  settings: dict, profile_prefix: Optional[str] = None):
         """settings: session_options keywords (threads, opt_level, spin)."""
-        super().__init__(spec, torch.device("cpu"), model_config)  # step tensors live on the host
         self.ort, self.paths, self.providers, self.settings = ort, paths, providers, settings
         self.options = session_options(ort, profile_prefix=profile_prefix, **settings)
         self.sessions, self.fallback_reason = {}, ""
@@ -99,6 +110,7 @@ class ORTRunner(Runner):
         self.provider = next(iter(self.sessions.values())).get_providers()[0]
         name, options = _provider_pair(self.providers[0])  # after any fallback, the provider that started
         self.ort_device = ("cuda", options.get("device_id", 0)) if name == "CUDAExecutionProvider" else ("cpu", 0)
+        super().__init__(spec, io_device(self.ort_device, torch.cuda.is_available()), model_config)
         cfg, self.out_dtype = model_config, parse_dtype(spec.dtype)
         shape, dtype = (cache_rows(spec.batch, spec.max_len, cfg), cfg.head_dim), NUMPY[self.out_dtype]
         self.target_kv = {f"{kv}{i}": self._zeros(shape, dtype) for kv in "kv" for i in range(cfg.n_layer)}
@@ -150,10 +162,11 @@ class ORTRunner(Runner):
             if tuple(t.shape) != graph.input_shapes[key]:
                 raise ValueError(f"{name}: input {key!r} has shape {tuple(t.shape)}, the graph takes "
                                  f"{graph.input_shapes[key]}")
-        inputs = {k: t.detach().to("cpu").contiguous() for k, t in inputs.items()}
+        inputs = {k: t.detach().to(self.device).contiguous() for k, t in inputs.items()}
         b, t = graph.input_shapes["mask"][:2]
-        logits = torch.empty(b, 1 if name == "prefill" else t, self.vocab, dtype=torch.float32)  # prefill: the last
-        hidden = torch.empty(b, t, self.dim, dtype=self.out_dtype)
+        logits = torch.empty(b, 1 if name == "prefill" else t, self.vocab, dtype=torch.float32,
+                             device=self.device)  # prefill: the last position's
+        hidden = torch.empty(b, t, self.dim, dtype=self.out_dtype, device=self.device)
         graph.run(inputs, {"logits": logits, "hidden": hidden})
         return StepOutput(logits, hidden)
 
@@ -174,11 +187,14 @@ class ORTRunner(Runner):
 
     def commit(self, src, dst):
         self.spec.check_commit(src, dst)
-        self.graphs["commit"].run({"src": src.detach().cpu().long().contiguous(),
-                                   "dst": dst.detach().cpu().long().contiguous()}, {})
+        self.graphs["commit"].run({"src": src.detach().to(self.device).long().contiguous(),
+                                   "dst": dst.detach().to(self.device).long().contiguous()}, {})
 
     def sync(self):
-        """run_with_iobinding returns once the outputs are in the bound host tensors: nothing pending."""
+        """run_with_iobinding returns once the outputs are in the bound tensors; on a GPU, torch's stream (which
+        ONNX Runtime shares) may still hold the inputs' copies."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def kv_bytes(self) -> int:
         return sum(int(np.prod(v.shape())) * np.dtype(NUMPY[self.out_dtype]).itemsize
@@ -240,7 +256,7 @@ class ORTRunner(Runner):
 
     def profile(self) -> dict:
         record = super().profile()
-        record["ort"] = {"version": self.ort.__version__, "provider": self.provider,
+        record["ort"] = {"version": self.ort.__version__, "provider": self.provider, "io_device": str(self.device),
                          "session_options": describe_options(self.options), "graphs": {
                              n: str(p) for n, p in self.paths.items()}, "memory_per_step": self.ort_memory}
         return record
@@ -330,9 +346,16 @@ class ONNXCUDABackend(ONNXBackend):
                             memory_source=HostPeak().source + HOST_ONLY + " + ORT profiler mem_in_use_peak")
 
     def providers(self) -> list:
-        return [(self.provider, {"device_id": self.device_index}), "CPUExecutionProvider"]
+        options = {"device_id": self.device_index}
+        if torch.cuda.is_available():  # ONNX Runtime runs on torch's stream: inputs torch wrote are ready in order
+            options["user_compute_stream"] = str(torch.cuda.current_stream(self.device_index).cuda_stream)
+        return [(self.provider, options), "CPUExecutionProvider"]
 
     def check_provider(self, runner: ORTRunner) -> None:
         if runner.provider != self.provider:
             warnings.warn(f"{self.name}: {self.provider} could not start ({runner.fallback_reason}); running on "
                           f"{runner.provider} instead", RuntimeWarning, stacklevel=3)
+        elif runner.device.type != "cuda":
+            warnings.warn(f"{self.name}: {self.provider} runs the graphs, but torch {torch.__version__} has no CUDA, "
+                          "so every step's inputs and outputs cross to the host (io_device cpu)", RuntimeWarning,
+                          stacklevel=3)

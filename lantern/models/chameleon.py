@@ -21,7 +21,6 @@ the Swin-norm layer order) over lantern's static KV cache. Pixels come from the 
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -36,6 +35,7 @@ from lantern.models.family import (FolderInfo, folder_identity, load_pretrained,
                                    rope_cos_sin)
 from lantern.models.gpt import attention_bias
 from lantern.models.janus import STATIC_ROPE, rotate_half
+from lantern.models.placement import placed_copy
 
 SPECIAL = {"bos": "<s>", "pad": "<pad>", "eot": "<reserved08706>", "boi": "<racm3:break>"}  # names in the vocabulary
 
@@ -166,9 +166,7 @@ class ChameleonTarget(nn.Module):
         tensors = list(self.parameters()) + [self.image_head]
         if all(t.device == device and t.dtype == dtype for t in tensors):
             return self.eval().requires_grad_(False)
-        placed = copy.deepcopy(self).to(device=device, dtype=dtype).eval().requires_grad_(False)
-        placed.inv_freq = placed.inv_freq.float()  # rotations stay in fp32
-        return placed
+        return placed_copy(self, device, dtype, keep_fp32=("inv_freq",))  # rotations stay in fp32
 
 
 def chameleon_target(model, prompt_len: int, bpe_of_code: torch.Tensor, ids: dict) -> ChameleonTarget:

@@ -13,7 +13,6 @@ generation head's output and the generation embeddings' input, so tokens need no
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from lantern.kv_cache import StaticKVCache
 from lantern.models.family import (FolderInfo, folder_identity, load_pretrained, load_tokenizer, read_config,
                                    rope_cos_sin)
 from lantern.models.gpt import attention_bias
+from lantern.models.placement import placed_copy
 
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # rope types whose frequencies do not depend on length
 
@@ -120,9 +120,7 @@ class JanusTarget(nn.Module):
         params = list(self.parameters())
         if all(p.device == device and p.dtype == dtype for p in params):
             return self.eval().requires_grad_(False)
-        placed = copy.deepcopy(self).to(device=device, dtype=dtype).eval().requires_grad_(False)
-        placed.inv_freq = placed.inv_freq.float()  # rotations stay in fp32
-        return placed
+        return placed_copy(self, device, dtype, keep_fp32=("inv_freq",))  # rotations stay in fp32
 
 
 def janus_target(model, prompt_len: int, bos: int, boi: int, pad: int) -> JanusTarget:

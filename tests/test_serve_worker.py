@@ -21,7 +21,7 @@ class ScriptedEngine:
     explode = threading.Event()
 
     def __init__(self, pipeline, decode, width, runner=None):
-        self.decode, self.width, self.runner = decode, width, runner
+        self.pipeline, self.decode, self.width, self.runner = pipeline, decode, width, runner
         self.queue, self.held = [], {}
         self.warmed = False
 
@@ -67,7 +67,8 @@ class ScriptedEngine:
 def make_worker(monkeypatch):
     monkeypatch.setattr(worker_module, "Engine", ScriptedEngine)
     ScriptedEngine.explode.clear()
-    pipeline = SimpleNamespace(runner=lambda dcfg, width: object(), lock=threading.RLock())
+    pipeline = SimpleNamespace(runner=lambda dcfg, width: object(), lock=threading.RLock(),
+                               backend=SimpleNamespace(name="scripted"))
     made = []
 
     def make(max_engines, steps=3, widths=(2,), hold_s=0.0):

@@ -324,6 +324,34 @@ def test_metrics_parse_as_prometheus_text_and_counters_add_up(served):
     assert {e for e, _ in slots} >= {"ar", "eagle2"}
     assert all(after[("lantern:slots_busy", k[1])] <= v for k, v in after.items() if k[0] == "lantern:slots")
     assert after[("lantern:requests_in_flight", ())] == 0
+    # vLLM-Omni's names: images by outcome, each stage's seconds, a request's queue wait
+    assert delta("lantern:image_count_total", outcome="ok") == images
+    assert delta("lantern:image_count_total", outcome="bad_request") == 0  # unreadable: no images asked for
+    assert delta("lantern:stage_gen_time_s_count", stage="queue") == images
+    assert delta("lantern:stage_gen_time_s_count", stage="decode") == images
+    assert delta("lantern:stage_gen_time_s_count", stage="pixels") == len(bodies)  # one VQ decode per request
+    assert delta("lantern:stage_gen_time_s_count", stage="encode") == 0  # class ids: nothing to encode
+    assert delta("lantern:stage_gen_time_s_sum", stage="decode") == pytest.approx(
+        delta("lantern:decode_seconds_sum"))
+    assert delta("lantern:request_queue_wait_s_count") == len(bodies)
+    assert after[("lantern:peak_memory_mb", ())] > 0
+
+
+def test_images_by_outcome_count_the_images_of_a_request_that_timed_out(served, slow_steps):
+    before = metric_samples(served.url)
+    assert generate(served.url, class_id=1, n=3, timeout=0.05).status_code == 504
+    after = metric_samples(served.url)
+    key = ("lantern:image_count_total", (("outcome", "timeout"),))
+    assert after[key] - before[key] == 3
+
+
+def test_peak_memory_is_the_runners_own_peak(served, monkeypatch):
+    """/metrics reads the peak through each runner's memory() (whatever a backend counts as its peak), the highest
+    over the engines, in MiB."""
+    from types import SimpleNamespace
+    engine = served.service.worker._engines[served.service.worker.default][BATCH]
+    monkeypatch.setattr(engine.runner, "memory", lambda: SimpleNamespace(peak_bytes=5 << 30))
+    assert metric_samples(served.url)[("lantern:peak_memory_mb", ())] == 5 * 1024
 
 
 def test_health_and_ready(served):

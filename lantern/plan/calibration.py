@@ -388,9 +388,9 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
             if plan != AR and timed and (per_chunk_s(plan.name, floor) > CONTENDER * best or not fits(first_run)):
                 floors[plan.name] = floor
             else:
-                start, prepared = clock(), prepare_s
+                start, prepared, waited = clock(), prepare_s, waited_s
                 time_plan(plan, FIRST_STEPS)
-                first_run = clock() - start - (prepare_s - prepared)  # with its warm-up
+                first_run = clock() - start - (prepare_s - prepared) - (waited_s - waited)  # with its warm-up
             tick()
         measured = [p for p in todo if ratios[p.name]]
         if measured:

@@ -33,8 +33,8 @@ def add_serve_command(subparsers) -> None:
                                             "/metrics (needs the serve extra)")
     s.add_argument("--model", help="bundle folder (default: the embedded model)")
     s.add_argument("--method", choices=("auto", *METHODS), default=d.method,
-                   help="what a request runs unless it names a method (auto: planned once, at warm-up, for a full "
-                        "batch)")
+                   help="what a request runs unless it names a method (auto: AR at once, then the plan chosen in "
+                        "the background for a full batch, switched to between steps)")
     s.add_argument("--methods", help="comma-separated methods requests may name besides auto (default: every "
                                      "method the bundle can run); each gets its own engine on first use")
     s.add_argument("--allow-relaxed", action="store_true", help="auto may choose relaxed plans")

@@ -279,3 +279,20 @@ def test_calibration_does_not_count_the_seconds_it_waits_for_a_turn():
     assert turns >= 1 + sum(runs_shared.values())  # the fixed-cost runs, then each plan's run with its reference
     assert runs_shared == runs_alone and max(runs_alone.values()) > 1
     assert shared["seconds"] == pytest.approx(alone["seconds"]) and shared["seconds"] < calibration.BUDGET_S
+
+
+def test_a_quiet_turn_comes_between_two_steps_when_the_service_never_idles(make_worker):
+    """Under constant load a turn waits `patience_s` at most, then comes between two steps: the image in flight
+    is held (not stepped) while the turn lasts, and finishes after it."""
+    w = make_worker(max_engines=1, steps=400, widths=(2,))  # 400 steps of at least 5 ms: 2 s or more
+    running = submit(w, EngineKey("ar"), 1, "running")
+    engine = w._engines[EngineKey("ar")][2]
+    wait_until_held = time.monotonic() + WAIT_S
+    while not engine.held and time.monotonic() < wait_until_held:
+        time.sleep(0.01)
+    with w.quiet_turn(patience_s=0.2):
+        assert not running[0].done()
+        left = engine.held["running-0"][1]
+        time.sleep(0.2)
+        assert engine.held["running-0"][1] == left  # not stepped during the turn
+    assert running[0].result(WAIT_S).request_id == "running-0"

@@ -8,8 +8,8 @@ the plan on the pinned backend, or with none pinned the backend and mode as well
 then prepares the chosen plan's runners at every width (a compile or an export, a fused step's compile), and
 hands the pipeline to the engine worker, which switches at a step boundary (lantern.serve.worker). Calibration
 shares the cores with the steps: its timed runs take turns (the worker's quiet_turn: they wait until the service
-has no image in flight, and hold the steps off while they run, so neither disturbs the other's timing); measuring
-acceptance records and compiling or exporting graphs run beside the steps.
+has no image in flight, or TURN_PATIENCE_S under constant load, and hold the steps off while they run, so neither
+disturbs the other's timing); measuring acceptance records and compiling or exporting graphs run beside the steps.
 """
 from __future__ import annotations
 

@@ -15,7 +15,8 @@ engines take turns, one step each, under their pipeline's lock (so nothing else 
 engine with no work is not stepped.
 
 Work from another thread that must not share the cores with the steps (a background calibration's timed runs)
-takes a turn (`quiet_turn`): it waits until no image is admitted, and the steps wait while it holds the turn. A
+takes a turn (`quiet_turn`): it waits until no image is admitted, or TURN_PATIENCE_S under constant load (then it
+comes between two steps), and the steps wait while it holds the turn. A
 new plan (`switch`) takes effect at a step boundary: every ladder is retired (its engines keep stepping until their
 images are done, so an image runs on one engine, one plan, from its first step to its last) and new requests go
 to ladders built on the new pipeline, the default one at once.
@@ -37,6 +38,8 @@ from lantern.engine import Engine, Request
 
 log = logging.getLogger("lantern.serve")
 IDLE_POLL_S = 0.05  # how often an idle worker looks for commands
+TURN_PATIENCE_S = 5.0  # the most another thread's turn waits for the service to have no image (so a replica that
+# starts under load still calibrates; each turn then delays the images in flight by its length)
 
 
 class Cancelled(Exception):
@@ -113,6 +116,7 @@ class EngineWorker:
         self._engines: dict[EngineKey, dict[int, Engine]] = {}  # key -> width -> engine (built on first use)
         self._retiring: list[tuple[EngineKey, int, Engine]] = []  # engines of a former plan, finishing their images
         self._turn = threading.Lock()  # held by the worker while it steps, or by another thread's turn (quiet_turn)
+        self._turn_wanted = threading.Event()  # another thread waits for the turn: the worker lets it in first
         self.switches = 0  # plans switched to since start
         self.ran: dict[str, tuple] = {}  # request id -> (what ran it, the backend) of each image answered, until
         # the caller takes it (pop): a plan switch may come between an image's submission and its answer
@@ -175,16 +179,28 @@ class EngineWorker:
         self._commands.put(("switch", (pipeline, apply)))
 
     @contextlib.contextmanager
-    def quiet_turn(self, poll_s: float = IDLE_POLL_S):
-        """Hold the cores for a while: waits until no image is admitted, then the steps wait until the block ends.
-        Raises WorkerStopped when the worker has ended (or is stopping)."""
+    def quiet_turn(self, patience_s: float = TURN_PATIENCE_S, poll_s: float = IDLE_POLL_S):
+        """Hold the cores for a while: waits until no image is admitted, or `patience_s` at most (then between two
+        steps, images in flight or not); the steps wait until the block ends. Raises WorkerStopped when the worker
+        has ended (or is stopping)."""
+        deadline = time.monotonic() + patience_s
+
+        def stopped() -> bool:
+            return self._closed or self._stopping or (self._thread.ident is not None and not self._thread.is_alive())
         while True:
-            if self._closed or self._stopping or (self._thread.ident is not None and not self._thread.is_alive()):
+            if stopped():
                 raise WorkerStopped("the engine worker stopped")
-            if self.outstanding == 0 and self._turn.acquire(timeout=poll_s):
-                if self.outstanding == 0:
+            if self.outstanding == 0 or time.monotonic() >= deadline:
+                self._turn_wanted.set()  # the worker lets this thread in at its next step boundary
+                try:
+                    while not self._turn.acquire(timeout=poll_s):
+                        if stopped():
+                            raise WorkerStopped("the engine worker stopped")
+                finally:
+                    self._turn_wanted.clear()
+                if self.outstanding == 0 or time.monotonic() >= deadline:
                     break
-                self._turn.release()
+                self._turn.release()  # an image came in meanwhile: wait on
             time.sleep(poll_s)
         try:
             yield
@@ -255,6 +271,8 @@ class EngineWorker:
     def _serve(self) -> None:
         while not (self._stopping and not self._jobs):
             first = self._next_command(block=not self._jobs)  # waits outside the turn: another thread may take it
+            while self._turn_wanted.is_set():  # it is taking the turn now (the lock favours no one)
+                time.sleep(0.001)
             with self._turn:
                 self._take_commands(first)
                 now = time.monotonic()

@@ -539,6 +539,11 @@ def test_a_fresh_service_on_an_empty_cache_is_ready_within_the_budget_then_calib
         assert out["method"] == done["methods"]["auto"] and out["backend"] == done["backend"]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(WAIT_S) == 0
+        lines = [json.loads(line) for line in proc.stderr.read().splitlines() if line.startswith("{")]
+        plan = [x for x in lines if x.get("event") == "plan"]
+        assert len(plan) == 1 and f"auto: {plan[0]['plan']}" == done["methods"]["auto"]
+        ready = next(x for x in lines if x.get("event") == "ready")
+        assert ready["methods"]["auto"] == "auto: ar" and ready["calibration"] in ("waiting", "calibrating")
     finally:
         if proc.poll() is None:
             proc.kill()

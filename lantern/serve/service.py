@@ -12,6 +12,7 @@ import asyncio
 import base64
 import inspect
 import io
+import logging
 import math
 import os
 import time
@@ -36,6 +37,8 @@ from lantern.serve.planning import BackgroundPlanner, ServingPlan, safe_plan
 from lantern.serve.prompts import PromptBatcher
 from lantern.serve.schema import ImageRequest, ModelInfo
 from lantern.serve.worker import EngineKey, EngineWorker
+
+log = logging.getLogger("lantern.serve")
 
 
 class Unavailable(Exception):
@@ -135,6 +138,9 @@ class Service:
         """Worker thread, at the step boundary of the switch: the chosen plan serves from now on."""
         self.pipe, self.serving = pipe, plan
         self.metrics.plan_switches.inc()
+        log.info("plan", extra={"fields": {"event": "plan", "plan": plan.name, "backend": pipe.backend.name,
+                                           "fused_step": bool(getattr(pipe.backend, "fused_step", False)),
+                                           "why": plan.why}})
 
     def _report_plan(self) -> None:
         auto = self.planner is not None

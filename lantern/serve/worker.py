@@ -353,7 +353,7 @@ class EngineWorker:
         then one of the engine's own, so no two engines share a KV cache (engines of other widths have other
         shapes, so other runners)."""
         runner = self.pipeline.runner(dcfg, width)
-        if any(e.runner is runner for _, _, e in self._all_engines()):
+        if any(e.runner is runner for _, _, e in self._all_engines() + self._retiring):
             spec = runner.spec
             runner = self.pipeline.backend.prepare(self.pipeline.target,
                                                    self.pipeline.drafter if spec.draft_widths else None, spec)

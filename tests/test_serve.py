@@ -326,7 +326,7 @@ def test_metrics_parse_as_prometheus_text_and_counters_add_up(served):
     assert after[("lantern:requests_in_flight", ())] == 0
     # vLLM-Omni's names: images by outcome, each stage's seconds, a request's queue wait
     assert delta("lantern:image_count_total", outcome="ok") == images
-    assert delta("lantern:image_count_total", outcome="bad_request") == 0  # unreadable: no images asked for
+    assert delta("lantern:image_count_total", outcome="bad_request") == 0  # refused by the schema: no images
     assert delta("lantern:stage_gen_time_s_count", stage="queue") == images
     assert delta("lantern:stage_gen_time_s_count", stage="decode") == images
     assert delta("lantern:stage_gen_time_s_count", stage="pixels") == len(bodies)  # one VQ decode per request

@@ -548,3 +548,23 @@ def test_a_fresh_service_on_an_empty_cache_is_ready_within_the_budget_then_calib
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_sigterm_while_auto_calibrates_in_the_background_exits_0(bundle_dir, tmp_path):
+    """The background calibration (here a long one: the full budget, a large horizon) does not hold up a drain,
+    and the process does not die with it (a thread inside torch at the interpreter's teardown aborts it)."""
+    env = {k: v for k, v in os.environ.items() if k != "LANTERN_BACKEND"}
+    env.update(LANTERN_CACHE_DIR=str(tmp_path / "empty-cache"), OMP_NUM_THREADS="1")
+    proc = run_lantern("serve", "--model", str(bundle_dir), "--batch", "4", "--threads", "1", "--port", "0", env=env)
+    try:
+        url = json.loads(proc.stderr.readline())["url"]
+        wait_until(lambda: _ready(url), "the subprocess service to be ready")
+        assert httpx.get(f"{url}/ready", timeout=5).json()["calibration"] in ("waiting", "calibrating")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(WAIT_S) == 0
+        lines = [json.loads(line) for line in proc.stderr.read().splitlines() if line.startswith("{")]
+        assert lines[-1]["event"] == "stopped" and lines[-1]["exit_code"] == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

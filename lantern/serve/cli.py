@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import socket
+import sys
 import threading
 
 from lantern.cli_args import number
@@ -156,4 +158,10 @@ def cmd_serve(args) -> int:
     server.run(sockets=[sock])
     code = EXIT_INTERNAL if failed.is_set() else EXIT_OK
     log.info("stopped", extra={"fields": {"event": "stopped", "exit_code": code}})
+    if service.planner is not None and service.planner.alive:
+        # auto's background calibration is inside a compile or an export, which nothing interrupts: the
+        # interpreter's teardown under a thread inside torch aborts the process, so leave without it
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(code)
     return code

@@ -55,6 +55,11 @@ class BackgroundPlanner:
         self._thread = threading.Thread(target=self._run, name="lantern-planner", daemon=True)
 
     @property
+    def alive(self) -> bool:
+        """Its thread still runs (it may be compiling or exporting after the worker stopped)."""
+        return self._thread.is_alive()
+
+    @property
     def running(self) -> bool:
         return self.state in ("waiting", "calibrating", "switching")
 
@@ -82,6 +87,8 @@ class BackgroundPlanner:
             with calibration.sharing_cores(self.worker.quiet_turn):
                 pipe, plan = self.plan()
                 for width in self.widths:  # compiles and exports here, not in the worker's switch
+                    if not self.worker.alive:
+                        raise WorkerStopped("the engine worker stopped")
                     calibration.compile_fused_step(pipe, plan.decode, width)
         except WorkerStopped:
             self._set("stopped")

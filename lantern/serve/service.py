@@ -39,6 +39,7 @@ from lantern.serve.schema import ImageRequest, ModelInfo
 from lantern.serve.worker import EngineKey, EngineWorker
 
 log = logging.getLogger("lantern.serve")
+PLANNER_STOP_S = 10.0  # how long stopping waits for the background calibration to reach its next turn
 
 
 class Unavailable(Exception):
@@ -186,9 +187,12 @@ class Service:
             self.planner.start()
 
     def stop(self) -> None:
-        """Finish every admitted image, then stop the engine worker and the prompt encoder (a background
-        calibration stops at its next turn)."""
+        """Finish every admitted image, then stop the engine worker and the prompt encoder. A background
+        calibration stops at its next turn: it is waited for, PLANNER_STOP_S at most (a compile or an export in
+        progress cannot be interrupted; `planner.alive` then says so)."""
         self.worker.stop()
+        if self.planner is not None:
+            self.planner.join(PLANNER_STOP_S)
         if self.prompts is not None:
             self.prompts.close()
 

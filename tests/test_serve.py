@@ -397,6 +397,34 @@ def test_metrics_parse_as_prometheus_text_and_counters_add_up(served):
     assert {e for e, _ in slots} >= {"ar", "eagle2"}
     assert all(after[("lantern:slots_busy", k[1])] <= v for k, v in after.items() if k[0] == "lantern:slots")
     assert after[("lantern:requests_in_flight", ())] == 0
+    # vLLM-Omni's names: images by outcome, each stage's seconds, a request's queue wait
+    assert delta("lantern:image_count_total", outcome="ok") == images
+    assert delta("lantern:image_count_total", outcome="bad_request") == 0  # refused by the schema: no images
+    assert delta("lantern:stage_gen_time_s_count", stage="queue") == images
+    assert delta("lantern:stage_gen_time_s_count", stage="decode") == images
+    assert delta("lantern:stage_gen_time_s_count", stage="pixels") == len(bodies)  # one VQ decode per request
+    assert delta("lantern:stage_gen_time_s_count", stage="encode") == 0  # class ids: nothing to encode
+    assert delta("lantern:stage_gen_time_s_sum", stage="decode") == pytest.approx(
+        delta("lantern:decode_seconds_sum"))
+    assert delta("lantern:request_queue_wait_s_count") == len(bodies)
+    assert after[("lantern:peak_memory_mb", ())] > 0
+
+
+def test_images_by_outcome_count_the_images_of_a_request_that_timed_out(served, slow_steps):
+    before = metric_samples(served.url)
+    assert generate(served.url, class_id=1, n=3, timeout=0.05).status_code == 504
+    after = metric_samples(served.url)
+    key = ("lantern:image_count_total", (("outcome", "timeout"),))
+    assert after[key] - before[key] == 3
+
+
+def test_peak_memory_is_the_runners_own_peak(served, monkeypatch):
+    """/metrics reads the peak through each runner's memory() (whatever a backend counts as its peak), the highest
+    over the engines, in MiB."""
+    from types import SimpleNamespace
+    engine = served.service.worker._engines[served.service.worker.default][BATCH]
+    monkeypatch.setattr(engine.runner, "memory", lambda: SimpleNamespace(peak_bytes=5 << 30))
+    assert metric_samples(served.url)[("lantern:peak_memory_mb", ())] == 5 * 1024
 
 
 def test_health_and_ready(served):
@@ -414,9 +442,9 @@ def test_the_steps_use_the_physical_cores_unless_threads_is_given(bundle_dir):
     assert service.describe()["widths"] == [1, BATCH]
 
 
-def run_lantern(*args, **kwargs):
+def run_lantern(*args, env=None, **kwargs):
     return subprocess.Popen([sys.executable, "-m", "lantern.cli", *args], stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, **kwargs)
+                            env=env or {**os.environ, "OMP_NUM_THREADS": "1"}, **kwargs)
 
 
 def test_sigterm_finishes_the_requests_in_flight_then_exits_0(bundle_dir):
@@ -507,37 +535,139 @@ def test_bad_serve_flags_exit_2_before_serving(bundle_dir, capsys, args, message
     assert message in capsys.readouterr().err
 
 
-def test_auto_with_no_backend_pinned_weighs_the_modes_at_warm_up_and_serves_on_the_chosen_one(bundle_dir,
-                                                                                            monkeypatch):
-    """The warm-up hands auto's choice to lantern.plan.backend_choice with the service's horizon (plan_images) and
-    its width, and the engines run on the pipeline it returns (at the service's threads)."""
+def test_auto_serves_ar_at_once_then_switches_to_its_background_choice_between_steps(bundle_dir, monkeypatch):
+    """With auto and no backend pinned the service is ready on AR at once; the background planner hands
+    lantern.plan.backend_choice the service's horizon (plan_images) and width, and the engines switch to the
+    pipeline and plan it returns at a step boundary. An image in flight at the switch finishes on the plan it
+    started on, with that plan's tokens for its seed; the next request runs the new plan, with the new plan's
+    tokens for the same seed."""
     from types import SimpleNamespace
 
     from lantern.decoding.config import method_preset
     from lantern.serve import service as service_module
-    from lantern.serve.worker import EngineKey
     monkeypatch.delenv("LANTERN_BACKEND", raising=False)
-    asked = {}
+    asked, go = {}, threading.Event()
 
     def choose_backend(make_pipe, n_images, sampling, batch, **kwargs):
-        asked.update(n_images=n_images, batch=batch, same=make_pipe(service.pipe.backend.name, service.pipe.dtype))
-        chosen = service._pipeline("cpu", None)  # stands for the pipeline on the faster mode
-        plan = SimpleNamespace(plan=SimpleNamespace(name="ar"), decode=method_preset("ar", sampling))
-        return SimpleNamespace(pipeline=chosen, choice=plan, why="ar on cpu (eager): the stand-in's reason")
+        asked.update(n_images=n_images, batch=batch)
+        assert go.wait(WAIT_S)  # the test says when calibration ends
+        chosen = make_pipe("cpu", None)  # stands for the pipeline on the faster mode
+        plan = SimpleNamespace(plan=SimpleNamespace(name="eagle2"), decode=method_preset("eagle2", sampling))
+        return SimpleNamespace(pipeline=chosen, choice=plan, why="eagle2 on cpu (eager): the stand-in's reason")
     monkeypatch.setattr(service_module, "choose_backend", choose_backend)
-    service = Service(ServeConfig(model=str(bundle_dir), method="auto", methods=("ar",), batch=BATCH, threads=1,
-                                  plan_images=64))
+    service = Service(ServeConfig(model=str(bundle_dir), method="auto", methods=("ar", "eagle2"), batch=BATCH,
+                                  threads=1, plan_images=64, timeout_s=WAIT_S))
     before = service.pipe
-    service.start()
-    try:
-        assert service.worker.ready.wait(WAIT_S) and service.worker.failure is None
-        assert asked["n_images"] == 64 and asked["batch"] == BATCH and asked["same"] is before
+    with ServerThread(service) as server:
+        ready = httpx.get(f"{server.url}/ready", timeout=WAIT_S).json()
+        assert ready["calibration"] in ("waiting", "calibrating") and ready["methods"]["auto"] == "auto: ar"
+        assert ready["plan"].startswith("ar on cpu: the safe plan")
+        samples = metric_samples(server.url)
+        assert samples[("lantern:calibration_running", ())] == 1
+        assert samples[("lantern:plan_info", (("backend", "cpu"), ("engine", "auto"), ("plan", "ar")))] == 1
+        ar_alone = generate(server.url, class_id=2, seed=7, method="ar", return_tokens=True).json()["data"]
+        eagle_alone = generate(server.url, class_id=2, seed=7, method="eagle2", return_tokens=True).json()["data"]
+        assert ar_alone[0]["tokens"] != eagle_alone[0]["tokens"]  # so the tokens below tell which plan ran
+
+        worker, step = service.worker, service.worker._step
+
+        def slow(key, width, engine):  # a request is still decoding when the switch comes
+            time.sleep(0.05)
+            step(key, width, engine)
+        monkeypatch.setattr(worker, "_step", slow)
+        answer = {}
+        sender = threading.Thread(target=lambda: answer.update(
+            r=generate(server.url, class_id=2, seed=7, return_tokens=True)))
+        sender.start()
+        wait_until(lambda: worker.outstanding == 1, "the request in flight")
+        go.set()
+        wait_until(lambda: service.planner.state == "done", "the switch")
+        assert sender.is_alive()  # switched while its image was decoding
+        sender.join(WAIT_S)
+        in_flight = answer["r"].json()["data"][0]
+        assert in_flight["stats"]["method"] == "auto: ar" and in_flight["tokens"] == ar_alone[0]["tokens"]
+        after = generate(server.url, class_id=2, seed=7, return_tokens=True).json()["data"][0]
+        assert after["stats"]["method"] == "auto: eagle2" and after["tokens"] == eagle_alone[0]["tokens"]
+
+        assert asked == {"n_images": 64, "batch": BATCH}
         chosen = service.pipe
-        assert chosen is not before and service.worker.pipeline is chosen and chosen.backend.threads == 1
-        assert {e.pipeline for e in service.worker._engines[EngineKey("auto")].values()} == {chosen}
-        described = service.describe()
-        assert described["plan"].startswith("ar on cpu (eager): the stand-in's reason; weighed over 64 images")
-        assert described["plan"].endswith("paid once at startup, before /ready, at widths 1, 4")
-        assert described["methods"]["auto"] == "auto: ar"
+        assert chosen is not before and worker.pipeline is chosen and chosen.backend.threads == 1
+        assert {e.pipeline for e in worker._engines[worker.default].values()} == {chosen}
+        assert worker._retiring == [] and worker.switches == 1
+        ready = httpx.get(f"{server.url}/ready", timeout=WAIT_S).json()
+        assert ready["calibration"] == "done" and ready["methods"]["auto"] == "auto: eagle2"
+        assert ready["plan"].startswith("eagle2 on cpu (eager): the stand-in's reason; weighed over 64 images")
+        assert ready["plan"].endswith("calibrated and prepared in the background at widths 1, 4")
+        samples = metric_samples(server.url)
+        assert samples[("lantern:calibration_running", ())] == 0
+        assert samples[("lantern:plan_switches_total", ())] == 1
+        assert samples[("lantern:plan_info", (("backend", "cpu"), ("engine", "auto"), ("plan", "eagle2")))] == 1
+        assert ("lantern:plan_info", (("backend", "cpu"), ("engine", "auto"), ("plan", "ar"))) not in samples
+
+
+READY_BUDGET_S = 30  # issue 46: a fresh service answers /ready 200 within this on a 2-core machine
+
+
+def test_a_fresh_service_on_an_empty_cache_is_ready_within_the_budget_then_calibrates_in_the_background(
+        bundle_dir, tmp_path):
+    """The real readiness path, in a process of its own: an empty cache, auto, no backend pinned. /ready turns 200
+    within the budget while the calibration has not ended; the calibration then ends (kept short here: a 1 s
+    timing budget and a small horizon) and the service keeps answering, on the plan it chose."""
+    env = {k: v for k, v in os.environ.items() if k != "LANTERN_BACKEND"}
+    env.update(LANTERN_CACHE_DIR=str(tmp_path / "empty-cache"), LANTERN_CALIBRATION_BUDGET="1")
+    t0 = time.monotonic()
+    proc = run_lantern("serve", "--model", str(bundle_dir), "--batch", "4", "--threads", "1", "--plan-images", "8",
+                       "--port", "0", env={**env, "OMP_NUM_THREADS": "1"})
+    try:
+        url = json.loads(proc.stderr.readline())["url"]
+        first = None
+        while first is None and time.monotonic() - t0 < READY_BUDGET_S:
+            try:
+                r = httpx.get(f"{url}/ready", timeout=5)
+                first = r.json() if r.status_code == 200 else None
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        assert first is not None, f"not ready within {READY_BUDGET_S} s"
+        assert first["calibration"] in ("waiting", "calibrating") and first["methods"]["auto"] == "auto: ar"
+        assert generate(url, class_id=1, seed=3).status_code == 200  # served while calibrating
+        deadline = time.monotonic() + 120  # bounded: the tiny model's records and a 1 s timing budget
+        while httpx.get(f"{url}/ready", timeout=5).json()["calibration"] not in ("done", "failed", "stopped"):
+            assert time.monotonic() < deadline, "the background calibration did not end"
+            time.sleep(0.2)
+        done = httpx.get(f"{url}/ready", timeout=5).json()
+        assert done["calibration"] == "done", done
+        assert metric_samples(url)[("lantern:calibration_running", ())] == 0
+        out = generate(url, class_id=1, seed=3).json()["data"][0]["stats"]
+        assert out["method"] == done["methods"]["auto"] and out["backend"] == done["backend"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(WAIT_S) == 0
+        lines = [json.loads(line) for line in proc.stderr.read().splitlines() if line.startswith("{")]
+        plan = [x for x in lines if x.get("event") == "plan"]
+        assert len(plan) == 1 and f"auto: {plan[0]['plan']}" == done["methods"]["auto"]
+        ready = next(x for x in lines if x.get("event") == "ready")
+        assert ready["methods"]["auto"] == "auto: ar" and ready["calibration"] in ("waiting", "calibrating")
     finally:
-        service.stop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_sigterm_while_auto_calibrates_in_the_background_exits_0(bundle_dir, tmp_path):
+    """The background calibration (here a long one: the full budget, a large horizon) does not hold up a drain,
+    and the process does not die with it (a thread inside torch at the interpreter's teardown aborts it)."""
+    env = {k: v for k, v in os.environ.items() if k != "LANTERN_BACKEND"}
+    env.update(LANTERN_CACHE_DIR=str(tmp_path / "empty-cache"), OMP_NUM_THREADS="1")
+    proc = run_lantern("serve", "--model", str(bundle_dir), "--batch", "4", "--threads", "1", "--port", "0", env=env)
+    try:
+        url = json.loads(proc.stderr.readline())["url"]
+        wait_until(lambda: _ready(url), "the subprocess service to be ready")
+        assert httpx.get(f"{url}/ready", timeout=5).json()["calibration"] in ("waiting", "calibrating")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(WAIT_S) == 0
+        lines = [json.loads(line) for line in proc.stderr.read().splitlines() if line.startswith("{")]
+        assert lines[-1]["event"] == "stopped" and lines[-1]["exit_code"] == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -114,7 +114,7 @@ def build_app(service: Service) -> Starlette:
         finally:
             service.metrics.in_flight.dec()
             seconds = time.perf_counter() - t0
-            service.metrics.observe_request(outcome, seconds)
+            service.metrics.observe_request(outcome, seconds, entry.get("n", 0))
             log.info("request", extra={"fields": {**entry, "status": status, "outcome": outcome,
                                                   "total_s": round(seconds, 6)}})
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import socket
+import sys
 import threading
 
 from lantern.cli_args import number
@@ -33,8 +35,8 @@ def add_serve_command(subparsers) -> None:
                                             "/metrics (needs the serve extra)")
     s.add_argument("--model", help="bundle folder (default: the embedded model)")
     s.add_argument("--method", choices=("auto", *METHODS), default=d.method,
-                   help="what a request runs unless it names a method (auto: planned once, at warm-up, for a full "
-                        "batch)")
+                   help="what a request runs unless it names a method (auto: AR at once, then the plan chosen in "
+                        "the background for a full batch, switched to between steps)")
     s.add_argument("--methods", help="comma-separated methods requests may name besides auto (default: every "
                                      "method the bundle can run); each gets its own engine on first use")
     s.add_argument("--allow-relaxed", action="store_true", help="auto may choose relaxed plans")
@@ -163,4 +165,10 @@ def cmd_serve(args) -> int:
     server.run(sockets=[sock])
     code = EXIT_INTERNAL if failed.is_set() else 128 + stopped_by[0] if stopped_by else EXIT_OK
     log.info("stopped", extra={"fields": {"event": "stopped", "exit_code": code}})
+    if service.planner is not None and service.planner.alive:
+        # auto's background calibration is inside a compile or an export, which nothing interrupts: the
+        # interpreter's teardown under a thread inside torch aborts the process, so leave without it
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(code)
     return code

@@ -49,8 +49,9 @@ from typing import Callable, Optional
 
 import torch
 
+from samplings import sampling_settings
+
 ROOT = Path(__file__).resolve().parents[1]
-LLAMAGEN_C2I = dict(temperature=1.0, top_k=0, top_p=1.0, cfg_scale=4.0)  # LlamaGen's sample_c2i defaults
 SPEED_METHODS = ("mc-sjd", "mc-sjd-relaxed", "eagle2", "lantern", "lantern++")
 RELAXED = ("lantern", "lantern++", "mc-sjd-relaxed")  # the methods that read the proximity table (k neighbours)
 TINY_NEIGHBOURS = 8  # --quick's proximity table: few enough to fit the inflated vocabulary's padded codes
@@ -369,8 +370,7 @@ def shapes(check: Check) -> dict:
 
 
 def samplings(check: Check) -> dict:
-    from lantern.decoding import SamplingConfig
-    return {"bundle": SamplingConfig(**check.bundle.default_sampling), "llamagen-c2i": SamplingConfig(**LLAMAGEN_C2I)}
+    return sampling_settings(check.bundle.default_sampling)
 
 
 def timing(check: Check, images: list[int]) -> list[dict]:

@@ -15,8 +15,12 @@ import torch
 from tqdm import tqdm
 
 from lantern.backends import Runner, get_backend
+from lantern.backends.base import parse_dtype
+from lantern.backends.memory import available_bytes
+from lantern.backends.torch_eager import module_bytes
 from lantern.decoding.config import DecodeConfig
 from lantern.decoding.acceptance import Acceptance
+from lantern.decoding.memory import PeakPrediction, predict_peak, refusal
 from lantern.decoding.sampling import SamplingConfig
 from lantern.decoding.stats import GenerationStats
 from lantern.engine import Engine, Request, derive_seed
@@ -73,7 +77,7 @@ class Pipeline:
 
     def __init__(self, target, drafter=None, proximity: Optional[torch.Tensor] = None, backend: str | None = None,
                  dtype: str | None = None, defaults: Optional[ModelDefaults] = None, **backend_options):
-        """dtype None = the backend's preferred one (fp32 on CPU and CUDA, bf16 on HPU)."""
+        """dtype None = the backend's preferred one (fp32 on CPU, bf16 on CUDA and HPU)."""
         self.target, self.drafter, self.proximity = target.eval(), drafter, proximity
         self.defaults = defaults or ModelDefaults()
         self.backend = get_backend(backend, **backend_options)
@@ -211,6 +215,31 @@ class Pipeline:
                        proximity=self.proximity)  # refuses a missing table or k beyond it
         return batch
 
+    def predict_peak(self, dcfg: DecodeConfig, width: int) -> PeakPrediction:
+        """The predicted peak of a generation of `width` images per step with `dcfg` (lantern.decoding.memory)."""
+        spec = self.spec(dcfg, width)
+        weights = module_bytes(self.target, self.drafter if spec.draft_widths else None)
+        return predict_peak(dcfg, self.config, spec, weights, parse_dtype(self.dtype).itemsize, width)
+
+    def check_fits(self, dcfg: DecodeConfig, width: int) -> None:
+        """Refuse, before any work, a generation whose predicted peak exceeds the memory available on the device
+        (lantern.backends.memory.available_bytes; devices where lantern cannot tell are not checked). What this
+        process already holds for it (the weights where placed, the KV cache of a prepared runner) is not asked
+        for again. The refusal (a ValueError) names the batch, top-k or method that would fit."""
+        free = available_bytes(self.backend.capabilities().device)
+        if free is None:
+            return
+        available, source = free
+
+        def needed(d: DecodeConfig, w: int) -> int:
+            predicted = self.predict_peak(d, w)
+            held = predicted.weights_bytes if self._runners else 0  # placed once, for every runner
+            held += predicted.kv_cache_bytes if self.spec(d, w) in self._runners else 0
+            return predicted.total_bytes - held
+
+        if needed(dcfg, width) > available:
+            raise refusal(dcfg, width, needed, available, source, self.predict_peak(dcfg, width))
+
     def release(self, keep: Optional[DecodeConfig] = None, batch: int = 0) -> None:
         """Free every prepared runner (its KV cache and workspaces) but the one for (keep, batch), if given; the
         next generate prepares what it needs."""
@@ -247,6 +276,7 @@ class Pipeline:
                                    or not 1 <= tokens <= block):
             raise ValueError(f"tokens {tokens!r} must be an integer in 1..{block}")
         seeds = [derive_seed(seed, i) for i in range(n)]
+        self.check_fits(dcfg, min(width, n))
         engine = Engine(self, dcfg, min(width, n))
         runner = engine.runner
         runner.reset_times()

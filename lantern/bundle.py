@@ -141,11 +141,15 @@ class Bundle:
 
     @property
     def relaxation_defaults(self) -> dict[str, dict]:
-        """Per method, the relaxation settings validated at the bundle's own sampling (default_sampling), as
-        benchmarks at that sampling run them; {} if none. Requests elsewhere: lantern.plan.validated."""
+        """Per method, the relaxation settings validated at the bundle's own sampling (relaxation_at)."""
         from lantern.decoding.sampling import SamplingConfig
+        return self.relaxation_at(SamplingConfig(**self.default_sampling))
+
+    def relaxation_at(self, sampling) -> dict[str, dict]:
+        """Per method, the relaxation settings validated at `sampling` (a SamplingConfig), as benchmarks at that
+        sampling run them; {} if none (then a named relaxed method runs lossless: lantern.plan.validated)."""
         from lantern.plan.validated import same_sampling
-        sampling, vocab = SamplingConfig(**self.default_sampling), self.target.config.vocab_size
+        vocab = self.target.config.vocab_size
         return {m: dict(v.settings) for m, entries in self.validations.items() for v in entries
                 if v.sampling is not None and same_sampling(v.sampling, sampling, vocab)}
 
@@ -249,10 +253,12 @@ def relaxation_text(manifest: dict, config: dict, vocab: int) -> str:
 def describe_bundle(path: str | Path | None = None) -> str:
     """A human-readable account of a bundle: what the models are, how they were made, what they measure."""
     root = Path(path) if path is not None else DEFAULT_BUNDLE
-    config = json.loads((root / "config.json").read_text())
-    manifest = json.loads((root / "manifest.json").read_text()) if (root / "manifest.json").exists() else {}
+    if not (root / "config.json").exists():
+        raise ValueError(f"{root} is not a lantern bundle: config.json is missing")
+    config = read_json_object(root / "config.json")
+    manifest = read_json_object(root / "manifest.json") if (root / "manifest.json").exists() else {}
     m = manifest.get("metrics", {})
-    t, v = config["target"], config["vq"]
+    t, v = (from_section(config, name, lambda c: c, root / "config.json") for name in ("target", "vq"))
     size = sum(f.stat().st_size for f in root.iterdir() if f.is_file())
     data = manifest.get("data", {})
     sampling_text = ", ".join(f"{k} {v}" for k, v in config.get("sampling", {}).items()) or "default sampling"

@@ -9,16 +9,25 @@ from pathlib import Path
 from lantern.cli_args import UsageError, check_writable
 
 
+TRANSFORMERS_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                      "pytorch_model.bin.index.json", "generation_config.json", "tokenizer.json",
+                      "tokenizer_config.json")
+
+
 def is_family_folder(model) -> bool:
-    """A folder whose config.json is a transformers config (it names a `model_type`), not a lantern bundle; what
-    else is wrong with a folder is left to the loader that reports it."""
-    if not model:
+    """A transformers model folder, not a lantern bundle: its config.json names a `model_type`, or (a config.json
+    missing, unreadable or without one) the folder holds files only transformers folders have. What is wrong
+    with such a folder is left to the loader that reports it."""
+    if not model or not Path(model).is_dir():
         return False
-    path = Path(model) / "config.json"
+    root = Path(model)
     try:
-        return path.is_file() and "model_type" in json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return False
+        config = json.loads((root / "config.json").read_bytes())
+        if isinstance(config, dict) and "model_type" in config:
+            return True
+    except (OSError, ValueError):  # missing, unreadable, not UTF-8 or not JSON
+        pass
+    return any((root / name).is_file() for name in TRANSFORMERS_FILES)
 
 
 RELAXED = ("lantern", "lantern++", "mc-sjd-relaxed")  # methods that read a proximity table of the VQ codebook

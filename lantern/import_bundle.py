@@ -9,6 +9,7 @@ sha256) instead of copying them.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -80,6 +81,7 @@ def check_inputs(req: ImportRequest) -> Imported:
     vq = load_vq(vq_weights, vq_cfg, req.vq)
     gpt_state = read_llamagen_state(req.gpt, req.weights, what="GPT checkpoint")
     target_cfg, size = infer_gpt_config(gpt_state, req.gpt, vq_cfg.grid_size ** 2, req.preset, req.heads)
+    check_image_size(gpt_state, target_cfg, vq_cfg, req)
     if target_cfg.vocab_size != vq_cfg.codebook_size:
         raise ValueError(f"VQ checkpoint {req.vq} has a codebook of {vq_cfg.codebook_size} codes, but GPT checkpoint "
                          f"{req.gpt} predicts {target_cfg.vocab_size} tokens; expected the VQ the GPT was trained on")
@@ -97,6 +99,25 @@ def check_inputs(req: ImportRequest) -> Imported:
         else:
             out.proximity = read_lantern_table(Path(req.proximity), V, req.k)
     return out
+
+
+def check_image_size(gpt_state: dict, target_cfg: GPTConfig, vq_cfg, req: ImportRequest) -> None:
+    """--image-size against the grid the GPT was trained for, where its checkpoint says (LlamaGen saves its RoPE
+    table, freqs_cis: one row per condition token and per image token); ValueError naming the flag and the side
+    that fits."""
+    table = gpt_state.get("freqs_cis")
+    if not isinstance(table, torch.Tensor) or table.ndim < 1:
+        return
+    trained = table.shape[0] - target_cfg.cls_token_num
+    if trained == target_cfg.block_size:
+        return
+    side = math.isqrt(max(trained, 0))
+    fits = (f"give --image-size {side * vq_cfg.downsample}" if side * side == trained and side > 0
+            else "its table fits no square grid")
+    raise ValueError(f"--image-size {req.image_size}: the VQ makes a {vq_cfg.grid_size}x{vq_cfg.grid_size} grid of "
+                     f"{target_cfg.block_size} tokens, but GPT checkpoint {req.gpt} was trained for {trained} image "
+                     f"tokens (its freqs_cis has {table.shape[0]} rows, {target_cfg.cls_token_num} for the condition); "
+                     f"{fits}")
 
 
 def read_drafter(path: Path, target_cfg: GPTConfig, target_state: dict) -> Drafter:

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from lantern.config import GPTConfig
-from lantern.models.checkpoint import STRIP_PREFIXES, load_into
+from lantern.models.checkpoint import STRIP_PREFIXES, load_into, load_tensors_file
 from lantern.models.drafter import Drafter, DrafterOptions
 from lantern.models.gpt import GPT
 from lantern.models.vq import VQConfig, VQModel
@@ -40,6 +40,8 @@ def read_llamagen_state(path: str | Path, weights: str = "model", what: str = "c
     path = Path(path)
     if weights not in WEIGHT_SETS:
         raise ValueError(f"weights {weights!r}; allowed: {', '.join(WEIGHT_SETS)}")
+    if path.is_dir():
+        raise ValueError(f"{what} {path} is a folder; give the checkpoint file (.pt, .pth or .safetensors)")
     if not path.is_file():
         raise ValueError(f"{what} {path} does not exist")
     if path.suffix == ".safetensors":
@@ -48,14 +50,7 @@ def read_llamagen_state(path: str | Path, weights: str = "model", what: str = "c
             return _strip(load_file(str(path)))
         except Exception as e:  # noqa: BLE001  a damaged file is bad input
             raise ValueError(f"{what} {path} is not a readable safetensors file: {e}") from None
-    try:
-        raw = _torch_load(path, mmap=True)
-    except RuntimeError as e:
-        if "mmap" not in str(e):  # a file of torch's legacy (non-zip) format cannot be memory-mapped: read it
-            raise ValueError(f"{what} {path} is not a readable torch checkpoint (weights only): {e}") from None
-        raw = _torch_load_or_fail(path, what)
-    except Exception as e:  # noqa: BLE001
-        raise ValueError(f"{what} {path} is not a readable torch checkpoint (weights only): {e}") from None
+    raw = load_tensors_file(path, what, allowed=(argparse.Namespace,), mmap=True)  # LlamaGen saves its args
     if isinstance(raw, dict) and weights == "ema":
         if not isinstance(raw.get("ema"), dict):
             raise ValueError(f"{what} {path} has no 'ema' weights; its top-level keys are {sorted(raw)[:8]}")
@@ -69,18 +64,6 @@ def read_llamagen_state(path: str | Path, weights: str = "model", what: str = "c
         raise ValueError(f"{what} {path} holds no state_dict of tensors (looked under 'model', 'module', "
                          f"'state_dict', and at the top level)")
     return _strip(raw)
-
-
-def _torch_load(path: Path, mmap: bool):
-    with torch.serialization.safe_globals([argparse.Namespace]):  # LlamaGen saves its argparse args
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-
-
-def _torch_load_or_fail(path: Path, what: str):
-    try:
-        return _torch_load(path, mmap=False)
-    except Exception as e:  # noqa: BLE001
-        raise ValueError(f"{what} {path} is not a readable torch checkpoint (weights only): {e}") from None
 
 
 def _strip(state: dict) -> dict[str, torch.Tensor]:
@@ -137,7 +120,7 @@ def infer_gpt_config(state: dict, path: Path, block_size: int, preset: Optional[
     fields = dict(dim=dim, n_layer=n_layer, n_head=n_head, n_kv_head=None if kv == n_head else kv,
                   vocab_size=vocab, block_size=block_size)
     ffn = _shape(state, "layers.0.feed_forward.w1.weight", path, what)[0]
-    if ffn != GPTConfig(dim=dim, n_head=n_head).ffn_hidden and ffn >= int(2 * 4 * dim / 3):
+    if ffn != gpt_config(path, dim=dim, n_head=n_head).ffn_hidden and ffn >= int(2 * 4 * dim / 3):
         fields["multiple_of"] = ffn  # find_multiple(hidden, ffn) == ffn for any hidden <= ffn
     if "cls_embedding.embedding_table.weight" in state:
         rows = _shape(state, "cls_embedding.embedding_table.weight", path, what)[0]
@@ -149,10 +132,17 @@ def infer_gpt_config(state: dict, path: Path, block_size: int, preset: Optional[
     else:
         raise ValueError(f"GPT checkpoint {path} has neither a class embedding (cls_embedding.embedding_table) nor a "
                          f"caption projection (cls_embedding.cap_proj): not a LlamaGen c2i or t2i GPT")
+    return gpt_config(path, **fields), name
+
+
+def gpt_config(path: Path, **fields) -> GPTConfig:
+    """GPTConfig(**fields) read from the GPT checkpoint at `path`, or a ValueError naming the file and the tensor
+    the refused size came from."""
     try:
-        return GPTConfig(**fields), name
+        return GPTConfig(**fields)
     except ValueError as e:
-        raise ValueError(f"GPT checkpoint {path}: {e}") from None
+        raise ValueError(f"GPT checkpoint {path}: {e} (its width {fields['dim']} is tok_embeddings.weight's second "
+                         f"dimension, over {fields['n_head']} heads)") from None
 
 
 def load_gpt(state: dict, cfg: GPTConfig, path: Path) -> GPT:

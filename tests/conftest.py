@@ -50,9 +50,9 @@ def private_cache(tmp_path_factory):
 # The modules that take longest, longest first. CI hands whole modules to its two xdist workers (--dist loadscope):
 # a long module handed out last keeps one worker busy while the other has nothing left, so these go out first and
 # the short ones fill in at the end. A name missing here only costs balance, never a test.
-LONGEST_FIRST = ("test_speculative", "test_graph_mode", "test_fused_step", "test_cli", "test_faults_processes",
-                 "test_engine", "test_jacobi", "test_backend_onnx", "test_auto", "test_training_pipeline",
-                 "test_family_chameleon", "test_models_doc", "test_serve_ray")
+LONGEST_FIRST = ("test_speculative", "test_graph_mode", "test_fused_step", "test_gpu_check", "test_cli",
+                 "test_faults_processes", "test_engine", "test_jacobi", "test_backend_onnx", "test_auto",
+                 "test_training_pipeline", "test_family_chameleon", "test_models_doc", "test_serve_ray")
 
 
 def pytest_configure(config):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from lantern.backends import Availability, BackendUnavailable, StaticSpec, get_backend
+from lantern.backends.base import dummy_step_inputs
 from lantern.backends.onnx_export import GraphKey, check_cached, ensure_graphs, keys_for_spec
 from lantern.models.checkpoint import model_hash
 from lantern.backends.onnx_runtime import ONNXBackend, ONNXCUDABackend
@@ -251,6 +252,30 @@ def test_profile_records_session_options_and_ort_memory(runners):
     assert record["ort"]["memory_per_step"]["verify[63]"]["mem_in_use_peak"] > 0
     assert "ORT profiler mem_in_use_peak" in record["memory"]["source"]
     assert 0 < record["memory"]["workspace_bytes"] < record["ort"]["memory_per_step"]["verify[63]"]["mem_in_use_peak"]
+
+
+@needs_ort
+def test_peak_holds_a_transient_freed_inside_an_ort_step(runners, monkeypatch):
+    """512 MiB held for a moment inside one session run is in the ONNX runner's peak (the process's high-water
+    mark), though the step had freed it before returning (an RSS sampled after each step missed it)."""
+    import psutil
+
+    from lantern.backends import memory
+    from lantern.backends.onnx_runtime import _Graph
+    onnx, _ = runners
+    original = _Graph.run
+
+    def run(self, inputs, outputs):
+        transient = torch.ones(128 << 20)  # 512 MiB, written
+        del transient
+        return original(self, inputs, outputs)
+
+    onnx.reset_peak_memory()
+    monkeypatch.setattr(_Graph, "run", run)
+    onnx.verify(*dummy_step_inputs(onnx.spec, 63, onnx.device))
+    report = onnx.memory()
+    assert report.source.startswith(memory.HOST_PEAK)
+    assert report.peak_bytes >= psutil.Process().memory_info().rss + 0.4 * (1 << 30)
 
 
 @needs_ort

@@ -351,3 +351,218 @@ def test_a_run_whose_calibration_was_disturbed_keeps_ar(tiny, tmp_path, monkeypa
     choice = choose(pipe, 1, SamplingConfig(top_k=5), progress=False)
     assert choice.plan.name == "ar" and "calibration disturbed (its AR reference steps" in choice.cost_source
     assert not list((tmp_path / "calibration").glob("*.json"))
+
+
+# -- model-family folders: weights that all come from the files, or a refusal naming the file ---------------------
+@pytest.fixture(scope="module")
+def family_folders(tmp_path_factory):
+    """A tiny Janus and a tiny Chameleon folder (with its VQGAN), built once; tests damage copies."""
+    pytest.importorskip("transformers")
+    from chameleon_fixtures import make_chameleon_folder
+    from janus_fixtures import make_janus_folder
+    root = tmp_path_factory.mktemp("families")
+    make_janus_folder(root / "janus")
+    make_chameleon_folder(root / "chameleon")
+    return root
+
+
+def damaged(family_folders, tmp_path, family: str, edit) -> Path:
+    import shutil
+    folder = tmp_path / family
+    shutil.copytree(family_folders / family, folder)
+    edit(folder)
+    return folder
+
+
+def generate_family(capsys, folder: Path, tmp_path: Path, *extra: str) -> tuple[int, str]:
+    out = tmp_path / "out"
+    code, err = run(capsys, "generate", "--model", str(folder), "--prompt", "a red cat", "--method", "ar",
+                    "--out", str(out), *extra)
+    assert not out.exists(), "a refused folder wrote images"
+    return code, err
+
+
+def without(*prefixes: str):
+    """Edit: drop every tensor whose name starts with one of `prefixes` from model.safetensors."""
+    def edit(folder: Path) -> None:
+        from safetensors.torch import load_file, save_file
+        state = load_file(str(folder / "model.safetensors"))
+        save_file({k: v for k, v in state.items() if not k.startswith(prefixes)}, str(folder / "model.safetensors"),
+                  metadata={"format": "pt"})
+    return edit
+
+
+def with_config(family: str, **fields):
+    """Edit: set `fields` in config.json (Janus: in its text_config, where the language model's sizes live)."""
+    def edit(folder: Path) -> None:
+        config = json.loads((folder / "config.json").read_text())
+        (config["text_config"] if family == "janus" else config).update(fields)
+        (folder / "config.json").write_text(json.dumps(config))
+    return edit
+
+
+@pytest.mark.parametrize("family, prefixes, names", [
+    ("janus", ("model.generation_head.proj_out.",), "2 tensors missing ['model.generation_head.proj_out.bias', "
+                                                   "'model.generation_head.proj_out.weight']"),
+    ("janus", ("model.language_model.layers.1.self_attn.q_proj.",),
+     "1 tensors missing ['model.language_model.layers.1.self_attn.q_proj.weight']"),
+    ("chameleon", ("model.layers.1.self_attn.q_proj.",),
+     "1 tensors missing ['model.layers.1.self_attn.q_proj.weight']"),
+    ("chameleon", ("model.layers.1.",), "13 tensors missing ['model.layers.1.input_layernorm.weight'"),
+])
+def test_a_family_folder_missing_a_tensor_never_runs_on_random_weights(family_folders, tmp_path, capsys, family,
+                                                                       prefixes, names):
+    folder = damaged(family_folders, tmp_path, family, without(*prefixes))
+    code, err = generate_family(capsys, folder, tmp_path)
+    assert code == 2 and f"{folder}: weights model.safetensors do not hold the model its config.json describes" in err
+    assert names in err and "Traceback" not in err
+    if family == "chameleon" and prefixes == ("model.layers.1.",):
+        assert "(+7 more)" in err  # a long list is cut to its first keys and a count
+
+
+def truncated(folder: Path) -> None:
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+
+
+def safetensors_header(header: bytes, declared: int | None = None):
+    """Edit: model.safetensors replaced by an 8-byte length (`declared`, else the header's own) then `header`."""
+    def edit(folder: Path) -> None:
+        length = len(header) if declared is None else declared
+        (folder / "model.safetensors").write_bytes(length.to_bytes(8, "little") + header)
+    return edit
+
+
+def wrong_shape(folder: Path) -> None:
+    from safetensors.torch import load_file, save_file
+    state = load_file(str(folder / "model.safetensors"))
+    state["model.generation_head.proj_out.weight"] = torch.zeros(3, 3)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("family, edit, names", [
+    ("janus", truncated, "model.safetensors (5000 bytes) is not a readable safetensors file"),
+    ("chameleon", truncated, "model.safetensors (5000 bytes) is not a readable safetensors file"),
+    ("janus", lambda f: (f / "model.safetensors").write_bytes(b""),
+     "model.safetensors (0 bytes) is not a readable safetensors file"),
+    ("janus", lambda f: (f / "model.safetensors").write_bytes(np.random.default_rng(0).bytes(4096)),
+     "model.safetensors (4096 bytes) is not a readable safetensors file"),
+    ("janus", safetensors_header(b"{}", declared=10 ** 15), "header too large"),
+    ("janus", safetensors_header(b"x" * 20 + b"\0" * 100, declared=20), "invalid JSON in header"),
+    ("janus", lambda f: (f / "model.safetensors").unlink(), "has no weights: expected model.safetensors or "),
+    ("janus", wrong_shape, "1 tensors of another shape than config.json gives "
+                           "['model.generation_head.proj_out.weight: file (3, 3) vs config (64, 64)']"),
+    ("janus", with_config("janus", hidden_size=128), "20 tensors of another shape than config.json gives"),
+    ("chameleon", with_config("chameleon", hidden_size=128), "29 tensors of another shape than config.json gives"),
+    ("janus", with_config("janus", num_hidden_layers="two"),
+     "config.json is not a usable JanusConfig: Validation error for field 'num_hidden_layers'"),
+    ("chameleon", with_config("chameleon", num_hidden_layers="two"),
+     "config.json is not a usable ChameleonConfig: Validation error for field 'num_hidden_layers'"),
+])
+def test_unloadable_family_weights_exit_2_naming_the_file(family_folders, tmp_path, capsys, family, edit, names):
+    folder = damaged(family_folders, tmp_path, family, edit)
+    code, err = generate_family(capsys, folder, tmp_path)
+    assert code == 2 and str(folder) in err and names in err, err
+    assert "Traceback" not in err and "internal error" not in err
+
+
+@pytest.mark.parametrize("edit, names", [
+    (lambda f: (f / "tokenizer" / "vqgan.ckpt").write_bytes(b"PK\x03\x04 truncated"),
+     "VQGAN checkpoint {f}/tokenizer/vqgan.ckpt is not a readable PyTorch checkpoint"),
+    (lambda f: torch.save({"state_dict": {"quantize.embedding.weight": torch.zeros(3, 3)}},
+                          f / "tokenizer" / "vqgan.ckpt"), "VQGAN checkpoint {f}/tokenizer/vqgan.ckpt does not match"),
+])
+def test_an_unreadable_chameleon_vqgan_is_refused_before_generating(family_folders, tmp_path, capsys, monkeypatch,
+                                                                    edit, names):
+    from lantern.api import Pipeline
+    monkeypatch.setattr(Pipeline, "generate", lambda *a, **k: pytest.fail("generation started"))
+    folder = damaged(family_folders, tmp_path, "chameleon", edit)
+    code, err = generate_family(capsys, folder, tmp_path)
+    assert code == 2 and names.format(f=folder) in err and "Traceback" not in err
+
+
+def test_a_code_carrying_pickle_is_refused_without_torchs_advice(family_folders, tmp_path, capsys):
+    """Chameleon's vqgan.ckpt, a Janus folder's pytorch_model.bin and LlamaGen's --gpt / --vq in `lantern import`:
+    refused, the payload never runs, and the refusal does not pass on torch's advice to load with
+    weights_only=False."""
+    from test_llamagen_import import import_argv, llamagen_gpt_file, llamagen_vq_file
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "ran"),))
+    folder = damaged(family_folders, tmp_path, "chameleon",
+                     lambda f: torch.save({"state_dict": {}, "callback": Payload()}, f / "tokenizer" / "vqgan.ckpt"))
+    code, err = generate_family(capsys, folder, tmp_path)
+    assert code == 2 and f"VQGAN checkpoint {folder}/tokenizer/vqgan.ckpt holds Python objects besides tensors" in err
+    assert "weights_only" not in err and "Re-running" not in err
+
+    def as_pickled_bin(f: Path) -> None:  # a transformers folder's pytorch_model.bin carrying the payload
+        from safetensors.torch import load_file
+        state = load_file(str(f / "model.safetensors"))
+        (f / "model.safetensors").unlink()
+        torch.save({**state, "callback": Payload()}, f / "pytorch_model.bin")
+    folder = damaged(family_folders, tmp_path, "janus", as_pickled_bin)
+    code, err = generate_family(capsys, folder, tmp_path)
+    assert code == 2 and f"{folder}: weights pytorch_model.bin cannot be loaded: it holds Python objects" in err
+    assert "weights_only" not in err and "Re-running" not in err
+    llamagen_gpt_file(tmp_path / "gpt.pt", "c2i")
+    llamagen_vq_file(tmp_path / "vq.pt")
+    evil = tmp_path / "evil.pt"
+    torch.save({"model": {}, "args": Payload()}, evil)
+    for gpt, vq, what in [(evil, tmp_path / "vq.pt", "GPT checkpoint"), (tmp_path / "gpt.pt", evil, "VQ checkpoint")]:
+        code, err = run(capsys, *import_argv(gpt, vq, tmp_path / "bundle"))
+        assert code == 2 and f"{what} {evil} holds Python objects besides tensors" in err, err
+        assert "weights_only" not in err and "Re-running" not in err and not (tmp_path / "bundle").exists()
+    assert not (tmp_path / "ran").exists()  # no payload ran
+
+
+@pytest.mark.parametrize("edit, names", [
+    (lambda f: (f / "config.json").unlink(), "{f}: config.json is missing"),
+    (lambda f: (f / "config.json").write_text("{not json"), "{f}/config.json is not valid JSON"),
+    (lambda f: (f / "config.json").write_text("{}"), "{f}: model_type None"),
+])
+def test_a_family_folder_with_a_broken_config_is_named_not_taken_for_a_bundle(family_folders, tmp_path, capsys,
+                                                                              edit, names):
+    folder = damaged(family_folders, tmp_path, "janus", edit)
+    code, err = generate_family(capsys, folder, tmp_path)
+    assert code == 2 and names.format(f=folder) in err and "T5" not in err and "internal error" not in err, err
+
+
+def test_an_image_size_the_gpt_was_not_trained_for_is_refused(tmp_path, capsys):
+    from test_llamagen_import import import_argv, llamagen_gpt_file, llamagen_vq_file
+    llamagen_gpt_file(tmp_path / "gpt.pt", "c2i")  # 4x4 tokens through a VQ that halves the side: 8 px
+    llamagen_vq_file(tmp_path / "vq.pt")
+    argv = import_argv(tmp_path / "gpt.pt", tmp_path / "vq.pt", tmp_path / "bundle")
+    argv[argv.index("--image-size") + 1] = "512"
+    code, err = run(capsys, *argv)
+    assert code == 2 and "--image-size 512: the VQ makes a 256x256 grid of 65536 tokens, but GPT checkpoint" in err
+    assert "was trained for 16 image tokens" in err and "give --image-size 8" in err
+    assert not (tmp_path / "bundle").exists()
+
+
+def test_messages_name_the_file_and_the_tensor(tmp_path, capsys, bundle_dir):
+    """A GPT whose width gives a head size 2D RoPE cannot take, a folder given for --gpt, and `lantern info` of a
+    bundle whose config.json is not UTF-8, not JSON, or lacks its target: each names the file (and the tensor)."""
+    import shutil
+
+    from lantern.config import GPTConfig
+    from lantern.models.gpt import GPT
+    from test_llamagen_import import SMALL, import_argv, llamagen_vq_file
+    llamagen_vq_file(tmp_path / "vq.pt")
+    state = GPT(GPTConfig(**SMALL, num_classes=4)).state_dict()
+    wide = {k: torch.zeros([72 if n == 64 else n for n in v.shape]) for k, v in state.items()}  # 4 heads of 18
+    torch.save({"model": wide}, tmp_path / "odd.pt")
+    code, err = run(capsys, *import_argv(tmp_path / "odd.pt", tmp_path / "vq.pt", tmp_path / "b"))
+    assert code == 2 and f"GPT checkpoint {tmp_path / 'odd.pt'}: head_dim 18 must be a multiple of 4" in err
+    assert "tok_embeddings.weight" in err
+    code, err = run(capsys, *import_argv(tmp_path, tmp_path / "vq.pt", tmp_path / "b"))
+    assert code == 2 and f"GPT checkpoint {tmp_path} is a folder; give the checkpoint file" in err
+    for content, message in [(b"\xff\xfe{}", "config.json is not UTF-8 text"),
+                             (b"{not json", "config.json is not valid JSON"),
+                             (b"{}", "config.json: field 'target' is missing or not an object")]:
+        copy = tmp_path / "bundle"
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(bundle_dir, copy)
+        (copy / "config.json").write_bytes(content)
+        code, err = run(capsys, "info", "--model", str(copy))
+        assert code == 2 and f"{copy}/{message}" in err and "internal error" not in err, err

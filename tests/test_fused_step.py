@@ -203,18 +203,44 @@ class FakeCUDA:
 
 
 def test_cuda_graph_replay_records_the_step_once_on_a_fake_cuda():
-    """FAKE torch.cuda: the step function runs once on a side stream, is recorded once, then only replayed,
-    and every replay hands back the recorded report tensor."""
+    """FAKE torch.cuda: the step function runs on a side stream for its warm calls, is recorded once, then only
+    replayed, and every replay hands back the recorded report tensor."""
     fake, calls = FakeCUDA(), []
 
     def step():
         calls.append(1)
         return torch.tensor([len(calls)])
     replay = CUDAGraphReplay(step, cuda=fake)
-    reports = [replay() for _ in range(5)]
-    assert len(calls) == 2 and fake.events[:3] == ["side-stream", "new-graph", "record"]
-    assert fake.events.count("replay") == 4 and fake.events.count("new-graph") == 1
-    assert all(r is reports[1] for r in reports[1:])
+    reports = [replay() for _ in range(7)]
+    warm = CUDAGraphReplay.WARM_CALLS
+    assert len(calls) == warm + 1 and fake.events[:warm + 2] == ["side-stream"] * warm + ["new-graph", "record"]
+    assert fake.events.count("replay") == 7 - warm and fake.events.count("new-graph") == 1
+    assert all(r is reports[warm] for r in reports[warm:])
+
+
+@pytest.mark.parametrize("changes_at", [2, 3])
+def test_a_step_that_would_recompile_fails_before_its_capture_on_a_fake_cuda(changes_at):
+    """FAKE torch.cuda around a real torch.compile (dynamo's eager backend): a step whose guard fails on its
+    second or third call must fail on a warm call, under the fail-on-recompile stance, never recompile inside
+    the recording (on a GPU a hard error of torch.cuda.graph)."""
+    fake, state = FakeCUDA(), {"calls": 0}
+    scale = {"value": 1}
+
+    def body(x):
+        return x * scale["value"]  # dynamo guards on the dict's value: a change recompiles
+    compiled = torch.compile(body, backend="eager", fullgraph=True)
+
+    def step():
+        state["calls"] += 1
+        if state["calls"] == changes_at:
+            scale["value"] = 2
+        return compiled(torch.ones(2))
+    torch._dynamo.reset()
+    replay = CUDAGraphReplay(step, cuda=fake)
+    with pytest.raises(RuntimeError, match="recompile"):
+        for _ in range(changes_at):
+            replay()
+    assert "record" not in fake.events
 
 
 def test_cuda_graph_runner_wraps_its_fused_step_in_one_recording(small, monkeypatch):

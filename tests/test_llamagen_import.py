@@ -315,6 +315,6 @@ def test_legacy_format_and_damaged_files(c2i_files, tmp_path, capsys):
     assert torch.equal(read_llamagen_state(tmp_path / "legacy.pt")["norm.weight"], gpt["norm.weight"])
     (tmp_path / "broken.pt").write_bytes(b"not a checkpoint")
     code, res = run(import_argv(tmp_path / "broken.pt", d / "vq_tiny.pt", tmp_path / "b"), capsys)
-    assert code == 2 and "broken.pt is not a readable torch checkpoint" in res["error"]
+    assert code == 2 and "broken.pt is not a readable PyTorch checkpoint" in res["error"]
     code, res = run(import_argv(tmp_path / "missing.pt", d / "vq_tiny.pt", tmp_path / "b"), capsys)
     assert code == 2 and "missing.pt does not exist" in res["error"]

@@ -6,6 +6,7 @@ import asyncio
 import base64
 import io
 import json
+import logging
 import os
 import re
 import signal
@@ -257,6 +258,78 @@ def test_text_to_image_model_takes_a_prompt_and_refuses_a_class(body, field, all
     assert e.value.field == field
 
 
+class RequestLog(logging.Handler):
+    """The `lantern.serve` logger's request records, captured while in use."""
+
+    def __init__(self):
+        super().__init__()
+        self.records = []
+
+    def emit(self, record):
+        if getattr(record, "fields", {}).get("event") == "request" or record.levelno >= logging.ERROR:
+            self.records.append(record)
+
+    def __enter__(self):
+        logger = logging.getLogger("lantern.serve")
+        self.level = logger.level
+        logger.setLevel(logging.INFO)
+        logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logger = logging.getLogger("lantern.serve")
+        logger.removeHandler(self)
+        logger.setLevel(self.level)
+
+
+@pytest.mark.parametrize("prompt", ["\u00b2", "9" * 5000, "\u0663"])  # a superscript two, 5000 digits, an Arabic three
+def test_a_prompt_of_digits_no_class_number_gets_422_naming_prompt(served, prompt):
+    r = generate(served.url, prompt=prompt)
+    assert r.status_code == 422 and r.json()["error"]["param"] == "prompt"
+    assert "allowed: a class number 0..3" in r.json()["error"]["message"]
+
+
+def test_a_refused_huge_prompt_is_not_echoed_whole(served):
+    prompt = "x" * 1_000_000
+    with RequestLog() as log:
+        r = generate(served.url, prompt=prompt)  # no class number: refused, and named
+        r2 = generate(served.url, **{prompt: 1})  # an unknown field of that name
+    for answer in (r, r2):
+        message = answer.json()["error"]["message"]
+        assert answer.status_code == 422 and len(message) < 2000 and "(1000002 characters)" in message
+    assert r.json()["error"]["param"] == "prompt" and len(r2.json()["error"]["param"]) < 200  # the name, cut
+    entries = [rec.fields for rec in log.records]
+    assert len(entries) == 2 and all(len(json.dumps(e)) < 4000 for e in entries)
+
+
+def test_a_deeply_nested_body_gets_422_not_500(served):
+    depth = 100_000
+    with RequestLog() as log:
+        r = httpx.post(f"{served.url}/v1/images/generations", content=b"[" * depth + b"]" * depth, timeout=WAIT_S)
+    assert r.status_code == 422 and r.json()["error"]["param"] == "body"
+    assert "nested" in r.json()["error"]["message"]
+    assert [getattr(rec, "fields", {}).get("outcome") for rec in log.records] == ["bad_request"]  # no error logged
+
+
+def test_a_client_that_disconnects_while_uploading_is_cancelled_not_an_error(served):
+    """Headers promising 100 kB, 10 bytes of body, then the connection closed: 499 in the log, counted as
+    cancelled, nothing logged as an internal error."""
+    before = metric_samples(served.url)
+    host, port = served.url.removeprefix("http://").split(":")
+    with RequestLog() as log:
+        with socket.create_connection((host, int(port)), timeout=WAIT_S) as sock:
+            sock.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100000\r\n\r\n{\"class_id\"")
+        wait_until(lambda: log.records, "the request's log record")
+    assert [(getattr(rec, "fields", {}).get("status"), getattr(rec, "fields", {}).get("outcome"))
+            for rec in log.records] == [(499, "cancelled")]
+    after = metric_samples(served.url)
+    key = ("lantern:requests_total", (("outcome", "cancelled"),))
+    assert after[key] == before[key] + 1
+    assert after.get(("lantern:requests_total", (("outcome", "error"),)), 0) == \
+        before.get(("lantern:requests_total", (("outcome", "error"),)), 0)
+
+
 def test_full_queue_gets_429_with_retry_after(served):
     worker = served.service.worker
     room = worker.capacity - worker.outstanding
@@ -324,6 +397,34 @@ def test_metrics_parse_as_prometheus_text_and_counters_add_up(served):
     assert {e for e, _ in slots} >= {"ar", "eagle2"}
     assert all(after[("lantern:slots_busy", k[1])] <= v for k, v in after.items() if k[0] == "lantern:slots")
     assert after[("lantern:requests_in_flight", ())] == 0
+    # vLLM-Omni's names: images by outcome, each stage's seconds, a request's queue wait
+    assert delta("lantern:image_count_total", outcome="ok") == images
+    assert delta("lantern:image_count_total", outcome="bad_request") == 0  # refused by the schema: no images
+    assert delta("lantern:stage_gen_time_s_count", stage="queue") == images
+    assert delta("lantern:stage_gen_time_s_count", stage="decode") == images
+    assert delta("lantern:stage_gen_time_s_count", stage="pixels") == len(bodies)  # one VQ decode per request
+    assert delta("lantern:stage_gen_time_s_count", stage="encode") == 0  # class ids: nothing to encode
+    assert delta("lantern:stage_gen_time_s_sum", stage="decode") == pytest.approx(
+        delta("lantern:decode_seconds_sum"))
+    assert delta("lantern:request_queue_wait_s_count") == len(bodies)
+    assert after[("lantern:peak_memory_mb", ())] > 0
+
+
+def test_images_by_outcome_count_the_images_of_a_request_that_timed_out(served, slow_steps):
+    before = metric_samples(served.url)
+    assert generate(served.url, class_id=1, n=3, timeout=0.05).status_code == 504
+    after = metric_samples(served.url)
+    key = ("lantern:image_count_total", (("outcome", "timeout"),))
+    assert after[key] - before[key] == 3
+
+
+def test_peak_memory_is_the_runners_own_peak(served, monkeypatch):
+    """/metrics reads the peak through each runner's memory() (whatever a backend counts as its peak), the highest
+    over the engines, in MiB."""
+    from types import SimpleNamespace
+    engine = served.service.worker._engines[served.service.worker.default][BATCH]
+    monkeypatch.setattr(engine.runner, "memory", lambda: SimpleNamespace(peak_bytes=5 << 30))
+    assert metric_samples(served.url)[("lantern:peak_memory_mb", ())] == 5 * 1024
 
 
 def test_health_and_ready(served):
@@ -341,9 +442,9 @@ def test_the_steps_use_the_physical_cores_unless_threads_is_given(bundle_dir):
     assert service.describe()["widths"] == [1, BATCH]
 
 
-def run_lantern(*args, **kwargs):
+def run_lantern(*args, env=None, **kwargs):
     return subprocess.Popen([sys.executable, "-m", "lantern.cli", *args], stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, **kwargs)
+                            env=env or {**os.environ, "OMP_NUM_THREADS": "1"}, **kwargs)
 
 
 def test_sigterm_finishes_the_requests_in_flight_then_exits_0(bundle_dir):
@@ -366,6 +467,36 @@ def test_sigterm_finishes_the_requests_in_flight_then_exits_0(bundle_dir):
         assert lines[-1]["event"] == "stopped" and lines[-1]["exit_code"] == 0
         with pytest.raises(httpx.TransportError):
             generate(url, class_id=1)  # no longer listening
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_second_sigterm_while_draining_cancels_with_503_and_exits_at_once(bundle_dir):
+    """The first SIGTERM drains; a second one cancels what is in flight (503) and stops with 143, the shell's code
+    for SIGTERM, without the abort a running engine thread caused at interpreter exit."""
+    proc = run_lantern("serve", "--model", str(bundle_dir), "--method", "ar", "--batch", "1", "--max-n", "256",
+                       "--queue", "256", "--port", "0", "--threads", "1")
+    try:
+        url = json.loads(proc.stderr.readline())["url"]
+        wait_until(lambda: _ready(url), "the subprocess service to be ready")
+        answer = {}
+        request = threading.Thread(target=lambda: answer.update(r=generate(url, class_id=1, n=256)))
+        request.start()
+        wait_until(lambda: metric_samples(url)[("lantern:requests_in_flight", ())] == 1, "the request in flight")
+        proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: not _ready(url), "the service to drain")
+        assert request.is_alive()  # 256 images one at a time (4096 steps): still decoding
+        proc.send_signal(signal.SIGTERM)
+        request.join(WAIT_S)
+        assert answer["r"].status_code == 503 and "stopped" in answer["r"].json()["error"]["message"]
+        assert proc.wait(WAIT_S) == 143
+        err = proc.stderr.read()
+        assert "terminate called" not in err and "Traceback" not in err
+        lines = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+        assert [(x["status"], x["outcome"]) for x in lines if x.get("event") == "request"] == [(503, "unavailable")]
+        assert lines[-1]["event"] == "stopped" and lines[-1]["exit_code"] == 143
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -404,37 +535,139 @@ def test_bad_serve_flags_exit_2_before_serving(bundle_dir, capsys, args, message
     assert message in capsys.readouterr().err
 
 
-def test_auto_with_no_backend_pinned_weighs_the_modes_at_warm_up_and_serves_on_the_chosen_one(bundle_dir,
-                                                                                            monkeypatch):
-    """The warm-up hands auto's choice to lantern.plan.backend_choice with the service's horizon (plan_images) and
-    its width, and the engines run on the pipeline it returns (at the service's threads)."""
+def test_auto_serves_ar_at_once_then_switches_to_its_background_choice_between_steps(bundle_dir, monkeypatch):
+    """With auto and no backend pinned the service is ready on AR at once; the background planner hands
+    lantern.plan.backend_choice the service's horizon (plan_images) and width, and the engines switch to the
+    pipeline and plan it returns at a step boundary. An image in flight at the switch finishes on the plan it
+    started on, with that plan's tokens for its seed; the next request runs the new plan, with the new plan's
+    tokens for the same seed."""
     from types import SimpleNamespace
 
     from lantern.decoding.config import method_preset
     from lantern.serve import service as service_module
-    from lantern.serve.worker import EngineKey
     monkeypatch.delenv("LANTERN_BACKEND", raising=False)
-    asked = {}
+    asked, go = {}, threading.Event()
 
     def choose_backend(make_pipe, n_images, sampling, batch, **kwargs):
-        asked.update(n_images=n_images, batch=batch, same=make_pipe(service.pipe.backend.name, service.pipe.dtype))
-        chosen = service._pipeline("cpu", None)  # stands for the pipeline on the faster mode
-        plan = SimpleNamespace(plan=SimpleNamespace(name="ar"), decode=method_preset("ar", sampling))
-        return SimpleNamespace(pipeline=chosen, choice=plan, why="ar on cpu (eager): the stand-in's reason")
+        asked.update(n_images=n_images, batch=batch)
+        assert go.wait(WAIT_S)  # the test says when calibration ends
+        chosen = make_pipe("cpu", None)  # stands for the pipeline on the faster mode
+        plan = SimpleNamespace(plan=SimpleNamespace(name="eagle2"), decode=method_preset("eagle2", sampling))
+        return SimpleNamespace(pipeline=chosen, choice=plan, why="eagle2 on cpu (eager): the stand-in's reason")
     monkeypatch.setattr(service_module, "choose_backend", choose_backend)
-    service = Service(ServeConfig(model=str(bundle_dir), method="auto", methods=("ar",), batch=BATCH, threads=1,
-                                  plan_images=64))
+    service = Service(ServeConfig(model=str(bundle_dir), method="auto", methods=("ar", "eagle2"), batch=BATCH,
+                                  threads=1, plan_images=64, timeout_s=WAIT_S))
     before = service.pipe
-    service.start()
-    try:
-        assert service.worker.ready.wait(WAIT_S) and service.worker.failure is None
-        assert asked["n_images"] == 64 and asked["batch"] == BATCH and asked["same"] is before
+    with ServerThread(service) as server:
+        ready = httpx.get(f"{server.url}/ready", timeout=WAIT_S).json()
+        assert ready["calibration"] in ("waiting", "calibrating") and ready["methods"]["auto"] == "auto: ar"
+        assert ready["plan"].startswith("ar on cpu: the safe plan")
+        samples = metric_samples(server.url)
+        assert samples[("lantern:calibration_running", ())] == 1
+        assert samples[("lantern:plan_info", (("backend", "cpu"), ("engine", "auto"), ("plan", "ar")))] == 1
+        ar_alone = generate(server.url, class_id=2, seed=7, method="ar", return_tokens=True).json()["data"]
+        eagle_alone = generate(server.url, class_id=2, seed=7, method="eagle2", return_tokens=True).json()["data"]
+        assert ar_alone[0]["tokens"] != eagle_alone[0]["tokens"]  # so the tokens below tell which plan ran
+
+        worker, step = service.worker, service.worker._step
+
+        def slow(key, width, engine):  # a request is still decoding when the switch comes
+            time.sleep(0.05)
+            step(key, width, engine)
+        monkeypatch.setattr(worker, "_step", slow)
+        answer = {}
+        sender = threading.Thread(target=lambda: answer.update(
+            r=generate(server.url, class_id=2, seed=7, return_tokens=True)))
+        sender.start()
+        wait_until(lambda: worker.outstanding == 1, "the request in flight")
+        go.set()
+        wait_until(lambda: service.planner.state == "done", "the switch")
+        assert sender.is_alive()  # switched while its image was decoding
+        sender.join(WAIT_S)
+        in_flight = answer["r"].json()["data"][0]
+        assert in_flight["stats"]["method"] == "auto: ar" and in_flight["tokens"] == ar_alone[0]["tokens"]
+        after = generate(server.url, class_id=2, seed=7, return_tokens=True).json()["data"][0]
+        assert after["stats"]["method"] == "auto: eagle2" and after["tokens"] == eagle_alone[0]["tokens"]
+
+        assert asked == {"n_images": 64, "batch": BATCH}
         chosen = service.pipe
-        assert chosen is not before and service.worker.pipeline is chosen and chosen.backend.threads == 1
-        assert {e.pipeline for e in service.worker._engines[EngineKey("auto")].values()} == {chosen}
-        described = service.describe()
-        assert described["plan"].startswith("ar on cpu (eager): the stand-in's reason; weighed over 64 images")
-        assert described["plan"].endswith("paid once at startup, before /ready, at widths 1, 4")
-        assert described["methods"]["auto"] == "auto: ar"
+        assert chosen is not before and worker.pipeline is chosen and chosen.backend.threads == 1
+        assert {e.pipeline for e in worker._engines[worker.default].values()} == {chosen}
+        assert worker._retiring == [] and worker.switches == 1
+        ready = httpx.get(f"{server.url}/ready", timeout=WAIT_S).json()
+        assert ready["calibration"] == "done" and ready["methods"]["auto"] == "auto: eagle2"
+        assert ready["plan"].startswith("eagle2 on cpu (eager): the stand-in's reason; weighed over 64 images")
+        assert ready["plan"].endswith("calibrated and prepared in the background at widths 1, 4")
+        samples = metric_samples(server.url)
+        assert samples[("lantern:calibration_running", ())] == 0
+        assert samples[("lantern:plan_switches_total", ())] == 1
+        assert samples[("lantern:plan_info", (("backend", "cpu"), ("engine", "auto"), ("plan", "eagle2")))] == 1
+        assert ("lantern:plan_info", (("backend", "cpu"), ("engine", "auto"), ("plan", "ar"))) not in samples
+
+
+READY_BUDGET_S = 30  # issue 46: a fresh service answers /ready 200 within this on a 2-core machine
+
+
+def test_a_fresh_service_on_an_empty_cache_is_ready_within_the_budget_then_calibrates_in_the_background(
+        bundle_dir, tmp_path):
+    """The real readiness path, in a process of its own: an empty cache, auto, no backend pinned. /ready turns 200
+    within the budget while the calibration has not ended; the calibration then ends (kept short here: a 1 s
+    timing budget and a small horizon) and the service keeps answering, on the plan it chose."""
+    env = {k: v for k, v in os.environ.items() if k != "LANTERN_BACKEND"}
+    env.update(LANTERN_CACHE_DIR=str(tmp_path / "empty-cache"), LANTERN_CALIBRATION_BUDGET="1")
+    t0 = time.monotonic()
+    proc = run_lantern("serve", "--model", str(bundle_dir), "--batch", "4", "--threads", "1", "--plan-images", "8",
+                       "--port", "0", env={**env, "OMP_NUM_THREADS": "1"})
+    try:
+        url = json.loads(proc.stderr.readline())["url"]
+        first = None
+        while first is None and time.monotonic() - t0 < READY_BUDGET_S:
+            try:
+                r = httpx.get(f"{url}/ready", timeout=5)
+                first = r.json() if r.status_code == 200 else None
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        assert first is not None, f"not ready within {READY_BUDGET_S} s"
+        assert first["calibration"] in ("waiting", "calibrating") and first["methods"]["auto"] == "auto: ar"
+        assert generate(url, class_id=1, seed=3).status_code == 200  # served while calibrating
+        deadline = time.monotonic() + 120  # bounded: the tiny model's records and a 1 s timing budget
+        while httpx.get(f"{url}/ready", timeout=5).json()["calibration"] not in ("done", "failed", "stopped"):
+            assert time.monotonic() < deadline, "the background calibration did not end"
+            time.sleep(0.2)
+        done = httpx.get(f"{url}/ready", timeout=5).json()
+        assert done["calibration"] == "done", done
+        assert metric_samples(url)[("lantern:calibration_running", ())] == 0
+        out = generate(url, class_id=1, seed=3).json()["data"][0]["stats"]
+        assert out["method"] == done["methods"]["auto"] and out["backend"] == done["backend"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(WAIT_S) == 0
+        lines = [json.loads(line) for line in proc.stderr.read().splitlines() if line.startswith("{")]
+        plan = [x for x in lines if x.get("event") == "plan"]
+        assert len(plan) == 1 and f"auto: {plan[0]['plan']}" == done["methods"]["auto"]
+        ready = next(x for x in lines if x.get("event") == "ready")
+        assert ready["methods"]["auto"] == "auto: ar" and ready["calibration"] in ("waiting", "calibrating")
     finally:
-        service.stop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_sigterm_while_auto_calibrates_in_the_background_exits_0(bundle_dir, tmp_path):
+    """The background calibration (here a long one: the full budget, a large horizon) does not hold up a drain,
+    and the process does not die with it (a thread inside torch at the interpreter's teardown aborts it)."""
+    env = {k: v for k, v in os.environ.items() if k != "LANTERN_BACKEND"}
+    env.update(LANTERN_CACHE_DIR=str(tmp_path / "empty-cache"), OMP_NUM_THREADS="1")
+    proc = run_lantern("serve", "--model", str(bundle_dir), "--batch", "4", "--threads", "1", "--port", "0", env=env)
+    try:
+        url = json.loads(proc.stderr.readline())["url"]
+        wait_until(lambda: _ready(url), "the subprocess service to be ready")
+        assert httpx.get(f"{url}/ready", timeout=5).json()["calibration"] in ("waiting", "calibrating")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(WAIT_S) == 0
+        lines = [json.loads(line) for line in proc.stderr.read().splitlines() if line.startswith("{")]
+        assert lines[-1]["event"] == "stopped" and lines[-1]["exit_code"] == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("prometheus_client")
 from lantern.serve import worker as worker_module  # noqa: E402
 from lantern.serve.metrics import ServeMetrics  # noqa: E402
-from lantern.serve.worker import EngineFailed, EngineKey, EngineWorker, EnginesBusy  # noqa: E402
+from lantern.serve.worker import EngineFailed, EngineKey, EngineWorker, EnginesBusy, ShutDown  # noqa: E402
 
 WAIT_S = 10
 
@@ -21,7 +21,7 @@ class ScriptedEngine:
     explode = threading.Event()
 
     def __init__(self, pipeline, decode, width, runner=None):
-        self.decode, self.width, self.runner = decode, width, runner
+        self.pipeline, self.decode, self.width, self.runner = pipeline, decode, width, runner
         self.queue, self.held = [], {}
         self.warmed = False
 
@@ -67,7 +67,8 @@ class ScriptedEngine:
 def make_worker(monkeypatch):
     monkeypatch.setattr(worker_module, "Engine", ScriptedEngine)
     ScriptedEngine.explode.clear()
-    pipeline = SimpleNamespace(runner=lambda dcfg, width: object(), lock=threading.RLock())
+    pipeline = SimpleNamespace(runner=lambda dcfg, width: object(), lock=threading.RLock(),
+                               backend=SimpleNamespace(name="scripted"))
     made = []
 
     def make(max_engines, steps=3, widths=(2,), hold_s=0.0):
@@ -113,6 +114,23 @@ def test_an_engine_that_raises_fails_its_own_images_and_is_built_anew(make_worke
     ScriptedEngine.explode.clear()
     assert [f.result(WAIT_S).request_id for f in submit(w, EngineKey("ar"), 2, "after")] == ["after-0", "after-1"]
     assert w.alive and w.outstanding == 0
+
+
+def test_abandon_fails_the_images_in_flight_and_later_ones_at_once(make_worker):
+    """A second stop signal: every image admitted raises ShutDown, the thread ends without finishing them, and an
+    image submitted afterwards is answered at once instead of waiting for a thread that is gone."""
+    w = make_worker(max_engines=1, steps=10_000)
+    running = submit(w, EngineKey("ar"), 4, "running")  # 2 decoding, 2 queued
+    time.sleep(0.05)
+    w.abandon()
+    for f in running:
+        with pytest.raises(ShutDown, match="stopped"):
+            f.result(WAIT_S)
+    w._thread.join(WAIT_S)
+    assert not w.alive and w.outstanding == 0
+    with pytest.raises(ShutDown, match="before this image started"):
+        submit(w, EngineKey("ar"), 1, "late")[0].result(WAIT_S)
+    assert w.outstanding == 0
 
 
 def samples(w) -> dict:
@@ -220,3 +238,78 @@ def test_calls_run_in_the_worker_thread_between_steps_and_inline_once_it_has_end
     w.stop(WAIT_S)
     assert not w.alive
     assert w.call(threading.current_thread).result(0) is threading.current_thread()
+
+
+def test_a_quiet_turn_waits_for_the_images_in_flight_and_holds_the_steps_off(make_worker):
+    """Another thread's turn (a background calibration's timed runs) starts only once no image is admitted, and
+    no step runs while it lasts: neither shares the cores with the other."""
+    w = make_worker(max_engines=1, steps=20, widths=(2,))
+    running = submit(w, EngineKey("ar"), 1, "running")  # 20 steps of at least 5 ms
+    entered = threading.Event()
+
+    def take_turn():
+        with w.quiet_turn():
+            entered.set()
+            assert running[0].done()  # the turn came after the image in flight
+            held = submit(w, EngineKey("ar"), 1, "held")
+            time.sleep(0.2)  # long enough for several steps, had the worker stepped
+            assert not held[0].done()
+            assert w._engines[EngineKey("ar")][2].busy == 0  # submitted, not stepped
+        assert held[0].result(WAIT_S).request_id == "held-0"
+    taker = threading.Thread(target=take_turn)
+    taker.start()
+    taker.join(WAIT_S)
+    assert entered.is_set() and not taker.is_alive()
+    w.stop(WAIT_S)
+    with pytest.raises(worker_module.WorkerStopped):  # a planner waiting on a stopped worker gives up
+        with w.quiet_turn():
+            pass
+
+
+def test_calibration_does_not_count_the_seconds_it_waits_for_a_turn():
+    """measure_width under sharing_cores: the waits (here 1000 s of a fake clock per turn) count neither against
+    the timing budget nor in the entry's seconds, so the same plans are timed as many times as without waits."""
+    import contextlib
+
+    from test_auto import SAMPLING, CostCurvePipe
+
+    from lantern.plan import calibration
+    from lantern.plan.candidates import AR, candidate_plans
+    plans = candidate_plans(True, False)
+    per_chunk = {p.name: (63.0 if p == AR else 31.5) for p in plans}
+
+    def calibrate(sharing: bool) -> tuple[dict, dict, int]:
+        pipe = CostCurvePipe(lambda width, drafts: 20.0 * (1 + width / 16))
+        turns = []
+
+        @contextlib.contextmanager
+        def turn():
+            pipe.now += 1000.0  # waited for the service to have no image
+            turns.append(pipe.now)
+            yield
+        with calibration.sharing_cores(turn) if sharing else contextlib.nullcontext():
+            entry = calibration.measure_width(pipe, plans, SAMPLING, 1, per_chunk, progress=False, clock=pipe.clock)
+        return entry, {n: len(v.get("ratio_to_ar", [])) for n, v in entry["plans"].items()}, len(turns)
+
+    alone, runs_alone, _ = calibrate(sharing=False)
+    shared, runs_shared, turns = calibrate(sharing=True)
+    assert turns >= 1 + sum(runs_shared.values())  # the fixed-cost runs, then each plan's run with its reference
+    assert runs_shared == runs_alone and max(runs_alone.values()) > 1
+    assert shared["seconds"] == pytest.approx(alone["seconds"]) and shared["seconds"] < calibration.BUDGET_S
+
+
+def test_a_quiet_turn_comes_between_two_steps_when_the_service_never_idles(make_worker):
+    """Under constant load a turn waits `patience_s` at most, then comes between two steps: the image in flight
+    is held (not stepped) while the turn lasts, and finishes after it."""
+    w = make_worker(max_engines=1, steps=400, widths=(2,))  # 400 steps of at least 5 ms: 2 s or more
+    running = submit(w, EngineKey("ar"), 1, "running")
+    engine = w._engines[EngineKey("ar")][2]
+    wait_until_held = time.monotonic() + WAIT_S
+    while not engine.held and time.monotonic() < wait_until_held:
+        time.sleep(0.01)
+    with w.quiet_turn(patience_s=0.2):
+        assert not running[0].done()
+        left = engine.held["running-0"][1]
+        time.sleep(0.2)
+        assert engine.held["running-0"][1] == left  # not stepped during the turn
+    assert running[0].result(WAIT_S).request_id == "running-0"

@@ -1,7 +1,8 @@
 """`--method auto` against AR and every preset method, side by side in one run, per backend and number of images.
 
-For each backend (cpu fp32, cpu bf16, onnx fp32 by default) and each number of images B (1, 4, 10; one image per
-class 0..B-1, decoded together), with every seed: AR, each preset as `lantern generate --method NAME` runs it (the
+For each backend (cpu fp32, cpu bf16, onnx fp32 by default), each sampling setting (`--sampling`: the bundle's,
+and LlamaGen's class-to-image one, the whole vocabulary at CFG 4.0; tools/samplings.py) and each number of images B
+(1, 4, 10; one image per class 0..B-1, decoded together), with every seed: AR, each preset as `lantern generate --method NAME` runs it (the
 bundle's relaxation defaults applied), `auto` (lossless unless the bundle validates a relaxation) and
 `auto --allow-relaxed`, back to back. Wall time is the decode loop's (runner preparation,
 warm-up and auto's one-off calibration excluded and reported apart). A machine's speed drifts over minutes, so every
@@ -21,7 +22,8 @@ the dtype here -- eager, compiled, fused, ONNX -- on the same images, once per s
 named in the table. Writes results/auto-cpu.{json,md,png}, naming the CPU, commit and command. Timing wants a quiet
 machine.
 
-    python tools/bench_auto.py [--backends cpu:fp32 cpu:bf16 onnx:fp32] [--images 1 4 10] [--seeds 0 1 2 3 4]
+    python tools/bench_auto.py [--backends cpu:fp32 cpu:bf16 onnx:fp32] [--sampling bundle llamagen-c2i]
+                               [--images 1 4 10] [--seeds 0 1 2 3 4]
                                [--repeats 3] [--baseline-modes eager compiled fused onnx] [--calibrate-machine]
                                [--quick]
 
@@ -35,6 +37,7 @@ cache and output); its numbers mean nothing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import statistics
 import time
@@ -46,12 +49,12 @@ from tqdm import tqdm
 from lantern.api import Pipeline
 from lantern.bundle import load_bundle
 from lantern.decoding.config import METHODS, method_preset
-from lantern.decoding.sampling import SamplingConfig
 from lantern.backends import resolve_name
 from lantern.plan.backend_choice import choose_backend
 from lantern.plan.choose import choose
 from fastest_ar import ARBaseline, provenance, runnable_modes
 from results_io import utc_now, write_results
+from samplings import NAMES as SAMPLING_NAMES, sampling_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 AUTOS = ("auto", "auto --allow-relaxed")
@@ -61,9 +64,9 @@ SCREEN = 1.5  # after the first seed, only methods within this factor of the fas
 
 def setting(bundle, backend: str, dtype: str, n: int, seeds: list[int], repeats: int,
             baseline_modes: list[str] | None = None, tokens: int | None = None,
-            calibrate_machine: bool = False) -> dict:
+            calibrate_machine: bool = False, sampling_name: str = "bundle") -> dict:
     pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend=backend, dtype=dtype)
-    sampling = SamplingConfig(**bundle.default_sampling)
+    sampling = sampling_settings(bundle.default_sampling, [sampling_name])[sampling_name]
     classes = list(range(n))
     t0 = time.perf_counter()
     # `auto` last: a choice keeps the runner its plan was timed on and frees the others
@@ -71,7 +74,8 @@ def setting(bundle, backend: str, dtype: str, n: int, seeds: list[int], repeats:
                             shipped_records=bundle.acceptance_records, progress=False, classes=classes)
                for name in AUTOS[::-1]}
     planning = time.perf_counter() - t0
-    configs = {m: (method_preset(m, sampling, **bundle.relaxation_defaults.get(m, {})), n) for m in METHODS}
+    validated = bundle.relaxation_at(sampling)  # the relaxations validated at this sampling
+    configs = {m: (method_preset(m, sampling, **validated.get(m, {})), n) for m in METHODS}
     configs[AR_AGAIN] = configs["ar"]  # the noise floor: identical work, timed as a method of its own
     configs.update({name: (c.decode, c.width) for name, c in choices.items()})
     for dcfg, width in configs.values():  # prepare and warm every runner before timing
@@ -111,7 +115,7 @@ def setting(bundle, backend: str, dtype: str, n: int, seeds: list[int], repeats:
     run(list(configs), seeds[0])  # the screen: every method once
     best = min(r[seeds[0]][0] for r in runs.values())
     contenders = [m for m in configs if runs[m][seeds[0]][0] <= SCREEN * best or m in ("ar", AR_AGAIN, *AUTOS)]
-    order = random.Random(f"{backend} {dtype} {n}")
+    order = random.Random(f"{backend} {dtype} {n}" + ("" if sampling_name == "bundle" else f" {sampling_name}"))
     for seed in seeds:
         for _ in range(repeats - (seed == seeds[0])):  # the screen was the first seed's first pass
             run(order.sample(contenders, len(contenders)), seed)
@@ -119,8 +123,9 @@ def setting(bundle, backend: str, dtype: str, n: int, seeds: list[int], repeats:
     walls = {m: [statistics.median(r[s]) for s in seeds if s in r] for m, r in runs.items()}
     median = {m: statistics.median(w) for m, w in walls.items()}
     # auto may run what is lossless and what the bundle validated; --allow-relaxed may run every preset
-    allowed = [m for m in METHODS if configs[m][0].acceptance == "exact" or m in bundle.relaxation_defaults]
-    out = {"backend": backend, "dtype": dtype, "images": n, "walls": walls, "runs": runs, "median_s": median,
+    allowed = [m for m in METHODS if configs[m][0].acceptance == "exact" or m in validated]
+    out = {"backend": backend, "dtype": dtype, "images": n, "sampling": sampling_name,
+           "sampling_config": dataclasses.asdict(sampling), "walls": walls, "runs": runs, "median_s": median,
            "speedup_vs_ar": {m: median["ar"] / median[m] for m in median}, "planning_s": planning,
            "auto_presets": allowed, "choices": {name: c.to_dict() for name, c in choices.items()},
            "noise_floor": paired(walls[AR_AGAIN], walls["ar"])}
@@ -161,6 +166,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--backends", nargs="+", default=["cpu:fp32", "cpu:bf16", "onnx:fp32"], help="BACKEND:DTYPE")
     ap.add_argument("--images", type=int, nargs="+", default=[1, 4, 10])
+    ap.add_argument("--sampling", nargs="+", default=list(SAMPLING_NAMES), choices=SAMPLING_NAMES,
+                    help="sampling settings, side by side: the bundle's and LlamaGen's class-to-image one (whole "
+                         "vocabulary, CFG 4.0)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     ap.add_argument("--repeats", type=int, default=3, help="runs per method and seed (their median counts)")
     ap.add_argument("--threads", type=int, default=2)
@@ -195,10 +203,11 @@ def main() -> None:
     rows = []
     for spec in tqdm(args.backends, desc="backends"):
         backend, dtype = spec.split(":")
-        for n in args.images:
-            rows.append(setting(bundle, backend, dtype, n, args.seeds, args.repeats, args.baseline_modes,
-                                args.tokens, args.calibrate_machine))
-            write_results(args.out, record(args, rows), markdown, plot)
+        for name in args.sampling:
+            for n in args.images:
+                rows.append(setting(bundle, backend, dtype, n, args.seeds, args.repeats, args.baseline_modes,
+                                    args.tokens, args.calibrate_machine, name))
+                write_results(args.out, record(args, rows), markdown, plot)
 
 
 def record(args, rows: list[dict]) -> dict:
@@ -223,10 +232,10 @@ def markdown(rec: dict) -> str:
         lines[-1:-1] = [f"Commit {rec['commit']}; `{rec['command']}`." + (
             " **--quick: a check that the tool runs; the numbers mean nothing.**" if rec.get("quick") else "")]
     methods = [*(m for m in rec["rows"][0]["median_s"] if m not in AUTOS), *AUTOS]
-    lines += ["| backend | B | " + " | ".join(methods) + " | noise floor | auto chose | auto / fastest | predicted vs "
+    lines += ["| backend | sampling | B | " + " | ".join(methods) + " | noise floor | auto chose | auto / fastest | predicted vs "
               "measured speed-up (auto) | auto --allow-relaxed chose | its / fastest | predicted vs measured | "
               "calibration (s) | fastest AR (mode) | auto x fastest AR | auto, no backend pinned: chose | its x "
-              "fastest AR (predicted) |", "|---|---|" + "---|" * (len(methods) + 12)]
+              "fastest AR (predicted) |", "|---|---|---|" + "---|" * (len(methods) + 12)]
     for r in rec["rows"]:
         cells = [f"{r['median_s'][m]:.2f} s ({r['speedup_vs_ar'][m]:.2f}x){'*' if len(r['walls'][m]) == 1 else ''}"
                  for m in methods]
@@ -247,7 +256,8 @@ def markdown(rec: dict) -> str:
         versus += (f" | {a['choice']['plan']} on {a['choice']['backend']} ({a['choice']['mode']}){setup} | "
                    f"{a['speedup_vs_fastest_ar']:.2f}x ({a['choice']['speedup_over_fastest_ar']:.2f}x)" if a
                    else " | - | -")
-        lines.append(f"| {r['backend']} {r['dtype']} | {r['images']} | " + " | ".join(cells) +
+        lines.append(f"| {r['backend']} {r['dtype']} | {r.get('sampling', 'bundle')} | {r['images']} | "
+                     + " | ".join(cells) +
                      f" | {timing:.0f} + {prepare:.0f}{versus} |")
     return "\n".join(lines) + "\n"
 
@@ -261,16 +271,16 @@ def plot(rec: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    backends = sorted({(r["backend"], r["dtype"]) for r in rec["rows"]})
-    fig, axes = plt.subplots(1, len(backends), figsize=(4.5 * len(backends), 3.8), squeeze=False)
-    for ax, (backend, dtype) in zip(axes[0], backends):
-        rows = [r for r in rec["rows"] if (r["backend"], r["dtype"]) == (backend, dtype)]
+    panels = sorted({(r["backend"], r["dtype"], r.get("sampling", "bundle")) for r in rec["rows"]})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), squeeze=False)
+    for ax, (backend, dtype, name) in zip(axes[0], panels):
+        rows = [r for r in rec["rows"] if (r["backend"], r["dtype"], r.get("sampling", "bundle")) == (backend, dtype, name)]
         xs = [r["images"] for r in rows]
         for m in [*(m for m in rows[0]["median_s"] if m not in (*AUTOS, AR_AGAIN)), *AUTOS]:
             style = dict(lw=2.5, color="k") if m == "auto" else dict(lw=1, ls="--" if m.startswith("auto") else "-")
             ax.plot(xs, [r["speedup_vs_ar"][m] for r in rows], marker="o", label=m, **style)
         ax.axhline(1.0, color="gray", lw=0.8)
-        ax.set_title(f"{backend} {dtype}")
+        ax.set_title(f"{backend} {dtype}, {name} sampling")
         ax.set_xlabel("images decoded together (B)")
         ax.set_ylabel("speed-up over AR")
         ax.set_xticks(xs)

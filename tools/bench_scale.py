@@ -2,7 +2,8 @@
 
 The inflated target and drafter (lantern.models.inflate) generate the embedded model's tokens, so acceptance is
 the trained model's while every forward costs what LlamaGen's does. For each shape, dtype and number of images B
-(one image per class 0..B-1, decoded together), every method runs on every mode of --modes (eager `cpu`, compiled
+(one image per class 0..B-1, decoded together) and sampling setting (`--sampling`: the bundle's and LlamaGen's
+class-to-image one, whole vocabulary at CFG 4.0), every method runs on every mode of --modes (eager `cpu`, compiled
 `cpu-graph`; the fused step and ONNX Runtime on request) and AR also on every mode of --baseline-modes (ONNX
 included), seeds in turn and methods in a rotating order, so drift of the machine falls on all alike. Each method is
 reported against the fastest AR of the same run (over the modes run: named in the table) and against AR on its own
@@ -11,7 +12,7 @@ over AR's median step on the same mode), the speed-up a method would reach if dr
 nothing. Runners are prepared (compiled) before timing; the seconds are reported apart. Writes
 results/scale-<cpu>.{json,md,png}, naming the CPU, commit and command.
 
-    python tools/bench_scale.py [--shapes GPT-B GPT-L] [--images 1 4 16] [--dtypes fp32 bf16]
+    python tools/bench_scale.py [--shapes GPT-B GPT-L] [--images 1 4 16] [--dtypes fp32 bf16] [--sampling ...]
                                 [--modes eager compiled] [--methods ...] [--seeds 0 1] [--threads N] [--quick]
 
 --quick checks that the tool runs (GPT-B, eager fp32, one image, AR and MC-SJD, 4 tokens per image); its
@@ -29,9 +30,10 @@ from tqdm import tqdm
 
 from fastest_ar import MODES, mode_pipeline, prepare as prepare_runner, provenance, runnable_modes
 from lantern.bundle import load_bundle
-from lantern.decoding import METHODS, SamplingConfig, method_preset
+from lantern.decoding import METHODS, method_preset
 from lantern.models.inflate import INFLATE_SHAPES, inflate_models
 from results_io import utc_now, write_results
+from samplings import NAMES as SAMPLING_NAMES, sampling_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = dict(shapes=["GPT-B"], images=[1], dtypes=["fp32"], modes=["eager"], baseline_modes=["eager"],
@@ -48,11 +50,11 @@ def phase_median(profile: dict, name: str) -> float | None:
 
 
 def setting(models, bundle, shape: str, dtype: str, n: int, modes: list[str], methods: list[str],
-            seeds: list[int], tokens: int | None, ar_modes: list[str]) -> list[dict]:
-    """Every (mode, method) row of one (shape, dtype, B), with speed-ups against the fastest AR over `modes` and
-    `ar_modes` (modes where AR alone runs: the baseline)."""
-    sampling = SamplingConfig(**bundle.default_sampling)
-    configs = {m: method_preset(m, sampling, **bundle.relaxation_defaults.get(m, {})) for m in methods}
+            seeds: list[int], tokens: int | None, ar_modes: list[str], sampling_name: str = "bundle") -> list[dict]:
+    """Every (mode, method) row of one (shape, dtype, sampling, B), with speed-ups against the fastest AR over
+    `modes` and `ar_modes` (modes where AR alone runs: the baseline)."""
+    sampling = sampling_settings(bundle.default_sampling, [sampling_name])[sampling_name]
+    configs = {m: method_preset(m, sampling, **bundle.relaxation_at(sampling).get(m, {})) for m in methods}
     classes = [i % bundle.target.config.num_classes for i in range(n)]
     runs: dict[tuple[str, str], list[dict]] = {}
     prepare: dict[tuple[str, str], float] = {}
@@ -88,7 +90,7 @@ def setting(models, bundle, shape: str, dtype: str, n: int, modes: list[str], me
         ratio = statistics.median(verify) / ar_step if verify and ar_step else None
         compression = statistics.median(r["step_compression"] for r in v)
         rows.append({
-            "shape": shape, "dtype": dtype, "images": n, "mode": mode, "backend": MODES[mode][0], "method": m,
+            "shape": shape, "dtype": dtype, "sampling": sampling_name, "images": n, "mode": mode, "backend": MODES[mode][0], "method": m,
             "decode": configs[m].to_dict(), "median_s": median[mode, m], "walls": [r["wall_seconds"] for r in v],
             "fastest_ar": {"mode": fastest, "median_s": ar_by_mode[fastest]} if fastest else None,
             "speedup_vs_fastest_ar": ar_by_mode[fastest] / median[mode, m] if fastest else None,
@@ -105,6 +107,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["GPT-B", "GPT-L"], choices=sorted(INFLATE_SHAPES))
     ap.add_argument("--images", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--sampling", nargs="+", default=list(SAMPLING_NAMES), choices=SAMPLING_NAMES,
+                    help="the bundle's sampling and LlamaGen's class-to-image one (whole vocabulary, CFG 4.0)")
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     ap.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=list(MODES))
     ap.add_argument("--baseline-modes", nargs="+", default=list(MODES), choices=list(MODES),
@@ -148,10 +152,11 @@ def main() -> None:
             modes, why = runnable_modes(dtype, args.modes)
             ar_modes, why_ar = runnable_modes(dtype, args.baseline_modes)
             rec["modes_left_out"][dtype] = {**why_ar, **why}
-            for n in tqdm(args.images, desc=f"{shape} {dtype}"):
-                rec["rows"] += setting(models, bundle, shape, dtype, n, modes, args.methods, args.seeds, args.tokens,
-                                       ar_modes)
-                write_results(out, rec, markdown, plot)
+            for name in args.sampling:
+                for n in tqdm(args.images, desc=f"{shape} {dtype} {name}"):
+                    rec["rows"] += setting(models, bundle, shape, dtype, n, modes, args.methods, args.seeds,
+                                           args.tokens, ar_modes, name)
+                    write_results(out, rec, markdown, plot)
         del models
 
 
@@ -176,11 +181,12 @@ def markdown(rec: dict) -> str:
     for dtype, why in rec["modes_left_out"].items():
         for mode, reason in why.items():
             lines.append(f"- {dtype}: mode {mode} not run ({reason})")
-    lines += ["", "| shape | dtype | B | method | mode | s | x fastest AR (its mode) | x own AR | tokens / forward "
-              "| verify cost ratio | ceiling | prepare s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| shape | dtype | sampling | B | method | mode | s | x fastest AR (its mode) | x own AR | tokens / "
+              "forward | verify cost ratio | ceiling | prepare s |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rec["rows"]:
         fa = r["fastest_ar"]
-        lines.append(f"| {r['shape']} | {r['dtype']} | {r['images']} | {r['method']} | {r['mode']} | "
+        lines.append(f"| {r['shape']} | {r['dtype']} | {r.get('sampling', 'bundle')} | {r['images']} | {r['method']} | "
+                     f"{r['mode']} | "
                      f"{r['median_s']:.2f} | {fmt(r['speedup_vs_fastest_ar'], suffix='x')} "
                      f"({fa['mode'] if fa else '-'})"
                      f" | {fmt(r['speedup_vs_same_mode_ar'], suffix='x')} | {r['step_compression']:.2f} | "
@@ -192,10 +198,12 @@ def plot(rec: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    panels = sorted({(r["shape"], r["dtype"]) for r in rec["rows"]})
+    def panel(r):
+        return r["shape"], r["dtype"], r.get("sampling", "bundle")
+    panels = sorted({panel(r) for r in rec["rows"]})
     fig, axes = plt.subplots(1, len(panels), figsize=(4.8 * len(panels), 3.8), squeeze=False)
-    for ax, (shape, dtype) in zip(axes[0], panels):
-        rows = [r for r in rec["rows"] if (r["shape"], r["dtype"]) == (shape, dtype)]
+    for ax, (shape, dtype, name) in zip(axes[0], panels):
+        rows = [r for r in rec["rows"] if panel(r) == (shape, dtype, name)]
         for method, mode in sorted({(r["method"], r["mode"]) for r in rows}):
             pts = sorted((r["images"], r["speedup_vs_fastest_ar"]) for r in rows
                          if (r["method"], r["mode"]) == (method, mode) and r["speedup_vs_fastest_ar"])
@@ -204,7 +212,7 @@ def plot(rec: dict, path: Path) -> None:
                         label=f"{method} ({mode})")
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xscale("log", base=2)
-        ax.set_title(f"{shape} {dtype}")
+        ax.set_title(f"{shape} {dtype}, {name} sampling")
         ax.set_xlabel("images decoded together (B)")
         ax.set_ylabel("speed-up over the fastest AR")
         ax.legend(fontsize=6)

@@ -36,6 +36,7 @@ REQUEST_TIMEOUT_S = 600
 # how often /ready is asked while the service warms up: rarely, since each answer takes CPU from auto's calibration
 # on the same cores (polled every 0.2 s, a service timed its fused AR step at 14.5 ms, polled every 2 s at 11.0 ms)
 READY_POLL_S = 2.0
+CALIBRATING = ("waiting", "calibrating", "switching")  # /ready's `calibration` while auto plans in the background
 
 
 def lantern_command(*args: str) -> list[str]:
@@ -104,7 +105,9 @@ def start_service(args, method: str) -> tuple[subprocess.Popen, str]:
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         try:
-            if httpx.get(f"{url}/ready", timeout=10).status_code == 200:
+            ready = httpx.get(f"{url}/ready", timeout=10)
+            # ready, and auto's background calibration ended: the plan it chose is the one timed
+            if ready.status_code == 200 and ready.json().get("calibration") not in CALIBRATING:
                 return proc, url
         except httpx.TransportError:
             pass

@@ -1,8 +1,8 @@
-"""README's "what to expect" block, generated from committed results files (never typed by hand).
+"""README's "what to expect" block, generated from a committed results file (never typed by hand).
 
-Rewrites the lines between `<!-- results:begin -->` and `<!-- results:end -->` in README.md: per backend and
-number of images decoded together, each method family's best speed-up against the fastest plain AR measured on
-the same machine at the same number of images, with the results file and its provenance named beside the numbers.
+Rewrites the lines between `<!-- results:begin -->` and `<!-- results:end -->` in README.md: per sampling setting
+and number of images decoded together, what the default runs and each method family's best speed-up against the
+fastest plain AR measured in the same run, with the results file and its provenance named beside the numbers.
 tests/test_readme.py checks that the committed block is what this tool generates.
 
     python tools/readme_tables.py            # rewrite README.md's block
@@ -18,9 +18,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
-AUTO_RESULTS = "results/auto-cpu.json"  # tools/bench_auto.py: AR, every preset and auto, side by side
-DEFAULT_RESULTS = "results/auto-default-cpu.json"  # tools/bench_auto.py on the default backend: what the default
-# `lantern generate` (auto, no backend pinned) runs, against the fastest AR over every mode
+DEFAULT_RESULTS = "results/auto-default-cpu.json"  # tools/bench_auto.py on the default backend, at both samplings:
+# AR, every preset and auto side by side, and what the default `lantern generate` (auto, no backend pinned) runs,
+# against the fastest AR over every mode
 MODES = {"eager": "eager", "compiled": "compiled", "fused": "fused step", "onnx": "ONNX Runtime"}
 LOSSLESS = ("eagle2", "sjd", "mc-sjd")  # exact acceptance: AR's distribution
 RELAXED = ("lantern", "lantern++", "mc-sjd-relaxed")  # the bundle's quality-validated relaxations
@@ -40,31 +40,35 @@ def plan_name(choice: dict) -> str:
     return NAMES.get(choice["method"], choice["method"]) + shape
 
 
-def auto_table(record: dict, source: str) -> list[str]:
-    rows = record["rows"]
-    fastest_ar = {}  # images -> (seconds, backend label): the fastest AR on this machine at that many images
-    for r in rows:
-        label = f"{r['backend']} {r['dtype']}"
-        wall = median_wall(r, "ar")
-        if r["images"] not in fastest_ar or wall < fastest_ar[r["images"]][0]:
-            fastest_ar[r["images"]] = (wall, label)
+def sampling_text(row: dict) -> str:
+    """A row's sampling setting in words (rows written before the setting was recorded: the bundle's)."""
+    c = row.get("sampling_config")
+    if c is None:
+        return "the bundle's"
+    top_k = "whole vocabulary" if c["top_k"] == 0 else f"top-k {c['top_k']}"
+    return f"{row['sampling']}: {top_k}, CFG {c['cfg_scale']:g}"
 
+
+def auto_table(record: dict, source: str) -> list[str]:
+    """Per backend, sampling and number of images: each method family's best against the fastest AR of the run."""
     def best(r: dict, family: tuple[str, ...]) -> str:
         method = min((m for m in family if m in r["walls"]), key=lambda m: median_wall(r, m))
-        return f"{NAMES[method]} {fastest_ar[r['images']][0] / median_wall(r, method):.2f}x"
+        return f"{NAMES[method]} {r['fastest_ar']['median_s'] / median_wall(r, method):.2f}x"
 
     prov = record["provenance"]
-    out = [f"Measured by `{prov['command']}` ([{Path(source).name}]({source}); {prov['machine']}, "
-           f"{record['threads']} threads, embedded model). Speed-up = the fastest AR on this machine at the same "
-           f"number of images (any backend, named) / the method's wall time; median over seeds {record['seeds']}.",
-           "", "| backend | images decoded together | AR here (s) | fastest AR (s) | best lossless | best relaxed "
-           "(quality-validated) | `--method auto` chose | auto |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        ar_s, ar_label = fastest_ar[r["images"]]
+    out = [f"Every method, measured by the same run ([{Path(source).name}]({source})). Speed-up = the fastest AR on "
+           "this machine at the same sampling and number of images (every mode, named) / the method's wall time; "
+           "relaxed plans only where the bundle validated them at that sampling (else they ran lossless); median "
+           f"over seeds {record['seeds']}.", "",
+           "| backend | sampling | images decoded together | AR here (s) | fastest AR (s) | best lossless | "
+           "best relaxed (where validated) | `--method auto` chose | auto |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in record["rows"]:
+        fa = r["fastest_ar"]
         choice = r["choices"]["auto"]
-        auto = ar_s / median_wall(r, "auto")
-        out.append(f"| {r['backend']} {r['dtype']} | {r['images']} | {median_wall(r, 'ar'):.2f} | {ar_s:.2f} "
-                   f"({ar_label}) | {best(r, LOSSLESS)} | {best(r, RELAXED)} | {plan_name(choice)} | {auto:.2f}x |")
+        auto = fa["median_s"] / median_wall(r, "auto")
+        out.append(f"| {r['backend']} {r['dtype']} | {sampling_text(r)} | {r['images']} | {median_wall(r, 'ar'):.2f} "
+                   f"| {fa['median_s']:.2f} ({MODES.get(fa['mode'], fa['mode'])}) | {best(r, LOSSLESS)} | "
+                   f"{best(r, RELAXED)} | {plan_name(choice)} | {auto:.2f}x |")
     return out
 
 
@@ -74,27 +78,26 @@ def default_table(record: dict, source: str) -> list[str]:
     out = [f"The default (`lantern generate`: `--method auto`, no backend pinned), measured by `{prov['command']}` "
            f"([{Path(source).name}]({source}); {prov['machine']}, {record['threads']} threads, embedded model); "
            f"median over seeds {record['seeds']}:", "",
-           "| images | the default ran | its wall (s) | fastest AR (s, mode) | speed-up over the fastest AR |",
-           "|---|---|---|---|---|"]
+           "| sampling | images | the default ran | its wall (s) | fastest AR (s, mode) | speed-up over the fastest AR |",
+           "|---|---|---|---|---|---|"]
     for r in record["rows"]:
         a, fa = r.get("auto_any_mode"), r["fastest_ar"]
         if a is None:
             continue
         c = a["choice"]
         setup = " after `lantern profile calibrate`" if a.get("machine_calibrated") else ""
-        out.append(f"| {r['images']} | {plan_name(c)} on {c['backend']} ({MODES.get(c['mode'], c['mode'])}){setup} "
-                   f"| {a['median_s']:.2f} | {fa['median_s']:.2f} ({MODES.get(fa['mode'], fa['mode'])}) "
-                   f"| {a['speedup_vs_fastest_ar']:.2f}x |")
+        out.append(f"| {sampling_text(r)} | {r['images']} | {plan_name(c)} on {c['backend']} "
+                   f"({MODES.get(c['mode'], c['mode'])}){setup} | {a['median_s']:.2f} | {fa['median_s']:.2f} "
+                   f"({MODES.get(fa['mode'], fa['mode'])}) | {a['speedup_vs_fastest_ar']:.2f}x |")
     return out
 
 
 def block(root: Path = ROOT) -> str:
     """The generated lines, markers excluded."""
-    record = json.loads((root / AUTO_RESULTS).read_text())
     default = json.loads((root / DEFAULT_RESULTS).read_text())
-    return "\n".join(["<!-- generated by tools/readme_tables.py from the results files named below; "
+    return "\n".join(["<!-- generated by tools/readme_tables.py from the results file named below; "
                       "do not edit by hand -->", *default_table(default, DEFAULT_RESULTS), "",
-                      *auto_table(record, AUTO_RESULTS)])
+                      *auto_table(default, DEFAULT_RESULTS)])
 
 
 def replace_block(readme: str, generated: str) -> str:

@@ -8,7 +8,8 @@ A backend turns (target, drafter, StaticSpec) into a `Runner`. The decoding core
     draft(tokens, features, positions, slots, mask)       -> StepOutput, T in spec.draft_widths
     commit(src, dst)                                      compaction inside the target's KV cache,
                                                           src and dst exactly (B, spec.commit_pairs)
-    phase(name)                                           timing context (syncs the device)
+    phase(name)                                           timing context (base: syncs the device; torch on
+                                                          CUDA: events, resolved when `times` is read)
     sync(), profile(), warmup() (optional: default runs every static step once)
 
 Every argument is a tensor of a fixed shape (positions, slots and lengths included: never Python ints that
@@ -59,6 +60,7 @@ class Capabilities:
     supports_graphs: bool  # steps are captured once and replayed
     timer: str  # what phase timing rests on
     memory_source: str  # what peak memory rests on
+    fp32_matmul: str = "fp32"  # what an fp32 matrix product computes in: "fp32", or "tf32" (CUDA tensor cores)
 
 
 @dataclass(frozen=True)
@@ -132,7 +134,7 @@ class PhaseTimes:
 
 @dataclass
 class MemoryReport:
-    peak_bytes: int  # peak device memory (accelerators) or peak process RSS (CPU)
+    peak_bytes: int  # the true peak since the last reset (lantern.backends.memory): allocator or process
     weights_bytes: int
     kv_cache_bytes: int
     tree_buffer_bytes: int  # the static inputs of the widest step (tokens, positions, slots, mask)
@@ -155,7 +157,7 @@ class Runner(ABC):
         self.spec = spec
         self.device = device
         self.model_config = model_config  # the target's GPTConfig
-        self.times: dict[str, PhaseTimes] = {}
+        self._times: dict[str, PhaseTimes] = {}
         self.warmup_seconds = 0.0
 
     @abstractmethod
@@ -181,10 +183,11 @@ class Runner(ABC):
 
     @abstractmethod
     def memory(self) -> MemoryReport:
-        """Peak memory since prepare(), and what it is made of."""
+        """The true peak since prepare() or the last reset_peak_memory(), and what it is made of."""
 
     def reset_peak_memory(self) -> None:
-        """(optional) Start a new peak-memory window; default: nothing to reset."""
+        """(optional) Start a new peak-memory window (Pipeline.generate: one per generation); default: nothing to
+        reset. A runner that offers it reads its peak from lantern.backends.memory."""
 
     def dummy_condition(self) -> torch.Tensor:
         """A valid condition of the prepared batch: class 0, an all-zero caption, or a prompt of token 0."""
@@ -219,10 +222,22 @@ class Runner(ABC):
         t0 = time.perf_counter()
         yield
         self.sync()
-        self.times.setdefault(name, PhaseTimes()).seconds.append(time.perf_counter() - t0)
+        self.add_time(name, time.perf_counter() - t0)
+
+    def add_time(self, name: str, seconds: float) -> None:
+        self._times.setdefault(name, PhaseTimes()).seconds.append(seconds)
+
+    @property
+    def times(self) -> dict[str, PhaseTimes]:
+        """Each phase's timings so far; reading them first resolves what the device still owes (`resolve_times`)."""
+        self.resolve_times()
+        return self._times
+
+    def resolve_times(self) -> None:
+        """(optional) Turn timings still pending on the device into seconds; default: nothing is pending."""
 
     def reset_times(self) -> None:
-        self.times = {}
+        self._times = {}
 
     def warmup(self) -> float:
         """(optional) Run every static step once on dummy data (graph backends capture here).

@@ -23,8 +23,9 @@ from typing import Optional
 
 import torch
 
-from lantern.backends.base import (Availability, Backend, BackendUnavailable, Capabilities, MemoryReport, Runner,
-                                   StaticSpec, StepOutput, parse_dtype)
+from lantern.backends.base import (Availability, Backend, BackendUnavailable, Capabilities, Runner, StaticSpec,
+                                   StepOutput, parse_dtype)
+from lantern.backends.memory import AllocatorPeak
 from lantern.backends.gaudi_config import GaudiSettings, load_gaudi_config
 from lantern.backends.torch_eager import SharedWeights
 from lantern.backends.torch_graph import CapturedRunner, fusable
@@ -126,15 +127,8 @@ class HPURunner(CapturedRunner):
     def sync(self):
         self.hpu.synchronize()
 
-    def reset_peak_memory(self):
-        self.hpu.reset_peak_memory_stats()
-
-    def memory(self) -> MemoryReport:
-        peak = self.hpu.max_memory_allocated()
-        fixed = self.weights_bytes + self.kv_bytes() + self.tree_buffer_bytes()
-        return MemoryReport(peak_bytes=peak, weights_bytes=self.weights_bytes, kv_cache_bytes=self.kv_bytes(),
-                            tree_buffer_bytes=self.tree_buffer_bytes(), workspace_bytes=max(peak - fixed, 0),
-                            source="habana_frameworks.torch.hpu.max_memory_allocated")
+    def peak_meter(self) -> AllocatorPeak:
+        return AllocatorPeak(self.hpu, "habana_frameworks.torch.hpu")
 
     def profile(self) -> dict:
         return {**super().profile(), "memory_stats": dict(self.hpu.memory_stats())}

@@ -18,7 +18,6 @@ their fixed shapes in about a second per graph, and it emits ScatterND for `inde
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import os
@@ -32,6 +31,7 @@ from torch import nn
 
 from lantern.kv_cache import slot_rows
 from lantern.models.checkpoint import model_hash
+from lantern.models.placement import placed_copy
 from lantern import atomic_io
 from lantern.user_cache import cache_root, cache_source, check_location, entry_lock
 
@@ -220,11 +220,11 @@ def export_graph(key: GraphKey, target, drafter, path: Path) -> None:
     from lantern.backends.base import parse_dtype
 
     dtype = parse_dtype(key.dtype)
-    # own copies in the graph's dtype, rotations kept in fp32 (as the torch runners do)
-    target = copy.deepcopy(target).to(dtype=dtype).eval().requires_grad_(False)
-    target.rope = target.rope.float()
+    # own host copies in the graph's dtype, rotations kept in fp32 (as the torch runners place them)
+    host = torch.device("cpu")
+    target = target.placed(host, dtype)
     if drafter is not None:
-        drafter = copy.deepcopy(drafter).to(dtype=dtype).eval().requires_grad_(False)
+        drafter = placed_copy(drafter, host, dtype)
     module, args, in_names, out_names, dynamic = _example(key, target, drafter, dtype)
     path.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings(), torch.no_grad():

@@ -4,6 +4,11 @@ The KV caches are OrtValues allocated once on the execution provider's device an
 `k{i}` and output `k{i}_out` of every graph (safe: see onnx_export.py); step inputs are bound from the
 caller's torch tensors and logits/features are written straight into torch tensors allocated for the
 call, so no model math runs in torch and the cache never crosses to the host.
+
+Where the step tensors live (the runner's `device`): on the provider's GPU when the CUDA provider started and
+torch has CUDA (ONNX Runtime then runs on torch's current stream, so no wait is needed between them); on the host
+otherwise, said in a warning and in the profile (`ort.io_device`), since every step's inputs and outputs then
+cross to the host.
 """
 from __future__ import annotations
 
@@ -15,16 +20,17 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
-import psutil
 import torch
 
 from lantern.backends.base import (Availability, Backend, BackendUnavailable, Capabilities, MemoryReport, Runner,
                                    StaticSpec, StepOutput, dummy_step_inputs, parse_dtype)
+from lantern.backends.memory import HostPeak
 from lantern.backends.onnx_export import cache_rows, ensure_graphs
 
 OPT_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED",
               "all": "ORT_ENABLE_ALL"}
 NUMPY = {torch.int64: np.int64, torch.bool: np.bool_, torch.float32: np.float32, torch.float16: np.float16}
+HOST_ONLY = " (host memory: the CUDA execution provider's device memory is not in it)"
 INSTALL_HINT = {"onnx": "pip install 'lantern-decoding[onnx]'",
                 "onnx-cuda": "pip install 'lantern-decoding[onnx-gpu]'"}
 
@@ -77,10 +83,17 @@ class _Graph:
             self.binding.bind_ortvalue_output(f"{name}_out", value)  # in place: past and present are one buffer
 
     def run(self, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> None:
+        """Binds each tensor where it lives (host or CUDA device) and runs the graph."""
         for name, t in list(inputs.items()) + list(outputs.items()):
             bind = self.binding.bind_input if name in inputs else self.binding.bind_output
-            bind(name, "cpu", 0, NUMPY[t.dtype], tuple(t.shape), t.data_ptr())
+            bind(name, t.device.type, t.device.index or 0, NUMPY[t.dtype], tuple(t.shape), t.data_ptr())
         self.session.run_with_iobinding(self.binding)
+
+
+def io_device(ort_device: tuple[str, int], torch_has_cuda: bool) -> torch.device:
+    """Where a runner's step tensors live: on the provider's GPU where torch can hold tensors there, else the host."""
+    kind, index = ort_device
+    return torch.device("cuda", index) if kind == "cuda" and torch_has_cuda else torch.device("cpu")
 
 
 class ORTRunner(Runner):
@@ -89,7 +102,6 @@ class ORTRunner(Runner):
     def __init__(self, ort, paths: dict[str, Path], model_config, spec: StaticSpec, providers: list,
                  settings: dict, profile_prefix: Optional[str] = None):
         """settings: session_options keywords (threads, opt_level, spin)."""
-        super().__init__(spec, torch.device("cpu"), model_config)  # step tensors live on the host
         self.ort, self.paths, self.providers, self.settings = ort, paths, providers, settings
         self.options = session_options(ort, profile_prefix=profile_prefix, **settings)
         self.sessions, self.fallback_reason = {}, ""
@@ -98,6 +110,7 @@ class ORTRunner(Runner):
         self.provider = next(iter(self.sessions.values())).get_providers()[0]
         name, options = _provider_pair(self.providers[0])  # after any fallback, the provider that started
         self.ort_device = ("cuda", options.get("device_id", 0)) if name == "CUDAExecutionProvider" else ("cpu", 0)
+        super().__init__(spec, io_device(self.ort_device, torch.cuda.is_available()), model_config)
         cfg, self.out_dtype = model_config, parse_dtype(spec.dtype)
         shape, dtype = (cache_rows(spec.batch, spec.max_len, cfg), cfg.head_dim), NUMPY[self.out_dtype]
         self.target_kv = {f"{kv}{i}": self._zeros(shape, dtype) for kv in "kv" for i in range(cfg.n_layer)}
@@ -109,6 +122,7 @@ class ORTRunner(Runner):
                             for n, p in paths.items()}
         self.weights_bytes = sum(b for n, b in self.graph_bytes.items() if not n.startswith("commit"))
         self.ort_memory: dict[str, dict] = {}
+        self.peak = HostPeak()
         self.reset_peak_memory()
 
     def _caches_of(self, step: str) -> dict:
@@ -148,12 +162,12 @@ class ORTRunner(Runner):
             if tuple(t.shape) != graph.input_shapes[key]:
                 raise ValueError(f"{name}: input {key!r} has shape {tuple(t.shape)}, the graph takes "
                                  f"{graph.input_shapes[key]}")
-        inputs = {k: t.detach().to("cpu").contiguous() for k, t in inputs.items()}
+        inputs = {k: t.detach().to(self.device).contiguous() for k, t in inputs.items()}
         b, t = graph.input_shapes["mask"][:2]
-        logits = torch.empty(b, 1 if name == "prefill" else t, self.vocab, dtype=torch.float32)  # prefill: the last
-        hidden = torch.empty(b, t, self.dim, dtype=self.out_dtype)
+        logits = torch.empty(b, 1 if name == "prefill" else t, self.vocab, dtype=torch.float32,
+                             device=self.device)  # prefill: the last position's
+        hidden = torch.empty(b, t, self.dim, dtype=self.out_dtype, device=self.device)
         graph.run(inputs, {"logits": logits, "hidden": hidden})
-        self._sample_rss()
         return StepOutput(logits, hidden)
 
     def prefill(self, cond, mask):
@@ -173,23 +187,21 @@ class ORTRunner(Runner):
 
     def commit(self, src, dst):
         self.spec.check_commit(src, dst)
-        self.graphs["commit"].run({"src": src.detach().cpu().long().contiguous(),
-                                   "dst": dst.detach().cpu().long().contiguous()}, {})
+        self.graphs["commit"].run({"src": src.detach().to(self.device).long().contiguous(),
+                                   "dst": dst.detach().to(self.device).long().contiguous()}, {})
 
     def sync(self):
-        """run_with_iobinding returns once the outputs are in the bound host tensors: nothing pending."""
+        """run_with_iobinding returns once the outputs are in the bound tensors; on a GPU, torch's stream (which
+        ONNX Runtime shares) may still hold the inputs' copies."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def kv_bytes(self) -> int:
         return sum(int(np.prod(v.shape())) * np.dtype(NUMPY[self.out_dtype]).itemsize
                    for v in list(self.target_kv.values()) + list(self.draft_kv.values()))
 
-    def _sample_rss(self) -> None:
-        """After every step: a CPU allocator reports no peak, so the peak RSS is the largest sample."""
-        self._rss_peak = max(self._rss_peak, self._process.memory_info().rss)
-
     def reset_peak_memory(self):
-        self._process, self._rss_peak = psutil.Process(), 0
-        self._sample_rss()
+        self.peak.reset()
 
     def warmup(self) -> float:
         seconds = super().warmup()
@@ -230,21 +242,21 @@ class ORTRunner(Runner):
             self.commit(a, a.clone())
 
     def memory(self) -> MemoryReport:
-        self._sample_rss()
+        peak = self.peak.read()
         fixed = self.weights_bytes + self.kv_bytes() + self.tree_buffer_bytes()
         # a session's arena peak holds its own weights too: the workspace is what the peak holds beyond them
         arena = max((m["mem_in_use_peak"] - self.graph_bytes[n] for n, m in self.ort_memory.items()),
                     default=None)
-        source = "process RSS (psutil)" + ("; workspace: ORT profiler mem_in_use_peak minus the graph's weights"
-                                           if arena is not None else "")
-        workspace = max(arena, 0) if arena is not None else max(self._rss_peak - fixed, 0)
-        return MemoryReport(peak_bytes=self._rss_peak, weights_bytes=self.weights_bytes,
+        source = self.peak.source + (HOST_ONLY if self.ort_device[0] == "cuda" else "") + (
+            "; workspace: ORT profiler mem_in_use_peak minus the graph's weights" if arena is not None else "")
+        workspace = max(arena, 0) if arena is not None else max(peak - fixed, 0)
+        return MemoryReport(peak_bytes=peak, weights_bytes=self.weights_bytes,
                             kv_cache_bytes=self.kv_bytes(), tree_buffer_bytes=self.tree_buffer_bytes(),
                             workspace_bytes=workspace, source=source)
 
     def profile(self) -> dict:
         record = super().profile()
-        record["ort"] = {"version": self.ort.__version__, "provider": self.provider,
+        record["ort"] = {"version": self.ort.__version__, "provider": self.provider, "io_device": str(self.device),
                          "session_options": describe_options(self.options), "graphs": {
                              n: str(p) for n, p in self.paths.items()}, "memory_per_step": self.ort_memory}
         return record
@@ -290,7 +302,7 @@ class ONNXBackend(Backend):
     def capabilities(self) -> Capabilities:
         return Capabilities(device="cpu", dtypes=("fp32",), supports_graphs=True,
                             timer="time.perf_counter (run_with_iobinding is synchronous)",
-                            memory_source="process RSS (psutil) + ORT profiler mem_in_use_peak")
+                            memory_source=HostPeak().source + " + ORT profiler mem_in_use_peak")
 
     @classmethod
     def supports_family(cls, family: str) -> Availability:
@@ -331,12 +343,19 @@ class ONNXCUDABackend(ONNXBackend):
     def capabilities(self) -> Capabilities:
         return Capabilities(device=f"cuda:{self.device_index}", dtypes=("fp32",), supports_graphs=True,
                             timer="time.perf_counter (run_with_iobinding is synchronous)",
-                            memory_source="process RSS (psutil) + ORT profiler mem_in_use_peak")
+                            memory_source=HostPeak().source + HOST_ONLY + " + ORT profiler mem_in_use_peak")
 
     def providers(self) -> list:
-        return [(self.provider, {"device_id": self.device_index}), "CPUExecutionProvider"]
+        options = {"device_id": self.device_index}
+        if torch.cuda.is_available():  # ONNX Runtime runs on torch's stream: inputs torch wrote are ready in order
+            options["user_compute_stream"] = str(torch.cuda.current_stream(self.device_index).cuda_stream)
+        return [(self.provider, options), "CPUExecutionProvider"]
 
     def check_provider(self, runner: ORTRunner) -> None:
         if runner.provider != self.provider:
             warnings.warn(f"{self.name}: {self.provider} could not start ({runner.fallback_reason}); running on "
                           f"{runner.provider} instead", RuntimeWarning, stacklevel=3)
+        elif runner.device.type != "cuda":
+            warnings.warn(f"{self.name}: {self.provider} runs the graphs, but torch {torch.__version__} has no CUDA, "
+                          "so every step's inputs and outputs cross to the host (io_device cpu)", RuntimeWarning,
+                          stacklevel=3)

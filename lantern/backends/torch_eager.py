@@ -6,14 +6,17 @@ holds one copy of the weights, and the caller's fp32 models are never changed.""
 from __future__ import annotations
 
 import contextlib
-import copy
 
-import psutil
 import torch
 
-from lantern.backends.base import (Availability, Backend, Capabilities, MemoryReport, PhaseTimes, Runner,
+from lantern.backends.base import (Availability, Backend, Capabilities, MemoryReport, Runner,
                                    StaticSpec, StepOutput, parse_dtype)
+from lantern.backends.memory import AllocatorPeak, HostPeak
 from lantern.backends.torch_steps import CacheCommit, DraftStep, TargetPrefill, TargetStep, make_caches
+from lantern.models.placement import placed_copy
+
+
+MAX_PENDING_PHASES = 4096  # CUDA phase marks held before those already done are resolved (bounds a long service)
 
 
 def module_bytes(*modules) -> int:
@@ -44,8 +47,7 @@ class SharedWeights:
             # the target places itself (lantern.models.family: a copy where device or dtype differ) and the drafter
             # is copied, so preparing never changes the caller's models
             tc = target.placed(device, t)
-            dc = (copy.deepcopy(drafter).to(device=device, dtype=t).eval().requires_grad_(False)
-                  if drafter is not None else None)
+            dc = placed_copy(drafter, device, t) if drafter is not None else None
             cache[key] = (target, drafter, tc, dc)  # the originals are kept so their ids stay theirs
         return cache[key][2:]
 
@@ -60,6 +62,7 @@ class TorchRunner(Runner):
 
     def __init__(self, target, drafter, spec: StaticSpec, device: torch.device):
         super().__init__(spec, device, target.config)
+        self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []  # CUDA phases not yet resolved
         self.target = target
         self.drafter = drafter if spec.draft_widths else None
         if spec.draft_widths and self.drafter is None:
@@ -74,7 +77,12 @@ class TorchRunner(Runner):
             self.modules["draft"] = DraftStep(self.target, self.drafter, self.draft_cache)
         self.steps = {name: self.wrap_step(name, module) for name, module in self.modules.items()}
         self.weights_bytes = module_bytes(self.target, self.drafter)
+        self.peak = self.peak_meter()
         self.reset_peak_memory()
+
+    def peak_meter(self):
+        """What this runner's peak is read from (lantern.backends.memory): CUDA's allocator, else the process."""
+        return AllocatorPeak(torch.cuda, "torch.cuda", self.device) if is_cuda(self.device) else HostPeak()
 
     def wrap_step(self, name: str, module: torch.nn.Module):
         """Eager: the module itself."""
@@ -129,7 +137,9 @@ class TorchRunner(Runner):
 
     @contextlib.contextmanager
     def phase(self, name: str):
-        """On CUDA, time the phase with CUDA events (device time between two stream marks)."""
+        """On CUDA, time the phase with CUDA events (device time between two stream marks), never waiting for
+        the device here: the marks are resolved when the times are read (`resolve_times`), or, past
+        `MAX_PENDING_PHASES`, those the device has already passed."""
         if not is_cuda(self.device):
             with super().phase(name):
                 yield
@@ -138,29 +148,43 @@ class TorchRunner(Runner):
         start.record()
         yield
         end.record()
-        end.synchronize()
-        self.times.setdefault(name, PhaseTimes()).seconds.append(start.elapsed_time(end) / 1e3)
+        self._pending.append((name, start, end))
+        if len(self._pending) > MAX_PENDING_PHASES:
+            self._resolve(wait=False)
+
+    def resolve_times(self):
+        self._resolve(wait=True)
+
+    def _resolve(self, wait: bool) -> None:
+        """Pending phases into seconds: all of them after one wait for the last mark (every earlier mark is on
+        the same stream, so done by then), or without waiting only those whose end mark the device has passed."""
+        pending = self._pending
+        if not pending:
+            return
+        if wait:
+            pending[-1][2].synchronize()
+        done = len(pending) if wait else next((i for i, (_, _, end) in enumerate(pending) if not end.query()),
+                                              len(pending))
+        for name, start, end in pending[:done]:
+            self.add_time(name, start.elapsed_time(end) / 1e3)
+        del pending[:done]
+
+    def reset_times(self):
+        super().reset_times()
+        self._pending = []
 
     def kv_bytes(self) -> int:
         return self.target_cache.nbytes + (self.draft_cache.nbytes if self.draft_cache is not None else 0)
 
     def reset_peak_memory(self):
-        if is_cuda(self.device):
-            torch.cuda.reset_peak_memory_stats(self.device)
-        self._rss_base = psutil.Process().memory_info().rss
+        self.peak.reset()
 
     def memory(self) -> MemoryReport:
         fixed = self.weights_bytes + self.kv_bytes() + self.tree_buffer_bytes()
-        if is_cuda(self.device):
-            peak = torch.cuda.max_memory_allocated(self.device)
-            source = "torch.cuda.max_memory_allocated"
-        else:
-            # CPU: the process's peak RSS is all a CPU allocator tells; weights and caches are inside it
-            peak = max(psutil.Process().memory_info().rss, self._rss_base)
-            source = "process RSS (psutil)"
+        peak = self.peak.read()  # on a CPU the process's: weights, caches, interpreter and libraries inside it
         return MemoryReport(peak_bytes=peak, weights_bytes=self.weights_bytes, kv_cache_bytes=self.kv_bytes(),
                             tree_buffer_bytes=self.tree_buffer_bytes(), workspace_bytes=max(peak - fixed, 0),
-                            source=source)
+                            source=self.peak.source)
 
 
 class CPUBackend(SharedWeights, Backend):
@@ -177,7 +201,7 @@ class CPUBackend(SharedWeights, Backend):
 
     def capabilities(self) -> Capabilities:
         return Capabilities(device="cpu", dtypes=("fp32", "bf16"), supports_graphs=False,
-                            timer="time.perf_counter", memory_source="process RSS (psutil)")
+                            timer="time.perf_counter", memory_source=HostPeak().source)
 
     def prepare(self, target, drafter, spec: StaticSpec) -> Runner:
         self.check_dtype(spec.dtype)
@@ -189,12 +213,20 @@ class CPUBackend(SharedWeights, Backend):
         return runner
 
 
+def allow_tf32() -> None:
+    """fp32 matrix products on CUDA run on the tensor cores in TF32 (a 10-bit mantissa: relative errors near
+    3e-4). torch keeps this setting per process, so it is set where a CUDA runner is prepared, never at import."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+
+
 class CUDABackend(CPUBackend):
+    """cuda: bf16 by default; fp32 matrix products in TF32 unless `tf32=False`."""
+
     name = "cuda"
 
-    def __init__(self, device_index: int = 0):
+    def __init__(self, device_index: int = 0, tf32: bool = True):
         super().__init__()
-        self.device_index = device_index
+        self.device_index, self.tf32 = device_index, tf32
 
     @classmethod
     def availability(cls) -> Availability:
@@ -204,14 +236,21 @@ class CUDABackend(CPUBackend):
         return Availability(True)
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(device=f"cuda:{self.device_index}", dtypes=("fp32", "bf16", "fp16"),
+        return Capabilities(device=f"cuda:{self.device_index}", dtypes=("bf16", "fp32", "fp16"),
                             supports_graphs=False,
                             timer="torch.cuda.Event elapsed_time",
-                            memory_source="torch.cuda.max_memory_allocated")
+                            memory_source="torch.cuda.max_memory_allocated",
+                            fp32_matmul="tf32" if self.tf32 else "fp32")
+
+    def device(self) -> torch.device:
+        """Where this backend's runners live (and the one switch of the process-wide TF32 setting)."""
+        if self.tf32:
+            allow_tf32()
+        return torch.device("cuda", self.device_index)
 
     def prepare(self, target, drafter, spec: StaticSpec) -> Runner:
         self.check_dtype(spec.dtype)
-        device = torch.device("cuda", self.device_index)
+        device = self.device()
         runner = self.runner_cls(*self.placed(target, drafter if spec.draft_widths else None, device, spec.dtype),
                                  spec, device)
         runner.backend_name = self.name

@@ -231,30 +231,52 @@ class CapturedRunner(TorchRunner):
         return out
 
 
+@contextlib.contextmanager
+def fail_on_recompile():
+    """Inside the block a compiled function that would recompile raises instead (a first compile too)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if set_stance is not None:  # torch >= 2.6
+        with set_stance("fail_on_recompile"):
+            yield
+        return
+    from torch._dynamo import config  # here, not at the top: importing dynamo costs seconds
+    old, config.error_on_recompile = config.error_on_recompile, True
+    try:
+        yield
+    finally:
+        config.error_on_recompile = old
+
+
 class CUDAGraphReplay:
-    """One engine's fused step recorded once as a CUDA graph, then replayed. The first call runs the compiled
-    step on a side stream (lazy initialisation happens outside any recording), the second records it and
-    replays the recording (recording alone runs nothing), every later call replays. The step reads and writes
-    only the engine's persistent buffers, so a replay is the whole step; its report lands in the same tensor
-    every replay (the engine reads it before the next). cuda: torch.cuda (a test passes a labelled fake)."""
+    """One engine's fused step recorded once as a CUDA graph, then replayed. The first `WARM_CALLS` calls run the
+    compiled step on a side stream (lazy initialisation happens outside any recording): the first compiles, the
+    others run under a fail-on-recompile stance, so a guard that would not hold on a later call fails there, on
+    the host, instead of recompiling inside the recording (a hard error of torch.cuda.graph). The next call
+    records it, under the same stance, and replays the recording (recording alone runs nothing); every later
+    call replays. The step reads and writes only the engine's persistent buffers, so a replay is the whole step;
+    its report lands in the same tensor every replay (the engine reads it before the next).
+    cuda: torch.cuda (a test passes a labelled fake)."""
+
+    WARM_CALLS = 3  # one that compiles, two that must not
 
     def __init__(self, call: Callable[[], torch.Tensor], cuda=torch.cuda):
         self.call, self.cuda = call, cuda
-        self.warmed, self.graph, self.report = False, None, None
+        self.warm_calls, self.graph, self.report = 0, None, None
 
     def __call__(self) -> torch.Tensor:
         cuda = self.cuda
-        if not self.warmed:
+        if self.warm_calls < self.WARM_CALLS:
             side = cuda.Stream()
             side.wait_stream(cuda.current_stream())
-            with cuda.stream(side):
+            stance = fail_on_recompile() if self.warm_calls else contextlib.nullcontext()
+            with cuda.stream(side), stance:
                 report = self.call()
             cuda.current_stream().wait_stream(side)
-            self.warmed = True
+            self.warm_calls += 1
             return report
         if self.graph is None:
             self.graph = cuda.CUDAGraph()
-            with cuda.graph(self.graph):
+            with fail_on_recompile(), cuda.graph(self.graph):
                 self.report = self.call()
         self.graph.replay()
         return self.report
@@ -340,9 +362,9 @@ class CUDAGraphBackend(CUDABackend):
 
     name = "cuda-graph"
 
-    def __init__(self, device_index: int = 0, fused_step: bool = False):
+    def __init__(self, device_index: int = 0, fused_step: bool = False, tf32: bool = True):
         """fused_step: the engine's whole decode step recorded as one CUDA graph (lantern.engine.fused)."""
-        super().__init__(device_index)
+        super().__init__(device_index, tf32)
         self.fused_step = fused_step
 
     def capabilities(self):
@@ -350,7 +372,7 @@ class CUDAGraphBackend(CUDABackend):
 
     def prepare(self, target, drafter, spec: StaticSpec) -> Runner:
         self.check_dtype(spec.dtype)
-        device = torch.device("cuda", self.device_index)
+        device = self.device()
         runner = CompiledRunner(*self.placed(target, drafter if spec.draft_widths else None, device, spec.dtype),
                                 spec, device, compiler="inductor", mode="reduce-overhead", fused=self.fused_step)
         runner.backend_name = self.name

@@ -18,10 +18,13 @@ import time
 
 import torch
 
+from lantern.backends.torch_graph import CUDAGraphReplay
 from lantern.engine.step import decode_step
 
 SLOT_STATE = ("root", "root_tok", "emitted")  # what decode_step replaces on the slots
-WARM_CALLS = 3  # eager, compile (CUDA: warm-up), capture and replay: a configuration's fused warm-up on a runner
+# a configuration's fused warm-up on a runner: one eager step, the replayer's warm calls (compile, then two that
+# must not recompile), the capture and its replay
+WARM_CALLS = 1 + CUDAGraphReplay.WARM_CALLS + 1
 
 
 def fused_decode_step(runner, proposer, slots, places) -> torch.Tensor:

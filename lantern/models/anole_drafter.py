@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from lantern.kv_cache import StaticKVCache
+from lantern.models.checkpoint import load_tensors_file
 from lantern.models.chameleon import ChameleonTarget, attention
 from lantern.models.gpt import attention_bias
 
@@ -128,10 +129,7 @@ def read_state(path: Path) -> dict:
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
         return load_file(str(path))
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # a pickle that needs more than tensors, or not a checkpoint at all
-        raise ValueError(f"{path} is not a weights-only torch checkpoint: {type(e).__name__}: {e}") from None
+    state = load_tensors_file(path, "drafter weights")
     if not isinstance(state, dict):
         raise ValueError(f"{path} holds no state dict")
     return state

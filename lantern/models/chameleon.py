@@ -21,7 +21,6 @@ the Swin-norm layer order) over lantern's static KV cache. Pixels come from the 
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -32,9 +31,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from lantern.kv_cache import StaticKVCache
-from lantern.models.family import FolderInfo, folder_identity, rope_cos_sin
+from lantern.models.family import (FolderInfo, folder_identity, load_pretrained, load_tokenizer, read_config,
+                                   rope_cos_sin)
 from lantern.models.gpt import attention_bias
 from lantern.models.janus import STATIC_ROPE, rotate_half
+from lantern.models.placement import placed_copy
 
 SPECIAL = {"bos": "<s>", "pad": "<pad>", "eot": "<reserved08706>", "boi": "<racm3:break>"}  # names in the vocabulary
 
@@ -165,9 +166,7 @@ class ChameleonTarget(nn.Module):
         tensors = list(self.parameters()) + [self.image_head]
         if all(t.device == device and t.dtype == dtype for t in tensors):
             return self.eval().requires_grad_(False)
-        placed = copy.deepcopy(self).to(device=device, dtype=dtype).eval().requires_grad_(False)
-        placed.inv_freq = placed.inv_freq.float()  # rotations stay in fp32
-        return placed
+        return placed_copy(self, device, dtype, keep_fp32=("inv_freq",))  # rotations stay in fp32
 
 
 def chameleon_target(model, prompt_len: int, bpe_of_code: torch.Tensor, ids: dict) -> ChameleonTarget:
@@ -307,16 +306,19 @@ class ChameleonFamily:
 
     @classmethod
     def load(cls, info: FolderInfo, vq: Optional[str] = None, need_vq: bool = False) -> "ChameleonFamily":
-        from transformers import AutoTokenizer, ChameleonConfig, ChameleonForConditionalGeneration
+        from transformers import ChameleonConfig, ChameleonForConditionalGeneration
+        from lantern.models.vqgan import load_vqgan
         vq_path = cls.check(info, vq, need_vq)
+        vq_model = load_vqgan(vq_path) if need_vq and vq_path is not None else None  # refused before any work
         root = info.path
-        config = ChameleonConfig.from_pretrained(root)
+        config = read_config(ChameleonConfig, root)
         vocab_map = config.vocabulary_map
         ids = {key: vocab_map[name] for key, name in SPECIAL.items()}
-        model = ChameleonForConditionalGeneration.from_pretrained(root, config=config).eval().requires_grad_(False)
-        tokenizer = AutoTokenizer.from_pretrained(root)
+        model = load_pretrained(ChameleonForConditionalGeneration, root, config)
+        tokenizer = load_tokenizer(root)
         sampling = {"cfg_scale": 3.0, "temperature": 1.0, "top_k": 2000, "top_p": 1.0}  # Anole in LANTERN's paper
-        return cls(root, model, tokenizer, ids, image_vocabulary(vocab_map), vq_path, default_sampling=sampling)
+        return cls(root, model, tokenizer, ids, image_vocabulary(vocab_map), vq_path, default_sampling=sampling,
+                   _vq=vq_model)
 
     @property
     def identity(self) -> str:

@@ -31,7 +31,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         except Exception as e:  # noqa: BLE001  safetensors raises its own error types for a damaged header
             raise ValueError(f"checkpoint {path} is not a readable safetensors file ({type(e).__name__})") from None
     else:
-        sd = _torch_load(path)
+        sd = load_tensors_file(path)
         for key in WRAPPER_KEYS:
             if isinstance(sd, dict) and key in sd and isinstance(sd[key], dict):
                 sd = sd[key]
@@ -48,26 +48,30 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _torch_load(path: Path):
-    """torch.load of tensors and plain data only (never code): a file holding anything else is refused with
-    what lantern accepts; torch's own advice (to load with weights_only=False, executing the pickle) is not
-    passed on."""
+def load_tensors_file(path: Path, what: str = "checkpoint", allowed: tuple = (), mmap: bool = False):
+    """torch.load of tensors and plain data only (never code), plus the `allowed` classes: a file holding anything
+    else, or no torch checkpoint at all, is refused with a ValueError naming `what`, the path and what lantern
+    accepts. torch's own advice (to load with weights_only=False, executing the pickle) is never passed on.
+    mmap: map the file instead of reading it (a legacy, non-zip file is read)."""
     import pickle
     import zipfile
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(list(allowed)):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         if "unsupported global" not in str(e).lower():  # not a refused object: a file that is no checkpoint
-            raise ValueError(f"checkpoint {path} is not a readable PyTorch checkpoint (truncated or another "
-                             f"format); lantern reads LlamaGen .pt/.pth files and .safetensors") from None
-        raise ValueError(f"checkpoint {path} holds Python objects besides tensors, which lantern does not load (a "
+            raise ValueError(f"{what} {path} is not a readable PyTorch checkpoint (truncated or another "
+                             f"format); lantern reads tensors saved by torch.save and .safetensors") from None
+        raise ValueError(f"{what} {path} holds Python objects besides tensors, which lantern does not load (a "
                          f"pickle can run code); re-save it as a state_dict of tensors (torch.save(model.state_dict()"
                          f", ...)) or as .safetensors") from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as e:
         if isinstance(e, OSError) and not isinstance(e, zipfile.BadZipFile) and e.filename:
             raise
-        raise ValueError(f"checkpoint {path} is not a readable PyTorch checkpoint (truncated or another format: "
-                         f"{type(e).__name__}); lantern reads LlamaGen .pt/.pth files and .safetensors") from None
+        if mmap and isinstance(e, RuntimeError) and "mmap" in str(e):  # torch's legacy format cannot be mapped
+            return load_tensors_file(path, what, allowed, mmap=False)
+        raise ValueError(f"{what} {path} is not a readable PyTorch checkpoint (truncated or another format: "
+                         f"{type(e).__name__}); lantern reads tensors saved by torch.save and .safetensors") from None
 
 
 def load_into(model: nn.Module, state: dict[str, torch.Tensor], what: str) -> None:
@@ -80,16 +84,17 @@ def load_into(model: nn.Module, state: dict[str, torch.Tensor], what: str) -> No
     if missing or unexpected or shapes:
         parts = []
         if missing:
-            parts.append(f"missing keys {_short(missing)}")
+            parts.append(f"missing keys {short_list(missing)}")
         if unexpected:
-            parts.append(f"unexpected keys {_short(unexpected)}")
+            parts.append(f"unexpected keys {short_list(unexpected)}")
         if shapes:
-            parts.append(f"shape mismatches {_short(shapes)}")
+            parts.append(f"shape mismatches {short_list(shapes)}")
         raise ValueError(f"{what} does not match the config: " + "; ".join(parts))
     model.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()})
 
 
-def _short(items: list[str], n: int = 6) -> str:
+def short_list(items: list[str], n: int = 6) -> str:
+    """The first n items and how many more: what a refusal names of a long list of keys."""
     return str(items[:n]) + (f" (+{len(items) - n} more)" if len(items) > n else "")
 
 

@@ -9,7 +9,6 @@ Two ways in:
 """
 from __future__ import annotations
 
-import copy
 from typing import Optional
 
 import torch
@@ -19,6 +18,7 @@ from torch import nn
 from lantern.config import GPTConfig
 from lantern.kv_cache import StaticKVCache
 from lantern.models.kernels import fused_kernels
+from lantern.models.placement import placed_copy
 from lantern.models.rope import apply_rope, rope_table_2d
 
 
@@ -169,9 +169,7 @@ class GPT(nn.Module):
 
     def placed(self, device: torch.device, dtype: torch.dtype) -> "GPT":
         """A frozen copy on `device` in `dtype` (the caller's model is never changed); RoPE stays in fp32."""
-        placed = copy.deepcopy(self).to(device=device, dtype=dtype).eval().requires_grad_(False)
-        placed.rope = placed.rope.float()  # rotations stay in fp32 whatever the weights' dtype
-        return placed
+        return placed_copy(self, device, dtype, keep_fp32=("rope",))  # rotations stay in fp32
 
     def rope_at(self, positions: torch.Tensor) -> torch.Tensor:
         """(B, T) sequence positions -> (B, T, hd/2, 2); positions past the last image token are clamped

@@ -13,7 +13,6 @@ generation head's output and the generation embeddings' input, so tokens need no
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,8 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from lantern.kv_cache import StaticKVCache
-from lantern.models.family import FolderInfo, folder_identity, rope_cos_sin
+from lantern.models.family import (FolderInfo, folder_identity, load_pretrained, load_tokenizer, read_config,
+                                   rope_cos_sin)
 from lantern.models.gpt import attention_bias
+from lantern.models.placement import placed_copy
 
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # rope types whose frequencies do not depend on length
 
@@ -119,9 +120,7 @@ class JanusTarget(nn.Module):
         params = list(self.parameters())
         if all(p.device == device and p.dtype == dtype for p in params):
             return self.eval().requires_grad_(False)
-        placed = copy.deepcopy(self).to(device=device, dtype=dtype).eval().requires_grad_(False)
-        placed.inv_freq = placed.inv_freq.float()  # rotations stay in fp32
-        return placed
+        return placed_copy(self, device, dtype, keep_fp32=("inv_freq",))  # rotations stay in fp32
 
 
 def janus_target(model, prompt_len: int, bos: int, boi: int, pad: int) -> JanusTarget:
@@ -155,7 +154,7 @@ class JanusFamily:
     @classmethod
     def load(cls, info: FolderInfo) -> "JanusFamily":
         """Check the folder's generation token ids, tokenizer, RoPE and grid, then load weights and tokenizer."""
-        from transformers import AutoTokenizer, GenerationConfig, JanusConfig, JanusForConditionalGeneration
+        from transformers import GenerationConfig, JanusConfig, JanusForConditionalGeneration
         root = info.path
         gen = GenerationConfig.from_pretrained(root) if (root / "generation_config.json").exists() else None
         ids = {"bos": getattr(gen, "bos_token_id", None), "pad": getattr(gen, "pad_token_id", None),
@@ -166,7 +165,7 @@ class JanusFamily:
                              f"image prompt and CFG's unconditional prompt from them)")
         if not any((root / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
             raise ValueError(f"{root} has no tokenizer (tokenizer.json): a prompt cannot be turned into tokens")
-        config = JanusConfig.from_pretrained(root)
+        config = read_config(JanusConfig, root)
         rope_type = (getattr(config.text_config, "rope_parameters", None) or {}).get("rope_type", "default")
         if rope_type not in STATIC_ROPE:
             raise ValueError(f"{root}: rope type {rope_type!r} changes with the sequence length; supported: "
@@ -175,8 +174,8 @@ class JanusFamily:
         if grid * grid != info.image_tokens:
             raise ValueError(f"{root}: vision_config.num_image_tokens {info.image_tokens} is not the VQ grid "
                              f"{grid} x {grid}")
-        model = JanusForConditionalGeneration.from_pretrained(root, config=config).eval().requires_grad_(False)
-        tokenizer = AutoTokenizer.from_pretrained(root)
+        model = load_pretrained(JanusForConditionalGeneration, root, config)
+        tokenizer = load_tokenizer(root)
         guidance = getattr(gen, "guidance_scale", None)
         sampling = {"cfg_scale": float(guidance) if guidance else 5.0, "temperature": 1.0, "top_k": 0,
                     "top_p": 1.0}  # Janus-Pro's reference sampling: CFG 5, plain softmax

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lantern.models.checkpoint import load_into, load_tensors_file
+
 DDCONFIG_KEYS = ("z_channels", "resolution", "out_ch", "ch", "ch_mult", "num_res_blocks", "attn_resolutions")
 
 
@@ -171,17 +173,11 @@ def load_vqgan(folder: Path) -> VQGANDecoder:
     """The decoder half of the VQGAN in `folder` (vqgan.yaml + vqgan.ckpt), in fp32, frozen."""
     cfg_path, ckpt = vq_files(folder)
     n_embed, embed_dim, dd = read_vqgan_config(cfg_path)
-    try:
-        blob = torch.load(ckpt, map_location="cpu", weights_only=True)
-    except Exception as e:  # a pickle that needs more than tensors, or not a checkpoint at all
-        raise ValueError(f"{ckpt} is not a weights-only torch checkpoint: {type(e).__name__}: {e}") from None
+    blob = load_tensors_file(ckpt, "VQGAN checkpoint")
     state = blob.get("state_dict", blob) if isinstance(blob, dict) else None
     if not isinstance(state, dict):
         raise ValueError(f"{ckpt} holds no state_dict")
     model = VQGANDecoder(n_embed, embed_dim, dd)
-    wanted = model.state_dict().keys()
-    missing = [k for k in wanted if k not in state]
-    if missing:
-        raise ValueError(f"{ckpt} lacks {len(missing)} decoder weights, e.g. {', '.join(missing[:3])}")
-    model.load_state_dict({k: state[k] for k in wanted})
+    decoder = {k: v for k, v in state.items() if k in model.state_dict()}  # the encoder and loss are not used
+    load_into(model, decoder, f"VQGAN checkpoint {ckpt}")
     return model.eval().requires_grad_(False)

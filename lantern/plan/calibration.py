@@ -24,6 +24,8 @@ is not stored, and the run that measured it keeps AR. LANTERN_CALIBRATION_BUDGET
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import json
 import math
@@ -35,7 +37,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, ContextManager, Sequence
 
 import torch
 
@@ -64,6 +66,28 @@ class ProfileCosts:
 
     name: str
     widths: dict
+
+
+# A host that shares the cores with its own work (a service serving while it calibrates in the background) hands
+# calibration its turns: turn() -> a context manager entered around each timed block (a plan's run with its AR
+# reference, the fixed-cost runs, the closing reference), which waits until the host has no work and holds it off
+# meanwhile. The seconds spent waiting are not timing: they count neither against the budget nor in `seconds`.
+_TURN: contextvars.ContextVar = contextvars.ContextVar("lantern_calibration_turn", default=None)
+
+
+@contextlib.contextmanager
+def sharing_cores(turn: Callable[[], ContextManager]):
+    """Within this block (in this thread), calibration times its runs only in turns taken from `turn()`."""
+    token = _TURN.set(turn)
+    try:
+        yield
+    finally:
+        _TURN.reset(token)
+
+
+def _turn() -> ContextManager:
+    turn = _TURN.get()
+    return turn() if turn is not None else contextlib.nullcontext()
 
 
 def machine_id() -> dict:
@@ -283,6 +307,7 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
     entry = entry or {"plans": {}}
     t0 = clock()
     prepare_s = 0.0
+    waited_s = 0.0  # waiting for a turn (sharing_cores): neither timing nor preparing
     ar = AR.decode(sampling)
     attended_by_plan = attended or {}
     took: dict[str, float] = {}  # plan -> seconds per loop step its last timed run (with its AR reference) took
@@ -296,12 +321,23 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
     budget = budget_s() if budget is None else budget
 
     def fits(seconds: float) -> bool:
-        return clock() - t0 - prepare_s + seconds <= budget
+        return clock() - t0 - prepare_s - waited_s + seconds <= budget
+
+    @contextlib.contextmanager
+    def turn():
+        """A timed block, run in a turn of the cores when calibration shares them (sharing_cores)."""
+        nonlocal waited_s
+        t = clock()
+        with _turn():
+            waited_s += clock() - t
+            yield
 
     prepare(ar)
     if "fixed_s" not in entry:
         _short_run(pipe, ar, width, 1, prompts=prompts)
-        entry["fixed_runs_s"] = [_short_run(pipe, ar, width, 1, prompts=prompts)[0] for _ in range(FIXED_REPEATS)]
+        with turn():
+            entry["fixed_runs_s"] = [_short_run(pipe, ar, width, 1, prompts=prompts)[0]
+                                     for _ in range(FIXED_REPEATS)]
         entry["fixed_s"] = statistics.median(entry["fixed_runs_s"])
     todo = [p for p in plans if p.name not in entry["plans"]]
     decoded = {p.name: p.decode(sampling) for p in todo}  # each plan's config, compiled once
@@ -320,11 +356,12 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
         if not ratios[plan.name]:
             prepare(dcfg)
             _short_run(pipe, dcfg, width, 2, fraction, prompts)  # warm this runner's first steps
-        start = clock()
-        reference = step_seconds(ar, float(block - 1), steps, 0.5)
-        ar_steps.append(reference)
-        ratios[plan.name].append(step_seconds(dcfg, per_chunk, steps, fraction) / max(reference, 1e-9))
-        took[plan.name] = (clock() - start) / steps
+        with turn():
+            start = clock()
+            reference = step_seconds(ar, float(block - 1), steps, 0.5)
+            ar_steps.append(reference)
+            ratios[plan.name].append(step_seconds(dcfg, per_chunk, steps, fraction) / max(reference, 1e-9))
+            took[plan.name] = (clock() - start) / steps
 
     def per_chunk_s(name: str, ratio: float) -> float:
         return ratio * statistics.median(ar_steps) * steps_per_chunk.get(name, block)
@@ -338,7 +375,7 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
                disable=not progress or not todo)
 
     def tick() -> None:
-        bar.n = min(clock() - t0 - prepare_s, budget)
+        bar.n = min(clock() - t0 - prepare_s - waited_s, budget)
         bar.refresh()
     try:
         first_run = 0.0  # seconds the last first run took, warm-up included
@@ -351,9 +388,9 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
             if plan != AR and timed and (per_chunk_s(plan.name, floor) > CONTENDER * best or not fits(first_run)):
                 floors[plan.name] = floor
             else:
-                start, prepared = clock(), prepare_s
+                start, prepared, waited = clock(), prepare_s, waited_s
                 time_plan(plan, FIRST_STEPS)
-                first_run = clock() - start - (prepare_s - prepared)  # with its warm-up
+                first_run = clock() - start - (prepare_s - prepared) - (waited_s - waited)  # with its warm-up
             tick()
         measured = [p for p in todo if ratios[p.name]]
         if measured:
@@ -376,7 +413,8 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
                 r += 1
             if len(ar_steps) < 2 or fits(statistics.median(ar_steps) * TIMED_STEPS + entry["fixed_s"]):
                 # a closing reference: the load at the end of the timing against its start (`disturbance`)
-                ar_steps.append(step_seconds(ar, float(block - 1), TIMED_STEPS, 0.5))
+                with turn():
+                    ar_steps.append(step_seconds(ar, float(block - 1), TIMED_STEPS, 0.5))
             entry["ar_reference_s"] = list(ar_steps)
             ar_s = statistics.median(ar_steps)
             for plan in measured:
@@ -389,7 +427,7 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
         bar.total = bar.n  # done: it ends full, at the seconds it took
     finally:  # closed before an error is reported, so the message is the last line
         bar.close()
-    entry["seconds"] = entry.get("seconds", 0.0) + clock() - t0 - prepare_s
+    entry["seconds"] = entry.get("seconds", 0.0) + clock() - t0 - prepare_s - waited_s
     entry["prepare_s"] = entry.get("prepare_s", 0.0) + prepare_s
     entry["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return entry

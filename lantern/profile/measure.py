@@ -6,7 +6,6 @@ warm-up plus `warmup` untimed calls; spread is reported as min/max and the inter
 """
 from __future__ import annotations
 
-import resource
 import time
 from typing import Callable
 
@@ -28,11 +27,6 @@ def summarize(samples: list[float]) -> dict:
 
     return {"median_s": q(0.5), "min_s": s[0], "max_s": s[-1], "p25_s": q(0.25), "p75_s": q(0.75),
             "repeats": n, "samples_s": samples}
-
-
-def process_peak_rss() -> int:
-    """Peak resident set of this process so far (Linux reports ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def step_spec(model_config, rows: int, dtype: str, verify: int, draft: int = 0) -> StaticSpec:
@@ -77,7 +71,8 @@ def draft_latency(backend: Backend, target, drafter, spec: StaticSpec, warmup: i
 
 
 def _memory(runner) -> dict:
-    return {**runner.memory().to_dict(), "process_peak_rss_bytes": process_peak_rss()}
+    """The runner's true peak since it was prepared (warm-up and the timed calls) and its parts."""
+    return runner.memory().to_dict()
 
 
 def generation(pipe, dcfg: DecodeConfig, conditions: list, seed: int, warmup: int, repeats: int) -> dict:
@@ -136,7 +131,7 @@ def _summary(dcfg: DecodeConfig, results: list, images: int) -> dict:
         "draft_width": strategy.level_width if strategy else 0,
         "warmup_s": last["warmup_s"],
         "spec": last["spec"],
-        "memory": {**last["memory"], "process_peak_rss_bytes": process_peak_rss()},
+        "memory": last["memory"],  # the last generation's true peak (lantern.backends.memory) and its parts
     }
 
 

@@ -193,7 +193,8 @@ def markdown(files: list[tuple[str, dict]], plots: dict) -> str:
         out.append("")
         out += speedup_table(measured)
         out += ["## Memory (widest generation of each run, MiB)", "",
-                "Where the peak is the process RSS (CPU backends), workspace includes the interpreter and libraries.",
+                "Where the peak is the process's high-water mark (CPU backends), workspace includes the interpreter "
+                "and libraries.",
                 "", "| run | case | B | N | peak | weights | KV cache | "
                 "tree buffers | workspace | source |", "|---|---|---|---|---|---|---|---|---|---|"]
         for n, d in measured:
@@ -328,7 +329,7 @@ def plot_memory(plt, measured: list[tuple[str, dict]]):
     axes[0].set(ylabel="MiB", title="Weights, KV cache and tree buffers")
     fixed = [sum(mem[n][p] for p in MEMORY_PARTS[:-1]) / MIB for n in names]
     work = [mem[n]["workspace_bytes"] / MIB for n in names]
-    # what the backend's peak holds beyond its parts (on CPU: the interpreter and libraries in the RSS)
+    # what the backend's peak holds beyond its parts (on CPU: the interpreter and libraries in the process)
     other = [max(mem[n]["peak_bytes"] / MIB - f - w, 0.0) for n, f, w in zip(names, fixed, work)]
     axes[1].bar(names, fixed, label="weights + KV + tree buffers")
     axes[1].bar(names, work, bottom=fixed, label="workspace (as the backend reports it)")

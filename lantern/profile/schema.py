@@ -31,7 +31,8 @@ A case is {"kind": verify | draft | generate | acceptance | calibration | backen
 "measured_at": ISO time, "load_average": the 1/5/15-minute load when the case ended}. Every step, generate and
 calibration case has params["batch"] = B.
 Latencies are {"median_s", "min_s", "max_s", "p25_s", "p75_s", "repeats", "samples_s"}; memory is the
-backend's MemoryReport plus the process's peak RSS.
+backend's MemoryReport: the true peak (lantern.backends.memory; its "source" says which) and its parts. Files
+measured before it also hold "process_peak_rss_bytes" (the process's lifetime peak), which nothing reads.
 A generate result holds "wall" (a latency record over the timed passes, each pass decoding the B images once),
 "images" (B), "tokens_per_pass", "tokens_per_s" (all images' tokens over all passes' wall time), "tau" (per
 image and verify step), "step_compression" (per image), "verify_steps" (steps of the batched loop, each

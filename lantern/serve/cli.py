@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import socket
+import sys
 import threading
 
 from lantern.cli_args import number
@@ -33,8 +35,8 @@ def add_serve_command(subparsers) -> None:
                                             "/metrics (needs the serve extra)")
     s.add_argument("--model", help="bundle folder (default: the embedded model)")
     s.add_argument("--method", choices=("auto", *METHODS), default=d.method,
-                   help="what a request runs unless it names a method (auto: planned once, at warm-up, for a full "
-                        "batch)")
+                   help="what a request runs unless it names a method (auto: AR at once, then the plan chosen in "
+                        "the background for a full batch, switched to between steps)")
     s.add_argument("--methods", help="comma-separated methods requests may name besides auto (default: every "
                                      "method the bundle can run); each gets its own engine on first use")
     s.add_argument("--allow-relaxed", action="store_true", help="auto may choose relaxed plans")
@@ -128,13 +130,20 @@ def cmd_serve(args) -> int:
     log = logging.getLogger("lantern.serve")
     log_json_to_stderr(log)
 
+    stopped_by: list[int] = []  # the signal that cut the drain short
+
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
-            """SIGTERM or SIGINT: drain (new requests and /ready get 503, those in flight finish), then exit 0;
-            a second signal stops at once. Not re-raised after the drain, as uvicorn would."""
-            service.draining = True
-            if self.should_exit:
+            """SIGTERM or SIGINT: drain (new requests and /ready get 503, those in flight finish), then exit 0.
+            A second signal stops at once: the images in flight are cancelled and their requests answered 503,
+            then the engine thread ends and the command exits 128 + the signal's number. A third one leaves
+            without waiting for connections to close. Not re-raised afterwards, as uvicorn would."""
+            if self.should_exit and stopped_by:
                 self.force_exit = True
+            elif self.should_exit:
+                stopped_by.append(sig)
+                service.abandon()
+            service.draining = True
             self.should_exit = True
 
     server = Server(uvicorn.Config(build_app(service), log_level="warning", access_log=False, lifespan="on"))
@@ -154,6 +163,12 @@ def cmd_serve(args) -> int:
                                             "model": service.info.name, "method": config.method,
                                             "widths": list(config.ladder), "threads": service.threads}})
     server.run(sockets=[sock])
-    code = EXIT_INTERNAL if failed.is_set() else EXIT_OK
+    code = EXIT_INTERNAL if failed.is_set() else 128 + stopped_by[0] if stopped_by else EXIT_OK
     log.info("stopped", extra={"fields": {"event": "stopped", "exit_code": code}})
+    if service.planner is not None and service.planner.alive:
+        # auto's background calibration is inside a compile or an export, which nothing interrupts: the
+        # interpreter's teardown under a thread inside torch aborts the process, so leave without it
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(code)
     return code

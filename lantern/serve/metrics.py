@@ -2,8 +2,11 @@
 
 Requests by outcome, queue depth, slots and slots busy per engine and width, images per second, latency histograms
 (queue wait and decode per image, total per request), and the speculative-decoding counters vLLM exports
-(`spec_decode_num_drafts`, `num_draft_tokens`, `num_accepted_tokens`, accepted tokens per draft position), all under
-the `lantern:` prefix.
+(`spec_decode_num_drafts`, `num_draft_tokens`, `num_accepted_tokens`, accepted tokens per draft position); beside
+them, in vLLM-Omni's names, images by outcome (`image_count`), each stage's time (`stage_gen_time_s{stage}`: queue,
+encode, decode, pixels), a request's queue wait (`request_queue_wait_s`) and the peak device memory
+(`peak_memory_mb`); and which plan auto serves and whether its calibration still runs. All under the `lantern:`
+prefix.
 """
 from __future__ import annotations
 
@@ -14,6 +17,9 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 OUTCOMES = ("ok", "bad_request", "rejected", "timeout", "cancelled", "unavailable", "error")
+STAGES = ("queue", "encode", "decode", "pixels")  # submitted to first step; the prompt's encoding (t2i); first step
+# to last; tokens to PNGs (the VQ decoder and the PNG encoding)
+MIB = 1 << 20
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250)
 RATE_WINDOW_S = 30.0  # images per second: over the last this many seconds
 
@@ -49,6 +55,24 @@ class ServeMetrics:
         self.accepted_per_position = Counter("lantern:spec_decode_num_accepted_tokens_per_pos",
                                              "Draft tokens accepted at each draft position (0 = first)",
                                              ["method", "position"], registry=r)
+        self.image_count = Counter("lantern:image_count", "Images requested, by their request's outcome",
+                                   ["outcome"], registry=r)
+        for outcome in OUTCOMES:
+            self.image_count.labels(outcome)
+        self.stage_time = Histogram("lantern:stage_gen_time_s", "Seconds per stage: queue and decode per image; "
+                                    "encode (prompts) and pixels (VQ decode and PNG) per request", ["stage"],
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        for stage in STAGES:
+            self.stage_time.labels(stage)
+        self.request_queue_wait = Histogram("lantern:request_queue_wait_s", "Per request: submitted until its last "
+                                            "image's first step", buckets=LATENCY_BUCKETS, registry=r)
+        self.peak_memory_mb = Gauge("lantern:peak_memory_mb", "Peak memory of the engines' runners, MiB (device "
+                                    "memory; the process RSS on CPU)", registry=r)
+        self.plan = Gauge("lantern:plan_info", "1 for the plan auto serves now (engine, plan, backend)",
+                          ["engine", "plan", "backend"], registry=r)
+        self.calibrating = Gauge("lantern:calibration_running", "1 while auto's background calibration runs",
+                                 registry=r)
+        self.plan_switches = Counter("lantern:plan_switches", "Switches to a newly calibrated plan", registry=r)
         self._finished = collections.deque()  # perf_counter stamps of finished images within the window
         self._lock = threading.Lock()
 
@@ -65,6 +89,8 @@ class ServeMetrics:
         self.images.labels(method).inc()
         self.queue_wait.observe(queue_wait_s)
         self.decode.observe(decode_s)
+        self.stage_time.labels("queue").observe(queue_wait_s)
+        self.stage_time.labels("decode").observe(decode_s)
         with self._lock:
             self._finished.append(time.perf_counter())
 
@@ -76,9 +102,23 @@ class ServeMetrics:
                 self._finished.popleft()
             return len(self._finished) / RATE_WINDOW_S
 
-    def observe_request(self, outcome: str, seconds: float) -> None:
+    def observe_request(self, outcome: str, seconds: float, images: int = 0) -> None:
+        """A request answered: its outcome, seconds, and the images it asked for (0 when it was unreadable)."""
         self.requests.labels(outcome).inc()
         self.total.observe(seconds)
+        if images:
+            self.image_count.labels(outcome).inc(images)
+
+    def watch_peak_memory(self, peak_bytes) -> None:
+        """peak_bytes(): the peak in bytes, read at each scrape."""
+        self.peak_memory_mb.set_function(lambda: peak_bytes() / MIB)
+
+    def serving(self, plans: dict, calibrating: bool) -> None:
+        """plans: engine -> (plan, backend) auto serves now; calibrating: its background calibration runs."""
+        self.plan.clear()
+        for engine, (plan, backend) in plans.items():
+            self.plan.labels(engine, plan, backend).set(1)
+        self.calibrating.set(1 if calibrating else 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

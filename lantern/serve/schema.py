@@ -16,6 +16,13 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "cfg_scale")
 FIELDS = ("prompt", "n", "response_format", "size", "model", "user", "class_id", "seed", "method", *SAMPLING_FIELDS,
           "return_tokens", "timeout")
 SEED_MAX = 2**63 - 1
+SHOWN = 80  # characters of a refused value an answer (and its log line) repeats
+
+
+def shown(value) -> str:
+    """repr(value) for a refusal, cut to SHOWN characters with its length (a 1 MB prompt is not echoed whole)."""
+    text = repr(value)
+    return text if len(text) <= SHOWN else f"{text[:SHOWN]}... ({len(text)} characters)"
 
 
 class RequestError(ValueError):
@@ -59,7 +66,7 @@ def _integer(body: dict, name: str, low: int, high: int) -> Optional[int]:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise RequestError(name, f"{name} {value!r} is not allowed; allowed: an integer in {low}..{high}")
+        raise RequestError(name, f"{name} {shown(value)} is not allowed; allowed: an integer in {low}..{high}")
     return value
 
 
@@ -68,16 +75,17 @@ def _number(body: dict, name: str, allowed: str, ok) -> Optional[float]:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
-        raise RequestError(name, f"{name} {value!r} is not allowed; allowed: {allowed}")
+        raise RequestError(name, f"{name} {shown(value)} is not allowed; allowed: {allowed}")
     return float(value)
 
 
 def class_from_prompt(prompt: str, info: ModelInfo) -> int:
-    """A class-conditional model's `prompt`: its class number as text ("3")."""
+    """A class-conditional model's `prompt`: its class number as text in ASCII digits ("3"); anything else,
+    other digits ("²", "٣") and numbers too long to be a class among them, is a RequestError naming `prompt`."""
     text = prompt.strip()
-    if text.isdigit() and int(text) < info.num_classes:
+    if text.isascii() and text.isdigit() and len(text) <= len(str(info.num_classes)) and int(text) < info.num_classes:
         return int(text)
-    raise RequestError("prompt", f"prompt {prompt!r} names no class of this class-conditional model; allowed: a "
+    raise RequestError("prompt", f"prompt {shown(prompt)} names no class of this class-conditional model; allowed: a "
                                  f"class number 0..{info.num_classes - 1} as text, or omit it and give class_id")
 
 
@@ -87,33 +95,34 @@ def parse_request(body: object, info: ModelInfo, default_timeout_s: float) -> Im
         raise RequestError("body", f"the body must be a JSON object; got {type(body).__name__}")
     unknown = sorted(set(body) - set(FIELDS))
     if unknown:
-        raise RequestError(unknown[0], f"unknown field(s) {', '.join(unknown)}; allowed: {', '.join(FIELDS)}")
+        names = [name if len(name) <= SHOWN else shown(name) for name in unknown]
+        raise RequestError(names[0], f"unknown field(s) {', '.join(names)}; allowed: {', '.join(FIELDS)}")
     model = body.get("model")
     if model is not None and model != info.name:
-        raise RequestError("model", f"model {model!r} is not served here; allowed: {info.name!r}")
+        raise RequestError("model", f"model {shown(model)} is not served here; allowed: {info.name!r}")
     fmt = body.get("response_format", "b64_json")
     if fmt != "b64_json":
-        raise RequestError("response_format", f"response_format {fmt!r} is not supported; allowed: 'b64_json'")
+        raise RequestError("response_format", f"response_format {shown(fmt)} is not supported; allowed: 'b64_json'")
     size = body.get("size")
     if size is not None and size != info.size:
-        raise RequestError("size", f"size {size!r} is not this model's; allowed: {info.size!r}")
+        raise RequestError("size", f"size {shown(size)} is not this model's; allowed: {info.size!r}")
     if body.get("user") is not None and not isinstance(body["user"], str):
-        raise RequestError("user", f"user {body['user']!r} is not allowed; allowed: a string")
+        raise RequestError("user", f"user {shown(body['user'])} is not allowed; allowed: a string")
     prompt = body.get("prompt")
     if prompt is not None and not isinstance(prompt, str):
-        raise RequestError("prompt", f"prompt {prompt!r} is not allowed; allowed: a string")
+        raise RequestError("prompt", f"prompt {shown(prompt)} is not allowed; allowed: a string")
     if info.model_type == "t2i":
         if body.get("class_id") is not None:
             raise RequestError("class_id", "class_id is for class-conditional models; this text-to-image model "
                                            "takes a prompt (allowed: a non-empty string)")
         if prompt is None or not prompt.strip():
-            raise RequestError("prompt", f"a text-to-image model needs a prompt; got {prompt!r}; allowed: a "
+            raise RequestError("prompt", f"a text-to-image model needs a prompt; got {shown(prompt)}; allowed: a "
                                          f"non-empty string")
         condition = prompt
     else:
         condition = class_id = _integer(body, "class_id", 0, info.num_classes - 1)
         if class_id is not None and prompt is not None and class_from_prompt(prompt, info) != class_id:
-            raise RequestError("prompt", f"prompt {prompt!r} and class_id {class_id} disagree; give one of them")
+            raise RequestError("prompt", f"prompt {shown(prompt)} and class_id {class_id} disagree; give one of them")
         if class_id is None:
             if prompt is None:
                 raise RequestError("class_id", f"a class-conditional model needs class_id (allowed: an integer in "
@@ -121,7 +130,7 @@ def parse_request(body: object, info: ModelInfo, default_timeout_s: float) -> Im
             condition = class_from_prompt(prompt, info)
     method = body.get("method", "auto")
     if method not in info.methods:
-        raise RequestError("method", f"method {method!r} is not served here; allowed: {', '.join(info.methods)}")
+        raise RequestError("method", f"method {shown(method)} is not served here; allowed: {', '.join(info.methods)}")
     sampling = {k: v for k, v in {
         "temperature": _number(body, "temperature", "a finite number > 0", lambda v: v > 0),
         "top_k": _integer(body, "top_k", 0, 2**31 - 1),
@@ -130,7 +139,8 @@ def parse_request(body: object, info: ModelInfo, default_timeout_s: float) -> Im
     }.items() if v is not None}
     return_tokens = body.get("return_tokens", False)
     if not isinstance(return_tokens, bool):
-        raise RequestError("return_tokens", f"return_tokens {return_tokens!r} is not allowed; allowed: true, false")
+        raise RequestError("return_tokens",
+                           f"return_tokens {shown(return_tokens)} is not allowed; allowed: true, false")
     timeout = _number(body, "timeout", f"a finite number of seconds in (0, {info.max_timeout_s:g}]",
                       lambda v: 0 < v <= info.max_timeout_s)
     seed = _integer(body, "seed", 0, SEED_MAX)

@@ -2,15 +2,17 @@
 pipeline, one engine worker, its metrics; a request's life from admission to its PNGs.
 
 Throughput defaults: the steps run with `threads` intra-op threads (default: the physical cores), and with
-`method` auto and no backend pinned, the warm-up weighs every mode of the machine (eager, compiled, ONNX Runtime;
-lantern.plan.backend_choice) against `plan_images` images, so a one-time compile pays off over a service's life;
-whatever it prepares is prepared at startup, before /ready."""
+`method` auto the service is ready at once on the safe plan (AR), while a background thread plans (with no backend
+pinned, weighing every mode of the machine: eager, compiled, fused, ONNX Runtime; lantern.plan.backend_choice)
+against `plan_images` images, so a one-time compile pays off over a service's life, prepares what it chose and
+switches to it at a step boundary (lantern.serve.planning)."""
 from __future__ import annotations
 
 import asyncio
 import base64
 import inspect
 import io
+import logging
 import math
 import os
 import time
@@ -31,9 +33,13 @@ from lantern.engine.sampling import PER_REQUEST
 from lantern.plan.backend_choice import choose_backend, pinned_backend
 from lantern.serve.config import ServeConfig
 from lantern.serve.metrics import ServeMetrics
+from lantern.serve.planning import BackgroundPlanner, ServingPlan, safe_plan
 from lantern.serve.prompts import PromptBatcher
 from lantern.serve.schema import ImageRequest, ModelInfo
 from lantern.serve.worker import EngineKey, EngineWorker
+
+log = logging.getLogger("lantern.serve")
+PLANNER_STOP_S = 10.0  # how long stopping waits for the background calibration to reach its next turn
 
 
 class Unavailable(Exception):
@@ -80,9 +86,12 @@ class Service:
         self.worker = EngineWorker(self.pipe, self._decode, EngineKey(config.method), config.ladder, config.queue,
                                    config.max_engines, self.metrics, setup=self._setup,
                                    hold_s=config.width_hold_s)
+        self.metrics.watch_peak_memory(self.worker.peak_memory_bytes)
         self.draining = False
-        self._choice = None  # auto's plan, made once at warm-up
-        self.plan_why = ""  # what auto chose and why (its backend among them when none was pinned)
+        self.serving: ServingPlan = safe_plan(self.pipe.backend.name, self.sampling)  # what auto serves now
+        self.planner = (BackgroundPlanner(self._plan, self.worker, config.ladder, self.threads, self._switched,
+                                          lambda state: self._report_plan())
+                        if config.method == "auto" else None)
 
     def _pipeline(self, backend, dtype, **mode_options) -> Pipeline:
         """The bundle's pipeline on `backend`, its steps at the service's thread count where the backend takes
@@ -102,37 +111,53 @@ class Service:
 
     def _setup(self) -> Pipeline:
         """Worker thread, before the default engines are built: its torch threads (set once, so the steps never
-        switch the count), then with method auto its plan for a full batch at the bundle's sampling, weighed over
-        `plan_images` images; with no backend pinned also the backend (the pipeline on it is returned; the others
-        are released)."""
+        switch the count). Auto serves the safe plan until its background planner switches."""
         import torch
         torch.set_num_threads(self.threads)
-        cfg = self.config
-        if cfg.method != "auto":
-            return self.pipe
-        common = dict(batch=cfg.batch, allow_relaxed=cfg.allow_relaxed, progress=False)
-        if pinned_backend(cfg.backend) is None:
-            choice = choose_backend(lambda name, dtype, **options: self.pipe
-                                    if (name, dtype, options) == (self.pipe.backend.name, self.pipe.dtype, {})
-                                    else self._pipeline(name, dtype, **options), cfg.plan_images, self.sampling,
-                                    validated=self.bundle.validations,
-                                    shipped_records=self.bundle.acceptance_records, dtype=cfg.dtype, **common)
-            self.pipe, self._choice = choice.pipeline, choice.choice
-            self.plan_why = (f"{choice.why}; weighed over {cfg.plan_images} images, its preparation (a compile or "
-                             f"export) paid once at startup, before /ready, at widths "
-                             f"{', '.join(map(str, cfg.ladder))}")
-        else:
-            self._choice = self.pipe.plan(cfg.plan_images, self.sampling, **common)
-            self.plan_why = f"{self._choice.plan.name} on {self.pipe.backend.name} (pinned)"
         return self.pipe
 
+    def _plan(self) -> tuple[Pipeline, ServingPlan]:
+        """The planner's thread: auto's plan for a full batch at the bundle's sampling, weighed over `plan_images`
+        images, on pipelines of its own (the serving one is the worker's); with no backend pinned also the
+        backend (the pipeline on it is returned; the others are released)."""
+        cfg = self.config
+        common = dict(batch=cfg.batch, allow_relaxed=cfg.allow_relaxed, progress=False)
+        if pinned_backend(cfg.backend) is None:
+            choice = choose_backend(lambda name, dtype, **options: self._pipeline(name, dtype, **options),
+                                    cfg.plan_images, self.sampling, validated=self.bundle.validations,
+                                    shipped_records=self.bundle.acceptance_records, dtype=cfg.dtype, **common)
+            pipe, plan, why = choice.pipeline, choice.choice, choice.why
+        else:
+            pipe = self._pipeline(cfg.backend, cfg.dtype)
+            plan = pipe.plan(cfg.plan_images, self.sampling, **common)
+            why = f"{plan.plan.name} on {pipe.backend.name} (pinned)"
+        return pipe, ServingPlan(plan.plan.name, plan.decode, f"{why}; weighed over {cfg.plan_images} images, "
+                                                              f"calibrated and prepared in the background at widths "
+                                                              f"{', '.join(map(str, cfg.ladder))}")
+
+    def _switched(self, pipe: Pipeline, plan: ServingPlan) -> None:
+        """Worker thread, at the step boundary of the switch: the chosen plan serves from now on."""
+        self.pipe, self.serving = pipe, plan
+        self.metrics.plan_switches.inc()
+        log.info("plan", extra={"fields": {"event": "plan", "plan": plan.name, "backend": pipe.backend.name,
+                                           "fused_step": bool(getattr(pipe.backend, "fused_step", False)),
+                                           "why": plan.why}})
+
+    def _report_plan(self) -> None:
+        auto = self.planner is not None
+        self.metrics.serving({"auto": (self.serving.name, self.pipe.backend.name)} if auto else {},
+                             auto and self.planner.running)
+
     def describe(self) -> dict:
-        """What serves: backend (fused_step: the whole step as one graph), dtype, threads, widths, and what each
-        engine runs (auto: its plan)."""
+        """What serves: backend (fused_step: the whole step as one graph), dtype, threads, widths, what each
+        engine runs (auto: its plan), and auto's plan: why, and its calibration's state (`calibration`: waiting,
+        calibrating, switching, done, failed: <why>, stopped; None without auto)."""
         return {"backend": self.pipe.backend.name, "fused_step": bool(getattr(self.pipe.backend, "fused_step", False)),
                 "dtype": self.pipe.dtype, "threads": self.threads,
                 "widths": list(self.worker.widths), "methods": dict(self.worker.described),
-                "plan": self.plan_why or None, "prompts": "t5" if self.prompts is not None else None}
+                "plan": self.serving.why if self.planner is not None else None,
+                "calibration": self.planner.state if self.planner is not None else None,
+                "prompts": "t5" if self.prompts is not None else None}
 
     def _runs(self, method: str) -> bool:
         """Whether this pipeline can run a method at its presets (e.g. a relaxed preset's k may exceed a small
@@ -156,18 +181,29 @@ class Service:
         sampling = replace(self.sampling, **dict(key.sampling))
         if key.method != "auto":
             return replace(self._decode_named(key.method), sampling=sampling), str(key)
-        if self._choice is None:
-            self._setup()
-        return replace(self._choice.decode, sampling=sampling), f"auto: {self._choice.plan.name}"
+        return replace(self.serving.decode, sampling=sampling), f"auto: {self.serving.name}"
 
     def start(self) -> None:
+        """The engine worker, and with auto its background planner (it starts planning once the worker is ready)."""
+        self._report_plan()
         self.worker.start()
+        if self.planner is not None:
+            self.planner.start()
 
     def stop(self) -> None:
-        """Finish every admitted image, then stop the engine worker and the prompt encoder."""
+        """Finish every admitted image, then stop the engine worker and the prompt encoder. A background
+        calibration stops at its next turn: it is waited for, PLANNER_STOP_S at most (a compile or an export in
+        progress cannot be interrupted; `planner.alive` then says so)."""
         self.worker.stop()
+        if self.planner is not None:
+            self.planner.join(PLANNER_STOP_S)
         if self.prompts is not None:
             self.prompts.close()
+
+    def abandon(self) -> None:
+        """Stop at once: the images in flight are cancelled, their requests answered 503 (a second stop signal)."""
+        self.draining = True
+        self.worker.abandon()
 
     @property
     def ready(self) -> bool:
@@ -218,15 +254,28 @@ class Service:
             if not images.done():
                 images.cancel()
                 self.worker.cancel([r.request_id for r in requests])
+            ran = [self.worker.ran.pop(r.request_id, None) for r in requests]  # what ran each image
+        self.metrics.request_queue_wait.observe(max(r.started_s - r.submitted_s for r in results))
         tokens = [r.tokens for r in results]  # to images in the worker thread: no torch beside the steps
-        pngs = await asyncio.wrap_future(self.worker.call(lambda: self._pngs(tokens)))
-        return self._response(req, rid, results, pngs)
+        pngs = await asyncio.wrap_future(self.worker.call(lambda: self._timed("pixels", self._pngs, tokens)))
+        return self._response(req, rid, results, ran, pngs)
+
+    def _timed(self, stage: str, fn, *args):
+        """fn(*args), its seconds observed as `stage` (lantern:stage_gen_time_s)."""
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.metrics.stage_time.labels(stage).observe(time.perf_counter() - t0)
 
     async def _condition(self, req: ImageRequest):
         """c2i: the class id; t2i: the prompt's caption condition (encoded with other requests' prompts)."""
         if self.prompts is None:
             return req.condition
-        return await asyncio.wrap_future(self.prompts.encode(req.condition))
+        t0 = time.perf_counter()
+        condition = await asyncio.wrap_future(self.prompts.encode(req.condition))
+        self.metrics.stage_time.labels("encode").observe(time.perf_counter() - t0)
+        return condition
 
     def engine_key(self, req: ImageRequest) -> EngineKey:
         """The engine a request runs on: its method ("auto": the server's) and the sampling an engine fixes that
@@ -250,15 +299,14 @@ class Service:
             out.append(base64.b64encode(buf.getvalue()).decode())
         return out
 
-    def _response(self, req: ImageRequest, rid: str, results: list, pngs: list[str]) -> dict:
-        key = str(self.engine_key(req))
-        runs = self.worker.described.get(key, key)
+    def _response(self, req: ImageRequest, rid: str, results: list, ran: list[tuple], pngs: list[str]) -> dict:
+        """ran: (what ran it, its backend) per image."""
         data = []
-        for i, (result, png) in enumerate(zip(results, pngs)):
+        for i, (result, (runs, backend), png) in enumerate(zip(results, ran, pngs)):
             st = result.stats
             stats = {"steps": st.target_forwards, "width": st.batch, "tokens": st.tokens,
                      "mean_accepted_length": st.mean_accepted_length, "method": runs,
-                     "backend": self.pipe.backend.name, "dtype": self.pipe.dtype,
+                     "backend": backend, "dtype": self.pipe.dtype,
                      "queue_wait_s": result.started_s - result.submitted_s,
                      "decode_s": result.finished_s - result.started_s}
             item = {"b64_json": png, "index": i, ("prompt" if self.prompts else "class_id"): req.condition,

@@ -11,11 +11,19 @@ turn, so a burst arriving during a step lands together), or the highest load the
 seconds if that is higher (clients that just got their images and send the next request land with the load they
 left, not one by one on narrower engines), so a request alone runs a width-1 step and a full load the widest;
 images already admitted never move. Each engine has a runner (KV cache) of its own. Busy
-engines take turns, one step each, under the pipeline's lock (so nothing else uses its runners meanwhile); an
+engines take turns, one step each, under their pipeline's lock (so nothing else uses its runners meanwhile); an
 engine with no work is not stepped.
+
+Work from another thread that must not share the cores with the steps (a background calibration's timed runs)
+takes a turn (`quiet_turn`): it waits until no image is admitted, or TURN_PATIENCE_S under constant load (then it
+comes between two steps), and the steps wait while it holds the turn. A
+new plan (`switch`) takes effect at a step boundary: every ladder is retired (its engines keep stepping until their
+images are done, so an image runs on one engine, one plan, from its first step to its last) and new requests go
+to ladders built on the new pipeline, the default one at once.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -30,6 +38,8 @@ from lantern.engine import Engine, Request
 
 log = logging.getLogger("lantern.serve")
 IDLE_POLL_S = 0.05  # how often an idle worker looks for commands
+TURN_PATIENCE_S = 5.0  # the most another thread's turn waits for the service to have no image (so a replica that
+# starts under load still calibrates; each turn then delays the images in flight by its length)
 
 
 class Cancelled(Exception):
@@ -42,6 +52,10 @@ class EngineFailed(Exception):
 
 class EnginesBusy(Exception):
     """A request needs an engine of its own, and every engine the worker may keep is busy (HTTP 429)."""
+
+
+class ShutDown(Exception):
+    """The service was stopped before the image finished (a second stop signal while draining): HTTP 503."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +72,9 @@ class Job:
     request: Request
     key: EngineKey
     future: Future
-    width: int = 0  # the engine of the key's ladder it runs on (set when submitted to it)
+    width: int = 0  # the width of the key's ladder it runs on (set when submitted to it)
+    engine: Optional[Engine] = None  # the engine it runs on (set when submitted to it)
+    runs: tuple = ()  # (what that engine runs, its backend), set when submitted to it
 
 
 @dataclass
@@ -81,6 +97,10 @@ def fitting_width(widths: tuple[int, ...], load: int) -> int:
     return next((w for w in widths if w >= load), widths[-1])
 
 
+class WorkerStopped(Exception):
+    """The worker ended while another thread waited for a turn."""
+
+
 class EngineWorker:
     def __init__(self, pipeline, make_decode: Callable[[EngineKey], tuple], default: EngineKey,
                  widths: tuple[int, ...], queue_limit: int, max_engines: int, metrics: ServeMetrics,
@@ -98,6 +118,12 @@ class EngineWorker:
         self.described: dict[str, str] = {}  # str(engine key) -> what it runs (auto: the plan it chose)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._engines: dict[EngineKey, dict[int, Engine]] = {}  # key -> width -> engine (built on first use)
+        self._retiring: list[tuple[EngineKey, int, Engine]] = []  # engines of a former plan, finishing their images
+        self._turn = threading.Lock()  # held by the worker while it steps, or by another thread's turn (quiet_turn)
+        self._turn_wanted = threading.Event()  # another thread waits for the turn: the worker lets it in first
+        self.switches = 0  # plans switched to since start
+        self.ran: dict[str, tuple] = {}  # request id -> (what ran it, the backend) of each image answered, until
+        # the caller takes it (pop): a plan switch may come between an image's submission and its answer
         self._jobs: dict[str, Job] = {}  # request id -> job, owned by the worker thread
         self.hold_s = hold_s
         self._recent: dict[EngineKey, RecentLoad] = {}  # key -> its ladder's recent highest load (worker thread)
@@ -142,13 +168,60 @@ class EngineWorker:
 
     def submit(self, key: EngineKey, requests: list[Request]) -> list[Future]:
         """Queue admitted images; each future resolves to its RequestResult, or raises Cancelled, ValueError (the
-        engine refused the request), EnginesBusy or EngineFailed."""
+        engine refused the request), EnginesBusy, EngineFailed or ShutDown (the worker stopped first)."""
         jobs = [Job(r, key, Future()) for r in requests]
-        self._commands.put(("submit", jobs))
+        with self._lock:
+            if not self._closed:
+                self._commands.put(("submit", jobs))
+                return [j.future for j in jobs]
+        for job in jobs:  # the thread has ended (stopped, or its warm-up failed): nothing will run them
+            self._resolve(job, error=ShutDown("the service stopped before this image started"))
         return [j.future for j in jobs]
 
     def cancel(self, request_ids: list[str]) -> None:
         self._commands.put(("cancel", list(request_ids)))
+
+    def switch(self, pipeline, apply: Callable[[], None]) -> None:
+        """At the next step boundary: apply() (the caller's new plan, which make_decode then returns), retire every
+        ladder, and build the default ladder on `pipeline` at every width. The images in flight finish on the
+        engines they started on."""
+        self._commands.put(("switch", (pipeline, apply)))
+
+    @contextlib.contextmanager
+    def quiet_turn(self, patience_s: float = TURN_PATIENCE_S, poll_s: float = IDLE_POLL_S):
+        """Hold the cores for a while: waits until no image is admitted, or `patience_s` at most (then between two
+        steps, images in flight or not); the steps wait until the block ends. Raises WorkerStopped when the worker
+        has ended (or is stopping)."""
+        deadline = time.monotonic() + patience_s
+
+        def stopped() -> bool:
+            return self._closed or self._stopping or (self._thread.ident is not None and not self._thread.is_alive())
+        while True:
+            if stopped():
+                raise WorkerStopped("the engine worker stopped")
+            if self.outstanding == 0 or time.monotonic() >= deadline:
+                self._turn_wanted.set()  # the worker lets this thread in at its next step boundary
+                try:
+                    while not self._turn.acquire(timeout=poll_s):
+                        if stopped():
+                            raise WorkerStopped("the engine worker stopped")
+                finally:
+                    self._turn_wanted.clear()
+                if self.outstanding == 0 or time.monotonic() >= deadline:
+                    break
+                self._turn.release()  # an image came in meanwhile: wait on
+            time.sleep(poll_s)
+        try:
+            yield
+        finally:
+            self._turn.release()
+
+    def peak_memory_bytes(self) -> int:
+        """The highest peak over the engines' runners (Runner.memory(): device memory, or the process RSS on
+        CPU); 0 before any engine is built."""
+        engines = [e for ladder in list(self._engines.values()) for e in list(ladder.values())]
+        engines += [e for _, _, e in list(self._retiring)]
+        return max((e.runner.memory().peak_bytes for e in engines), default=0)
 
     def call(self, fn: Callable[[], object]) -> Future:
         """Run fn() in the worker thread between steps; the future resolves to what it returns (or raises what it
@@ -169,14 +242,17 @@ class EngineWorker:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    def abandon(self) -> None:
+        """Stop without finishing: every image admitted is cancelled (its future raises ShutDown) at the next turn
+        of the worker, which then ends."""
+        self._commands.put(("abandon", None))
+
     # ---- the worker thread ----
     def _run(self) -> None:
         try:
             if self.setup is not None:
                 self.pipeline = self.setup()
-            with self.pipeline.lock:
-                for width in self.widths:
-                    self._engine(self.default, width)
+            self._build_default()
         except BaseException as e:  # noqa: BLE001  reported by /ready and the serve command
             self.failure = e
             log.error("warm-up failed: %s", e, exc_info=True)
@@ -200,24 +276,56 @@ class EngineWorker:
                 return
             if command == "call":
                 _run_call(*payload)
+            elif command == "submit":  # arrived after the stop: never started
+                for job in payload:
+                    self._resolve(job, error=ShutDown("the service stopped before this image started"))
+
+    def _build_default(self) -> None:
+        with self.pipeline.lock:
+            for width in self.widths:
+                self._engine(self.default, width)
 
     def _serve(self) -> None:
         while not (self._stopping and not self._jobs):
-            self._take_commands(block=not self._jobs)
-            now = time.monotonic()
-            for key in self._engines:
-                self._recent_load(key).see(self.load(key), now)
-            for key, width, engine in self._all_engines():
-                if engine.busy or engine.waiting:
-                    self._step(key, width, engine)
-            waiting = 0
-            for key, width, engine in self._all_engines():
-                self.metrics.slots_busy.labels(str(key), str(width)).set(engine.busy)
-                waiting += engine.waiting
-            self.metrics.queue_depth.set(waiting)
+            first = self._next_command(block=not self._jobs)  # waits outside the turn: another thread may take it
+            while self._turn_wanted.is_set():  # it is taking the turn now (the lock favours no one)
+                time.sleep(0.001)
+            with self._turn:
+                self._take_commands(first)
+                now = time.monotonic()
+                for key in self._engines:
+                    self._recent_load(key).see(self.load(key), now)
+                for key, width, engine in self._all_engines() + self._retiring:
+                    if engine.busy or engine.waiting:
+                        self._step(key, width, engine)
+                self._retiring = [(k, w, e) for k, w, e in self._retiring if e.busy or e.waiting]
+                busy: dict[tuple[str, str], int] = {}
+                waiting = 0
+                for key, width, engine in self._all_engines() + self._retiring:
+                    label = (str(key), str(width))
+                    busy[label] = busy.get(label, 0) + engine.busy
+                    waiting += engine.waiting
+                for label, count in busy.items():
+                    self.metrics.slots_busy.labels(*label).set(count)
+                self.metrics.queue_depth.set(waiting)
 
     def _all_engines(self) -> list[tuple[EngineKey, int, Engine]]:
         return [(key, width, engine) for key, ladder in self._engines.items() for width, engine in ladder.items()]
+
+    def _switch(self, pipeline, apply: Callable[[], None]) -> None:
+        """At a step boundary: the new plan, every ladder retired (its engines finish their images), the default
+        ladder built on `pipeline`. Should building fail, the images keep going to the engines there are."""
+        apply()
+        self._retiring += [(k, w, e) for k, w, e in self._all_engines() if e.busy or e.waiting]
+        for key in list(self._engines):
+            self._drop(key)
+        self.described.clear()
+        self.pipeline = pipeline
+        self.switches += 1
+        try:
+            self._build_default()
+        except Exception as e:  # noqa: BLE001  built on first use instead (its requests then see the error)
+            log.error("the default engines on the new plan failed to build: %s", e, exc_info=True)
 
     def load(self, key: EngineKey) -> int:
         """Images of `key` in flight or queued, over its ladder (worker thread)."""
@@ -262,28 +370,36 @@ class EngineWorker:
         then one of the engine's own, so no two engines share a KV cache (engines of other widths have other
         shapes, so other runners)."""
         runner = self.pipeline.runner(dcfg, width)
-        if any(e.runner is runner for _, _, e in self._all_engines()):
+        if any(e.runner is runner for _, _, e in self._all_engines() + self._retiring):
             spec = runner.spec
             runner = self.pipeline.backend.prepare(self.pipeline.target,
                                                    self.pipeline.drafter if spec.draft_widths else None, spec)
             runner.warmup()
         return runner
 
-    def _take_commands(self, block: bool) -> None:
-        """Every command waiting: the submissions together, so that a burst of requests arriving during one step
-        is placed by its whole load, not one request at a time; then the cancellations (a request is always
-        submitted before it can be cancelled), the calls and a stop."""
+    def _next_command(self, block: bool):
+        """The first command waiting (waiting up to IDLE_POLL_S for one when `block`), or None."""
         try:
-            command = self._commands.get(timeout=IDLE_POLL_S) if block else self._commands.get_nowait()
+            return self._commands.get(timeout=IDLE_POLL_S) if block else self._commands.get_nowait()
         except queue.Empty:
+            return None
+
+    def _take_commands(self, command) -> None:
+        """`command` and every command waiting: a plan switch first (new requests go to the new plan), then the
+        submissions together, so that a burst of requests arriving during one step is placed by its whole load,
+        not one request at a time; then the cancellations (a request is always submitted before it can be
+        cancelled), the calls and a stop."""
+        if command is None:
             return
-        taken = {"submit": [], "cancel": [], "call": [], "stop": []}
+        taken = {"switch": [], "submit": [], "cancel": [], "call": [], "stop": [], "abandon": []}
         while True:
             taken[command[0]].append(command[1])
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
+        for pipeline, apply in taken["switch"]:
+            self._switch(pipeline, apply)
         incoming: dict[EngineKey, int] = {}  # key -> images of these submissions not yet placed
         for jobs in taken["submit"]:
             incoming[jobs[0].key] = incoming.get(jobs[0].key, 0) + len(jobs)
@@ -293,7 +409,13 @@ class EngineWorker:
             self._cancel(request_ids)
         for fn, future in taken["call"]:
             _run_call(fn, future)
-        if taken["stop"]:
+        if taken["abandon"]:
+            for rid, job in list(self._jobs.items()):
+                job.engine.cancel(rid)
+                self._resolve(job, error=ShutDown("the service was stopped (a second stop signal) before this "
+                                                  "image finished"))
+            self._jobs.clear()
+        if taken["stop"] or taken["abandon"]:
             self._stopping = True
 
     def _submit(self, jobs: list[Job], incoming: dict) -> None:
@@ -318,7 +440,9 @@ class EngineWorker:
             job.width = width
             try:
                 with self.pipeline.lock:
-                    rid = self._engine(job.key, width).submit(job.request)
+                    job.engine = self._engine(job.key, width)
+                    rid = job.engine.submit(job.request)
+                job.runs = (self.described[str(job.key)], job.engine.pipeline.backend.name)
             except (ValueError, EnginesBusy) as e:
                 self._resolve(job, error=e)
                 continue
@@ -332,17 +456,19 @@ class EngineWorker:
         for rid in request_ids:
             job = self._jobs.pop(rid, None)
             if job is not None:
-                self._engines[job.key][job.width].cancel(rid)
+                job.engine.cancel(rid)
                 self._resolve(job, error=Cancelled(rid))
 
     def _step(self, key: EngineKey, width: int, engine: Engine) -> None:
         try:
-            with self.pipeline.lock:
+            with engine.pipeline.lock:
                 report = engine.step()
         except Exception as e:  # noqa: BLE001  the engine's state is unknown: fail its images, build it anew
             log.error("engine %s (width %d) failed a step: %s\n%s", key, width, e, traceback.format_exc())
-            del self._engines[key][width]
-            for rid in [r for r, j in self._jobs.items() if (j.key, j.width) == (key, width)]:
+            if self._engines.get(key, {}).get(width) is engine:
+                del self._engines[key][width]
+            self._retiring = [r for r in self._retiring if r[2] is not engine]
+            for rid in [r for r, j in self._jobs.items() if j.engine is engine]:
                 self._resolve(self._jobs.pop(rid), error=EngineFailed(str(e)))
             return
         self.metrics.observe_step(key.method, report)
@@ -366,6 +492,7 @@ class EngineWorker:
         if error is not None:
             job.future.set_exception(error)
         else:
+            self.ran[job.request.request_id] = job.runs
             job.future.set_result(result)
 
 

@@ -98,7 +98,7 @@ def add_train_commands(subparsers) -> None:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from lantern.bundle import bundle_methods, describe_bundle, verify_bundle
+    from lantern.bundle import bundle_methods, describe_bundle, read_json_object, verify_bundle
     from lantern.family_cli import info_command, is_family_folder
     if is_family_folder(args.model):
         return info_command(args)
@@ -106,7 +106,7 @@ def _info(args: argparse.Namespace) -> int:
     if args.json:
         from lantern.bundle import DEFAULT_BUNDLE
         root = Path(args.model) if args.model else DEFAULT_BUNDLE
-        manifest = json.loads((root / "manifest.json").read_text())
+        manifest = read_json_object(root / "manifest.json")
         print(json.dumps({"path": str(root), "problems": problems, "command": manifest.get("command"),
                           "seed": manifest.get("seed"), "data": manifest.get("data"),
                           "metrics": manifest.get("metrics"), "methods": bundle_methods(root)}))

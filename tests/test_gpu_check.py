@@ -1,0 +1,90 @@
+"""tools/gpu_check.py --quick: the GPU check's own code, end to end on CPU stand-ins and tiny shapes, so that a
+typo cannot waste a GPU lease. The tiny bundle keeps the service section short."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tiny_bundle import write_tiny_bundle
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOL = ROOT / "tools" / "gpu_check.py"
+
+
+def run_tool(*args: str, out: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("OUT", None)
+    if out is not None:
+        env["OUT"] = str(out)
+    return subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True, env=env, timeout=900)
+
+
+def test_quick_runs_every_section_on_labelled_stand_ins(tmp_path):
+    bundle = write_tiny_bundle(tmp_path / "bundle")
+    device_out = tmp_path / "device-out"
+    device_out.mkdir()
+    done = run_tool("--quick", "--model", str(bundle), "--out", str(tmp_path / "gpu-quick"), out=device_out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads((tmp_path / "gpu-quick.json").read_text())
+    sections = record["sections"]
+    assert set(sections) == {"env", "conformance", "parity", "sync", "distribution", "timing", "serve"}
+    assert not record.get("errors") and not any("error" in v for v in sections.values() if isinstance(v, dict))
+    assert record["quick"] and record["stand_ins"] == {"eager": "cpu", "graph": "cpu-graph", "fused": "cpu-graph"}
+    assert "stand-in" in sections["env"]["device"]
+    assert all(r["passed"] for r in sections["conformance"].values())
+    parity = sections["parity"]["methods"]
+    assert set(parity) == {"ar", "mc-sjd", "lantern++", "mc-sjd-relaxed", "eagle2", "lantern", "sjd"}
+    assert all(v["equal"] for by_mode in parity.values() for v in by_mode.values())
+    assert set(parity["lantern++"]) == {"eager", "fused", "graph"}
+    assert all(r["syncs"] >= r["steps"] > 0 for r in sections["sync"].values())
+    assert sections["distribution"]["passed"]
+    rows = sections["timing"]["rows"]
+    assert {(r["sampling"], r["method"]) for r in rows} >= {
+        (s, m) for s in ("bundle", "llamagen-c2i") for m in ("ar", "mc-sjd", "mc-sjd-relaxed", "eagle2", "lantern",
+                                                              "lantern++")}
+    assert {r["mode"] for r in rows if r["method"] == "ar"} == {"eager", "graph", "fused"}
+    assert any(r["mode"] == "auto" for r in rows)
+    assert all(r.get("fastest_ar") and r["tokens_per_forward"] >= 1 for r in rows)
+    assert sections["serve"]["service"]["images"] > 0 and sections["serve"]["service_over_processes"] > 0
+    for suffix in (".json", ".md", ".png"):  # written, and copied under $OUT for the device tool
+        assert (tmp_path / f"gpu-quick{suffix}").exists() and (device_out / f"gpu-quick{suffix}").exists()
+    assert "stand-ins" in (tmp_path / "gpu-quick.md").read_text()
+    assert done.stdout.splitlines()[-1].startswith("[gpu_check] results:")
+    assert "greedy parity lantern++: eager =, fused =, graph =" in done.stdout
+
+
+@pytest.mark.parametrize("args, message", [(["--quick", "--budget-s", "0"], "--budget-s 0.0 must be > 0"),
+                                           (["--quick", "--images", "0"], "--images 0 must be >= 1")])
+def test_bad_options_exit_2_naming_the_value(args, message):
+    done = run_tool(*args)
+    assert done.returncode == 2 and message in done.stderr
+
+
+def test_without_cuda_it_points_to_quick():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    done = run_tool("--sections", "parity")
+    assert done.returncode == 2 and "--quick runs the check on CPU stand-ins" in done.stderr
+
+
+def test_cuda_syncs_are_counted_from_the_sync_debug_mode_warnings(monkeypatch):
+    """FAKE torch.cuda.set_sync_debug_mode (a CPU torch has none): the GPU path counts the warnings torch's
+    "warn" mode raises at each synchronising call while the run lasts, and puts the mode back after."""
+    import warnings
+    import torch
+    sys.path.insert(0, str(ROOT / "tools"))
+    import gpu_check
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def run():
+        for _ in range(3):
+            warnings.warn("called a synchronizing CUDA operation", UserWarning)
+        warnings.warn("something else", UserWarning)
+    assert gpu_check.count_syncs(False, run) == 3 and modes == ["warn", "default"]

@@ -1,0 +1,109 @@
+"""The true memory peak (lantern.backends.memory): a transient freed inside a step is in every peak reported."""
+import json
+
+import psutil
+import torch
+
+from lantern.backends import memory
+from lantern.backends.memory import AllocatorPeak, HostPeak
+from lantern.backends.torch_eager import TorchRunner
+
+GIB = 1 << 30
+
+
+def with_transient(monkeypatch, method: str, nbytes: int = GIB, call: int = 10) -> None:
+    """The `call`-th call of TorchRunner.<method> (past the warm-up's: inside the generation) holds `nbytes` of
+    resident memory for a moment, then frees it."""
+    original = getattr(TorchRunner, method)
+    calls = []
+
+    def step(self, *args):
+        calls.append(True)
+        if len(calls) == call:
+            transient = torch.ones(nbytes // 4)  # written, so every page is resident
+            del transient
+        return original(self, *args)
+
+    monkeypatch.setattr(TorchRunner, method, step)
+
+
+def test_generate_json_reports_a_transient_freed_inside_one_step(monkeypatch, capsys):
+    """1 GiB held for a moment inside one verify step of `lantern generate`: the JSON's peak holds it (the RSS
+    sampled after the generation, which is what the peak was before, does not)."""
+    from lantern.cli import main
+    with_transient(monkeypatch, "verify")
+    assert main(["generate", "--classes", "0", "--method", "ar", "--no-images", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    after = psutil.Process().memory_info().rss
+    assert out["memory"]["source"] == memory.HOST_PEAK
+    assert out["peak_memory_bytes"] == out["memory"]["peak_bytes"] >= after + 0.9 * GIB
+
+
+def test_peak_restarts_per_generation(tiny):
+    """A generation after the transient one reports its own peak, not the earlier one's."""
+    from lantern.api import Pipeline
+    from lantern.decoding.config import method_preset
+    from lantern.decoding.sampling import SamplingConfig
+    target, _, _ = tiny
+    pipe = Pipeline(target, backend="cpu")
+    dcfg = method_preset("ar", SamplingConfig())
+    runner = pipe.runner(dcfg, 1)
+    runner.reset_peak_memory()
+    transient = torch.ones(GIB // 8)
+    del transient
+    assert runner.memory().peak_bytes >= psutil.Process().memory_info().rss + 0.4 * GIB
+    result = pipe.generate([0], dcfg, batch=1, tokens=4)
+    assert result.profile["memory"]["peak_bytes"] < psutil.Process().memory_info().rss + 0.2 * GIB
+
+
+def test_host_peak_falls_back_to_the_lifetime_peak_labelled_so(monkeypatch, tmp_path):
+    """Where clear_refs cannot be written, the peak is ru_maxrss and the source says it is the lifetime peak."""
+    monkeypatch.setattr(memory, "CLEAR_REFS", tmp_path / "no-such-dir" / "clear_refs")
+    meter = HostPeak()
+    meter.reset()
+    assert not meter.resettable and meter.source == memory.HOST_LIFETIME_PEAK
+    assert meter.read() >= 0.95 * psutil.Process().memory_info().rss  # the kernel's counters lag a little
+
+
+class FakeAllocator:
+    """A LABELLED FAKE of torch.cuda / habana_frameworks.torch.hpu's peak statistics: a peak that only a reset
+    lowers, raised by `hold`."""
+
+    def __init__(self):
+        self.in_use = self.peak = 0
+        self.devices = []
+
+    def hold(self, nbytes: int) -> None:
+        self.peak = max(self.peak, self.in_use + nbytes)
+
+    def reset_peak_memory_stats(self, *device):
+        self.devices.append(device)
+        self.peak = self.in_use
+
+    def max_memory_allocated(self, *device):
+        self.devices.append(device)
+        return self.peak
+
+
+def test_allocator_peak_is_reset_per_window_on_its_device():
+    fake = FakeAllocator()
+    cuda = AllocatorPeak(fake, "torch.cuda", torch.device("cuda", 1))
+    fake.hold(5 * GIB)
+    cuda.reset()
+    fake.hold(GIB)
+    assert cuda.read() == GIB and cuda.source == "torch.cuda.max_memory_allocated"
+    assert fake.devices == [(torch.device("cuda", 1),)] * 2
+    hpu = AllocatorPeak(fake, "habana_frameworks.torch.hpu")  # the bridge's calls take no device
+    hpu.reset()
+    assert hpu.read() == 0 and fake.devices[-2:] == [(), ()]
+
+
+def test_available_memory_per_device(monkeypatch):
+    """CPU: psutil's available; CUDA (torch.cuda's calls replaced by LABELLED FAKES): the device's free memory
+    plus the blocks torch's allocator holds unused; a device lantern cannot ask: None (not checked)."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (3 * GIB, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 5 * GIB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 4 * GIB)
+    assert memory.available_bytes("cuda:0")[0] == 4 * GIB
+    assert 0 < memory.available_bytes("cpu")[0] <= psutil.virtual_memory().total
+    assert memory.available_bytes("hpu:0") is None

@@ -1,0 +1,766 @@
+"""One prepared check of lantern's CUDA path (issue 45): correctness first, then speed, in one command that fits a
+short GPU lease.
+
+Sections, in order of value; each runs only while the budget (--budget-s) allows, and the results files are
+rewritten as soon as a section (or a timing row) ends, so a run stopped at any point still leaves what it measured:
+  env            GPU, driver, torch, CUDA, commit, command
+  conformance    the conformance kit (`lantern backends --check`) on cuda (every dtype) and cuda-graph (bf16)
+  parity         greedy tokens of every method on cpu (the reference) and on cuda, the fused step and cuda-graph
+                 (embedded model, fp32, TF32 off)
+  sync           whole generations of the fused step with every synchronisation counted
+                 (torch.cuda.set_sync_debug_mode): the engine reads one report per step, nothing more
+  distribution   one lossless check on cuda: MC-SJD's token marginals against AR's (chi-square, Bonferroni)
+  timing         the embedded model inflated to GPT-B / GPT-L compute shapes (lantern.models.inflate), bf16, at the
+                 bundle's sampling and at LlamaGen's class-to-image sampling (whole vocabulary, CFG 4.0): AR on
+                 eager, cuda-graph and the fused step (the fastest is the baseline, named) against mc-sjd,
+                 mc-sjd-relaxed, eagle2, lantern and lantern++ on --method-mode, with tokens per forward, the verify
+                 cost ratio, the ceiling and peak GPU memory per row, and the default (`--method auto`, no backend
+                 pinned); one image first, then the service, then 4 and 16 images
+  serve          `lantern serve --backend cuda` under 16 closed-loop clients for --serve-s seconds against one
+                 `lantern generate` process per image
+Writes results/gpu-<device>.{json,md,png} (and copies them under $OUT when that is set) and prints a short table
+last.
+
+    python tools/gpu_check.py                    # on a CUDA machine (tools/gpu_check.sh installs what is missing)
+    python tools/gpu_check.py --quick            # the same code on the CPU, tiny shapes, in well under a minute
+
+--quick runs every section on CPU stand-ins, labelled as such in every row: `cpu` for cuda, `cpu-graph`
+(dynamo's eager compiler) for cuda-graph and the fused step; the GPT-B / GPT-L shapes become a slightly inflated
+embedded model, images are a few tokens long, and host reads stand in for device synchronisations. Its numbers
+mean nothing; it proves the check runs end to end (tests/test_gpu_check.py). docs/gpu.md says how to read it.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from samplings import sampling_settings
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEED_METHODS = ("mc-sjd", "mc-sjd-relaxed", "eagle2", "lantern", "lantern++")
+RELAXED = ("lantern", "lantern++", "mc-sjd-relaxed")  # the methods that read the proximity table (k neighbours)
+TINY_NEIGHBOURS = 8  # --quick's proximity table: few enough to fit the inflated vocabulary's padded codes
+PARITY_ORDER = ("ar", "mc-sjd", "lantern++", "mc-sjd-relaxed", "eagle2", "lantern", "sjd")
+BASELINE_S = 20.0  # seconds of one-process-per-image load: each process pays torch's import and CUDA's start
+# each section's share of the budget (what it may start within); the timing rows of 4 and 16 images take the rest
+SHARES = {"conformance": 0.12, "parity": 0.18, "sync": 0.05, "distribution": 0.05, "timing-1": 0.25, "serve": 0.2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """A way of running on the device: its label in the results, the backend and its options."""
+
+    label: str  # eager | graph | fused
+    backend: str
+    options: dict
+
+    def pipeline(self, models, dtype: str, **extra):
+        from lantern.api import Pipeline
+        return Pipeline(models.target, models.drafter, models.proximity, backend=self.backend, dtype=dtype,
+                        **{**self.options, **extra})
+
+
+def device_modes(quick: bool) -> dict[str, Mode]:
+    """The modes under test: CUDA's, or their CPU stand-ins (--quick)."""
+    if quick:
+        return {"eager": Mode("eager", "cpu", {}),
+                "graph": Mode("graph", "cpu-graph", {"compiler": "eager"}),
+                "fused": Mode("fused", "cpu-graph", {"compiler": "eager", "fused_step": True})}
+    return {"eager": Mode("eager", "cuda", {}), "graph": Mode("graph", "cuda-graph", {}),
+            "fused": Mode("fused", "cuda-graph", {"fused_step": True})}
+
+
+class Budget:
+    """The seconds the check may still start work in: overall, and per section (its share)."""
+
+    def __init__(self, seconds: float, scale: float = 1.0):
+        """scale: multiplies every unit's minimum (--quick: 0, every unit runs while any time is left)."""
+        self.total, self.end, self.scale = seconds, time.monotonic() + seconds, scale
+        self.section_end = self.end
+
+    def left(self) -> float:
+        return min(self.end, self.section_end) - time.monotonic()
+
+    def allows(self, seconds: float) -> bool:
+        """Whether a unit that needs about `seconds` on a GPU (compiles included) may start."""
+        return self.left() > seconds * self.scale
+
+    def overall_left(self) -> float:
+        return self.end - time.monotonic()
+
+    def section(self, share: Optional[float]) -> None:
+        now = time.monotonic()
+        self.section_end = self.end if share is None else min(self.end, now + share * self.total)
+
+
+class Check:
+    """One run: its settings, models, budget and the record it writes after every section."""
+
+    def __init__(self, args):
+        from lantern.bundle import load_bundle
+        self.args, self.quick = args, args.quick
+        self.modes = device_modes(args.quick)
+        self.budget = Budget(args.budget_s, scale=0.0 if args.quick else 1.0)
+        self.bundle = load_bundle()  # its sampling and relaxation settings; its models too, on a GPU
+        self.models = tiny_models() if args.quick else Models(self.bundle.target, self.bundle.drafter,
+                                                              self.bundle.proximity)
+        self.stem = Path(args.out) if args.out else default_stem(args.quick)
+        self.record = {"quick": args.quick, "stand_ins": {m.label: m.backend for m in self.modes.values()}
+                       if args.quick else None, "budget_s": args.budget_s, "sections": {}, "skipped": []}
+        self._pipes: dict = {}
+        self.t0 = time.monotonic()
+
+    def pipe(self, mode: str, models, dtype: str, **extra):
+        """One pipeline per (mode, models, dtype, options), so runners and compiled steps are reused across
+        sections."""
+        key = (mode, id(models), dtype, tuple(sorted(extra.items())))
+        if key not in self._pipes:
+            self._pipes[key] = self.modes[mode].pipeline(models, dtype, **extra)
+        return self._pipes[key]
+
+    def drop_pipes(self, models) -> None:
+        for key in [k for k in self._pipes if k[1] == id(models)]:
+            self._pipes.pop(key).release()
+
+    def skip(self, what: str, why: str) -> None:
+        self.record["skipped"].append(f"{what}: {why}")
+        print(f"[gpu_check] skipped {what}: {why}", file=sys.stderr)
+
+    def error(self, what: str, e: Exception) -> None:
+        """A unit that broke: recorded (the run fails), and the run goes on."""
+        self.record.setdefault("errors", []).append(f"{what}: {type(e).__name__}: {e}")
+        print(f"[gpu_check] {what} failed: {type(e).__name__}: {e}", file=sys.stderr)
+
+    def save(self) -> None:
+        self.record["elapsed_s"] = time.monotonic() - self.t0
+        write_all(self.stem, self.record)
+
+
+@dataclasses.dataclass
+class Models:
+    target: torch.nn.Module
+    drafter: Optional[torch.nn.Module]
+    proximity: Optional[torch.Tensor]
+
+
+def tiny_models() -> Models:
+    """--quick: a one-layer random target (its head sharpened, so greedy choices are not ties), drafter and
+    proximity table, made offline by the project's own code."""
+    from lantern.config import GPTConfig
+    from lantern.models.drafter import Drafter
+    from lantern.models.gpt import GPT
+    from lantern.proximity import build_proximity_table
+    torch.manual_seed(0)
+    cfg = GPTConfig(dim=64, n_layer=1, n_head=4, vocab_size=64, num_classes=10, block_size=64, multiple_of=32)
+    target = GPT(cfg).eval()
+    with torch.no_grad():
+        target.output.weight.mul_(8.0)
+    codebook = torch.nn.functional.normalize(torch.randn(cfg.vocab_size, 8), dim=1)
+    return Models(target, Drafter(cfg).eval(), build_proximity_table(codebook, TINY_NEIGHBOURS))
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "device"
+
+
+def default_stem(quick: bool) -> Path:
+    if quick:  # a check that the tool runs never lands in results/
+        return Path(tempfile.mkdtemp(prefix="lantern-gpu-check-")) / "gpu-cpu-stand-in"
+    return ROOT / "results" / f"gpu-{slug(torch.cuda.get_device_name())}"
+
+
+# ---- env ------------------------------------------------------------------------------------------------------
+def environment(check: Check) -> dict:
+    from lantern.profile.environment import provenance
+    prov = provenance()
+    commit = prov["commit"] or os.environ.get("LANTERN_COMMIT") or "unknown"  # the lease's copy has no .git
+    env = {"command": prov["command"], "commit": commit, "machine": prov["machine"], "torch": torch.__version__,
+           "python": sys.version.split()[0], "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    if check.quick:
+        return {**env, "device": "cpu (stand-in for cuda)", "driver": None, "cuda": None}
+    smi = shutil.which("nvidia-smi")
+    driver = (subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                             text=True).stdout.strip() if smi else None)
+    props = torch.cuda.get_device_properties(0)
+    return {**env, "device": torch.cuda.get_device_name(), "driver": driver, "cuda": torch.version.cuda,
+            "gpu_memory_gib": props.total_memory / 2 ** 30, "multiprocessors": props.multi_processor_count}
+
+
+# ---- conformance ----------------------------------------------------------------------------------------------
+def conformance(check: Check) -> dict:
+    from lantern.backends.conformance import check_backend
+    out = {}
+    runs = [("eager", ["fp32"]), ("graph", ["bf16"])] if check.quick else [("eager", None), ("graph", ["bf16"]),
+                                                                              ("graph", ["fp32"])]
+    for mode, dtypes in runs:
+        m = check.modes[mode]
+        name = f"{m.backend} {'/'.join(dtypes) if dtypes else 'all dtypes'}"
+        if not check.budget.allows(20):
+            check.skip(f"conformance {name}", "budget")
+            continue
+        options = {k: v for k, v in m.options.items() if k != "fused_step"}
+        report = check_backend(m.backend, dtypes=dtypes, **options).to_dict()
+        out[name] = {"passed": report["passed"], "failures": [c for c in report["checks"] if c["status"] == "fail"],
+                     "checks": len(report["checks"])}
+    return out
+
+
+# ---- parity ---------------------------------------------------------------------------------------------------
+def method_config(check: Check, method: str, sampling):
+    """The method at `sampling` with the bundle's relaxation settings (--quick: k within the tiny table)."""
+    from lantern.decoding import method_preset
+    kw = dict(check.bundle.relaxation_at(sampling).get(method, {}))
+    if check.quick and method in RELAXED:
+        kw["k"] = min(kw.get("k", TINY_NEIGHBOURS), TINY_NEIGHBOURS)
+    return method_preset(method, sampling, **kw)
+
+
+def greedy_config(check: Check, method: str):
+    from lantern.decoding import SamplingConfig
+    return method_config(check, method, SamplingConfig(**{**check.bundle.default_sampling, "greedy": True}))
+
+
+def parity(check: Check) -> dict:
+    """Greedy tokens of every method: the CPU's (fp32) against each device mode's (fp32, TF32 off)."""
+    from lantern.api import Pipeline
+    tokens, classes = check.args.parity_tokens, [0, 1]
+    cpu = Pipeline(check.models.target, check.models.drafter, check.models.proximity, backend="cpu", dtype="fp32")
+    exact = {} if check.quick else {"tf32": False}
+    rows = {}
+    with ieee_fp32():
+        greedy_runs(check, cpu, exact, classes, tokens, rows)
+    out = {}
+    for method, by_mode in rows.items():
+        ref = by_mode.pop("cpu")
+        out[method] = {mode: {"equal": bool(torch.equal(ref, t.cpu())),
+                              "first_difference": first_difference(ref, t.cpu())} for mode, t in by_mode.items()}
+    return {"tokens_per_image": tokens, "images": len(classes), "methods": out}
+
+
+def greedy_runs(check: Check, cpu, exact: dict, classes: list, tokens: int, rows: dict) -> None:
+    """rows: method -> {"cpu": tokens, mode: tokens}; every method on eager first, then the compiled ones."""
+    for mode in ("eager", "fused", "graph"):
+        for method in PARITY_ORDER if mode == "eager" else check.args.compiled_methods:
+            if not check.budget.allows(5 if mode == "eager" else 25):
+                check.skip(f"parity {method} on {mode}", "budget")
+                continue
+            dcfg = greedy_config(check, method)
+            if method not in rows:
+                rows[method] = {"cpu": cpu.generate(classes, dcfg, batch=2, tokens=tokens).tokens}
+            pipe = check.pipe(mode, check.models, "fp32", **exact)
+            rows[method][mode] = pipe.generate(classes, dcfg, batch=2, tokens=tokens).tokens
+
+
+@contextlib.contextmanager
+def ieee_fp32():
+    """fp32 matrix products in IEEE fp32 inside the block (TF32 is process-wide in torch, and runners prepared
+    earlier, by the conformance kit say, switched it on)."""
+    matmul = torch.backends.cuda.matmul
+    before, matmul.allow_tf32 = matmul.allow_tf32, False
+    try:
+        yield
+    finally:
+        matmul.allow_tf32 = before
+
+
+def first_difference(a: torch.Tensor, b: torch.Tensor) -> Optional[int]:
+    """The first token position where any image differs, or None."""
+    diff = (a != b).any(0).nonzero()
+    return int(diff[0]) if len(diff) else None
+
+
+# ---- sync -----------------------------------------------------------------------------------------------------
+class HostReads(torch.overrides.TorchFunctionMode):
+    """CPU stand-in for CUDA's sync debug mode: counts the calls that would read a device tensor on the host."""
+
+    CALLS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.CALLS and args and isinstance(args[0], torch.Tensor):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_syncs(quick: bool, run: Callable[[], object]) -> int:
+    """Synchronisations while `run()` runs: torch.cuda.set_sync_debug_mode's warnings, or host reads (--quick)."""
+    if quick:
+        with HostReads() as reads:
+            run()
+        return reads.count
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def syncs(check: Check) -> dict:
+    out = {}
+    for method in ("ar", "lantern++"):
+        if not check.budget.allows(10):
+            check.skip(f"sync {method}", "budget")
+            continue
+        dcfg = greedy_config(check, method)
+        pipe = check.pipe("fused", check.models, "fp32", **({} if check.quick else {"tf32": False}))
+        pipe.generate([0, 1], dcfg, batch=2, tokens=check.args.parity_tokens)  # compiled (parity did, if it ran)
+        box = {}
+        n = count_syncs(check.quick, lambda: box.setdefault("r", pipe.generate([2, 3], dcfg, batch=2,
+                                                                               tokens=check.args.sync_tokens)))
+        steps = max(image["target_forwards"] for image in box["r"].stats.summary()["per_image"])
+        out[method] = {"syncs": n, "steps": steps, "beyond_one_per_step": n - steps,
+                       "tokens": box["r"].stats.tokens, "how": "host reads (stand-in)" if check.quick
+                       else "torch.cuda.set_sync_debug_mode warnings"}
+    return out
+
+
+# ---- distribution ---------------------------------------------------------------------------------------------
+def distribution(check: Check) -> dict:
+    """MC-SJD (lossless) against AR on the eager device mode: each token position's marginal, chi-square."""
+    from scipy.stats import chi2_contingency
+    from lantern.decoding import SamplingConfig, method_preset
+    n, tokens, width = (128, 3, 32) if check.quick else (1024, 4, 64)
+    sampling = SamplingConfig(**check.bundle.default_sampling)
+    pipe = check.pipe("eager", check.models, "fp32")
+    draws = {}
+    for seed, method in ((1, "ar"), (2, "mc-sjd")):
+        draws[method] = pipe.generate([0] * n, method_preset(method, sampling), seed=seed, batch=width,
+                                      tokens=tokens).tokens.cpu()
+    pvalues = []
+    for t in range(tokens):
+        codes = sorted(set(draws["ar"][:, t].tolist()) | set(draws["mc-sjd"][:, t].tolist()))
+        table = [[int((draws[m][:, t] == c).sum()) for c in codes] for m in ("ar", "mc-sjd")]
+        pvalues.append(float(chi2_contingency(table)[1]) if len(codes) > 1 else 1.0)
+    p = min(1.0, min(pvalues) * len(pvalues))  # Bonferroni over positions
+    return {"method": "mc-sjd", "against": "ar", "images": n, "tokens": tokens, "sampling": sampling.__dict__,
+            "p_value": p, "p_by_position": pvalues, "passed": p > 1e-3}
+
+
+# ---- timing ---------------------------------------------------------------------------------------------------
+def shapes(check: Check) -> dict:
+    """Shape name -> inflated models: GPT-B and GPT-L, or (--quick) the embedded model slightly inflated."""
+    from lantern.models.inflate import inflate_models, inflated_config
+    m = check.models
+    if check.quick:
+        cfg = m.target.config
+        tiny = inflated_config(cfg, cfg.dim + cfg.head_dim, cfg.n_layer, cfg.vocab_size + 16, cfg.multiple_of)
+        return {"tiny": lambda: inflate_models(m.target, m.drafter, m.proximity, tiny)}
+    return {s: (lambda s=s: inflate_models(m.target, m.drafter, m.proximity, s)) for s in check.args.shapes}
+
+
+def samplings(check: Check) -> dict:
+    return sampling_settings(check.bundle.default_sampling)
+
+
+def timing(check: Check, images: list[int]) -> list[dict]:
+    rows = check.record["sections"].setdefault("timing", {"rows": []})["rows"]
+    for shape, make in shapes(check).items():
+        if not check.budget.allows(30):
+            check.skip(f"timing {shape} {images}", "budget")
+            continue
+        models = make()
+        check.record["sections"]["timing"].setdefault("shapes", {})[shape] = describe_shape(models)
+        for n in images:
+            for name, sampling in samplings(check).items():
+                timing_rows(check, models, shape, name, sampling, n, rows)
+                check.save()
+        check.drop_pipes(models)
+        del models
+    return rows
+
+
+def describe_shape(models) -> dict:
+    cfg = models.target.config
+    return {"dim": cfg.dim, "n_layer": cfg.n_layer, "n_head": cfg.n_head, "vocab_size": cfg.vocab_size,
+            "parameters": models.parameters}
+
+
+def timing_rows(check: Check, models, shape: str, sampling_name: str, sampling, n: int, rows: list) -> None:
+    """AR on every mode, then each method on --method-mode, then auto: one generation each after its prepare."""
+    classes = [i % models.target.config.num_classes for i in range(n)]
+    base = dict(shape=shape, sampling=sampling_name, images=n, dtype=check.args.dtype)
+    ar = {}
+    plan = [(mode, "ar") for mode in ("fused", "graph", "eager")]
+    plan += [(check.args.method_mode, m) for m in SPEED_METHODS]
+    for mode, method in plan:
+        what = f"timing {shape} {sampling_name} B={n} {method} on {mode}"
+        if not check.budget.allows(15):
+            check.skip(what, "budget")
+            continue
+        try:
+            row = timing_row(check, models, mode, method, sampling, classes)
+        except Exception as e:  # noqa: BLE001  a row that breaks is a finding; the other rows still run
+            check.error(what, e)
+            continue
+        row = {**base, **row}
+        if method == "ar":
+            ar[mode] = row["wall_s"]
+        rows.append(row)
+    if ar:
+        fastest = min(ar, key=ar.get)
+        mine = [r for r in rows if (r["shape"], r["images"], r["sampling"]) == (shape, n, sampling_name)
+                and "verify_width" in r]
+        ratios = verify_cost_ratios(check, models, {r["verify_width"] for r in mine}, n, sampling)
+        for row in mine:
+            finish_row(row, fastest, ar[fastest], ratios)
+    if sampling_name == "bundle":
+        try:
+            auto_row(check, models, base, classes, rows, ar, sampling)
+        except Exception as e:  # noqa: BLE001
+            check.error(f"timing {shape} B={n} auto", e)
+
+
+def timing_row(check: Check, models, mode: str, method: str, sampling, classes: list) -> dict:
+    """One method on one mode: prepared (compiled) untimed, then one whole generation timed."""
+    from lantern.plan.calibration import compile_fused_step
+    n, tokens, dtype = len(classes), check.args.tokens, check.args.dtype
+    dcfg = method_config(check, method, sampling)
+    pipe = check.pipe(mode, models, dtype)
+    t0 = time.perf_counter()
+    pipe.generate(classes, dcfg, batch=n, tokens=2)
+    compile_fused_step(pipe, dcfg, n)
+    prepare_s = time.perf_counter() - t0
+    result = pipe.generate(classes, dcfg, seed=0, batch=n, tokens=tokens)
+    s = result.stats.summary()
+    return {"mode": mode, "backend": check.modes[mode].backend, "method": method, "wall_s": s["wall_seconds"],
+            "tokens_per_forward": s["step_compression"], "prepare_s": prepare_s,
+            "peak_memory_gib": result.profile["memory"]["peak_bytes"] / 2 ** 30,
+            "verify_width": pipe.spec(dcfg, n).verify_widths[0]}
+
+
+def verify_cost_ratios(check: Check, models, widths: set[int], n: int, sampling) -> dict[int, float]:
+    """Verify width -> its median target forward over AR's one-token forward, timed on the eager device mode with
+    the runner's own phase timer (CUDA events)."""
+    from lantern.backends import get_backend
+    from lantern.profile.measure import step_spec, verify_latency
+    if not check.budget.allows(10):
+        return {}
+    m = check.modes["eager"]
+    backend = get_backend(m.backend, **m.options)
+    rows = n * sampling.rows_per_image
+    median = {w: verify_latency(backend, models.target, step_spec(models.target.config, rows, check.args.dtype, w),
+                                warmup=2, repeats=5)["latency"]["median_s"] for w in sorted(widths | {1})}
+    return {w: median[w] / median[1] for w in widths}
+
+
+def finish_row(row: dict, fastest: str, fastest_s: float, ratios: dict[int, float]) -> None:
+    ratio = ratios.get(row["verify_width"])
+    ceiling = row["tokens_per_forward"] / ratio if ratio else None
+    speedup = fastest_s / row["wall_s"]
+    row.update(fastest_ar=fastest, speedup_vs_fastest_ar=speedup, verify_cost_ratio=ratio, ceiling=ceiling,
+               of_ceiling=speedup / ceiling if ceiling else None)
+
+
+def auto_row(check: Check, models, base: dict, classes: list, rows: list, ar: dict, sampling) -> None:
+    """The default: `--method auto`, no backend pinned, at the bundle's sampling and relaxation settings and (on a
+    GPU: inflation keeps the tokens) its acceptance records; its plan, calibration and compiles made first,
+    untimed."""
+    from lantern.api import ModelDefaults, Pipeline
+    if base["images"] not in (1, 16) or not check.budget.allows(150):
+        check.skip(f"auto {base['shape']} B={base['images']}", "budget" if base["images"] in (1, 16) else
+                   "auto runs at 1 and 16 images")
+        return
+    b = check.bundle
+    defaults = ModelDefaults(sampling, b.validations, {} if check.quick else b.acceptance_records)
+    pipe = Pipeline(models.target, models.drafter, models.proximity, defaults=defaults)
+    t0 = time.perf_counter()
+    pipe.generate(classes, "auto", batch=len(classes), tokens=2)
+    prepare_s = time.perf_counter() - t0
+    result = pipe.generate(classes, "auto", seed=0, batch=len(classes), tokens=check.args.tokens)
+    fastest = min(ar, key=ar.get) if ar else None
+    plan = result.plan.to_dict() if result.plan is not None else {}
+    rows.append({**base, "mode": "auto", "backend": result.backend, "method": f"auto ({plan.get('method')})",
+                 "plan": plan,
+                 "wall_s": result.stats.wall_seconds, "tokens_per_forward": result.stats.step_compression,
+                 "prepare_s": prepare_s, "peak_memory_gib": result.profile["memory"]["peak_bytes"] / 2 ** 30,
+                 "fastest_ar": fastest, "speedup_vs_fastest_ar": ar[fastest] / result.stats.wall_seconds
+                 if fastest else None})
+    pipe.release()
+
+
+# ---- serve ----------------------------------------------------------------------------------------------------
+def serve(check: Check) -> dict:
+    """The service under `clients` closed-loop clients for --serve-s seconds, against one `lantern generate`
+    process per image (each client one image in turn, for the same seconds)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from bench_serve import lantern_command, num_classes, summary
+    import httpx
+    clients, seconds, classes = check.args.clients, check.args.serve_s, num_classes(check.args.model)
+    model = ["--model", check.args.model] if check.args.model else []
+    backend = check.modes["eager"].backend
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen(lantern_command("serve", *model, "--backend", backend, "--method", check.args.serve_method,
+                                            "--batch", str(clients), "--queue", str(clients), "--max-n", "1",
+                                            "--port", "0"), stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        url = json.loads(proc.stderr.readline())["url"]
+        ready = wait_ready(httpx, url, proc, check.budget.left())
+        if ready is None:
+            return {"error": "the service was not ready within the budget"}
+
+        async def service_client(c, request):
+            r = await c.post(f"{url}/v1/images/generations", json={"class_id": request % classes,
+                                                                      "seed": 1000 + request})
+            r.raise_for_status()
+
+        async def run_service():
+            async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients)) as c:
+                await closed_loop_for(clients, 1.0, lambda k: service_client(c, k))  # untimed warm-up
+                return await closed_loop_for(clients, seconds, lambda k: service_client(c, k))
+        service = asyncio.run(run_service())
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    out = {"backend": backend, "method": check.args.serve_method, "clients": clients, "seconds": seconds,
+           "served": {k: ready.get(k) for k in ("backend", "fused_step", "dtype", "widths", "plan")},
+           "service": summary(*service)}
+    if check.budget.overall_left() > 2 * BASELINE_S:
+        with tempfile.TemporaryDirectory() as tmp:
+            async def one_process(k):
+                p = await asyncio.create_subprocess_exec(
+                    *lantern_command("generate", *model, "--backend", backend, "--classes", str(k % classes), "--seed",
+                                     str(1000 + k), "--method", check.args.serve_method, "--batch", "1", "--out",
+                                     str(Path(tmp) / str(k))), stdout=asyncio.subprocess.DEVNULL,
+                    stderr=asyncio.subprocess.PIPE, env=env)
+                _, err = await p.communicate()
+                if p.returncode != 0:
+                    raise RuntimeError(f"lantern generate exited {p.returncode}: {err.decode()[-400:]}")
+            asyncio.run(one_process(0))  # untimed: what a first process makes once (auto's calibration) is made
+            out["one_process_per_image"] = summary(*asyncio.run(closed_loop_for(clients, min(seconds, BASELINE_S),
+                                                                                one_process)))
+        out["service_over_processes"] = (out["service"]["images_per_s"]
+                                         / out["one_process_per_image"]["images_per_s"])
+    else:
+        check.skip("serve: one process per image", "budget")
+    return out
+
+
+def wait_ready(httpx, url: str, proc, seconds: float) -> Optional[dict]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(f"{url}/ready", timeout=10)
+            if r.status_code == 200:
+                return r.json()
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"lantern serve exited with {proc.returncode}: {proc.stderr.read()[-500:]}")
+        time.sleep(1.0)
+    return None
+
+
+async def closed_loop_for(clients: int, seconds: float, send) -> tuple[list[float], int, float]:
+    """`clients` clients, each sending its next request when its last one is answered, until `seconds` have
+    passed (requests under way then are waited for and counted). Returns (latencies, images, seconds)."""
+    latencies, end, counter = [], time.monotonic() + seconds, iter(range(10 ** 9))
+
+    async def client():
+        while time.monotonic() < end:
+            t = time.perf_counter()
+            await send(next(counter))
+            latencies.append(time.perf_counter() - t)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return latencies, len(latencies), time.perf_counter() - t0
+
+
+# ---- results --------------------------------------------------------------------------------------------------
+def write_all(stem: Path, record: dict) -> None:
+    """<stem>.json, .md and .png, written whole each time; copied under $OUT where that is set."""
+    from lantern import atomic_io
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    atomic_io.write_text(stem.with_suffix(".json"), json.dumps(record, indent=2, default=str))
+    atomic_io.write_text(stem.with_suffix(".md"), markdown(record))
+    paths = [stem.with_suffix(".json"), stem.with_suffix(".md")]
+    if record["sections"].get("timing", {}).get("rows"):
+        plot(record, stem.with_suffix(".png"))
+        paths.append(stem.with_suffix(".png"))
+    out = os.environ.get("OUT")
+    if out:
+        for p in paths:
+            shutil.copy(p, Path(out) / p.name)
+
+
+def fmt(x, spec: str = ".2f", suffix: str = "") -> str:
+    return "-" if x is None else f"{x:{spec}}{suffix}"
+
+
+def summary_lines(record: dict) -> list[str]:
+    """The short table: one line per check, one per timing row."""
+    s = {k: v for k, v in record["sections"].items() if not (isinstance(v, dict) and "error" in v)}
+    lines = [f"{k}: ERROR {v['error']}" for k, v in record["sections"].items() if isinstance(v, dict) and "error" in v]
+    for name, r in s.get("conformance", {}).items():
+        lines.append(f"conformance {name}: {'pass' if r['passed'] else 'FAIL ' + str(r['failures'][:2])}")
+    for method, by_mode in s.get("parity", {}).get("methods", {}).items():
+        lines.append(f"greedy parity {method}: " + ", ".join(
+            f"{mode} {'=' if v['equal'] else '!= from token ' + str(v['first_difference'])}"
+            for mode, v in by_mode.items()))
+    for method, r in s.get("sync", {}).items():
+        lines.append(f"sync fused {method}: {r['syncs']} syncs over {r['steps']} steps "
+                     f"({r['beyond_one_per_step']} beyond one per step)")
+    if "distribution" in s:
+        d = s["distribution"]
+        lines.append(f"distribution {d['method']} vs {d['against']}: p = {d['p_value']:.3g} "
+                     f"({'pass' if d['passed'] else 'FAIL'})")
+    for r in record["sections"].get("timing", {}).get("rows", []):
+        lines.append(f"{r['shape']} {r['sampling']} B={r['images']} {r['method']:<16} {r['mode']:<6} "
+                     f"{r['wall_s']:.3f} s  x{fmt(r.get('speedup_vs_fastest_ar'))} vs {r.get('fastest_ar')} AR  "
+                     f"tok/fwd {r['tokens_per_forward']:.2f}  ratio {fmt(r.get('verify_cost_ratio'))}  "
+                     f"ceiling {fmt(r.get('ceiling'))}  peak {r['peak_memory_gib']:.2f} GiB")
+    if "serve" in s and "service" in s["serve"]:
+        v = s["serve"]
+        lines.append(f"serve {v['clients']} clients {v['seconds']:.0f} s: {v['service']['images_per_s']:.2f} "
+                     f"images/s, p99 {v['service']['p99_s']:.2f} s; one process per image "
+                     f"{fmt(v.get('one_process_per_image', {}).get('images_per_s'))} images/s; "
+                     f"ratio {fmt(v.get('service_over_processes'), '.1f', 'x')}")
+    lines += [f"ERROR {x}" for x in record.get("errors", [])] + [f"skipped {x}" for x in record["skipped"]]
+    return lines
+
+
+def markdown(record: dict) -> str:
+    env = record["sections"].get("env", {})
+    head = [f"# lantern GPU check: {env.get('device')}", "",
+            f"{env.get('date')}; driver {env.get('driver')}, CUDA {env.get('cuda')}, torch {env.get('torch')}; "
+            f"commit {env.get('commit')}; `{env.get('command')}`; budget {record['budget_s']:.0f} s, ran "
+            f"{record.get('elapsed_s', 0):.0f} s.", ""]
+    if record["quick"]:
+        head += [f"**--quick: CPU stand-ins ({record['stand_ins']}), tiny shapes; the numbers mean nothing.**", ""]
+    head += ["Timing rows: one generation after its prepare (compile); x = the fastest AR of the same row group "
+             "(named) over this row; ratio = the method's verify forward over AR's one-token forward (eager, CUDA "
+             "events); ceiling = tokens per forward / ratio; of ceiling = x / ceiling.", "", "```"]
+    return "\n".join(head + summary_lines(record) + ["```", ""])
+
+
+def plot(record: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in record["sections"]["timing"]["rows"] if r.get("speedup_vs_fastest_ar")]
+    groups = sorted({(r["shape"], r["sampling"]) for r in rows})
+    fig, axes = plt.subplots(1, max(len(groups), 1), figsize=(4.8 * max(len(groups), 1), 3.8), squeeze=False)
+    for ax, (shape, sampling) in zip(axes[0], groups):
+        mine = [r for r in rows if (r["shape"], r["sampling"]) == (shape, sampling)]
+        for method, mode in sorted({(r["method"], r["mode"]) for r in mine}):
+            pts = sorted((r["images"], r["speedup_vs_fastest_ar"]) for r in mine
+                         if (r["method"], r["mode"]) == (method, mode))
+            ax.plot(*zip(*pts), marker="o", label=f"{method} ({mode})")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set(xscale="log", title=f"{shape}, {sampling} sampling", xlabel="images (B)",
+               ylabel="speed-up over the fastest AR")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---- main -----------------------------------------------------------------------------------------------------
+SECTIONS = ("conformance", "parity", "sync", "distribution", "timing", "serve")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from lantern.decoding import METHODS
+    from lantern.models.inflate import INFLATE_SHAPES
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="CPU stand-ins, tiny shapes: a check that the tool runs")
+    ap.add_argument("--budget-s", type=float,
+                    help="seconds the check may start work in (default 420; --quick 300, every section runs)")
+    ap.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
+    ap.add_argument("--shapes", nargs="+", default=["GPT-B", "GPT-L"], choices=sorted(INFLATE_SHAPES))
+    ap.add_argument("--images", type=int, nargs="+", default=[1, 4, 16], help="images decoded together")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="timing dtype")
+    ap.add_argument("--method-mode", default="fused", choices=["eager", "graph", "fused"],
+                    help="the mode the methods are timed on (AR runs on all three)")
+    ap.add_argument("--tokens", type=int, help="tokens per image in timing rows (default: the whole image)")
+    ap.add_argument("--parity-tokens", type=int, default=64, help="tokens per image of the greedy parity runs")
+    ap.add_argument("--compiled-methods", nargs="+", default=list(PARITY_ORDER), choices=PARITY_ORDER,
+                    help="methods whose greedy parity also runs on cuda-graph and the fused step (compiles each)")
+    ap.add_argument("--sync-tokens", type=int, help="tokens per image of the counted runs (default: whole images)")
+    ap.add_argument("--serve-s", type=float, default=60.0, help="seconds of closed-loop load on the service")
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--serve-method", default="auto", choices=("auto", *METHODS),
+                    help="the method the service and the one-process baseline run (default auto)")
+    ap.add_argument("--model", help="the bundle `lantern serve` and `lantern generate` load (default: the embedded "
+                                    "model)")
+    ap.add_argument("--out", help="output stem (default results/gpu-<device>; --quick: a temporary folder)")
+    args = ap.parse_args(argv)
+    if args.budget_s is None:
+        args.budget_s = 300.0 if args.quick else 420.0
+    for name in ("budget_s", "serve_s", "clients", "parity_tokens"):
+        if getattr(args, name) <= 0:
+            ap.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be > 0")
+    if min(args.images) < 1:
+        ap.error(f"--images {min(args.images)} must be >= 1")
+    if args.quick:
+        args.images, args.tokens, args.parity_tokens, args.sync_tokens = [1], 6, 6, 6
+        args.compiled_methods = ["ar", "lantern++", "mc-sjd-relaxed"]  # no drafter, a tree, a window
+        args.method_mode = "eager"  # the fused step is traced by parity and sync already
+        args.serve_s, args.clients, args.serve_method = 3.0, 2, "ar"
+    if not args.quick and not torch.cuda.is_available():
+        ap.error(f"no CUDA device (torch {torch.__version__}); --quick runs the check on CPU stand-ins")
+    check = Check(args)
+    check.record["sections"]["env"] = environment(check)
+    check.save()
+    wanted = set(args.sections)
+    steps = [("conformance", "conformance", lambda: conformance(check)),
+             ("parity", "parity", lambda: parity(check)),
+             ("sync", "sync", lambda: syncs(check)),
+             ("distribution", "distribution", lambda: distribution(check)),
+             ("timing-1", "timing", lambda: timing(check, [n for n in args.images if n == 1])),
+             ("serve", "serve", lambda: serve(check)),
+             ("timing-rest", "timing", lambda: timing(check, [n for n in args.images if n != 1]))]
+    for share, section, run in steps:
+        if section not in wanted:
+            continue
+        check.budget.section(None if args.quick else SHARES.get(share))
+        t0 = time.monotonic()
+        try:
+            result = run()
+        except Exception as e:  # noqa: BLE001  one section's failure is a result; the others still run
+            result = {"error": f"{type(e).__name__}: {e}"}
+            print(f"[gpu_check] {share} failed: {result['error']}", file=sys.stderr)
+        if section != "timing":
+            check.record["sections"][section] = result
+        elif "error" in result:  # timing's rows are in the record already, row by row
+            check.record["sections"]["timing"] = {**check.record["sections"].get("timing", {}), **result}
+        check.record.setdefault("section_s", {})[share] = time.monotonic() - t0
+        check.save()
+    print("\n".join(summary_lines(check.record)))
+    print(f"[gpu_check] results: {check.stem}.json / .md" + (" / .png" if check.stem.with_suffix('.png').exists()
+                                                              else ""))
+    return 1 if failed(check.record) else 0
+
+
+def failed(record: dict) -> bool:
+    """Whether any correctness section failed or broke (timing rows are measurements, not checks)."""
+    s = record["sections"]
+    return (bool(record.get("errors")) or any("error" in v for v in s.values() if isinstance(v, dict))
+            or any(not r["passed"] for r in s.get("conformance", {}).values() if isinstance(r, dict) and "passed" in r)
+            or any(not v["equal"] for by in s.get("parity", {}).get("methods", {}).values() for v in by.values())
+            or not s.get("distribution", {}).get("passed", True))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The GPU check as one device call (docs/gpu.md): installs, offline and with no dependency resolution, the wheels
+# of .gpu-wheels/ whose module the machine lacks (into $LANTERN_SITE, default /tmp/lantern-site), puts lantern
+# and them on PYTHONPATH, then runs tools/gpu_check.py with the arguments given. Run from anywhere.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+site=${LANTERN_SITE:-/tmp/lantern-site}
+missing=()
+while read -r dist module; do  # a distribution and the module it provides
+    python3 -c "import $module" 2>/dev/null || missing+=("$dist")
+done <<'LIST'
+platformdirs platformdirs
+starlette starlette
+uvicorn uvicorn
+prometheus-client prometheus_client
+httpx httpx
+httpcore httpcore
+h11 h11
+anyio anyio
+idna idna
+certifi certifi
+click click
+typing-extensions typing_extensions
+LIST
+if ((${#missing[@]})); then
+    echo "gpu_check.sh: installing ${missing[*]} from .gpu-wheels" >&2
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --find-links .gpu-wheels \
+        --target "$site" "${missing[@]}"
+fi
+export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+python3 -c "import lantern, platformdirs, starlette, uvicorn, prometheus_client, httpx" \
+    || { echo "gpu_check.sh: lantern or a serve dependency does not import (see above)" >&2; exit 2; }
+exec python3 tools/gpu_check.py "$@"

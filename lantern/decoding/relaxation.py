@@ -90,14 +90,24 @@ def _per_code(ids: torch.Tensor, values: torch.Tensor, vocab: int) -> torch.Tens
 
 class _NeighbourLists:
     """The receivers' neighbour lists, read `cols` neighbours at a time: sum_at reads a per-code vector at every
-    receiver's neighbours, spread is its transpose (each receiver's value added to each of its neighbours)."""
+    receiver's neighbours, spread is its transpose (each receiver's value added to each of its neighbours). Lists
+    read in one block are kept for every pass (the block fits WORKSPACE_BYTES); more blocks are read anew."""
 
     def __init__(self, recv_ids: torch.Tensor, neighbours: torch.Tensor, vocab: int, cols: int):
         self.recv_ids, self.neighbours, self.vocab, self.cols = recv_ids, neighbours, vocab, cols
+        self._whole = self._read(0) if cols >= neighbours.shape[1] else None
+
+    def _read(self, start: int) -> torch.Tensor:
+        block = self.neighbours[:, start:start + self.cols]
+        rows = torch.index_select(block, 0, self.recv_ids.flatten())  # (r * R, c): whole rows, copied at once
+        return rows.long().view(self.recv_ids.shape[0], -1)  # (r, R * c)
 
     def _blocks(self):
+        if self._whole is not None:
+            yield self._whole
+            return
         for start in range(0, self.neighbours.shape[1], self.cols):
-            yield self.neighbours[:, start:start + self.cols][self.recv_ids].long().flatten(1)  # (r, R * c)
+            yield self._read(start)
 
     def sum_at(self, per_code: torch.Tensor) -> torch.Tensor:
         """(r, V) -> (r, R): the sum over each receiver's neighbours."""

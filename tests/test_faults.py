@@ -566,3 +566,13 @@ def test_messages_name_the_file_and_the_tensor(tmp_path, capsys, bundle_dir):
         (copy / "config.json").write_bytes(content)
         code, err = run(capsys, "info", "--model", str(copy))
         assert code == 2 and f"{copy}/{message}" in err and "internal error" not in err, err
+
+
+@pytest.mark.parametrize("flag, value", [("--threads", "0"), ("--steps", "0"), ("--lr", "nan")])
+def test_a_training_flag_out_of_range_is_named_before_any_work(tmp_path, capsys, flag, value):
+    """`lantern train evaluator --threads 0` ended in torch's traceback; every numeric flag is checked first."""
+    from lantern.cli import main
+    assert main(["train", "evaluator", "--work", str(tmp_path / "w"), flag, value]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} {value}" in err and "Traceback" not in err
+    assert not (tmp_path / "w").exists()

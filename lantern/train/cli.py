@@ -30,8 +30,9 @@ def _train(args: argparse.Namespace) -> int:
     from lantern.train.tokens import token_dataset
 
     require("sklearn", "lantern train (the embedded digits data)", extra="train")
-    if args.steps < 1 or args.batch < 1 or args.lr <= 0:
-        raise ValueError(f"--steps {args.steps}, --batch {args.batch} must be >= 1 and --lr {args.lr} > 0")
+    if args.steps < 1 or args.batch < 1 or args.threads < 1 or not args.lr > 0:
+        raise ValueError(f"--steps {args.steps}, --batch {args.batch} and --threads {args.threads} must be >= 1 "
+                         f"and --lr {args.lr} > 0")
     torch.set_num_threads(args.threads)
     work, bf16 = Path(args.work), not args.no_bf16
     if getattr(args, "bundle", None):

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from lantern.decoding.relaxation import bounded_target, paper_boost
-from lantern.decoding.sampling import Draws, Support, draw, uniform
+from lantern.decoding.sampling import Draws, Support, SupportLookup, draw, uniform
 
 KINDS = ("exact", "lantern", "lantern++")
 FORMS = ("bounded", "paper")
@@ -123,20 +123,21 @@ def residual(r: torch.Tensor, q: torch.Tensor, tried: torch.Tensor) -> torch.Ten
     return torch.where(tried[..., None] & (total > 0), nxt / total.clamp_min(1e-30), r)
 
 
-def _acceptance_sampling(target: Support, p_orig: Support, cand, cvalid, q: Optional[Support], rule: Acceptance):
-    """Acceptance probabilities (B, M, C), the final residuals (B, M, K) and papers' boosts (B, M, C)."""
+def _acceptance_sampling(target: Support, p_orig: Support, cand, cvalid, q_at: Optional[SupportLookup],
+                         rule: Acceptance):
+    """Acceptance probabilities (B, M, C), the final residuals (B, M, K) and papers' boosts (B, M, C); q_at: where
+    the draft distribution holds each token (None: deterministic drafts)."""
     r, ids = target.probs, target.ids
     acc = torch.zeros(cand.shape, device=r.device)
     boost = torch.zeros(cand.shape, device=r.device)
-    if q is not None:
-        q_at = q.lookup()
+    if q_at is not None:
         q_sup, removed = q_at.prob(ids), torch.zeros(r.shape[:2], device=r.device)
         earlier = torch.zeros(r.shape, dtype=torch.bool, device=r.device)
     paper = rule.relaxed and rule.form == "paper"
     for j in range(cand.shape[-1]):
         x, v = cand[..., j], cvalid[..., j]
         hit = ids == x[..., None]  # (B, M, K)
-        if q is None:  # a deterministic draft: x was "drawn" with certainty
+        if q_at is None:  # a deterministic draft: x was "drawn" with certainty
             q_x, q_j = torch.ones(x.shape, dtype=r.dtype, device=r.device), hit.to(r.dtype)
         else:
             q_drawn = q_at.prob(x[..., None])[..., 0]
@@ -149,7 +150,7 @@ def _acceptance_sampling(target: Support, p_orig: Support, cand, cvalid, q: Opti
             p_tilde = (r * hit).sum(-1)
         acc[..., j] = torch.where(v, (p_tilde / q_x.clamp_min(1e-30)).clamp(max=1.0), 0.0)  # min(1, p~/q_i)
         r = residual(r, q_j, v)
-        if q is not None:
+        if q_at is not None:
             removed = removed + torch.where(v, q_drawn, 0.0)
             earlier = earlier | (hit & v[..., None])
     return acc, r, boost
@@ -185,10 +186,11 @@ def _rule(p: Support, cand: torch.Tensor, cvalid: torch.Tensor, q: Optional[Supp
     b, m_rows = cand.shape[:2]
     tv = torch.zeros(b, m_rows, device=cand.device)
     target = p
+    q_at = q.lookup() if q is not None else None  # sorted once, read by the relaxation and the rule
     if rule.relaxed and rule.form == "bounded":
         near = rule.neighbours(cand.device)
-        if q is not None:
-            p_hat, tv = bounded_target(p, q.lookup().prob(p.ids), near, vocab, *rule.bounds)
+        if q_at is not None:
+            p_hat, tv = bounded_target(p, q_at.prob(p.ids), near, vocab, *rule.bounds)
         else:  # deterministic drafts: the fixed candidate set plays q, and only a candidate can receive
             slot, found = p.lookup().position(cand)
             drafted = (found & cvalid).to(p.probs.dtype)
@@ -198,7 +200,7 @@ def _rule(p: Support, cand: torch.Tensor, cvalid: torch.Tensor, q: Optional[Supp
     if greedy:
         acc, boost = _acceptance_greedy(target, cand, cvalid, rule)
         return acc, target.probs, boost, tv
-    acc, end, boost = _acceptance_sampling(target, p, cand, cvalid, q, rule)
+    acc, end, boost = _acceptance_sampling(target, p, cand, cvalid, q_at, rule)
     return acc, end, boost, tv
 
 

@@ -142,6 +142,37 @@ def test_a_plan_must_beat_the_fastest_ar_not_its_own_backends(cache, tiny, two_m
     assert c.choice.plan == AR and c.backend == TwinBackend.name and c.baseline["backend"] == TwinBackend.name
 
 
+def test_modes_timed_at_different_moments_are_compared_on_the_default_modes_time_scale(cache, tiny, two_modes):
+    """Each mode is calibrated at another moment of a machine whose speed drifts; its AR references were paired
+    with the default mode's AR (`ar_to_anchor`), and that ratio, not the absolute seconds, compares them."""
+    make = make_pipe_factory(tiny)
+    eager, compiled = make("cpu", "fp32"), make(TwinBackend.name, "fp32")
+    seed(eager, 1, {**everything(1000.0), "ar": 1.0}, prepare_s=FREE)
+    # the compiled mode was timed in a slow spell: its AR read 2 ms, though paired runs put it at half eager's
+    seed(compiled, 1, {"ar": 2.0, "mc-sjd/L4": 1e3}, prepare_s={"ar": 0.0, "mc-sjd/L4": 0.0})
+    unpaired = choose_backend(make, 1, SAMPLING, batch=1, progress=False)
+    assert unpaired.backend == "cpu" and "not anchored" in unpaired.backends[1]["cost_source"]
+    key = calibration.calibration_key(TwinBackend.name, "fp32", eager.model_key)
+    data = calibration.load_calibration(key)
+    data["widths"]["1"]["ar_to_anchor"] = [0.55, 0.5, 0.45]
+    calibration.save_calibration(data)
+    paired = choose_backend(make, 1, SAMPLING, batch=1, progress=False)
+    assert paired.backend == TwinBackend.name and paired.choice.plan == AR
+    row = {r["backend"]: r for r in paired.backends}[TwinBackend.name]
+    assert "x0.25 onto cpu's time scale" in row["cost_source"]
+    assert row["ar_seconds"] == pytest.approx(0.5 * {r["backend"]: r for r in paired.backends}["cpu"]["ar_seconds"])
+
+
+def test_anchoring_scales_every_cost_of_an_entry_alike():
+    entry = {"fixed_s": 0.1, "plans": {"ar": {"step_s": 0.004}, "mc-sjd/L4": {"step_s": 0.008, "lower_bound": True}},
+             "ar_to_anchor": [1.0, 3.0, 2.0]}
+    out = backend_choice.anchored(entry, anchor_ar_step_s=0.001)  # paired: 2x the anchor's 1 ms: 2 ms, not 4
+    assert out["plans"]["ar"]["step_s"] == pytest.approx(0.002) and out["fixed_s"] == pytest.approx(0.05)
+    assert out["plans"]["mc-sjd/L4"] == {"step_s": pytest.approx(0.004), "lower_bound": True}
+    assert out["anchor_scale"] == pytest.approx(0.5) and entry["plans"]["ar"]["step_s"] == 0.004  # a copy
+    assert backend_choice.anchored({k: v for k, v in entry.items() if k != "ar_to_anchor"}, 0.001)["fixed_s"] == 0.1
+
+
 def test_an_uncalibrated_mode_is_calibrated_only_when_the_request_pays_for_it(cache, tiny, two_modes):
     make = make_pipe_factory(tiny)
     eager, compiled = make("cpu", "fp32"), make(TwinBackend.name, "fp32")
@@ -205,12 +236,15 @@ def test_a_cold_cache_decides_with_a_bounded_probe(cache, tiny, monkeypatch):
     probe = choose(pipe, 1, SAMPLING, batch=1, progress=False)
     plans = len([r for r in probe.candidates if "predicted_seconds" in r])
     # a fixed cost (a warm-up and FIXED_REPEATS one-token runs), then per plan at most a warm-up, one AR
-    # reference and one run of its own, each of a few steps, and a closing AR reference (the disturbance check's)
-    assert work["runs"] <= 1 + calibration.FIXED_REPEATS + 3 * plans + 1
+    # reference and one run of its own, each of a few steps, the leader's confirmation (and that of the plans
+    # close to it: two more pairs each at most) and a closing AR reference (the disturbance check's)
+    confirming = choose_mod.PROBE_ROUNDS["max_rounds"] - choose_mod.PROBE_ROUNDS["rounds"]
+    assert work["runs"] <= 1 + calibration.FIXED_REPEATS + 3 * plans + 2 * confirming * plans + 1
     assert "first-run probe" in probe.cost_source
     key = calibration.calibration_key("cpu", "fp32", pipe.model_key)
     entry = calibration.load_calibration(key)["widths"]["1"]
-    assert entry["provisional"] and all(len(v.get("ratio_to_ar", [0])) <= 1 for v in entry["plans"].values())
+    timed = [len(v["ratio_to_ar"]) for v in entry["plans"].values() if "ratio_to_ar" in v]
+    assert entry["provisional"] and max(timed) <= choose_mod.PROBE_ROUNDS["max_rounds"]
     # a short request keeps the provisional entry (nothing measured) ...
     work["runs"] = 0
     again = choose(pipe, 1, SAMPLING, batch=1, progress=False)
@@ -276,8 +310,11 @@ def test_another_mode_is_calibrated_when_the_request_pays_or_when_asked(cache, t
     write_json(ledger_path(key), {"key": key, "widths": {"1": {name: 0.01 for name in entry["plans"]}}})
     paid = choose_backend(make, 1, SAMPLING, batch=1, progress=False)
     assert {r["backend"]: r for r in paid.backends}["cpu-twin"]["status"] == "weighed"
-    probed = calibration.load_calibration(key)["widths"]["1"]  # a short request: the first-run probe, one round
-    assert probed["provisional"] and len(probed["plans"]["ar"]["ratio_to_ar"]) == 1
+    probed = calibration.load_calibration(key)["widths"]["1"]  # a short request: the first-run probe
+    assert probed["provisional"]
+    assert len(probed["plans"]["ar"]["ratio_to_ar"]) <= choose_mod.PROBE_ROUNDS["max_rounds"]
+    # each of its AR references was paired with a run of the default mode's AR: the entry carries its anchor
+    assert probed["ar_to_anchor"] and all(r > 0 for r in probed["ar_to_anchor"])
     # a request whose AR takes at least the full calibration's budget (a service weighing thousands of images)
     # refines the probe in full rounds, as it would the default mode's: one round is noise at a choice's margin
     refined = choose_backend(make, 10_000, SAMPLING, batch=1, progress=False)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import statistics
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -206,15 +207,32 @@ def _weighable(choice: Choice) -> list[dict]:
             and (not choice.disturbed or r["plan"] == AR.name)]
 
 
+def anchored(entry: dict, anchor_ar_step_s: float) -> dict:
+    """A mode's calibration entry on the default mode's time scale. Each mode is timed at another moment, and a
+    shared machine's speed drifts by tens of percent between moments (an Intel Xeon VM's calibrations once put
+    the fused AR 1.7x above the compiled AR that it beat by 13% in the same run); within an entry every cost is a
+    ratio to its own AR, and the entry's AR was timed paired with the default mode's AR (`ar_to_anchor`), so
+    cost x (its AR's paired ratio to the anchor x the anchor's AR step) / its own AR step compares across modes.
+    An entry without anchor runs (the default mode's own) is returned as it is."""
+    ratios = entry.get("ar_to_anchor")
+    if not ratios or AR.name not in entry["plans"]:
+        return entry
+    scale = statistics.median(ratios) * anchor_ar_step_s / max(entry["plans"][AR.name]["step_s"], 1e-12)
+    plans = {name: {**v, "step_s": v["step_s"] * scale} for name, v in entry["plans"].items()}
+    return {**entry, "fixed_s": entry["fixed_s"] * scale, "plans": plans, "anchor_scale": scale}
+
+
 def _other_mode(pipe, mode: str, key: dict, ledger: dict, cross: list[Plan], sampling: SamplingConfig, width: int,
                 request_s: float, calibrate_all: bool, progress: bool,
-                steps_of: Callable[[list[Plan]], dict]) -> tuple[Optional[dict], str, float]:
+                steps_of: Callable[[list[Plan]], dict],
+                anchor: Callable[[int], float]) -> tuple[Optional[dict], str, float]:
     """Another mode's (`mode`) calibration at `width` for the plans `cross`: (entry or None, why not, seconds spent).
     What it lacks is measured (under the calibration's lock; not stored and not weighed when disturbed) when
     preparing its runners is expected to cost no more than the request (`request_s`), or when `calibrate_all`:
     in full rounds when the request pays for them (as the default mode's calibration: its predicted time at
     least calibration.budget_s(), e.g. a service weighing thousands of images, or `calibrate_all`), which also
-    refines a first-run probe's entry; else one round, as the first-run probe (a `provisional` entry)."""
+    refines a first-run probe's entry; else one round, as the first-run probe (a `provisional` entry). Its AR
+    references are paired with `anchor` (calibration.ar_step_timer of the default mode)."""
     entry = calibration.load_calibration(key)["widths"].get(str(width))
     full = calibrate_all or request_s >= calibration.budget_s()
 
@@ -241,7 +259,7 @@ def _other_mode(pipe, mode: str, key: dict, ledger: dict, cross: list[Plan], sam
         entry = calibration.measure_width(pipe, todo, sampling, width,
                                           {n: records.expected_max(v) for n, v in first.items()}, entry, progress,
                                           {n: records.attended_fraction(v) for n, v in first.items()},
-                                          **({} if full else probe_rounds()))
+                                          anchor=anchor, **({} if full else probe_rounds()))
         if not full:  # (a full measurement over a probe's entry keeps its flag: its other plans were probed)
             entry["provisional"] = True
         return entry
@@ -291,6 +309,8 @@ def choose_backend(make_pipe: Callable[..., object], n_images: int, sampling: Sa
     wanted = list(classes) if classes is not None else [None] * n_images
     ranked = sorted((r for r in _weighable(base) if r["plan"] != AR.name), key=lambda r: r["predicted_seconds"])
     cross = [AR, *(by_name[r["plan"]] for r in ranked[:CROSS_PLANS])]
+    anchor = calibration.ar_step_timer(base_pipe, sampling, width)
+    anchor_ar_step_s = next(r["step_ms"] for r in base.candidates if r["plan"] == AR.name) / 1e3
     rows, spent = list(left_out), base.calibrated_s
     from lantern.backends.torch_graph import fusable
     for name in names[1:]:
@@ -306,17 +326,21 @@ def choose_backend(make_pipe: Callable[..., object], n_images: int, sampling: Sa
         entry, status, seconds = _other_mode(pipe, mode_of(name), key_c, ledgers[name], cross, sampling, width,
                                              request_s, calibrate_all, progress,
                                              lambda plans, p=pipe: steps_by_plan(p, plans, sampling, key,
-                                                                                 shipped_records, False, wanted)[0])
+                                                                                 shipped_records, False, wanted)[0],
+                                             anchor)
         spent += seconds
         if entry is None:
             rows.append(mode_row(name, status=status))
             continue
         ledgers[name] = load_ledger(key_c)
+        entry = anchored(entry, anchor_ar_step_s)
         profile = calibration.ProfileCosts(f"{name} calibration on this machine",
                                            {str(width): {**entry, "model": key}})
         choices[name] = choose(pipe, n_images, sampling, batch=batch, progress=False, profile=profile, **common)
         kind = "first-run probe " if entry.get("provisional") else ""
-        choices[name].cost_source = f"{kind}calibration cached in {calibration.calibration_path(key_c)}"
+        scale = (f", x{entry['anchor_scale']:.2f} onto {names[0]}'s time scale" if "anchor_scale" in entry
+                 else f", not anchored to {names[0]}")
+        choices[name].cost_source = f"{kind}calibration cached in {calibration.calibration_path(key_c)}{scale}"
         pipes[name] = pipe
 
     options = []  # (total seconds, candidate mode, plan's row, prepare seconds, its source)

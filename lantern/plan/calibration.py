@@ -107,8 +107,9 @@ def costs_name(pipe) -> str:
 
 
 # What a step costs depends on lantern's step code as well as the machine: a change that moves costs (2:
-# cpu-graph's verify reads only the slots in use) gets a new number, so no cached timing of the old code is read.
-STEP_CODE = 2
+# cpu-graph's verify reads only the slots in use; 3: other modes' entries carry their anchor, `ar_to_anchor`) gets
+# a new number, so no cached timing of the old code is read.
+STEP_CODE = 3
 
 
 def calibration_key(backend: str, dtype: str, model: str) -> dict:
@@ -249,6 +250,32 @@ def _short_run(pipe, dcfg, width: int, tokens: int, attended: float = 0.5,
     return result.stats.wall_seconds, steps
 
 
+def _step_seconds(pipe, dcfg, width: int, fixed_s: float, tokens: int, attended: float,
+                  prompts: torch.Tensor | None) -> float:
+    """Seconds per loop step of a short run generating `tokens` tokens per image, its fixed cost taken off."""
+    wall, ran = _short_run(pipe, dcfg, width, tokens, attended, prompts)
+    return max(wall - fixed_s, 0.0) / max(ran, 1)
+
+
+def ar_step_timer(pipe, sampling: SamplingConfig, width: int,
+                  prompts: torch.Tensor | None = None) -> Callable[[int], float]:
+    """timer(steps) -> seconds per AR loop step of `pipe` at `width` images, over a run of about `steps` steps at
+    the middle of an image (its own fixed cost measured at the first call and taken off): the anchor whose runs
+    another mode's calibration pairs with its AR references (measure_width), so every mode's costs can be put on
+    one time scale although each was timed at another moment of a machine whose speed drifts."""
+    ar, block = AR.decode(sampling), pipe.config.block_size
+    fixed: list[float] = []
+
+    def timer(steps: int) -> float:
+        if not fixed:
+            compile_fused_step(pipe, ar, width, prompts)
+            _short_run(pipe, ar, width, 1, prompts=prompts)
+            fixed.append(statistics.median(_short_run(pipe, ar, width, 1, prompts=prompts)[0]
+                                           for _ in range(FIXED_REPEATS)))
+        return _step_seconds(pipe, ar, width, fixed[0], tokens_for(steps, float(block - 1), block), 0.5, prompts)
+    return timer
+
+
 def compile_fused_step(pipe, dcfg, width: int, prompts: torch.Tensor | None = None) -> None:
     """A fused runner's step (`fused_step=True`) compiled now, by short generations: it compiles at an engine's
     first steps (lantern.engine.fused), not in the runner's warm-up, and a timed run must not pay it. Each run
@@ -274,7 +301,7 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
                   entry: dict | None = None, progress: bool = True, attended: dict | None = None,
                   clock: Callable[[], float] = time.perf_counter, rounds: int = ROUNDS,
                   max_rounds: int = MAX_ROUNDS, budget: float | None = None,
-                  prompts: torch.Tensor | None = None) -> dict:
+                  prompts: torch.Tensor | None = None, anchor: Callable[[int], float] | None = None) -> dict:
     """Time every plan `entry` lacks at this width. steps_per_chunk: plan name -> the loop steps a chunk of
     `width` images needs (E[max] over its images, from the acceptance record; the block where unknown), to
     size the runs and to see which plans contend; attended: plan name -> the fraction of an image its steps
@@ -298,6 +325,9 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
       at the first run that does not fit.
     rounds / max_rounds / budget replace ROUNDS / MAX_ROUNDS / budget_s() (the first-run probe of choose.py);
     prompts: the request's prompt rows, for a prompt-conditioned target (`conditions`).
+    anchor (ar_step_timer of another pipeline, e.g. the default mode's): timed just before each AR reference
+    when AR is among the plans timed; `ar_to_anchor` keeps each reference's ratio to it, which puts this
+    entry's costs on the anchor's time scale (backend_choice.anchored).
     Preparing runners (and exporting graphs, for ONNX; compiling a fused step) is counted apart (`prepare_s`):
     every later run reuses what it made. The runners stay prepared, so the plan chosen runs on the very runner
     that was timed (on a 2-core EPYC VM the same plan's step has differed by 10-20% between runners and
@@ -345,10 +375,12 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
     todo.sort(key=lambda p: width_of[p.name])
     ar_steps: list[float] = []
     ratios: dict[str, list[float]] = {p.name: [] for p in todo}
+    anchor = anchor if any(p == AR for p in todo) else None  # the entry's AR is timed now, or not anchored
+    to_anchor: list[float] = []  # each AR reference's ratio to the anchor's AR step, timed just before it
 
     def step_seconds(dcfg, per_chunk: float, steps: int, fraction: float) -> float:
-        wall, ran = _short_run(pipe, dcfg, width, tokens_for(steps, per_chunk, block), fraction, prompts)
-        return max(wall - entry["fixed_s"], 0.0) / max(ran, 1)
+        return _step_seconds(pipe, dcfg, width, entry["fixed_s"], tokens_for(steps, per_chunk, block), fraction,
+                             prompts)
 
     def time_plan(plan: Plan, steps: int) -> None:
         dcfg, per_chunk = decoded[plan.name], steps_per_chunk.get(plan.name, float(block))
@@ -358,8 +390,11 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
             _short_run(pipe, dcfg, width, 2, fraction, prompts)  # warm this runner's first steps
         with turn():
             start = clock()
+            anchor_s = anchor(steps) if anchor is not None else 0.0
             reference = step_seconds(ar, float(block - 1), steps, 0.5)
             ar_steps.append(reference)
+            if anchor is not None:
+                to_anchor.append(reference / max(anchor_s, 1e-9))
             ratios[plan.name].append(step_seconds(dcfg, per_chunk, steps, fraction) / max(reference, 1e-9))
             took[plan.name] = (clock() - start) / steps
 
@@ -416,6 +451,8 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
                 with turn():
                     ar_steps.append(step_seconds(ar, float(block - 1), TIMED_STEPS, 0.5))
             entry["ar_reference_s"] = list(ar_steps)
+            if to_anchor:
+                entry["ar_to_anchor"] = [round(x, 4) for x in to_anchor]
             ar_s = statistics.median(ar_steps)
             for plan in measured:
                 entry["plans"][plan.name] = {"step_s": statistics.median(ratios[plan.name]) * ar_s,

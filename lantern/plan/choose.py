@@ -34,10 +34,12 @@ MIN_SPEEDUP = 1.25  # a speculative plan must be predicted this much faster than
 # the measured speed-up (what auto is held to; on a 2-core VM whose wide steps have two speeds, misses reach 24%)
 # then still measures at least 1.0x, as 1.25 * (1 - 0.2) = 1. Hardware that times steadily can ask for less.
 RECORD_IMAGES = 4  # images per plan when an acceptance record must be measured here
-# The first-run probe: every plan timed once (measure_width's round 1), in at most 6 s of timing (runners'
-# preparation apart: a few seconds for eager ones; less when $LANTERN_CALIBRATION_BUDGET is less), so a cold
-# machine decides within about 10 s.
-PROBE_ROUNDS = dict(rounds=1, max_rounds=1, budget=6.0)
+# The first-run probe: every plan timed once (measure_width's round 1), then the leader and any plan within
+# calibration.CLOSE of it twice more (one run per plan made the plan its noise flattered most the winner: an Intel
+# Xeon VM's probe timed a relaxed 57-node tree's step at 0.58x its exact twin's, predicted 2.28x and measured
+# 0.86x), in at most 6 s of timing (runners' preparation apart: a few seconds for eager ones; less when
+# $LANTERN_CALIBRATION_BUDGET is less), so a cold machine decides within about 10 s.
+PROBE_ROUNDS = dict(rounds=1, max_rounds=3, budget=6.0)
 
 
 def probe_rounds() -> dict:

@@ -206,7 +206,7 @@ def test_late_refusals_now_come_first_and_name_their_cause(tmp_path, capsys, bun
     out = tmp_path / "out"
     code, err = run(capsys, "generate", *model, "--seed", str(2 ** 64), "--out", str(out))
     assert code == 2 and f"argument --seed: {2 ** 64} is not allowed; allowed: an integer in [0, " \
-                          f"{2 ** 63 - 1}]" in err  # the engine's seeds (lantern.cli_args.SEED_RANGE)
+                          f"{2 ** 63 - 1}]" in err  # the engine's seeds (lantern.seeds.SEED_RANGE)
     code, err = run(capsys, "generate", *model, "--classes", "1", "--out", str(tmp_path / ("a" * 300)))
     assert code == 2 and "--out: the name" in err and "this filesystem allows 255" in err
     code, err = run(capsys, "generate", *model, "--classes", "1", "--scale", "1000000", "--out", str(out))
@@ -219,6 +219,41 @@ def test_late_refusals_now_come_first_and_name_their_cause(tmp_path, capsys, bun
                     str(2 ** 63 - 1))
     assert code == 2 and f"eval seeds its chunks {2 ** 63 - 1}..{2 ** 63}" in err and f"{2 ** 63 - 2}]" in err
     assert not out.exists()
+
+
+SEED_MAX = 2 ** 63 - 1
+
+
+@pytest.mark.parametrize("seed", [-1, SEED_MAX + 1])
+def test_a_seed_out_of_range_is_refused_alike_by_the_cli_the_library_and_the_service(tmp_path, capsys, bundle_dir,
+                                                                                    tiny, seed):
+    """One range, [0, 2^63 - 1], and one refusal naming the value and the range: `--seed`, Pipeline.generate and
+    the service's `seed` field (docs/reliability.md)."""
+    from lantern.api import Pipeline
+    from lantern.serve.schema import ModelInfo, RequestError, parse_request
+    refusal = f"{seed} is not allowed; allowed: an integer in [0, {SEED_MAX}]"
+    code, err = run(capsys, "generate", "--model", str(bundle_dir), "--method", "ar", "--classes", "1",
+                    "--no-images", "--seed", str(seed))
+    assert code == 2 and f"argument --seed: {refusal}" in err
+    with pytest.raises(ValueError) as library:
+        Pipeline(tiny[0], backend="cpu").generate([1], _ar(), seed=seed)
+    info = ModelInfo(name="m", model_type="c2i", num_classes=4, image_size=8, methods=("auto",), max_n=1,
+                     max_timeout_s=1.0)
+    with pytest.raises(RequestError) as service:
+        parse_request({"class_id": 1, "seed": seed}, info, 1.0)
+    assert str(library.value) == str(service.value) == f"seed {refusal}" and service.value.field == "seed"
+
+
+def test_the_largest_seed_is_taken_by_the_cli_the_library_and_the_service(capsys, bundle_dir, tiny):
+    from lantern.api import Pipeline
+    from lantern.serve.schema import ModelInfo, parse_request
+    code, err = run(capsys, "generate", "--model", str(bundle_dir), "--method", "ar", "--classes", "1",
+                    "--no-images", "--seed", str(SEED_MAX))
+    assert code == 0, err
+    assert Pipeline(tiny[0], backend="cpu").generate([1], _ar(), seed=SEED_MAX).seed == SEED_MAX
+    info = ModelInfo(name="m", model_type="c2i", num_classes=4, image_size=8, methods=("auto",), max_n=1,
+                     max_timeout_s=1.0)
+    assert parse_request({"class_id": 1, "seed": SEED_MAX}, info, 1.0).seed == SEED_MAX
 
 
 def test_memory_that_cannot_be_allocated_names_the_flag(tmp_path, capsys, bundle_dir, monkeypatch):

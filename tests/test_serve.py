@@ -231,12 +231,20 @@ def test_sampling_override_runs_on_an_engine_of_its_own_and_stays_reproducible(s
     ({"class_id": 1, "size": "1024x1024"}, "size", "allowed: '8x8'"),
     ({"class_id": 1, "timeout": -1}, "timeout", "allowed: a finite number of seconds"),
     ({"class_id": 1, "seed": "x"}, "seed", "allowed: an integer"),
+    ({"class_id": 1, "seed": -1}, "seed", f"seed -1 is not allowed; allowed: an integer in [0, {2 ** 63 - 1}]"),
+    ({"class_id": 1, "seed": 2 ** 63}, "seed", f"seed {2 ** 63} is not allowed; allowed: an integer in [0, "
+                                               f"{2 ** 63 - 1}]"),
 ])
 def test_bad_request_gets_422_naming_the_field_and_what_is_allowed(served, body, field, allowed):
     r = generate(served.url, **body)
     assert r.status_code == 422
     err = r.json()["error"]
     assert err["param"] == field and allowed in err["message"]
+
+
+def test_the_largest_seed_is_served(served):
+    out = generate(served.url, class_id=1, seed=2 ** 63 - 1, return_tokens=True)
+    assert out.status_code == 200 and out.json()["seed"] == 2 ** 63 - 1
 
 
 def test_body_that_is_not_json_gets_422(served):

@@ -48,6 +48,13 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
         atomic_io.save_image(img, tmp_path / "x.notanimage")
 
 
+def test_a_write_the_destination_refuses_names_the_destination_not_the_temporary(tmp_path):
+    (tmp_path / "grid.png").mkdir()  # a folder where the file goes
+    with pytest.raises(IsADirectoryError) as e:
+        atomic_io.write_json(tmp_path / "grid.png", {})
+    assert e.value.filename == str(tmp_path / "grid.png") and os.listdir(tmp_path) == ["grid.png"]
+
+
 def test_a_folder_is_swapped_in_whole(tmp_path):
     folder = tmp_path / "graph"
     for version in ("old", "new"):
@@ -90,7 +97,9 @@ def test_names_the_filesystem_cannot_take_are_refused(tmp_path):
 CORRUPTIONS = {
     "not UTF-8": (b"\xff\xfe{", "is not UTF-8 text"),
     "not JSON": (b'{"key": ', "is not valid JSON"),
+    "nested too deeply": (b"[" * 100_000, "is not valid JSON (nested too deeply to read)"),
     "not an object": (b"[1, 2]", "is malformed: must be a JSON object, got list"),
+    "a folder": (None, "is a folder, not a file"),  # (None: a folder in the entry's place)
 }
 
 
@@ -114,12 +123,29 @@ def test_a_corrupt_cache_entry_is_named_moved_aside_and_measured_again(tmp_path,
     data, message = (json.dumps(wrong).encode(), "is malformed") if corruption == "wrong shape" \
         else CORRUPTIONS[corruption]
     path.parent.mkdir(parents=True)
-    path.write_bytes(data)
+    if data is None:
+        path.mkdir()
+    else:
+        path.write_bytes(data)
     assert load() == empty  # measured again, as if missing
     err = capsys.readouterr().err
     assert f"cache entry {path} {message}" in err and "measuring it again" in err
     aside = [p for p in path.parent.iterdir() if ".corrupt-" in p.name]
-    assert not path.exists() and len(aside) == 1 and aside[0].read_bytes() == data
+    assert not path.exists() and len(aside) == 1 and (aside[0].is_dir() if data is None
+                                                      else aside[0].read_bytes() == data)
+
+
+def test_a_folder_in_a_calibration_entrys_place_is_moved_aside_and_the_entry_stored(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(user_cache.CACHE_ENV, str(tmp_path))
+    key = calibration.calibration_key("cpu", "fp32", "model")
+    path = calibration.calibration_path(key)
+    path.mkdir(parents=True)
+    calm = {"fixed_s": 0.01, "fixed_runs_s": [0.01, 0.011, 0.01], "ar_reference_s": [0.002, 0.0021, 0.0019],
+            "plans": {"ar": {"step_s": 0.002, "ratio_to_ar": [1.0, 1.02, 0.98]}}}
+    entry, _, why = calibration.cached_or_measured(key, 1, ["ar"], lambda entry: dict(calm))
+    assert not why and calibration.load_calibration(key)["widths"]["1"] == calm and path.is_file()
+    err = capsys.readouterr().err
+    assert f"cache entry {path} is a folder, not a file" in err and ".tmp" not in err
 
 
 def test_a_corrupt_onnx_manifest_is_rebuilt_not_fatal(tmp_path):
@@ -357,6 +383,60 @@ def test_a_profile_value_of_the_wrong_type_names_file_and_key(tmp_path, capsys, 
     assert code == 2 and f"{profile}: {message}" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("content, problem", [
+    (b'name = "mine"\n\xff\n', "is not UTF-8 text (byte 0xff at offset 14)"),
+    (b"name = ", "is not valid TOML (Invalid value (at end of document))"),
+])
+def test_an_unreadable_profile_file_is_refused_naming_it(tmp_path, capsys, content, problem):
+    profile = tmp_path / "mine.toml"
+    profile.write_bytes(content)
+    for argv in (["generate", "--profile", str(profile), "--method", "ar", "--no-images"],
+                 ["profile", "tune", "--profile", str(profile), "--dry-run"],
+                 ["profile", "run", "--profile", str(profile), "--out", str(tmp_path / "results.json")]):
+        code, err = run(capsys, *argv)
+        assert code == 2 and f"profile {profile} {problem}" in err and "Traceback" not in err, (argv, err)
+    assert not (tmp_path / "results.json").exists()
+
+
+UNREADABLE_JSON = [
+    (b"\xff{}", "is not UTF-8 text (byte 0xff at offset 0)"),
+    (b"{not", "is not valid JSON (Expecting property name enclosed in double quotes at line 1 column 2)"),
+    (b"[" * 100_000, "is not valid JSON (nested too deeply to read)"),
+    (None, "is a folder, not a file"),  # (None: a folder where the file should be)
+]
+
+
+def unreadable(path: Path, content: bytes | None) -> Path:
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    return path
+
+
+@pytest.mark.parametrize("content, problem", UNREADABLE_JSON)
+def test_an_unreadable_results_file_is_refused_naming_it(tmp_path, capsys, content, problem):
+    from lantern.profile.migrate import main as migrate
+    results = unreadable(tmp_path / "results.json", content)
+    (tmp_path / "mine.toml").write_text('name = "mine"\n')
+    for argv in (["profile", "compare", str(results), "--out", str(tmp_path / "report"), "--no-plots"],
+                 ["profile", "tune", "--profile", str(tmp_path / "mine.toml"), "--results", str(results),
+                  "--dry-run"]):
+        code, err = run(capsys, *argv)
+        assert code == 2 and f"results file {results} {problem}" in err and "Traceback" not in err, (argv, err)
+    assert migrate([str(results)]) == 2
+    assert f"lantern: error: results file {results} {problem}\n" == capsys.readouterr().err
+    assert not (tmp_path / "report").exists()
+
+
+@pytest.mark.parametrize("content, problem", UNREADABLE_JSON)
+def test_an_unreadable_tree_file_is_refused_naming_it(tmp_path, capsys, content, problem):
+    tree = unreadable(tmp_path / "tree.json", content)
+    code, err = run(capsys, "generate", "--method", "eagle2", "--drafting", str(tree), "--classes", "1",
+                    "--no-images")
+    assert code == 2 and f"tree file {tree} {problem}" in err and "Traceback" not in err, err
+
+
 def test_a_results_file_missing_a_field_names_file_case_and_field(tmp_path, capsys):
     from lantern.profile.schema import SCHEMA, SCHEMA_VERSION, SchemaError, load_results
     case = {"kind": "verify", "status": "ok", "params": {"batch": 1, "N": 1}, "result": {"latency": {}}}
@@ -554,6 +634,7 @@ def test_a_code_carrying_pickle_is_refused_without_torchs_advice(family_folders,
 @pytest.mark.parametrize("edit, names", [
     (lambda f: (f / "config.json").unlink(), "{f}: config.json is missing"),
     (lambda f: (f / "config.json").write_text("{not json"), "{f}/config.json is not valid JSON"),
+    (lambda f: (f / "config.json").write_text("[" * 100_000), "{f}/config.json is not valid JSON (nested too deeply"),
     (lambda f: (f / "config.json").write_text("{}"), "{f}: model_type None"),
 ])
 def test_a_family_folder_with_a_broken_config_is_named_not_taken_for_a_bundle(family_folders, tmp_path, capsys,

@@ -17,6 +17,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from lantern.file_reading import read_json_object
 from lantern.kv_cache import StaticKVCache
 from lantern.models.checkpoint import short_list
 
@@ -106,7 +107,6 @@ def inspect_folder(path: str | Path) -> FolderInfo:
     if not cfg_path.is_file():
         raise ValueError(f"{root}: config.json is missing (a model folder, a lantern bundle or a transformers "
                          f"model, is read from it)")
-    from lantern.bundle import read_json_object  # (here: lantern.bundle imports the models)
     cfg = read_json_object(cfg_path)
     if "target" in cfg and "vq" in cfg:
         return FolderInfo(root, "bundle", "LlamaGen GPT")
@@ -188,7 +188,6 @@ def read_config(config_class, root: Path):
 def weights_files(root: Path) -> list[Path]:
     """The weights files from_pretrained will read in `root`, each one's header checked (a safetensors file that
     is empty, truncated or not safetensors); ValueError naming the folder or the file."""
-    from lantern.bundle import read_json_object
     found = next((root / name for name in WEIGHTS_FILES if (root / name).is_file()), None)
     if found is None:
         raise ValueError(f"{root} has no weights: expected {' or '.join(WEIGHTS_FILES)}")

@@ -51,6 +51,14 @@ def _readable_mode(path: Path) -> None:
     os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
 
 
+def _replace(tmp: Path, destination: Path) -> None:
+    """os.replace, whose error names the destination (the temporary is not a name the user knows)."""
+    try:
+        os.replace(tmp, destination)
+    except OSError as e:
+        raise type(e)(e.errno, e.strerror, str(destination)) from None
+
+
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside `path` to write the whole file to; on success it replaces `path`, on any
@@ -65,7 +73,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         yield tmp
         _fsync(tmp)
         _readable_mode(tmp)
-        os.replace(tmp, path)
+        _replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -114,7 +122,7 @@ def atomic_folder(folder: str | os.PathLike) -> Iterator[Path]:
         if folder.exists():  # a folder cannot be renamed over a non-empty one: move it aside, then swap
             old = Path(tempfile.mkdtemp(dir=folder.parent, prefix=temp_prefix(folder), suffix=TEMP_SUFFIX))
             os.replace(folder, old / folder.name)
-        os.replace(tmp, folder)
+        _replace(tmp, folder)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:

@@ -15,7 +15,6 @@ Layout of a bundle folder:
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -26,6 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from lantern.config import GPTConfig
+from lantern.file_reading import read_json_object
 from lantern.models.checkpoint import load_into, weights_hash  # noqa: F401  weights_hash: part of this API
 from lantern.models.classifier import Classifier, ClassifierConfig
 from lantern.models.drafter import Drafter, DrafterOptions
@@ -39,19 +39,6 @@ DEFAULT_BUNDLE = Path(__file__).parent / "assets" / "default"
 def sha256_file(path: str | Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def read_json_object(path: Path) -> dict:
-    """A bundle's JSON file as a dict; ValueError naming the file when it is not UTF-8 JSON or not an object."""
-    try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError:
-        raise ValueError(f"{path} is not UTF-8 text") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
-    return data
 
 
 def from_section(config: dict, section: str, make, where: Path):

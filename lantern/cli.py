@@ -14,10 +14,11 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-from lantern.cli_args import (SEED_RANGE, Parser, Stopped, UsageError, check_writable, expected_failure, number,
+from lantern.cli_args import (Parser, Stopped, UsageError, check_writable, expected_failure, number,
                               stopped_by_signals)
 from lantern.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED_CASES, EXIT_INTERNAL, EXIT_OK, EXIT_UNAVAILABLE
 from lantern.profile.cli import add_profile_commands
+from lantern.seeds import SEED_RANGE
 from lantern.train.cli import add_info_command, add_train_commands
 
 

@@ -18,9 +18,6 @@ from typing import Callable, Optional
 from lantern.atomic_io import check_fits
 
 
-SEED_RANGE = (0, 2 ** 63 - 1)  # a request's seed keys its own counter-based random stream (lantern.engine.draws)
-
-
 class UsageError(ValueError):
     """Bad input found by the command line itself (reported like any ValueError: exit code 2)."""
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from lantern.cli_args import UsageError, check_writable
+from lantern.file_reading import UnreadableFile, read_json, read_json_object
 
 
 TRANSFORMERS_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -22,11 +23,11 @@ def is_family_folder(model) -> bool:
         return False
     root = Path(model)
     try:
-        config = json.loads((root / "config.json").read_bytes())
-        if isinstance(config, dict) and "model_type" in config:
-            return True
-    except (OSError, ValueError):  # missing, unreadable, not UTF-8 or not JSON
-        pass
+        config = read_json(root / "config.json")
+    except (FileNotFoundError, UnreadableFile):  # missing, a folder, unreadable, not UTF-8 or not JSON
+        config = None
+    if isinstance(config, dict) and "model_type" in config:
+        return True
     return any((root / name).is_file() for name in TRANSFORMERS_FILES)
 
 
@@ -143,7 +144,6 @@ def cmd_generate_family(args) -> dict:
 def read_family_table(args):
     """--proximity: LANTERN's Anole table in code order (lantern.models.chameleon.read_lantern_table), read against
     the folder's vocabulary map before any weights are loaded."""
-    from lantern.bundle import read_json_object
     from lantern.models.chameleon import image_vocabulary, read_lantern_table
     from lantern.proximity import DEFAULT_K
     cfg = read_json_object(Path(args.model) / "config.json")

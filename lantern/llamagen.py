@@ -7,7 +7,6 @@ expected; nothing here writes (lantern.import_bundle does).
 from __future__ import annotations
 
 import argparse
-import json
 import re
 from pathlib import Path
 from typing import Optional
@@ -15,6 +14,7 @@ from typing import Optional
 import torch
 
 from lantern.config import GPTConfig
+from lantern.file_reading import read_json_object
 from lantern.models.checkpoint import STRIP_PREFIXES, load_into, load_tensors_file
 from lantern.models.drafter import Drafter, DrafterOptions
 from lantern.models.gpt import GPT
@@ -192,10 +192,7 @@ def is_lantern_drafter(path: Path) -> bool:
 def read_lantern_drafter(folder: Path, target_cfg: GPTConfig) -> Drafter:
     """LANTERN's published drafter folder -> a lantern Drafter with the same weights, checked against the
     target: width, heads, vocabulary, condition type and image grid; it records LANTERN's caption mask."""
-    try:
-        conf = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"drafter config {folder / 'config.json'} is not readable JSON: {e}") from None
+    conf = read_json_object(folder / "config.json", "drafter config")
     files = [folder / n for n in LANTERN_WEIGHT_FILES if (folder / n).is_file()]
     if not files:
         raise ValueError(f"drafter folder {folder} has a config.json but none of {', '.join(LANTERN_WEIGHT_FILES)}")

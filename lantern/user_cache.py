@@ -6,13 +6,13 @@ $LANTERN_CACHE_DIR, else the platform's user cache folder for lantern (platformd
 read-only, not creatable, a HOME that does not exist) is refused before any work (`check_location`, exit 2).
 
 Every entry is measured by one process at a time (`entry_lock`: the others wait, then read what it stored),
-written atomically (lantern.atomic_io), and checked when read (`read_entry`): an entry that is not UTF-8 JSON or
-not of its kind's shape is named on stderr, moved aside to `<name>.corrupt-<UTC time>` and measured again.
+written atomically (lantern.atomic_io), and checked when read (`read_entry`): an entry that cannot be read as UTF-8
+JSON (a folder in its place included) or is not of its kind's shape is named on stderr, moved aside to
+`<name>.corrupt-<UTC time>` and measured again.
 See docs/reliability.md.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from lantern import atomic_io
+from lantern.file_reading import UnreadableFile, read_json
 
 import platformdirs
 
@@ -114,19 +115,11 @@ def read_entry(path: Path, problem: Callable[[dict], str]) -> Optional[dict]:
     """The cached object, or None when missing, unreadable or malformed (then named and moved aside, so it is
     measured again). problem(data) -> '' when `data` (a dict) has its kind's shape, else what is wrong."""
     try:
-        raw = path.read_bytes()
+        data = read_json(path)
     except FileNotFoundError:
         return None
-    except OSError as e:
-        print(f"lantern: cache entry {path} cannot be read ({e.strerror or e}); measuring it again", file=sys.stderr)
-        return None
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        move_aside(path, "is not UTF-8 text")
-        return None
-    except json.JSONDecodeError as e:
-        move_aside(path, f"is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})")
+    except UnreadableFile as e:
+        move_aside(path, e.problem)
         return None
     wrong = problem(data) if isinstance(data, dict) else f"must be a JSON object, got {type(data).__name__}"
     if wrong:

@@ -251,7 +251,7 @@ def test_requests_are_checked_before_they_queue(pipe):
     engine = Engine(pipe, method_preset("ar", SamplingConfig(top_k=5)), 2)
     with pytest.raises(ValueError, match=r"class id 9 is out of range; allowed: integers 0..3"):
         engine.submit(Request(9, seed=0))
-    with pytest.raises(ValueError, match=r"seed -1 must be an integer in 0..2\^63-1"):
+    with pytest.raises(ValueError, match=rf"seed -1 is not allowed; allowed: an integer in \[0, {2 ** 63 - 1}\]"):
         engine.submit(Request(0, seed=-1))
     with pytest.raises(ValueError, match=r"tokens 17 must be an integer in 1..16"):
         engine.submit(Request(0, seed=0, tokens=17))

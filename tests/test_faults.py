@@ -48,6 +48,13 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
         atomic_io.save_image(img, tmp_path / "x.notanimage")
 
 
+def test_a_write_the_destination_refuses_names_the_destination_not_the_temporary(tmp_path):
+    (tmp_path / "grid.png").mkdir()  # a folder where the file goes
+    with pytest.raises(IsADirectoryError) as e:
+        atomic_io.write_json(tmp_path / "grid.png", {})
+    assert e.value.filename == str(tmp_path / "grid.png") and os.listdir(tmp_path) == ["grid.png"]
+
+
 def test_a_folder_is_swapped_in_whole(tmp_path):
     folder = tmp_path / "graph"
     for version in ("old", "new"):
@@ -90,7 +97,9 @@ def test_names_the_filesystem_cannot_take_are_refused(tmp_path):
 CORRUPTIONS = {
     "not UTF-8": (b"\xff\xfe{", "is not UTF-8 text"),
     "not JSON": (b'{"key": ', "is not valid JSON"),
+    "nested too deeply": (b"[" * 100_000, "is not valid JSON (nested too deeply to read)"),
     "not an object": (b"[1, 2]", "is malformed: must be a JSON object, got list"),
+    "a folder": (None, "is a folder, not a file"),  # (None: a folder in the entry's place)
 }
 
 
@@ -114,12 +123,29 @@ def test_a_corrupt_cache_entry_is_named_moved_aside_and_measured_again(tmp_path,
     data, message = (json.dumps(wrong).encode(), "is malformed") if corruption == "wrong shape" \
         else CORRUPTIONS[corruption]
     path.parent.mkdir(parents=True)
-    path.write_bytes(data)
+    if data is None:
+        path.mkdir()
+    else:
+        path.write_bytes(data)
     assert load() == empty  # measured again, as if missing
     err = capsys.readouterr().err
     assert f"cache entry {path} {message}" in err and "measuring it again" in err
     aside = [p for p in path.parent.iterdir() if ".corrupt-" in p.name]
-    assert not path.exists() and len(aside) == 1 and aside[0].read_bytes() == data
+    assert not path.exists() and len(aside) == 1 and (aside[0].is_dir() if data is None
+                                                      else aside[0].read_bytes() == data)
+
+
+def test_a_folder_in_a_calibration_entrys_place_is_moved_aside_and_the_entry_stored(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(user_cache.CACHE_ENV, str(tmp_path))
+    key = calibration.calibration_key("cpu", "fp32", "model")
+    path = calibration.calibration_path(key)
+    path.mkdir(parents=True)
+    calm = {"fixed_s": 0.01, "fixed_runs_s": [0.01, 0.011, 0.01], "ar_reference_s": [0.002, 0.0021, 0.0019],
+            "plans": {"ar": {"step_s": 0.002, "ratio_to_ar": [1.0, 1.02, 0.98]}}}
+    entry, _, why = calibration.cached_or_measured(key, 1, ["ar"], lambda entry: dict(calm))
+    assert not why and calibration.load_calibration(key)["widths"]["1"] == calm and path.is_file()
+    err = capsys.readouterr().err
+    assert f"cache entry {path} is a folder, not a file" in err and ".tmp" not in err
 
 
 def test_a_corrupt_onnx_manifest_is_rebuilt_not_fatal(tmp_path):
@@ -206,7 +232,7 @@ def test_late_refusals_now_come_first_and_name_their_cause(tmp_path, capsys, bun
     out = tmp_path / "out"
     code, err = run(capsys, "generate", *model, "--seed", str(2 ** 64), "--out", str(out))
     assert code == 2 and f"argument --seed: {2 ** 64} is not allowed; allowed: an integer in [0, " \
-                          f"{2 ** 63 - 1}]" in err  # the engine's seeds (lantern.cli_args.SEED_RANGE)
+                          f"{2 ** 63 - 1}]" in err  # the engine's seeds (lantern.seeds.SEED_RANGE)
     code, err = run(capsys, "generate", *model, "--classes", "1", "--out", str(tmp_path / ("a" * 300)))
     assert code == 2 and "--out: the name" in err and "this filesystem allows 255" in err
     code, err = run(capsys, "generate", *model, "--classes", "1", "--scale", "1000000", "--out", str(out))
@@ -219,6 +245,41 @@ def test_late_refusals_now_come_first_and_name_their_cause(tmp_path, capsys, bun
                     str(2 ** 63 - 1))
     assert code == 2 and f"eval seeds its chunks {2 ** 63 - 1}..{2 ** 63}" in err and f"{2 ** 63 - 2}]" in err
     assert not out.exists()
+
+
+SEED_MAX = 2 ** 63 - 1
+
+
+@pytest.mark.parametrize("seed", [-1, SEED_MAX + 1])
+def test_a_seed_out_of_range_is_refused_alike_by_the_cli_the_library_and_the_service(tmp_path, capsys, bundle_dir,
+                                                                                    tiny, seed):
+    """One range, [0, 2^63 - 1], and one refusal naming the value and the range: `--seed`, Pipeline.generate and
+    the service's `seed` field (docs/reliability.md)."""
+    from lantern.api import Pipeline
+    from lantern.serve.schema import ModelInfo, RequestError, parse_request
+    refusal = f"{seed} is not allowed; allowed: an integer in [0, {SEED_MAX}]"
+    code, err = run(capsys, "generate", "--model", str(bundle_dir), "--method", "ar", "--classes", "1",
+                    "--no-images", "--seed", str(seed))
+    assert code == 2 and f"argument --seed: {refusal}" in err
+    with pytest.raises(ValueError) as library:
+        Pipeline(tiny[0], backend="cpu").generate([1], _ar(), seed=seed)
+    info = ModelInfo(name="m", model_type="c2i", num_classes=4, image_size=8, methods=("auto",), max_n=1,
+                     max_timeout_s=1.0)
+    with pytest.raises(RequestError) as service:
+        parse_request({"class_id": 1, "seed": seed}, info, 1.0)
+    assert str(library.value) == str(service.value) == f"seed {refusal}" and service.value.field == "seed"
+
+
+def test_the_largest_seed_is_taken_by_the_cli_the_library_and_the_service(capsys, bundle_dir, tiny):
+    from lantern.api import Pipeline
+    from lantern.serve.schema import ModelInfo, parse_request
+    code, err = run(capsys, "generate", "--model", str(bundle_dir), "--method", "ar", "--classes", "1",
+                    "--no-images", "--seed", str(SEED_MAX))
+    assert code == 0, err
+    assert Pipeline(tiny[0], backend="cpu").generate([1], _ar(), seed=SEED_MAX).seed == SEED_MAX
+    info = ModelInfo(name="m", model_type="c2i", num_classes=4, image_size=8, methods=("auto",), max_n=1,
+                     max_timeout_s=1.0)
+    assert parse_request({"class_id": 1, "seed": SEED_MAX}, info, 1.0).seed == SEED_MAX
 
 
 def test_memory_that_cannot_be_allocated_names_the_flag(tmp_path, capsys, bundle_dir, monkeypatch):
@@ -322,6 +383,60 @@ def test_a_profile_value_of_the_wrong_type_names_file_and_key(tmp_path, capsys, 
     assert code == 2 and f"{profile}: {message}" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("content, problem", [
+    (b'name = "mine"\n\xff\n', "is not UTF-8 text (byte 0xff at offset 14)"),
+    (b"name = ", "is not valid TOML (Invalid value (at end of document))"),
+])
+def test_an_unreadable_profile_file_is_refused_naming_it(tmp_path, capsys, content, problem):
+    profile = tmp_path / "mine.toml"
+    profile.write_bytes(content)
+    for argv in (["generate", "--profile", str(profile), "--method", "ar", "--no-images"],
+                 ["profile", "tune", "--profile", str(profile), "--dry-run"],
+                 ["profile", "run", "--profile", str(profile), "--out", str(tmp_path / "results.json")]):
+        code, err = run(capsys, *argv)
+        assert code == 2 and f"profile {profile} {problem}" in err and "Traceback" not in err, (argv, err)
+    assert not (tmp_path / "results.json").exists()
+
+
+UNREADABLE_JSON = [
+    (b"\xff{}", "is not UTF-8 text (byte 0xff at offset 0)"),
+    (b"{not", "is not valid JSON (Expecting property name enclosed in double quotes at line 1 column 2)"),
+    (b"[" * 100_000, "is not valid JSON (nested too deeply to read)"),
+    (None, "is a folder, not a file"),  # (None: a folder where the file should be)
+]
+
+
+def unreadable(path: Path, content: bytes | None) -> Path:
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    return path
+
+
+@pytest.mark.parametrize("content, problem", UNREADABLE_JSON)
+def test_an_unreadable_results_file_is_refused_naming_it(tmp_path, capsys, content, problem):
+    from lantern.profile.migrate import main as migrate
+    results = unreadable(tmp_path / "results.json", content)
+    (tmp_path / "mine.toml").write_text('name = "mine"\n')
+    for argv in (["profile", "compare", str(results), "--out", str(tmp_path / "report"), "--no-plots"],
+                 ["profile", "tune", "--profile", str(tmp_path / "mine.toml"), "--results", str(results),
+                  "--dry-run"]):
+        code, err = run(capsys, *argv)
+        assert code == 2 and f"results file {results} {problem}" in err and "Traceback" not in err, (argv, err)
+    assert migrate([str(results)]) == 2
+    assert f"lantern: error: results file {results} {problem}\n" == capsys.readouterr().err
+    assert not (tmp_path / "report").exists()
+
+
+@pytest.mark.parametrize("content, problem", UNREADABLE_JSON)
+def test_an_unreadable_tree_file_is_refused_naming_it(tmp_path, capsys, content, problem):
+    tree = unreadable(tmp_path / "tree.json", content)
+    code, err = run(capsys, "generate", "--method", "eagle2", "--drafting", str(tree), "--classes", "1",
+                    "--no-images")
+    assert code == 2 and f"tree file {tree} {problem}" in err and "Traceback" not in err, err
+
+
 def test_a_results_file_missing_a_field_names_file_case_and_field(tmp_path, capsys):
     from lantern.profile.schema import SCHEMA, SCHEMA_VERSION, SchemaError, load_results
     case = {"kind": "verify", "status": "ok", "params": {"batch": 1, "N": 1}, "result": {"latency": {}}}
@@ -418,6 +533,37 @@ def test_a_family_folder_missing_a_tensor_never_runs_on_random_weights(family_fo
     assert names in err and "Traceback" not in err
     if family == "chameleon" and prefixes == ("model.layers.1.",):
         assert "(+7 more)" in err  # a long list is cut to its first keys and a count
+
+
+def test_a_refused_family_folder_prints_lanterns_refusal_alone(family_folders, tmp_path):
+    """transformers' own load report (its table of MISSING keys, "newly initialized") and its loading bar are held
+    back while lantern loads a folder, which names the keys itself: stderr is lantern's one-line refusal. In a
+    process of its own, as a user runs it (transformers' log handler keeps the stderr it was created with)."""
+    import subprocess
+    folder = damaged(family_folders, tmp_path, "janus", without("model.generation_head.proj_out."))
+    proc = subprocess.run([sys.executable, "-m", "lantern.cli", "generate", "--model", str(folder), "--prompt",
+                           "a red cat", "--method", "ar", "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and "LOAD REPORT" not in proc.stderr and "newly initialized" not in proc.stderr
+    assert proc.stderr.splitlines() == [f"lantern: error: {folder}: weights model.safetensors do not hold the model "
+                                        f"its config.json describes (part of it would run on random weights): 2 "
+                                        f"tensors missing ['model.generation_head.proj_out.bias', "
+                                        f"'model.generation_head.proj_out.weight']"], proc.stderr
+
+
+def test_transformers_output_is_held_back_only_while_lantern_loads(family_folders, tmp_path):
+    from transformers import JanusConfig, JanusForConditionalGeneration
+    from transformers.utils import logging as hf_logging
+
+    from lantern.models.family import load_pretrained, read_config
+    folder = damaged(family_folders, tmp_path, "janus", without("model.generation_head.proj_out."))
+    hf_logging.set_verbosity_info()
+    try:
+        with pytest.raises(ValueError, match="2 tensors missing"):
+            load_pretrained(JanusForConditionalGeneration, folder, read_config(JanusConfig, folder))
+        assert hf_logging.get_verbosity() == hf_logging.INFO and hf_logging.is_progress_bar_enabled()
+    finally:
+        hf_logging.set_verbosity_warning()
 
 
 def truncated(folder: Path) -> None:
@@ -519,6 +665,7 @@ def test_a_code_carrying_pickle_is_refused_without_torchs_advice(family_folders,
 @pytest.mark.parametrize("edit, names", [
     (lambda f: (f / "config.json").unlink(), "{f}: config.json is missing"),
     (lambda f: (f / "config.json").write_text("{not json"), "{f}/config.json is not valid JSON"),
+    (lambda f: (f / "config.json").write_text("[" * 100_000), "{f}/config.json is not valid JSON (nested too deeply"),
     (lambda f: (f / "config.json").write_text("{}"), "{f}: model_type None"),
 ])
 def test_a_family_folder_with_a_broken_config_is_named_not_taken_for_a_bundle(family_folders, tmp_path, capsys,

@@ -231,12 +231,20 @@ def test_sampling_override_runs_on_an_engine_of_its_own_and_stays_reproducible(s
     ({"class_id": 1, "size": "1024x1024"}, "size", "allowed: '8x8'"),
     ({"class_id": 1, "timeout": -1}, "timeout", "allowed: a finite number of seconds"),
     ({"class_id": 1, "seed": "x"}, "seed", "allowed: an integer"),
+    ({"class_id": 1, "seed": -1}, "seed", f"seed -1 is not allowed; allowed: an integer in [0, {2 ** 63 - 1}]"),
+    ({"class_id": 1, "seed": 2 ** 63}, "seed", f"seed {2 ** 63} is not allowed; allowed: an integer in [0, "
+                                               f"{2 ** 63 - 1}]"),
 ])
 def test_bad_request_gets_422_naming_the_field_and_what_is_allowed(served, body, field, allowed):
     r = generate(served.url, **body)
     assert r.status_code == 422
     err = r.json()["error"]
     assert err["param"] == field and allowed in err["message"]
+
+
+def test_the_largest_seed_is_served(served):
+    out = generate(served.url, class_id=1, seed=2 ** 63 - 1, return_tokens=True)
+    assert out.status_code == 200 and out.json()["seed"] == 2 ** 63 - 1
 
 
 def test_body_that_is_not_json_gets_422(served):
@@ -498,6 +506,46 @@ def test_a_second_sigterm_while_draining_cancels_with_503_and_exits_at_once(bund
         assert [(x["status"], x["outcome"]) for x in lines if x.get("event") == "request"] == [(503, "unavailable")]
         assert lines[-1]["event"] == "stopped" and lines[-1]["exit_code"] == 143
     finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_third_signal_leaves_without_waiting_for_connections_to_close(bundle_dir):
+    """A client that sent half its body keeps its connection open through the drain and the second signal's
+    cancelling; a third signal leaves without it, promptly, with the second signal's code and no abort."""
+    proc = run_lantern("serve", "--model", str(bundle_dir), "--method", "ar", "--batch", "1", "--max-n", "256",
+                       "--queue", "256", "--port", "0", "--threads", "1")
+    stalled = None
+    try:
+        url = json.loads(proc.stderr.readline())["url"]
+        wait_until(lambda: _ready(url), "the subprocess service to be ready")
+        answer = {}
+        request = threading.Thread(target=lambda: answer.update(r=generate(url, class_id=1, n=256)))
+        request.start()
+        host, port = url.removeprefix("http://").split(":")
+        stalled = socket.create_connection((host, int(port)), timeout=WAIT_S)
+        stalled.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: 100\r\n\r\n{\"class_id\": ")  # and never the rest
+        wait_until(lambda: metric_samples(url)[("lantern:requests_in_flight", ())] == 2, "both requests in flight")
+        proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: not _ready(url), "the service to drain")
+        proc.send_signal(signal.SIGINT)
+        request.join(WAIT_S)
+        assert answer["r"].status_code == 503
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(1.0)  # the half-sent request holds the server open ...
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(WAIT_S) == 130  # ... until the third signal; the code is the second signal's (Ctrl-C)
+        err = proc.stderr.read()
+        assert "terminate called" not in err and "Traceback" not in err
+        lines = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+        assert [(x["status"], x["outcome"]) for x in lines if x.get("event") == "request"] == [
+            (503, "unavailable"), (499, "cancelled")]  # the half-sent request ends as its client gone
+        assert lines[-1]["event"] == "stopped" and lines[-1]["exit_code"] == 130
+    finally:
+        if stalled is not None:
+            stalled.close()
         if proc.poll() is None:
             proc.kill()
             proc.wait()

@@ -16,13 +16,14 @@ $LANTERN_GAUDI_CONFIG; neither = no autocast (the runner's dtype decides, bf16 b
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
+
+from lantern.file_reading import read_json_object
 
 CONFIG_ENV = "LANTERN_GAUDI_CONFIG"
 LOWER_LIST_ENV = "PT_HPU_AUTOCAST_LOWER_PRECISION_OPS_LIST"
@@ -92,10 +93,7 @@ def load_gaudi_config(path: Optional[str] = None) -> Optional[GaudiSettings]:
         optimum_config = GaudiConfig.from_pretrained(str(file))
         config = vars(optimum_config)
     else:
-        try:
-            config = json.loads(file.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"gaudi config {file}: not valid JSON ({e})") from None
+        config = read_json_object(file, "gaudi config")
     lists = {}
     for key in ("autocast_bf16_ops", "autocast_fp32_ops"):
         ops = config.get(key)

@@ -33,6 +33,7 @@ from lantern.kv_cache import slot_rows
 from lantern.models.checkpoint import model_hash
 from lantern.models.placement import placed_copy
 from lantern import atomic_io
+from lantern.file_reading import UnreadableFile, read_json_object
 from lantern.user_cache import cache_root, cache_source, check_location, entry_lock
 
 FORMAT_VERSION = 5  # bump when the graphs' inputs, outputs or maths change: older cache files become stale
@@ -251,9 +252,11 @@ def check_cached(key: GraphKey, cache_dir: Path) -> str:
     if not (folder / GRAPH).exists() or not manifest_path.exists():
         return "not cached"
     try:
-        manifest = json.loads(manifest_path.read_text())
-    except (OSError, ValueError) as e:
-        return f"manifest {manifest_path} is unreadable ({e})"
+        manifest = read_json_object(manifest_path)
+    except FileNotFoundError:  # removed since (another process replacing it)
+        return "not cached"
+    except UnreadableFile as e:
+        return f"manifest {manifest_path} is unreadable: it {e.problem}"
     if manifest.get("key") != asdict(key):
         return f"manifest {manifest_path} is stale (written for {manifest.get('key')})"
     if manifest.get("sha256") != folder_sha256(folder):

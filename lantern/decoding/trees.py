@@ -5,12 +5,13 @@ second candidate. Node 0 of a compiled tree is the root (the last accepted token
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import torch
+
+from lantern.file_reading import read_json
 
 Paths = tuple[tuple[int, ...], ...]
 
@@ -89,13 +90,9 @@ def load_tree(spec: str) -> Paths:
     if spec in TREE_PRESETS:
         return TREE_PRESETS[spec]
     path = Path(spec)
-    if not path.suffix == ".json" or not path.is_file():
+    if not path.suffix == ".json" or not path.exists():
         raise ValueError(f"tree {spec!r} is neither a preset ({', '.join(TREE_PRESETS)}) nor a .json file of paths")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"tree file {spec}: not valid JSON ({e})") from None
-    return validate_paths(data)
+    return validate_paths(read_json(path, "tree file"))
 
 
 @dataclass(frozen=True)

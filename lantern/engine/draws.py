@@ -20,10 +20,12 @@ import math
 
 import torch
 
+from lantern.seeds import SEED_RANGE, is_seed, seed_refusal
+
 _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B
 _LANES = (0x2545F491, 0x6C8E9CF5)  # lane seeds: two independent chains over the same key
-_SEED_MASK = (1 << 63) - 1
+_SEED_MASK = SEED_RANGE[1]  # 2^63 - 1 as a bit mask: a derived seed is in range
 
 
 def mix(x: torch.Tensor) -> torch.Tensor:
@@ -47,8 +49,8 @@ def derive_seed(seed: int, i: int) -> int:
 
 
 def check_seed(seed) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _SEED_MASK:
-        raise ValueError(f"seed {seed!r} must be an integer in 0..2^63-1")
+    if not is_seed(seed):
+        raise ValueError(seed_refusal(repr(seed)))
     return seed
 
 

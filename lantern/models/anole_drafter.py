@@ -19,11 +19,11 @@ slots the row attends.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 import torch
 from torch import nn
 
+from lantern.file_reading import read_json_object
 from lantern.kv_cache import StaticKVCache
 from lantern.models.checkpoint import load_tensors_file
 from lantern.models.chameleon import ChameleonTarget, attention
@@ -74,12 +74,7 @@ def check_anole_drafter(folder: Path, tcfg) -> tuple[dict, Path]:
     if not where.is_file():
         raise ValueError(f"drafter {folder}: expected LANTERN's Anole drafter folder (config.json + "
                          f"{' or '.join(WEIGHT_FILES)})")
-    try:
-        conf = json.loads(where.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"drafter config {where} is not readable JSON: {e}") from None
-    if not isinstance(conf, dict):
-        raise ValueError(f"drafter config {where} is not a JSON object")
+    conf = read_json_object(where, "drafter config")
     files = [folder / n for n in WEIGHT_FILES if (folder / n).is_file()]
     if not files:
         raise ValueError(f"drafter folder {folder} has a config.json but none of {', '.join(WEIGHT_FILES)}")

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lantern.file_reading import read_json_object
 from lantern.kv_cache import StaticKVCache
 from lantern.models.family import (FolderInfo, folder_identity, load_pretrained, load_tokenizer, read_config,
                                    rope_cos_sin)
@@ -282,7 +283,6 @@ class ChameleonFamily:
     def check(cls, info: FolderInfo, vq: Optional[str] = None, need_vq: bool = False) -> Optional[Path]:
         """Everything but the weights: tokenizer, RoPE, and (where the VQ is needed) the VQGAN's files and shape.
         Returns the VQGAN folder (None if there is none and it is not needed)."""
-        from lantern.bundle import read_json_object
         from lantern.models.vqgan import check_vqgan_folder
         root = info.path
         if not any((root / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):

@@ -11,12 +11,14 @@ names what is missing (exit code 2 on the command line).
 from __future__ import annotations
 
 import hashlib
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Iterator, Protocol, runtime_checkable
 
 import torch
 
+from lantern.file_reading import read_json_object
 from lantern.kv_cache import StaticKVCache
 from lantern.models.checkpoint import short_list
 
@@ -106,7 +108,6 @@ def inspect_folder(path: str | Path) -> FolderInfo:
     if not cfg_path.is_file():
         raise ValueError(f"{root}: config.json is missing (a model folder, a lantern bundle or a transformers "
                          f"model, is read from it)")
-    from lantern.bundle import read_json_object  # (here: lantern.bundle imports the models)
     cfg = read_json_object(cfg_path)
     if "target" in cfg and "vq" in cfg:
         return FolderInfo(root, "bundle", "LlamaGen GPT")
@@ -188,7 +189,6 @@ def read_config(config_class, root: Path):
 def weights_files(root: Path) -> list[Path]:
     """The weights files from_pretrained will read in `root`, each one's header checked (a safetensors file that
     is empty, truncated or not safetensors); ValueError naming the folder or the file."""
-    from lantern.bundle import read_json_object
     found = next((root / name for name in WEIGHTS_FILES if (root / name).is_file()), None)
     if found is None:
         raise ValueError(f"{root} has no weights: expected {' or '.join(WEIGHTS_FILES)}")
@@ -218,6 +218,23 @@ def check_safetensors(path: Path) -> None:
                          f"(empty, truncated or another format): {one_line(e)}") from None
 
 
+@contextmanager
+def transformers_held_back() -> Iterator[None]:
+    """transformers' own output while lantern loads a folder held back: its load report (a table of the keys
+    missing or of another shape, "newly initialized"), which load_pretrained's refusal replaces by naming the
+    keys, and its loading bar. Its verbosity and bar setting are restored afterwards."""
+    from transformers.utils import logging as hf_logging
+    verbosity, bar = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bar:
+            hf_logging.enable_progress_bar()
+
+
 def load_pretrained(model_class, root: Path, config):
     """model_class.from_pretrained(root), frozen, refusing what transformers would load anyway: a weight or
     persistent buffer the files lack (it would be randomly initialised) or hold in another shape than the config
@@ -225,8 +242,9 @@ def load_pretrained(model_class, root: Path, config):
     files = weights_files(root)
     names = ", ".join(f.name for f in files)
     try:
-        model, report = model_class.from_pretrained(root, config=config, output_loading_info=True,
-                                                    ignore_mismatched_sizes=True)  # reported below, by name
+        with transformers_held_back():
+            model, report = model_class.from_pretrained(root, config=config, output_loading_info=True,
+                                                        ignore_mismatched_sizes=True)  # reported below, by name
     except Exception as e:  # noqa: BLE001  a file that passed the header check and still cannot be read
         reason = one_line(e)
         if "weights_only" in reason:  # torch's refusal of a pickle, with advice lantern does not pass on

@@ -269,6 +269,7 @@ def profile_costs(spec: str):
     when it has none, in which case auto uses this machine's cached calibration."""
     import sys
 
+    from lantern.file_reading import UnreadableFile
     from lantern.plan.calibration import ProfileCosts
     from lantern.profile.hardware import load_profile
     from lantern.profile.schema import SchemaError, calibration_entries, load_results
@@ -277,7 +278,7 @@ def profile_costs(spec: str):
     path = default_results_path(profile)
     try:
         entries = calibration_entries(load_results(path)) if path.is_file() else {}
-    except SchemaError as e:
+    except (SchemaError, UnreadableFile) as e:
         print(f"lantern: {e}", file=sys.stderr)
         entries = {}
     if not entries:

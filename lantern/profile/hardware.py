@@ -35,7 +35,6 @@ import importlib.util
 import json
 import os
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -44,6 +43,7 @@ from lantern import atomic_io
 from lantern.decoding.config import METHODS
 from lantern.decoding.sampling import SamplingConfig
 from lantern.decoding.trees import TREE_PRESETS
+from lantern.file_reading import read_text, read_toml
 
 PROFILES_ENV = "LANTERN_PROFILES"
 TUNED_TREE = "tuned"  # the name a profile's `trees` list uses for its own tuned tree
@@ -226,11 +226,7 @@ def find_profile(spec: str) -> Path:
 
 def load_profile(spec: str) -> HardwareProfile:
     path = find_profile(spec)
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"profile {path}: not valid TOML ({e})") from None
-    return profile_from_dict(data, path)
+    return profile_from_dict(read_toml(path, "profile"), path)
 
 
 FIELD_TYPES = {**dict.fromkeys(("name", "description", "backend", "device", "dtype", "model"), str),
@@ -301,7 +297,7 @@ def write_tuned(profile_path: Path, tuned: dict, trees: dict) -> dict[int, Path]
     """Write each batch size's tree, trees = {B: (fields, paths)}, to `<name>.tuned.b{B}.json`, and replace (or
     append) the profile's trailing [tuned] table: `tuned`'s fields, then a [tuned.b{B}] table per tree naming
     its file, with its fields. Everything above [tuned] is kept byte for byte. Returns {B: tree file}."""
-    lines = profile_path.read_text().splitlines()
+    lines = read_text(profile_path, "profile").splitlines()
     if "[tuned]" in (line.strip() for line in lines):
         start = next(i for i, line in enumerate(lines) if line.strip() == "[tuned]")
         rest = [i for i in range(start + 1, len(lines)) if lines[i].lstrip().startswith("[")
@@ -324,5 +320,5 @@ def write_tuned(profile_path: Path, tuned: dict, trees: dict) -> dict[int, Path]
         table += ["", f"[tuned.b{batch}]", f"tree_file = {_toml_value(files[batch].name)}"]
         table += [f"{k} = {_toml_value(v)}" for k, v in fields.items()]
     atomic_io.write_text(profile_path, "\n".join(lines + table) + "\n")
-    tomllib.loads(profile_path.read_text())  # what we wrote must read back
+    read_toml(profile_path, "profile")  # what we wrote must read back
     return files

@@ -12,10 +12,10 @@ other than 1. Every measured number is carried over unchanged.
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
+from lantern.file_reading import read_json
 from lantern.profile.schema import SCHEMA, SCHEMA_VERSION, SchemaError, save_results, validate
 
 V1_MISSING = ["calibration cases (calibration/b1): version 1 predates --method auto",
@@ -48,7 +48,7 @@ def upgrade_v1(data: dict, where: str) -> dict:
 
 def migrate_file(path: Path) -> bool:
     """Rewrite a version-1 file as version 2; False (untouched) if it already is version 2."""
-    data = json.loads(path.read_text())
+    data = read_json(path, "results file")
     if data.get("schema_version") == SCHEMA_VERSION:
         validate(data, str(path))
         return False
@@ -63,8 +63,8 @@ def main(argv: list[str]) -> int:
     for name in argv:
         try:
             changed = migrate_file(Path(name))
-        except (OSError, ValueError) as e:  # SchemaError and JSONDecodeError are ValueErrors
-            print(f"lantern: error: {name}: {e}", file=sys.stderr)
+        except (OSError, ValueError) as e:  # (SchemaError and UnreadableFile are ValueErrors; each names the file)
+            print(f"lantern: error: {e}", file=sys.stderr)
             return 2
         print(f"{name}: {'migrated to' if changed else 'already'} schema version {SCHEMA_VERSION}")
     return 0

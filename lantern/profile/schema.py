@@ -45,11 +45,11 @@ refused with a message naming `python -m lantern.profile.migrate FILE`, which up
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
 from lantern import atomic_io
+from lantern.file_reading import read_json
 
 SCHEMA = "lantern-profile-results"
 SCHEMA_VERSION = 2
@@ -122,14 +122,7 @@ def _validate_case(case_id: str, case, where: str) -> None:
 
 
 def load_results(path: str | Path) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"results file {path} does not exist")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise SchemaError(f"{path}: not valid JSON ({e})") from None
-    return validate(data, str(path))
+    return validate(read_json(path, "results file"), str(path))
 
 
 def save_results(data: dict, path: str | Path) -> None:

@@ -2,6 +2,7 @@
 requests, finish those in flight, exit 0)."""
 from __future__ import annotations
 
+import asyncio
 import importlib
 import logging
 import os
@@ -133,13 +134,24 @@ def cmd_serve(args) -> int:
     stopped_by: list[int] = []  # the signal that cut the drain short
 
     class Server(uvicorn.Server):
+        async def serve(self, sockets=None):
+            self.loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+        def close_connections(self) -> None:
+            """Close every connection still open: a request still receiving its body ends as its client's
+            disconnect (499), so the shutdown goes on, service stop included, with nothing left mid-request."""
+            for connection in list(self.server_state.connections):
+                connection.transport.close()
+
         def handle_exit(self, sig, frame):
             """SIGTERM or SIGINT: drain (new requests and /ready get 503, those in flight finish), then exit 0.
             A second signal stops at once: the images in flight are cancelled and their requests answered 503,
             then the engine thread ends and the command exits 128 + the signal's number. A third one leaves
-            without waiting for connections to close. Not re-raised afterwards, as uvicorn would."""
+            without waiting for connections to close: it closes them. Not re-raised afterwards, as uvicorn
+            would."""
             if self.should_exit and stopped_by:
-                self.force_exit = True
+                self.loop.call_soon_threadsafe(self.close_connections)  # run by the loop, not amid its bytecodes
             elif self.should_exit:
                 stopped_by.append(sig)
                 service.abandon()

@@ -8,7 +8,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Optional
 
-from lantern.bundle import DEFAULT_BUNDLE, read_json_object
+from lantern.bundle import DEFAULT_BUNDLE
+from lantern.file_reading import read_json_object
 
 ENCODE_BATCH = 16  # prompts encoded in one T5 call, as the CLI does
 

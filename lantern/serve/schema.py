@@ -12,10 +12,11 @@ import secrets
 from dataclasses import dataclass
 from typing import Optional
 
+from lantern.seeds import is_seed, seed_refusal
+
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "cfg_scale")
 FIELDS = ("prompt", "n", "response_format", "size", "model", "user", "class_id", "seed", "method", *SAMPLING_FIELDS,
           "return_tokens", "timeout")
-SEED_MAX = 2**63 - 1
 SHOWN = 80  # characters of a refused value an answer (and its log line) repeats
 
 
@@ -143,7 +144,9 @@ def parse_request(body: object, info: ModelInfo, default_timeout_s: float) -> Im
                            f"return_tokens {shown(return_tokens)} is not allowed; allowed: true, false")
     timeout = _number(body, "timeout", f"a finite number of seconds in (0, {info.max_timeout_s:g}]",
                       lambda v: 0 < v <= info.max_timeout_s)
-    seed = _integer(body, "seed", 0, SEED_MAX)
+    seed = body.get("seed")
+    if seed is not None and not is_seed(seed):
+        raise RequestError("seed", seed_refusal(shown(seed)))
     return ImageRequest(condition=condition, n=_integer(body, "n", 1, info.max_n) or 1,
                         seed=secrets.randbelow(2**31) if seed is None else seed, method=method, sampling=sampling,
                         return_tokens=return_tokens, timeout_s=default_timeout_s if timeout is None else timeout)

@@ -6,7 +6,6 @@ training stages read (vq.*, evaluator.*, base_target.*); its training reports go
 """
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from lantern.bundle import verify_bundle
 from lantern.config import GPTConfig
+from lantern.file_reading import read_json_object
 from lantern.train.common import write_json
 from lantern.train.grow import grow_by_duplication, grown_config
 
@@ -25,14 +25,14 @@ def verified_manifest(bundle: Path) -> dict:
     problems = verify_bundle(bundle)
     if problems:
         raise ValueError(f"bundle {bundle} failed verification: " + "; ".join(problems))
-    return json.loads((bundle / "manifest.json").read_text())
+    return read_json_object(bundle / "manifest.json")
 
 
 def copy_models(bundle: Path, work: Path, names: dict[str, str]) -> None:
     """Copy models of `bundle` into `work` under new names (bundle name -> work name, e.g. "target" ->
     "base_target"): `<work name>.safetensors` and its config as `<work name>_config.json`."""
     work.mkdir(parents=True, exist_ok=True)
-    config = json.loads((bundle / "config.json").read_text())
+    config = read_json_object(bundle / "config.json")
     for bundle_name, work_name in names.items():
         shutil.copyfile(bundle / f"{bundle_name}.safetensors", work / f"{work_name}.safetensors")
         write_json(work / f"{work_name}_config.json", config[bundle_name])
@@ -43,7 +43,7 @@ def import_base(work: str | Path, base: str | Path) -> dict:
     {"files": sha256 per base file, "stages": the base's training reports}."""
     work, base = Path(work), Path(base)
     if (work / BASE_REPORTS).exists():
-        return json.loads((work / BASE_REPORTS).read_text())
+        return read_json_object(work / BASE_REPORTS)
     manifest = verified_manifest(base)
     copy_models(base, work, {"vq": "vq", "evaluator": "evaluator", "target": "base_target"})
     stages = manifest["stages"]
@@ -57,7 +57,7 @@ def import_base(work: str | Path, base: str | Path) -> dict:
 def write_grown_target(work: str | Path, name: str = "target_grown") -> GPTConfig:
     """`base_target` with every layer doubled -> `<work>/<name>.safetensors` and `<name>_config.json`."""
     work = Path(work)
-    source = GPTConfig.from_dict(json.loads((work / "base_target_config.json").read_text()))
+    source = GPTConfig.from_dict(read_json_object(work / "base_target_config.json"))
     cfg = grown_config(source)
     if not (work / f"{name}.safetensors").exists():
         save_file(grow_by_duplication(load_file(str(work / "base_target.safetensors"))),

@@ -15,6 +15,7 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from lantern.bundle import load_bundle, sha256_file
+from lantern.file_reading import read_json_object
 from lantern.models.checkpoint import weights_hash
 from lantern.train.drafter import train_drafter
 from lantern.train.selfsample import self_samples
@@ -49,12 +50,12 @@ def train_bundle_drafter(bundle_path: str | Path, work: str | Path, steps: int, 
 def install_drafter(bundle: Path, drafter: Path) -> None:
     """Copy the drafter into the bundle and record its sha256 in the manifest (the drafter's own options stay
     lantern's defaults: this recipe trains lantern's drafter)."""
-    config = json.loads((bundle / "config.json").read_text())
+    config = read_json_object(bundle / "config.json")
     if "drafter" in config:
         raise ValueError(f"bundle {bundle} holds a drafter of another architecture ({config['drafter']}); import the "
                          f"bundle again with --drafter {drafter} instead")
     shutil.copyfile(drafter, bundle / "drafter.safetensors")
-    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest = read_json_object(bundle / "manifest.json")
     manifest["files"]["drafter.safetensors"] = sha256_file(bundle / "drafter.safetensors")
     tmp = bundle / "manifest.json.tmp"
     tmp.write_text(json.dumps(manifest, indent=1))

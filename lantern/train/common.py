@@ -1,7 +1,6 @@
 """What every training stage shares: seeding, per-step RNG, the LR schedule, autocast, resumable checkpoints."""
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
@@ -13,6 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from lantern import atomic_io
+from lantern.file_reading import read_json_object
 
 
 def seed_everything(seed: int) -> None:
@@ -78,7 +78,7 @@ def finished_report(out_dir: str | os.PathLike, name: str, start: int, steps: in
     (a re-run then skips re-measuring); None when the stage still has work to do."""
     report, weights_path = Path(out_dir) / f"{name}_report.json", Path(out_dir) / weights
     if start == steps and report.exists() and weights_path.exists():
-        return json.loads(report.read_text())
+        return read_json_object(report)
     return None
 
 

@@ -17,6 +17,7 @@ from lantern import atomic_io
 from lantern.bundle import Bundle, sha256_file, weights_hash
 from lantern.config import GPTConfig
 from lantern.data import HELD_OUT_FRACTION, SOURCE, SPLIT_SEED, load_digits_split
+from lantern.file_reading import read_json_object
 from lantern.models.classifier import Classifier, ClassifierConfig
 from lantern.models.drafter import Drafter
 from lantern.models.gpt import GPT
@@ -62,19 +63,19 @@ class PipelineSettings:
 
 
 def load_vq(work: Path) -> VQModel:
-    vq = VQModel(VQConfig.from_dict(json.loads((work / "vq_config.json").read_text())))
+    vq = VQModel(VQConfig.from_dict(read_json_object(work / "vq_config.json")))
     vq.load_state_dict(load_file(str(work / "vq.safetensors")))
     return vq.eval()
 
 
 def load_target(work: Path, name: str = "target") -> GPT:
-    target = GPT(GPTConfig.from_dict(json.loads((work / f"{name}_config.json").read_text())))
+    target = GPT(GPTConfig.from_dict(read_json_object(work / f"{name}_config.json")))
     target.load_state_dict(load_file(str(work / f"{name}.safetensors")))
     return target.eval()
 
 
 def load_evaluator(work: Path) -> Classifier:
-    evaluator = Classifier(ClassifierConfig.from_dict(json.loads((work / "evaluator_config.json").read_text())))
+    evaluator = Classifier(ClassifierConfig.from_dict(read_json_object(work / "evaluator_config.json")))
     evaluator.load_state_dict(load_file(str(work / "evaluator.safetensors")))
     return evaluator.eval()
 

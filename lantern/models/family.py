@@ -220,19 +220,16 @@ def check_safetensors(path: Path) -> None:
 
 @contextmanager
 def transformers_held_back() -> Iterator[None]:
-    """transformers' own output while lantern loads a folder held back: its load report (a table of the keys
-    missing or of another shape, "newly initialized"), which load_pretrained's refusal replaces by naming the
-    keys, and its loading bar. Its verbosity and bar setting are restored afterwards."""
+    """transformers' own report while lantern loads a folder held back: its table of the keys missing or of
+    another shape ("newly initialized"), which load_pretrained's refusal replaces by naming the keys. Its loading
+    bar stays (a large model loads for a while). Its verbosity is restored afterwards."""
     from transformers.utils import logging as hf_logging
-    verbosity, bar = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
     try:
         yield
     finally:
         hf_logging.set_verbosity(verbosity)
-        if bar:
-            hf_logging.enable_progress_bar()
 
 
 def load_pretrained(model_class, root: Path, config):

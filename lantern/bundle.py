@@ -122,6 +122,11 @@ class Bundle:
     proximity: Optional[torch.Tensor]  # (V, k) in lantern.proximity.index_dtype(V)
 
     @property
+    def image_size(self) -> int:
+        """Pixels per side of a decoded image."""
+        return self.vq.config.image_size
+
+    @property
     def default_cfg_scale(self) -> float:
         return float(self.config.get("sampling", {}).get("cfg_scale", 1.0))
 

@@ -110,6 +110,13 @@ def verify_bundle(path: str | Path | None = None) -> list[str]:
     return problems
 
 
+def config_sampling(config: dict) -> dict:
+    """A bundle config's sampling settings (cfg_scale, temperature, top_k, top_p), defaults filled in."""
+    s = config.get("sampling", {})
+    return {"cfg_scale": float(s.get("cfg_scale", 1.0)), "temperature": float(s.get("temperature", 1.0)),
+            "top_k": int(s.get("top_k", 0)), "top_p": float(s.get("top_p", 1.0))}
+
+
 @dataclass
 class Bundle:
     path: Path
@@ -133,9 +140,7 @@ class Bundle:
     @property
     def default_sampling(self) -> dict:
         """The sampling settings the bundle was validated with (cfg_scale, temperature, top_k, top_p)."""
-        s = self.config.get("sampling", {})
-        return {"cfg_scale": float(s.get("cfg_scale", 1.0)), "temperature": float(s.get("temperature", 1.0)),
-                "top_k": int(s.get("top_k", 0)), "top_p": float(s.get("top_p", 1.0))}
+        return config_sampling(self.config)
 
     @property
     def validations(self) -> dict:

@@ -107,13 +107,15 @@ class Pipeline:
 
     def plan(self, n_images: int, sampling: Optional[SamplingConfig] = None, batch: Optional[int] = None,
              allow_relaxed: bool = False, profile=None, progress: bool = True,
-             classes: Optional[Sequence[int]] = None, min_speedup: Optional[float] = None):
+             classes: Optional[Sequence[int]] = None, min_speedup: Optional[float] = None,
+             prompts: Optional[torch.Tensor] = None):
         """`--method auto`: the plan predicted fastest for n_images on this backend and dtype
         (lantern.plan.choose.Choice: decode config, batch width, predictions). sampling None: the bundle's.
         profile: a hardware profile's calibration (lantern.plan.calibration.ProfileCosts), else this machine's
         cached calibration, measured once where missing. classes: the images' class ids in order (c2i), so each
         is predicted from its class's acceptance. min_speedup: the predicted speed-up over AR a plan needs to be
-        chosen (None: lantern.plan.choose.MIN_SPEEDUP)."""
+        chosen (None: lantern.plan.choose.MIN_SPEEDUP). prompts: (n, P) prompt rows a prompt-conditioned target
+        (a model family's) measures its acceptance record and calibration on, where the cache lacks them."""
         from lantern.plan.choose import MIN_SPEEDUP, choose
         sampling = sampling or self.defaults.sampling
         if sampling is None:
@@ -122,7 +124,7 @@ class Pipeline:
         return choose(self, n_images, sampling, batch=batch, allow_relaxed=allow_relaxed,
                       validated=self.defaults.relaxation, shipped_records=self.defaults.acceptance_records,
                       profile=profile, progress=progress, classes=classes,
-                      min_speedup=MIN_SPEEDUP if min_speedup is None else min_speedup)
+                      min_speedup=MIN_SPEEDUP if min_speedup is None else min_speedup, prompts=prompts)
 
     @property
     def config(self):

@@ -97,6 +97,13 @@ def verify_bundle(path: str | Path | None = None) -> list[str]:
     return problems
 
 
+def config_sampling(config: dict) -> dict:
+    """A bundle config's sampling settings (cfg_scale, temperature, top_k, top_p), defaults filled in."""
+    s = config.get("sampling", {})
+    return {"cfg_scale": float(s.get("cfg_scale", 1.0)), "temperature": float(s.get("temperature", 1.0)),
+            "top_k": int(s.get("top_k", 0)), "top_p": float(s.get("top_p", 1.0))}
+
+
 @dataclass
 class Bundle:
     path: Path
@@ -109,15 +116,18 @@ class Bundle:
     proximity: Optional[torch.Tensor]  # (V, k) in lantern.proximity.index_dtype(V)
 
     @property
+    def image_size(self) -> int:
+        """Pixels per side of a decoded image."""
+        return self.vq.config.image_size
+
+    @property
     def default_cfg_scale(self) -> float:
         return float(self.config.get("sampling", {}).get("cfg_scale", 1.0))
 
     @property
     def default_sampling(self) -> dict:
         """The sampling settings the bundle was validated with (cfg_scale, temperature, top_k, top_p)."""
-        s = self.config.get("sampling", {})
-        return {"cfg_scale": float(s.get("cfg_scale", 1.0)), "temperature": float(s.get("temperature", 1.0)),
-                "top_k": int(s.get("top_k", 0)), "top_p": float(s.get("top_p", 1.0))}
+        return config_sampling(self.config)
 
     @property
     def validations(self) -> dict:

@@ -145,6 +145,26 @@ def test_greedy_lantern_equals_the_reference_cfg_loop(anole, method, kw):
     assert len(set(want[0].tolist())) > 3  # a real sequence, not one repeated token
 
 
+def test_left_padded_prompt_rows_give_the_unpadded_images(anole):
+    """Prompts of several lengths left-padded with <pad> to one static length (as `lantern serve` batches them):
+    greedy CFG gives the reference loop's image of each unpadded prompt, and sampling the unpadded rows' tokens."""
+    _, hf, family = anole
+    prompts = [PROMPT, "a blue dog"]
+    rows = torch.cat([family.prompt_rows(p, 12) for p in prompts])
+    assert rows[1].tolist()[:6] == [PAD] * 6 and rows[1, 6] == BOS and rows[1, -1] == BOI
+    with pytest.raises(ValueError, match="allowed: at most 5"):
+        family.prompt_rows(PROMPT, 5)
+    pipe = Pipeline(family.target(12, padded=True), backend="cpu")
+    greedy = method_preset("mc-sjd", SamplingConfig(greedy=True, cfg_scale=3.0), window=4)
+    want = torch.cat([hf_greedy(family, hf, family.prompt_rows(p), 3.0) for p in prompts])
+    assert torch.equal(pipe.generate(rows, greedy, batch=2).tokens, want)
+    sampled = method_preset("mc-sjd", SamplingConfig(cfg_scale=3.0, top_k=10), window=4)
+    for i, p in enumerate(prompts):
+        alone = family.prompt_rows(p)
+        unpadded = Pipeline(family.target(alone.shape[1]), backend="cpu").generate(alone, sampled, seed=4).tokens
+        assert torch.equal(pipe.generate(rows[i:i + 1], sampled, seed=4).tokens, unpadded)
+
+
 def test_cpu_graph_runs_chameleon_token_for_token(anole):
     _, hf, family = anole
     rows = family.prompt_rows("a blue dog")

@@ -121,6 +121,31 @@ def test_greedy_lantern_equals_transformers_image_generation_with_cfg(janus, met
     assert len(set(want[0].tolist())) > 3  # a real sequence, not one repeated token
 
 
+def test_left_padded_prompt_rows_give_the_unpadded_images(janus, monkeypatch):
+    """Prompts of several lengths padded to one static length (as `lantern serve` batches them): greedy CFG gives
+    transformers' own image generation of each unpadded prompt, sampling gives the unpadded rows' tokens; with the
+    padding left visible greedy does not."""
+    _, hf, family = janus
+    prompts = [PROMPT, "a blue dog"]
+    rows = torch.cat([family.prompt_rows(p, 10) for p in prompts])
+    assert (rows[1, :5] == PAD).all() and rows[1, 5] == BOS and rows[1, -1] == BOI
+    with pytest.raises(ValueError, match="allowed: at most 4"):
+        family.prompt_rows(PROMPT, 4)
+    target = family.target(10, padded=True)
+    assert target.prefix_visible(target.unconditional(rows[1:])).tolist() == [[False] * 5 + [True] * 5]
+    pipe = Pipeline(target, backend="cpu")
+    greedy = method_preset("mc-sjd", SamplingConfig(greedy=True, cfg_scale=3.0), window=4)
+    want = torch.cat([hf_greedy(hf, family.prompt_rows(p), 3.0) for p in prompts])
+    assert torch.equal(pipe.generate(rows, greedy, batch=2).tokens, want)
+    sampled = method_preset("mc-sjd", SamplingConfig(cfg_scale=3.0, top_k=20), window=4)
+    for i, p in enumerate(prompts):
+        alone = family.prompt_rows(p)
+        unpadded = Pipeline(family.target(alone.shape[1]), backend="cpu").generate(alone, sampled, seed=4).tokens
+        assert torch.equal(pipe.generate(rows[i:i + 1], sampled, seed=4).tokens, unpadded)
+    monkeypatch.setattr(type(target), "prefix_visible", lambda self, r: torch.ones_like(r, dtype=torch.bool))
+    assert not torch.equal(Pipeline(target, backend="cpu").generate(rows, greedy, batch=2).tokens, want)
+
+
 def test_cpu_graph_runs_janus_token_for_token(janus):
     """Every step captured whole (fullgraph) and never recompiled after warm-up; dynamo's eager backend
     keeps the compile cheap (the graphs are what inductor compiles; the benchmark tool uses inductor)."""

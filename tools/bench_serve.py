@@ -1,14 +1,21 @@
 """Load test on loopback: images/s and p50/p99 latency at 1, 4 and 16 concurrent clients, mixed classes, for
 (a) one `lantern generate` process per image and (b) the `lantern serve` service, each with AR and with the method
-auto picks. Every client sends its requests one after another (closed loop); a level ends when every client has
-sent its share. The service is started once per method, warmed up (and auto's plan made, with `--backend auto`
-over every mode of the machine) before anything is timed; the CLI's auto calibration is made once, untimed, before
-its runs. The service runs its ladder of widths (`--widths`, default 1, 4, ... up to `--batch`) at its thread
-count (`--threads`, default the physical cores); the results record the backend, threads and widths it served with,
-and how many images ran at each width per level.
+auto picks, at each sampling setting (`--sampling`: the bundle's, and LlamaGen's class-to-image one, the whole
+vocabulary at CFG 4.0; tools/samplings.py), side by side. Every client sends its requests one after another (closed
+loop); a level ends when every client has sent its share.
+
+The service is started once per method from a fresh start: an empty cache ($LANTERN_CACHE_DIR in a temporary
+folder), as on a new machine. That start is measured: seconds to /ready 200, to the first image of each sampling
+(sent as soon as it is ready), and, with auto, to the end of its background calibration. The levels are timed
+after that (warm), each sampling after one untimed request that builds its engine: the service plans auto at the
+bundle's sampling, and a request at another sampling sends it as overrides (top-k needs an engine of its own, which
+runs auto's plan at that sampling). The CLI's auto calibration is made once per sampling, untimed, before its runs.
+The service runs its ladder of widths (`--widths`, default 1, 4, ... up to `--batch`) at its thread count
+(`--threads`, default the physical cores); the results record the backend, threads and widths it served with, and
+how many images ran at each width per level.
 Writes results/serve-<backend>.{json,md,png}.
 
-    python tools/bench_serve.py --backend auto        # the embedded model, levels 1 4 16
+    python tools/bench_serve.py --backend auto        # the embedded model, levels 1 4 16, both samplings
     python tools/bench_serve.py --quick --model DIR   # a smoke run: levels 1 2, two requests per client
 """
 from __future__ import annotations
@@ -23,12 +30,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import httpx
 
 from results_io import utc_now, write_results
+from samplings import NAMES as SAMPLING_NAMES, describe, sampling_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 1800  # loading, warm-up, auto's first calibration (every mode with --backend auto) and compiles
@@ -36,6 +45,7 @@ REQUEST_TIMEOUT_S = 600
 # how often /ready is asked while the service warms up: rarely, since each answer takes CPU from auto's calibration
 # on the same cores (polled every 0.2 s, a service timed its fused AR step at 14.5 ms, polled every 2 s at 11.0 ms)
 READY_POLL_S = 2.0
+START_POLL_S = 0.1  # until the first /ready 200 of a fresh start: seconds to ready are measured at this resolution
 CALIBRATING = ("waiting", "calibrating", "switching")  # /ready's `calibration` while auto plans in the background
 
 
@@ -76,12 +86,16 @@ async def closed_loop(clients: int, per_client: int, num_classes: int, send) -> 
     return {**out, "images_by_width": dict(sorted(widths.items(), key=lambda kv: int(kv[0])))} if widths else out
 
 
-def cli_level(args, method: str, clients: int, out_dir: Path) -> dict:
+def cli_level(args, method: str, clients: int, out_dir: Path, sampling: dict) -> dict:
+    """sampling: the overrides of the bundle's sampling, as `lantern generate` flags ({}: the bundle's own)."""
+    flags = [f for name, value in sampling.items() for f in (f"--{name.replace('_', '-')}", str(value))]
+
     async def send(class_id: int, seed: int):
         proc = await asyncio.create_subprocess_exec(
-            *lantern_command("generate", *model_args(args), "--backend", args.cli_backend, "--classes", str(class_id), "--seed", str(seed),
-                             "--method", method, "--batch", "1", "--out", str(out_dir / f"{seed}"), "--json"),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            *lantern_command("generate", *model_args(args), "--backend", args.cli_backend, "--classes", str(class_id),
+                             "--seed", str(seed), "--method", method, *flags, "--batch", "1",
+                             "--out", str(out_dir / f"{seed}"), "--json"),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=lantern_env())
         out, err = await proc.communicate()
         if proc.returncode != 0:
             raise RuntimeError(f"lantern generate failed ({proc.returncode}): {err.decode()[-500:]}")
@@ -92,47 +106,112 @@ def model_args(args) -> list[str]:
     return ["--model", args.model] if args.model else []
 
 
-def start_service(args, method: str) -> tuple[subprocess.Popen, str]:
-    queue = max(args.levels) * 1  # every client's request fits: nothing is refused with 429
-    tuning = [*(["--widths", args.widths] if args.widths else []),
-              *(["--threads", str(args.threads)] if args.threads else [])]
-    backend = ["--backend", args.backend, *(["--fused-step"] if args.fused_step else [])]
-    proc = subprocess.Popen(lantern_command("serve", *model_args(args), *backend, "--method", method, "--methods", "ar",
-                                            "--batch", str(args.batch), "--queue", str(queue), "--max-n", "1",
-                                            *tuning, "--port", "0"),
-                            stderr=subprocess.PIPE, text=True)
-    url = json.loads(proc.stderr.readline())["url"]
-    deadline = time.monotonic() + READY_TIMEOUT_S
+def lantern_env(**extra: str) -> dict:
+    """The environment of a lantern process: this checkout's lantern first on its path."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+class LogDrain:
+    """Reads a process's stderr in a thread, so its log lines (one per request) never fill the pipe and block it;
+    keeps the last lines for an error message."""
+
+    def __init__(self, stream):
+        self.lines: collections.deque = collections.deque(maxlen=50)
+        self._thread = threading.Thread(target=lambda: self.lines.extend(stream), daemon=True)
+        self._thread.start()
+
+    def tail(self) -> str:
+        return "".join(self.lines)[-500:]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, drain: LogDrain, done, poll_s: float, deadline: float) -> dict:
+    """Poll /ready until done(status, body); returns the body. RuntimeError if the process ends or time runs out."""
     while time.monotonic() < deadline:
         try:
-            ready = httpx.get(f"{url}/ready", timeout=10)
-            # ready, and auto's background calibration ended: the plan it chose is the one timed
-            if ready.status_code == 200 and ready.json().get("calibration") not in CALIBRATING:
-                return proc, url
+            r = httpx.get(f"{url}/ready", timeout=10)
+            if done(r.status_code, r.json()):
+                return r.json()
         except httpx.TransportError:
             pass
         if proc.poll() is not None:
-            raise RuntimeError(f"lantern serve exited with {proc.returncode}: {proc.stderr.read()[-500:]}")
-        time.sleep(READY_POLL_S)
+            raise RuntimeError(f"lantern serve exited with {proc.returncode}: {drain.tail()}")
+        time.sleep(poll_s)
     proc.kill()
     raise RuntimeError("lantern serve did not become ready")
 
 
-def service_level(url: str, args, clients: int) -> dict:
+def start_service(args, method: str, samplings: dict, cache: Path) -> tuple[subprocess.Popen, str, LogDrain, dict]:
+    """The service from a fresh start (`cache`: an empty $LANTERN_CACHE_DIR), measured: seconds to /ready 200, to
+    the first image of each sampling, and to the end of auto's background calibration (the plan it chose is the
+    one timed afterwards). Returns the process, its URL, its log drain and the start's record."""
+    queue = max(args.levels) * 1  # every client's request fits: nothing is refused with 429
+    tuning = [*(["--widths", args.widths] if args.widths else []),
+              *(["--threads", str(args.threads)] if args.threads else [])]
+    backend = ["--backend", args.backend, *(["--fused-step"] if args.fused_step else [])]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(lantern_command("serve", *model_args(args), *backend, "--method", method, "--methods", "ar",
+                                            "--batch", str(args.batch), "--queue", str(queue), "--max-n", "1",
+                                            *tuning, "--port", "0"),
+                            stderr=subprocess.PIPE, text=True, env=lantern_env(LANTERN_CACHE_DIR=str(cache)))
+    url = json.loads(proc.stderr.readline())["url"]
+    drain = LogDrain(proc.stderr)
+    deadline = t0 + READY_TIMEOUT_S
+    ready = wait_ready(url, proc, drain, lambda status, body: status == 200, START_POLL_S, deadline)
+    start = {"method": method, "cache": "empty", "ready_s": time.monotonic() - t0, "ready_plan": ready["methods"],
+             "first_image_s": {}, "first_ran": {}}
+    for name, overrides in samplings.items():
+        stats = request_once(url, {"class_id": 0, "seed": 0, **overrides})
+        start["first_image_s"][name] = time.monotonic() - t0
+        start["first_ran"][name] = stats["method"]
+    # ready, and auto's background calibration ended: the plan it chose is the one timed
+    done = wait_ready(url, proc, drain, lambda status, body: status == 200 and body.get("calibration") not in
+                      CALIBRATING, READY_POLL_S, deadline)
+    start["calibrated_s"] = time.monotonic() - t0 if done.get("calibration") is not None else None
+    start["calibration"], start["plan"] = done.get("calibration"), done.get("plan")
+    return proc, url, drain, start
+
+
+def request_once(url: str, body: dict) -> dict:
+    """One image; its stats (what ran it, at which width)."""
+    r = httpx.post(f"{url}/v1/images/generations", json=body, timeout=REQUEST_TIMEOUT_S)
+    r.raise_for_status()
+    return r.json()["data"][0]["stats"]
+
+
+def service_level(url: str, args, clients: int, sampling: dict) -> dict:
+    """sampling: the request's overrides of the bundle's sampling ({}: the bundle's own)."""
     async def run():
         async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=httpx.Limits(max_connections=clients)) as c:
             async def send(class_id: int, seed: int):
-                r = await c.post(f"{url}/v1/images/generations", json={"class_id": class_id, "seed": seed})
+                r = await c.post(f"{url}/v1/images/generations", json={"class_id": class_id, "seed": seed,
+                                                                        **sampling})
                 r.raise_for_status()
                 return r.json()["data"][0]["stats"]["width"]
             return await closed_loop(clients, args.per_client, args.num_classes, send)
     return asyncio.run(run())
 
 
-def num_classes(model) -> int:
+def bundle_root(model) -> Path:
     from lantern.bundle import DEFAULT_BUNDLE
-    root = Path(model) if model else DEFAULT_BUNDLE
-    return json.loads((root / "config.json").read_text())["target"]["num_classes"]
+    return Path(model) if model else DEFAULT_BUNDLE
+
+
+def num_classes(model) -> int:
+    return json.loads((bundle_root(model) / "config.json").read_text())["target"]["num_classes"]
+
+
+def sampling_overrides(settings: dict) -> dict[str, dict]:
+    """Each sampling setting (name -> SamplingConfig) as overrides of the bundle's sampling, the request fields and
+    `lantern generate` flags: {} for the bundle's own, else every field."""
+    fields = ("temperature", "top_k", "top_p", "cfg_scale")
+    return {name: {} if name == "bundle" else {f: getattr(sc, f) for f in fields} for name, sc in settings.items()}
+
+
+def default_sampling(model) -> dict:
+    """The bundle's own sampling, from its config.json (no weights loaded)."""
+    from lantern.bundle import config_sampling
+    return config_sampling(json.loads((bundle_root(model) / "config.json").read_text()))
 
 
 def main() -> None:
@@ -152,6 +231,9 @@ def main() -> None:
                                                        "per-image baseline (default: --per-client); each process is "
                                                        "independent, so its rate needs fewer")
     ap.add_argument("--methods", nargs="+", default=["ar", "auto"])
+    ap.add_argument("--sampling", nargs="+", default=list(SAMPLING_NAMES), choices=SAMPLING_NAMES,
+                    help="sampling settings, side by side: the bundle's and LlamaGen's class-to-image one (whole "
+                         "vocabulary, CFG 4.0; default both)")
     ap.add_argument("--modes", nargs="+", default=["cli", "service"], choices=["cli", "service"])
     ap.add_argument("--quick", action="store_true", help="a smoke run: levels 1 2, two requests per client")
     ap.add_argument("--out", help="output stem (default results/serve-<backend>)")
@@ -163,27 +245,37 @@ def main() -> None:
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
     args.num_classes = num_classes(args.model)
-    rows = []
+    settings = sampling_settings(default_sampling(args.model), args.sampling)
+    samplings = sampling_overrides(settings)
+    rows, starts = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for method in args.methods:
             if "cli" in args.modes:
-                if method == "auto":  # the calibration auto makes on first use is made here, untimed
-                    cli_level(argparse.Namespace(**{**vars(args), "cli_per_client": 1}), method, 1, Path(tmp))
-                for clients in args.levels:
-                    rows.append({"mode": "cli", "method": method, "ran": method, "clients": clients,
-                                 **cli_level(args, method, clients, Path(tmp))})
-                    print(f"cli {method} x{clients}: {rows[-1]['images_per_s']:.2f} images/s", file=sys.stderr)
+                for name, overrides in samplings.items():
+                    if method == "auto":  # the calibration auto makes on first use is made here, untimed
+                        cli_level(argparse.Namespace(**{**vars(args), "cli_per_client": 1}), method, 1, Path(tmp),
+                                  overrides)
+                    for clients in args.levels:
+                        rows.append({"mode": "cli", "method": method, "sampling": name, "ran": method,
+                                     "clients": clients, **cli_level(args, method, clients, Path(tmp), overrides)})
+                        print(f"cli {method} {name} x{clients}: {rows[-1]['images_per_s']:.2f} images/s",
+                              file=sys.stderr)
             if "service" in args.modes:
-                proc, url = start_service(args, method)
+                proc, url, drain, start = start_service(args, method, samplings, Path(tmp) / f"cache-{method}")
+                starts.append(start)
+                print(f"service {method}: ready in {start['ready_s']:.1f} s from a fresh start, first image "
+                      + ", ".join(f"{n} {t:.1f} s" for n, t in start["first_image_s"].items()), file=sys.stderr)
                 try:
                     ready = httpx.get(f"{url}/ready", timeout=10).json()
                     served = {k: ready.get(k) for k in ("backend", "fused_step", "dtype", "threads", "widths", "plan")}
-                    service_level(url, argparse.Namespace(**{**vars(args), "per_client": 1}), 1)  # untimed warm-up
-                    for clients in args.levels:
-                        rows.append({"mode": "service", "method": method, "ran": ready["methods"].get(method, method),
-                                     "clients": clients, "served": served, **service_level(url, args, clients)})
-                        print(f"service {method} x{clients}: {rows[-1]['images_per_s']:.2f} images/s",
-                              file=sys.stderr)
+                    for name, overrides in samplings.items():
+                        ran = request_once(url, {"class_id": 0, "seed": 1, **overrides})["method"]  # untimed warm-up
+                        for clients in args.levels:
+                            rows.append({"mode": "service", "method": method, "sampling": name, "ran": ran,
+                                         "clients": clients, "served": served,
+                                         **service_level(url, args, clients, overrides)})
+                            print(f"service {method} {name} x{clients}: {rows[-1]['images_per_s']:.2f} images/s",
+                                  file=sys.stderr)
                 finally:
                     proc.terminate()
                     proc.wait(60)
@@ -194,11 +286,14 @@ def main() -> None:
               "command": " ".join(sys.argv), "model": args.model or "embedded", "backend": args.backend,
               "batch": args.batch, "widths": args.widths, "threads": args.threads, "per_client": args.per_client,
               "cli_per_client": args.cli_per_client, "cli_backend": args.cli_backend, "fused_step": args.fused_step,
-              "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "rows": rows}
+              "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+              "samplings": {name: describe(sc) for name, sc in settings.items()},
+              "starts": starts, "rows": rows}
     write_results(args.out or ROOT / "results" / f"serve-{args.backend}", record, markdown, plot)
 
 
 def markdown(record: dict) -> str:
+    names = list(record.get("samplings") or {"bundle": "the bundle's"})
     lines = [f"# lantern serve load test ({record['backend']}, service batch {record['batch']})", "",
              f"{record['date']}, commit {record['commit']}, {record['machine']['cpus']} CPUs; `{record['command']}`; "
              f"each client sends {record['per_client']} one-image requests in turn to the service and "
@@ -207,39 +302,69 @@ def markdown(record: dict) -> str:
              f"{'; the service runs --fused-step' if record.get('fused_step') else ''}.", "",
              f"Machine: {record['provenance']['machine'] if 'provenance' in record else record['machine']['cpu']}; "
              f"OMP_NUM_THREADS={record.get('omp_num_threads') or 'unset'} (every process; the service runs its steps at "
-             f"its own thread count, in the table).", "",
-             "| mode | method (ran) | backend, threads, widths | clients | images/s | p50 s | p99 s | "
-             "images by width |", "|---|---|---|---|---|---|---|---|"]
+             f"its own thread count, in the table)."]
+    if record.get("samplings"):
+        lines += ["", "Sampling: " + "; ".join(f"`{n}` {d}" for n, d in record["samplings"].items())
+                  + ". The service plans auto at the bundle's sampling; another setting is sent as request overrides "
+                    "(an engine of its own for its top-k, running auto's plan)."]
+    if record.get("starts"):
+        lines += ["", "## Fresh start (empty cache)", "",
+                  "| service method | /ready 200 s | first image s (" + ", ".join(names) + ") | calibration done s | "
+                  "plan |", "|---|---|---|---|---|"]
+        for st in record["starts"]:
+            first = ", ".join(f"{st['first_image_s'][n]:.1f}" for n in names if n in st["first_image_s"])
+            done = "-" if st.get("calibrated_s") is None else f"{st['calibrated_s']:.1f} ({st['calibration']})"
+            lines.append(f"| {st['method']} | {st['ready_s']:.1f} | {first} | {done} | {st.get('plan') or '-'} |")
+    by = {(r["mode"], r["method"], r.get("sampling", "bundle"), r["clients"]): r for r in record["rows"]}
+    keys = sorted({(m, meth, c) for m, meth, _, c in by}, key=lambda k: (k[0], k[1], k[2]))
+    lines += ["", "## Warm: images/s (p50 / p99 s), side by side", "",
+              "| mode | method | clients | " + " | ".join(names) + " |", "|---|---|---|" + "---|" * len(names)]
+    def cell(row) -> str:
+        return "-" if row is None else f"{row['images_per_s']:.2f} ({row['p50_s']:.2f} / {row['p99_s']:.2f})"
+    for mode, method, clients in keys:
+        cells = [cell(by.get((mode, method, n, clients))) for n in names]
+        lines.append(f"| {mode} | {method} | {clients} | " + " | ".join(cells) + " |")
+    lines += ["", "## Every row", "",
+              "| mode | method (ran) | sampling | backend, threads, widths | clients | images/s | p50 s | p99 s | "
+              "images by width |", "|---|---|---|---|---|---|---|---|---|"]
     for r in record["rows"]:
         s = r.get("served")
         omp = record.get("omp_num_threads") or "unset"
         how = (f"{s['backend']}{' fused' if s.get('fused_step') else ''} ({s['dtype']}), {s['threads']} threads, "
                f"widths {s['widths']}" if s else f"{record.get('cli_backend', record['backend'])}, OMP_NUM_THREADS={omp}")
         used = ", ".join(f"{w}: {n}" for w, n in r.get("images_by_width", {}).items()) or "-"
-        lines.append(f"| {r['mode']} | {r['method']} ({r['ran']}) | {how} | {r['clients']} | "
-                     f"{r['images_per_s']:.2f} | {r['p50_s']:.2f} | {r['p99_s']:.2f} | {used} |")
-    cli = {(r["method"], r["clients"]): r["images_per_s"] for r in record["rows"] if r["mode"] == "cli"}
-    ratios = [f"{r['method']} x{r['clients']}: {r['images_per_s'] / cli[(r['method'], r['clients'])]:.1f}x"
-              for r in record["rows"] if r["mode"] == "service" and (r["method"], r["clients"]) in cli]
+        lines.append(f"| {r['mode']} | {r['method']} ({r['ran']}) | {r.get('sampling', 'bundle')} | {how} | "
+                     f"{r['clients']} | {r['images_per_s']:.2f} | {r['p50_s']:.2f} | {r['p99_s']:.2f} | {used} |")
+    cli = {(r["method"], r.get("sampling", "bundle"), r["clients"]): r["images_per_s"]
+           for r in record["rows"] if r["mode"] == "cli"}
+    ratios = [f"{r['method']} {r.get('sampling', 'bundle')} x{r['clients']}: "
+              f"{r['images_per_s'] / cli[(r['method'], r.get('sampling', 'bundle'), r['clients'])]:.1f}x"
+              for r in record["rows"]
+              if r["mode"] == "service" and (r["method"], r.get("sampling", "bundle"), r["clients"]) in cli]
     if ratios:
         lines += ["", "service / one process per image, images/s: " + ", ".join(ratios)]
     return "\n".join(lines) + "\n"
 
 
 def plot(record: dict, path: Path) -> None:
+    """images/s against clients, one panel per sampling setting, side by side."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for key in sorted({(r["mode"], r["method"]) for r in record["rows"]}):
-        rows = [r for r in record["rows"] if (r["mode"], r["method"]) == key]
-        ax.plot([r["clients"] for r in rows], [r["images_per_s"] for r in rows], marker="o", label=" ".join(key))
+    names = sorted({r.get("sampling", "bundle") for r in record["rows"]}, key=lambda n: (n != "bundle", n))
+    fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4), squeeze=False, sharey=True)
     levels = sorted({r["clients"] for r in record["rows"]})
-    ax.set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="images/s",
-           title=f"lantern serve vs one process per image ({record['backend']})")
-    ax.set_xticks(levels, [str(c) for c in levels])
-    ax.minorticks_off()
-    ax.legend()
+    for ax, name in zip(axes[0], names):
+        ran = [r for r in record["rows"] if r.get("sampling", "bundle") == name]
+        for key in sorted({(r["mode"], r["method"]) for r in ran}):
+            rows = [r for r in ran if (r["mode"], r["method"]) == key]
+            ax.plot([r["clients"] for r in rows], [r["images_per_s"] for r in rows], marker="o", label=" ".join(key))
+        ax.set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="images/s",
+               title=f"{name} sampling ({record['backend']})")
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.minorticks_off()
+        ax.legend()
+    fig.suptitle("lantern serve vs one process per image")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

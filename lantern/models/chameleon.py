@@ -32,8 +32,8 @@ from torch import nn
 
 from lantern.file_reading import read_json_object
 from lantern.kv_cache import StaticKVCache
-from lantern.models.family import (FolderInfo, folder_identity, load_pretrained, load_tokenizer, read_config,
-                                   rope_cos_sin)
+from lantern.models.family import (FolderInfo, folder_identity, left_padded, load_pretrained, load_tokenizer,
+                                   read_config, rope_cos_sin, unpadded_positions)
 from lantern.models.gpt import attention_bias
 from lantern.models.janus import STATIC_ROPE, rotate_half
 from lantern.models.placement import placed_copy
@@ -134,12 +134,9 @@ class ChameleonTarget(nn.Module):
 
     # --- the language model over lantern's static cache ---------------------------------------
     def row_positions(self, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Each row's own positions: back by the prefix slots at or before the position that the row's mask hides
-        (the unconditional row's left padding), so its `<s>` is at 0 as in Anole's pipeline."""
-        p = self.config.cls_token_num
-        prefix = torch.arange(p, device=positions.device)
-        hidden = ~mask[..., :p] & (prefix <= positions[..., None])  # (B, T, P)
-        return positions - hidden.sum(-1)
+        """Each row's own positions: back by the prefix slots its mask hides (the unconditional row's left padding,
+        a padded prompt's), so its `<s>` is at 0 as in Anole's pipeline."""
+        return unpadded_positions(positions, mask, self.config.cls_token_num)
 
     def rope_at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, T) positions -> cos, sin (B, T, 1, hd) in `dtype`."""
@@ -337,15 +334,24 @@ class ChameleonFamily:
     def image_tokens(self) -> int:
         return self.grid_size ** 2
 
-    def prompt_rows(self, prompt: str) -> torch.Tensor:
-        """A prompt's condition row (1, P): `<s>`, the prompt's tokens, end of turn, begin image (Anole's layout)."""
+    @property
+    def image_size(self) -> int:
+        """Pixels per side of a decoded image (the VQGAN's upsampling of the token grid)."""
+        return self.grid_size * self.vq.scale
+
+    def prompt_rows(self, prompt: str, length: Optional[int] = None) -> torch.Tensor:
+        """A prompt's condition row (1, P): `<s>`, the prompt's tokens, end of turn, begin image (Anole's layout);
+        with `length`, left-padded with `<pad>` to (1, length), which the target hides (ValueError if longer)."""
         if not prompt.strip():
             raise ValueError("the prompt is empty")
         text = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-        return torch.tensor([[self.ids["bos"], *text, self.ids["eot"], self.ids["boi"]]], dtype=torch.long)
+        row = torch.tensor([[self.ids["bos"], *text, self.ids["eot"], self.ids["boi"]]], dtype=torch.long)
+        return row if length is None else left_padded(row, length, self.ids["pad"])
 
-    def target(self, prompt_len: int) -> ChameleonTarget:
-        """The target for prompts of `prompt_len` tokens (one static prefix length), built once per length."""
+    def target(self, prompt_len: int, padded: bool = False) -> ChameleonTarget:
+        """The target for prompts of `prompt_len` tokens (one static prefix length), built once per length. It
+        hides `<pad>` slots whatever `padded` says (its unconditional row is left-padded), so left-padded prompt
+        rows (`prompt_rows(prompt, length)`) run on it as they are."""
         if prompt_len not in self._targets:
             target = chameleon_target(self.model, prompt_len, self.bpe_of_code, self.ids)
             target.identity = self.identity  # the caches of --method auto are keyed by the folder

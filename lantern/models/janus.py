@@ -9,12 +9,15 @@ transformers' `generate(generation_mode="image")` builds it.
 `JanusTarget` is a lantern.models.family.TargetModel over those modules (held by reference, no copies): its
 `forward_cached` runs the Llama layers' own projections, norms and MLPs, with attention over lantern's static
 KV cache at explicit positions and slots. The image vocabulary is the VQ codebook, which is exactly the
-generation head's output and the generation embeddings' input, so tokens need no mapping.
+generation head's output and the generation embeddings' input, so tokens need no mapping. `PaddedJanusTarget` takes
+prompt rows left-padded to one length (`prompt_rows(prompt, length)`), so prompts of any length share one static
+shape, as `lantern serve` batches them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -22,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lantern.kv_cache import StaticKVCache
-from lantern.models.family import (FolderInfo, folder_identity, load_pretrained, load_tokenizer, read_config,
-                                   rope_cos_sin)
+from lantern.models.family import (FolderInfo, folder_identity, left_padded, load_pretrained, load_tokenizer,
+                                   read_config, rope_cos_sin, unpadded_positions)
 from lantern.models.gpt import attention_bias
 from lantern.models.placement import placed_copy
 
@@ -90,11 +93,15 @@ class JanusTarget(nn.Module):
         """(B, T) positions -> cos, sin (B, T, 1, hd) in `dtype`."""
         return rope_cos_sin(positions, self.inv_freq, self.rope_scaling, dtype)
 
+    def row_positions(self, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The positions RoPE reads: the sequence positions themselves (rows are not padded)."""
+        return positions
+
     def forward_cached(self, h: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: StaticKVCache,
                        slots: torch.Tensor) -> torch.Tensor:
         B, T, _ = h.shape
         cfg = self.config
-        cos, sin = self.rope_at(positions, h.dtype)
+        cos, sin = self.rope_at(self.row_positions(positions, mask), h.dtype)
         flat = cache.flat(slots)
         bias = attention_bias(mask, h.dtype)  # (B, 1, T, s)
         live = mask.shape[-1]
@@ -123,8 +130,32 @@ class JanusTarget(nn.Module):
         return placed_copy(self, device, dtype, keep_fp32=("inv_freq",))  # rotations stay in fp32
 
 
-def janus_target(model, prompt_len: int, bos: int, boi: int, pad: int) -> JanusTarget:
-    """A JanusTarget over a JanusForConditionalGeneration for prompts of `prompt_len` tokens."""
+class PaddedJanusTarget(JanusTarget):
+    """A JanusTarget for prompt rows left-padded with the pad token to one static length, so prompts of any length
+    share one shape (a service batches them): every slot before a row's first BOS is hidden from every query
+    (`prefix_visible`, applied by the engine) and RoPE positions count from that BOS, so a padded row computes what
+    the row alone does. The pads inside CFG's unconditional row (after its BOS) stay visible, as transformers
+    attends them. A prefix that is hidden keeps the engine's steps off a fused graph (lantern.backends.torch_graph
+    .fusable), so unpadded rows run on JanusTarget itself."""
+
+    def __init__(self, hf_model, shape: JanusShape, bos: int, boi: int, pad: int):
+        if pad == bos:
+            raise ValueError(f"the pad token id {pad} is the BOS token id: a padded prompt row could not tell its "
+                             f"padding from its start")
+        super().__init__(hf_model, shape, bos, boi, pad)
+
+    def prefix_visible(self, rows: torch.Tensor) -> torch.Tensor:
+        """(B, P) prompt rows -> (B, P) bool: the slots from each row's first BOS on."""
+        return (rows == self.bos).cumsum(-1) > 0
+
+    def row_positions(self, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Each row's positions back by the padding its mask hides, so its BOS is at 0."""
+        return unpadded_positions(positions, mask, self.config.cls_token_num)
+
+
+def janus_target(model, prompt_len: int, bos: int, boi: int, pad: int, padded: bool = False) -> JanusTarget:
+    """A JanusTarget over a JanusForConditionalGeneration for prompts of `prompt_len` tokens (padded: left-padded
+    rows, a PaddedJanusTarget)."""
     cfg = model.config
     text = cfg.text_config
     heads = text.num_attention_heads
@@ -132,7 +163,7 @@ def janus_target(model, prompt_len: int, bos: int, boi: int, pad: int) -> JanusT
                        grid_size=cfg.vq_config.num_patches, vocab_size=cfg.vq_config.num_embeddings,
                        n_layer=text.num_hidden_layers, n_head=heads, kv_heads=text.num_key_value_heads,
                        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads, dim=text.hidden_size)
-    return JanusTarget(model, shape, bos, boi, pad)
+    return (PaddedJanusTarget if padded else JanusTarget)(model, shape, bos, boi, pad)
 
 
 @dataclass
@@ -198,20 +229,29 @@ class JanusFamily:
     def image_vocab(self) -> int:
         return self.model.config.vq_config.num_embeddings
 
-    def prompt_rows(self, prompt: str) -> torch.Tensor:
-        """A prompt's condition row (1, P): BOS, the prompt's tokens, BOI (Janus's processor in image mode)."""
+    @property
+    def image_size(self) -> int:
+        """Pixels per side of a decoded image (the VQ decoder upsamples the token grid once per level but one)."""
+        return self.grid_size * 2 ** (len(self.model.config.vq_config.channel_multiplier) - 1)
+
+    def prompt_rows(self, prompt: str, length: Optional[int] = None) -> torch.Tensor:
+        """A prompt's condition row (1, P): BOS, the prompt's tokens, BOI (Janus's processor in image mode); with
+        `length`, left-padded with the pad token to (1, length), for `target(length, padded=True)` (ValueError if
+        longer)."""
         if not prompt.strip():
             raise ValueError("the prompt is empty")
         ids = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-        return torch.tensor([[self.bos, *ids, self.boi]], dtype=torch.long)
+        row = torch.tensor([[self.bos, *ids, self.boi]], dtype=torch.long)
+        return row if length is None else left_padded(row, length, self.pad)
 
-    def target(self, prompt_len: int) -> JanusTarget:
-        """The target for prompts of `prompt_len` tokens (one static prefix length), built once per length."""
-        if prompt_len not in self._targets:
-            target = janus_target(self.model, prompt_len, self.bos, self.boi, self.pad)
+    def target(self, prompt_len: int, padded: bool = False) -> JanusTarget:
+        """The target for prompts of `prompt_len` tokens (one static prefix length), built once per length;
+        padded: for left-padded rows (PaddedJanusTarget)."""
+        if (prompt_len, padded) not in self._targets:
+            target = janus_target(self.model, prompt_len, self.bos, self.boi, self.pad, padded)
             target.identity = self.identity  # the caches of --method auto are keyed by the folder
-            self._targets[prompt_len] = target
-        return self._targets[prompt_len]
+            self._targets[prompt_len, padded] = target
+        return self._targets[prompt_len, padded]
 
     @torch.no_grad()
     def decode_images(self, tokens: torch.Tensor) -> np.ndarray:

@@ -112,6 +112,7 @@ class VQGANDecoder(nn.Module):
     def __init__(self, n_embed: int, embed_dim: int, ddconfig: dict):
         super().__init__()
         self.n_embed, self.embed_dim = n_embed, embed_dim
+        self.scale = 2 ** (len(ddconfig["ch_mult"]) - 1)  # pixels per token, along a side
         self.quantize = nn.Module()
         self.quantize.embedding = nn.Embedding(n_embed, embed_dim)
         self.post_quant_conv = nn.Conv2d(embed_dim, ddconfig["z_channels"], 1)

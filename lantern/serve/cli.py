@@ -34,13 +34,15 @@ def add_serve_command(subparsers) -> None:
     d = ServeConfig()
     s = subparsers.add_parser("serve", help="an HTTP service: POST /v1/images/generations, /health, /ready, "
                                             "/metrics (needs the serve extra)")
-    s.add_argument("--model", help="bundle folder (default: the embedded model)")
+    s.add_argument("--model", help="bundle folder, or a Janus / Chameleon (Anole) transformers folder "
+                                   "(default: the embedded model)")
     s.add_argument("--method", choices=("auto", *METHODS), default=d.method,
                    help="what a request runs unless it names a method (auto: AR at once, then the plan chosen in "
                         "the background for a full batch, switched to between steps)")
     s.add_argument("--methods", help="comma-separated methods requests may name besides auto (default: every "
-                                     "method the bundle can run); each gets its own engine on first use")
-    s.add_argument("--allow-relaxed", action="store_true", help="auto may choose relaxed plans")
+                                     "method the model can run); each gets its own engine on first use")
+    s.add_argument("--allow-relaxed", action="store_true", help="auto may choose relaxed plans (bundles: none is "
+                                                                "validated for a family folder)")
     s.add_argument("--batch", type=number(int, 1), default=d.batch,
                    help=f"the widest engine's slots: images decoded together (default {d.batch})")
     s.add_argument("--widths", help="comma-separated static widths prepared per engine, up to --batch (always "
@@ -57,6 +59,11 @@ def add_serve_command(subparsers) -> None:
                         f"(default {d.plan_images})")
     s.add_argument("--t5", help="text-to-image bundles: the local T5 encoder folder (default: $LANTERN_T5); never "
                                 "downloaded")
+    s.add_argument("--vq", help="Chameleon folders: the VQGAN folder (vqgan.yaml, vqgan.ckpt; default: found "
+                                "beside the model)")
+    s.add_argument("--max-prompt-tokens", type=number(int, 1), default=d.max_prompt_tokens,
+                   help=f"Janus / Chameleon folders: the longest prompt in tokens, the model's own around it "
+                        f"included; longer ones get 422 (default {d.max_prompt_tokens}; every prompt is padded to it)")
     s.add_argument("--queue", type=number(int, 0), default=d.queue,
                    help=f"images that may wait for a slot; beyond that, 429 (default {d.queue})")
     s.add_argument("--timeout", type=number(float, 0, low_open=True), default=d.timeout_s,
@@ -67,7 +74,7 @@ def add_serve_command(subparsers) -> None:
     s.add_argument("--max-engines", type=number(int, 1), default=d.max_engines,
                    help=f"engines kept at once, one per (method, sampling overrides) requested (default "
                         f"{d.max_engines})")
-    s.add_argument("--served-model-name", help="the `model` a request may name (default: the bundle folder's name)")
+    s.add_argument("--served-model-name", help="the `model` a request may name (default: the model folder's name)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=number(int, 0, 65535), default=8000, help="port (default 8000; 0: any free)")
     add_backend_options(s)
@@ -84,7 +91,8 @@ def config_from_args(args):
                        methods=methods, allow_relaxed=args.allow_relaxed, batch=args.batch,
                        widths=None if args.widths is None else parse_widths(args.widths), threads=args.threads,
                        width_hold_s=args.width_hold,
-                       plan_images=args.plan_images, t5=args.t5, queue=args.queue,
+                       plan_images=args.plan_images, t5=args.t5, vq=args.vq,
+                       max_prompt_tokens=args.max_prompt_tokens, queue=args.queue,
                        timeout_s=args.timeout, max_timeout_s=args.max_timeout, max_n=args.max_n,
                        max_engines=args.max_engines, served_name=args.served_model_name,
                        backend_options=backend_options(args))
@@ -111,14 +119,14 @@ def cmd_serve(args) -> int:
 
     from lantern.serve.app import build_app
     from lantern.serve.logs import log_json_to_stderr
-    from lantern.serve.prompts import check_prompt_encoder
+    from lantern.serve.families import check_model
     from lantern.serve.service import Service
 
     from lantern.backends import get_backend
     config = config_from_args(args)
     config.check()
     get_backend(config.backend, **config.backend_options)  # an unknown or unavailable backend fails before loading
-    check_prompt_encoder(config.model, config.t5)  # a t2i bundle's T5 folder, before binding or loading
+    check_model(config)  # a t2i bundle's T5 folder, a family folder's files, before binding or loading
     try:  # the port is taken before any loading, so a busy port fails fast
         sock = socket.create_server((args.host, args.port))
     except OSError as e:

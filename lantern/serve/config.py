@@ -13,7 +13,8 @@ from lantern.api import DEFAULT_BATCH
 class ServeConfig:
     """Everything `lantern serve` and the Ray deployment take; every default here."""
 
-    model: Optional[str] = None  # bundle folder (None: the embedded model)
+    model: Optional[str] = None  # bundle folder, or a Janus / Chameleon (Anole) transformers folder (None: the
+    # embedded model)
     backend: Optional[str] = None  # None: $LANTERN_BACKEND, else auto
     dtype: Optional[str] = None  # None: the backend's preferred one
     method: str = "auto"  # what a request without `method` (or with "auto") runs; auto plans once, at warm-up
@@ -25,6 +26,9 @@ class ServeConfig:
     # coming back for their next image within it land on the width they left, not one by one on narrower ones)
     threads: Optional[int] = None  # intra-op threads of the steps (torch, ONNX Runtime); None: the physical cores
     t5: Optional[str] = None  # t2i bundles: the local T5 encoder folder (None: $LANTERN_T5)
+    vq: Optional[str] = None  # Chameleon folders: the VQGAN folder (None: found beside the model, as generate finds it)
+    max_prompt_tokens: int = 128  # family folders: the longest prompt row (the model's own tokens around the prompt
+    # included); every row is left-padded to it, one static shape for prompts of any length
     plan_images: int = 4096  # auto: the images its one-time costs (calibration, compiles) are weighed against:
     # a service's life, not one request (4096 images: under an hour of full load of the embedded model on 2 CPU cores)
     queue: int = 64  # images that may wait for a slot; beyond, 429
@@ -37,7 +41,8 @@ class ServeConfig:
 
     def check(self) -> None:
         """Refuse a bad setting before any loading (ValueError naming it and what is allowed)."""
-        for name, low in (("batch", 1), ("queue", 0), ("max_n", 1), ("max_engines", 1), ("plan_images", 1)):
+        for name, low in (("batch", 1), ("queue", 0), ("max_n", 1), ("max_engines", 1), ("plan_images", 1),
+                          ("max_prompt_tokens", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} {value!r} is not allowed; allowed: an integer >= {low}")

@@ -1,7 +1,8 @@
 """The request body of POST /v1/images/generations, checked field by field before any work.
 
-OpenAI's images API fields (`prompt`: a text-to-image model's prompt, or a class-conditional model's class number
-as text; `n`, `response_format`, `size`, `model`, `user`) plus lantern's own
+OpenAI's images API fields (`prompt`: a text-to-image model's prompt -- a t2i bundle's, or a model-family
+folder's, whose token row is made and its length checked here -- or a class-conditional model's class number as
+text; `n`, `response_format`, `size`, `model`, `user`) plus lantern's own
 (`class_id`, `seed`, `method`, sampling overrides, `return_tokens`, `timeout`). Every refusal names the field and
 what is allowed (HTTP 422). Pure Python: no web framework here.
 """
@@ -10,13 +11,14 @@ from __future__ import annotations
 import math
 import secrets
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from lantern.seeds import is_seed, seed_refusal
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "cfg_scale")
 FIELDS = ("prompt", "n", "response_format", "size", "model", "user", "class_id", "seed", "method", *SAMPLING_FIELDS,
           "return_tokens", "timeout")
+PROMPTED = ("t2i", "prompt")  # model types whose requests give a prompt: t2i bundles, model-family folders
 SHOWN = 80  # characters of a refused value an answer (and its log line) repeats
 
 
@@ -39,12 +41,14 @@ class ModelInfo:
     """What the served model accepts: checked against every request."""
 
     name: str  # the `model` field a request may carry
-    model_type: str  # "c2i" | "t2i"
+    model_type: str  # "c2i" | "t2i" | "prompt" (a model-family folder: its prompt as a token row)
     num_classes: int
     image_size: int  # pixels per side of a decoded image
     methods: tuple[str, ...]  # what `method` may name, "auto" first
     max_n: int  # images per request
     max_timeout_s: float
+    prompt_row: Optional[Callable[[str], list]] = None  # "prompt" models: the prompt's token row, ValueError when it
+    # is too long (lantern.serve.families.FamilyModel.prompt_row)
 
     @property
     def size(self) -> str:
@@ -53,13 +57,14 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class ImageRequest:
-    condition: int | str  # c2i: the class id; t2i: the prompt
+    condition: int | str  # c2i: the class id; t2i and prompt models: the prompt
     n: int
     seed: int  # image i of the request runs with derive_seed(seed, i)
     method: str  # "auto" or a named method
     sampling: dict  # the overrides given, by name (SAMPLING_FIELDS)
     return_tokens: bool
     timeout_s: float
+    prompt_ids: Optional[tuple] = None  # prompt models: the prompt's token row (ModelInfo.prompt_row)
 
 
 def _integer(body: dict, name: str, low: int, high: int) -> Optional[int]:
@@ -112,13 +117,19 @@ def parse_request(body: object, info: ModelInfo, default_timeout_s: float) -> Im
     prompt = body.get("prompt")
     if prompt is not None and not isinstance(prompt, str):
         raise RequestError("prompt", f"prompt {shown(prompt)} is not allowed; allowed: a string")
-    if info.model_type == "t2i":
+    prompt_ids = None
+    if info.model_type in PROMPTED:
         if body.get("class_id") is not None:
             raise RequestError("class_id", "class_id is for class-conditional models; this text-to-image model "
                                            "takes a prompt (allowed: a non-empty string)")
         if prompt is None or not prompt.strip():
             raise RequestError("prompt", f"a text-to-image model needs a prompt; got {shown(prompt)}; allowed: a "
                                          f"non-empty string")
+        if info.prompt_row is not None:
+            try:
+                prompt_ids = tuple(info.prompt_row(prompt))
+            except ValueError as e:
+                raise RequestError("prompt", f"prompt {shown(prompt)} is not allowed: {e}") from None
         condition = prompt
     else:
         condition = class_id = _integer(body, "class_id", 0, info.num_classes - 1)
@@ -149,4 +160,5 @@ def parse_request(body: object, info: ModelInfo, default_timeout_s: float) -> Im
         raise RequestError("seed", seed_refusal(shown(seed)))
     return ImageRequest(condition=condition, n=_integer(body, "n", 1, info.max_n) or 1,
                         seed=secrets.randbelow(2**31) if seed is None else seed, method=method, sampling=sampling,
-                        return_tokens=return_tokens, timeout_s=default_timeout_s if timeout is None else timeout)
+                        return_tokens=return_tokens, timeout_s=default_timeout_s if timeout is None else timeout,
+                        prompt_ids=prompt_ids)

@@ -1,11 +1,13 @@
-"""The service behind every front end (`lantern serve`'s ASGI app, the Ray Serve deployment): one bundle, one
-pipeline, one engine worker, its metrics; a request's life from admission to its PNGs.
+"""The service behind every front end (`lantern serve`'s ASGI app, the Ray Serve deployment): one model (a bundle,
+or a Janus / Chameleon folder: lantern.serve.families), one pipeline, one engine worker, its metrics; a request's
+life from admission to its PNGs.
 
 Throughput defaults: the steps run with `threads` intra-op threads (default: the physical cores), and with
 `method` auto the service is ready at once on the safe plan (AR), while a background thread plans (with no backend
 pinned, weighing every mode of the machine: eager, compiled, fused, ONNX Runtime; lantern.plan.backend_choice)
 against `plan_images` images, so a one-time compile pays off over a service's life, prepares what it chose and
-switches to it at a step boundary (lantern.serve.planning)."""
+switches to it at a step boundary (lantern.serve.planning). On a family folder auto plans on the backend given,
+among lossless plans only, as `lantern generate --method auto` does there."""
 from __future__ import annotations
 
 import asyncio
@@ -25,13 +27,13 @@ from PIL import Image
 
 from lantern.api import Pipeline
 from lantern.backends import backend_class, resolve_name
-from lantern.bundle import load_bundle
 from lantern.decoding.config import supported_methods
 from lantern.decoding.sampling import SamplingConfig
 from lantern.engine import Request, SamplingOverrides, derive_seed
 from lantern.engine.sampling import PER_REQUEST
 from lantern.plan.backend_choice import choose_backend, pinned_backend
 from lantern.serve.config import ServeConfig
+from lantern.serve.families import FamilyModel, check_model, load_model
 from lantern.serve.metrics import ServeMetrics
 from lantern.serve.planning import BackgroundPlanner, ServingPlan, safe_plan
 from lantern.serve.prompts import PromptBatcher
@@ -67,21 +69,27 @@ class Service:
         config.check()
         self.config = config
         self.threads = config.threads or physical_cores()
-        self.bundle = load_bundle(config.model)
-        self.prompts = self._prompt_batcher() if self.bundle.target.config.model_type == "t2i" else None
+        check_model(config)
+        self.model = load_model(config)  # a Bundle, or a FamilyModel
+        self.family = self.model if isinstance(self.model, FamilyModel) else None
+        self.prompts = self._prompt_batcher() if self.model.target.config.model_type == "t2i" else None
+        # a family's auto measures its acceptance on these prompt rows (tokenized here: one thread uses the tokenizer)
+        self.calibration_rows = self.family.calibration_rows() if self.family is not None else None
         self.pipe = self._pipeline(config.backend, config.dtype)
-        self.sampling = SamplingConfig(**self.bundle.default_sampling)
-        can_run = [m for m in supported_methods(self.bundle.drafter is not None, self.bundle.proximity is not None)
+        self.sampling = SamplingConfig(**self.model.default_sampling)
+        can_run = [m for m in supported_methods(self.model.drafter is not None, self.model.proximity is not None)
                    if self._runs(m)]
         methods = list(config.methods) if config.methods is not None else can_run
         cannot = sorted({*methods, config.method} - {"auto"} - set(can_run))
         if cannot:
-            raise ValueError(f"method {cannot[0]!r} cannot run on this bundle; allowed: auto, {', '.join(can_run)}")
+            what = "bundle" if self.family is None else f"{self.family.name} folder"
+            raise ValueError(f"method {cannot[0]!r} cannot run on this {what}; allowed: auto, {', '.join(can_run)}")
         tcfg = self.pipe.config
-        self.info = ModelInfo(name=config.served_name or Path(self.bundle.path).name, model_type=tcfg.model_type,
-                              num_classes=tcfg.num_classes, image_size=self.bundle.vq.config.image_size,
+        self.info = ModelInfo(name=config.served_name or Path(self.model.path).name, model_type=tcfg.model_type,
+                              num_classes=getattr(tcfg, "num_classes", 0), image_size=self.model.image_size,
                               methods=("auto", *[m for m in methods if m != "auto"]), max_n=config.max_n,
-                              max_timeout_s=config.max_timeout_s)
+                              max_timeout_s=config.max_timeout_s,
+                              prompt_row=self.family.prompt_row if self.family is not None else None)
         self.metrics = ServeMetrics()
         self.worker = EngineWorker(self.pipe, self._decode, EngineKey(config.method), config.ladder, config.queue,
                                    config.max_engines, self.metrics, setup=self._setup,
@@ -94,17 +102,17 @@ class Service:
                         if config.method == "auto" else None)
 
     def _pipeline(self, backend, dtype, **mode_options) -> Pipeline:
-        """The bundle's pipeline on `backend`, its steps at the service's thread count where the backend takes
+        """The model's pipeline on `backend`, its steps at the service's thread count where the backend takes
         one (torch CPU modes, ONNX Runtime); mode_options: auto's mode (fused_step)."""
         options = {**self.config.backend_options, **mode_options}
         if "threads" in inspect.signature(backend_class(resolve_name(backend)).__init__).parameters:
             options["threads"] = self.threads
-        return Pipeline.from_bundle(self.bundle, backend=backend, dtype=dtype, **options)
+        return Pipeline.from_bundle(self.model, backend=backend, dtype=dtype, **options)
 
     def _prompt_batcher(self) -> PromptBatcher:
         """t2i: the T5 encoder (config.t5, else $LANTERN_T5), checked against the GPT's caption shape."""
         from lantern.text import T5Conditioner, check_encoder_fits
-        cfg = self.bundle.target.config
+        cfg = self.model.target.config
         encoder = T5Conditioner(self.config.t5, max_tokens=cfg.cls_token_num)
         check_encoder_fits(encoder, cfg)
         return PromptBatcher(encoder)
@@ -117,20 +125,24 @@ class Service:
         return self.pipe
 
     def _plan(self) -> tuple[Pipeline, ServingPlan]:
-        """The planner's thread: auto's plan for a full batch at the bundle's sampling, weighed over `plan_images`
-        images, on pipelines of its own (the serving one is the worker's); with no backend pinned also the
-        backend (the pipeline on it is returned; the others are released)."""
+        """The planner's thread: auto's plan for a full batch at the model's sampling, weighed over `plan_images`
+        images, on pipelines of its own (the serving one is the worker's); with no backend pinned, for a bundle
+        also the backend (the pipeline on it is returned; the others are released). A family folder plans on the
+        backend given, lossless plans only, its acceptance measured on CALIBRATION_PROMPTS where the cache lacks
+        it (lantern.serve.families)."""
         cfg = self.config
         common = dict(batch=cfg.batch, allow_relaxed=cfg.allow_relaxed, progress=False)
-        if pinned_backend(cfg.backend) is None:
+        if pinned_backend(cfg.backend) is None and self.family is None:
             choice = choose_backend(lambda name, dtype, **options: self._pipeline(name, dtype, **options),
-                                    cfg.plan_images, self.sampling, validated=self.bundle.validations,
-                                    shipped_records=self.bundle.acceptance_records, dtype=cfg.dtype, **common)
+                                    cfg.plan_images, self.sampling, validated=self.model.validations,
+                                    shipped_records=self.model.acceptance_records, dtype=cfg.dtype, **common)
             pipe, plan, why = choice.pipeline, choice.choice, choice.why
         else:
             pipe = self._pipeline(cfg.backend, cfg.dtype)
-            plan = pipe.plan(cfg.plan_images, self.sampling, **common)
-            why = f"{plan.plan.name} on {pipe.backend.name} (pinned)"
+            plan = pipe.plan(cfg.plan_images, self.sampling, prompts=self.calibration_rows, **common)
+            why = (f"{plan.plan.name} on {pipe.backend.name} (pinned)" if self.family is None else
+                   f"{plan.plan.name} on {pipe.backend.name} (a {self.family.name} folder: the backend given, "
+                   f"lossless plans only)")
         return pipe, ServingPlan(plan.plan.name, plan.decode, f"{why}; weighed over {cfg.plan_images} images, "
                                                               f"calibrated and prepared in the background at widths "
                                                               f"{', '.join(map(str, cfg.ladder))}")
@@ -157,7 +169,9 @@ class Service:
                 "widths": list(self.worker.widths), "methods": dict(self.worker.described),
                 "plan": self.serving.why if self.planner is not None else None,
                 "calibration": self.planner.state if self.planner is not None else None,
-                "prompts": "t5" if self.prompts is not None else None}
+                "family": self.pipe.config.family,
+                "prompts": "t5" if self.prompts is not None else "tokenizer" if self.family is not None else None,
+                "max_prompt_tokens": self.family.prompt_len if self.family is not None else None}
 
     def _runs(self, method: str) -> bool:
         """Whether this pipeline can run a method at its presets (e.g. a relaxed preset's k may exceed a small
@@ -172,12 +186,12 @@ class Service:
         """A named method at the service's sampling: a relaxed one relaxed only where the bundle validated it (or
         with allow_relaxed), else lossless (lantern.plan.validated)."""
         from lantern.plan.validated import named_config
-        return named_config(method, self.sampling, {}, self.bundle.validations, self.bundle.target.config.vocab_size,
+        return named_config(method, self.sampling, {}, self.model.validations, self.model.target.config.vocab_size,
                             self.config.allow_relaxed)[0]
 
     def _decode(self, key: EngineKey) -> tuple:
         """(DecodeConfig, what runs) of an engine key (worker thread). auto plans once, for a full batch of slots
-        at the bundle's sampling; sampling overrides then replace the sampling of the plan's decode config."""
+        at the model's sampling; sampling overrides then replace the sampling of the plan's decode config."""
         sampling = replace(self.sampling, **dict(key.sampling))
         if key.method != "auto":
             return replace(self._decode_named(key.method), sampling=sampling), str(key)
@@ -269,7 +283,10 @@ class Service:
             self.metrics.stage_time.labels(stage).observe(time.perf_counter() - t0)
 
     async def _condition(self, req: ImageRequest):
-        """c2i: the class id; t2i: the prompt's caption condition (encoded with other requests' prompts)."""
+        """c2i: the class id; t2i: the prompt's caption condition (encoded with other requests' prompts); a family
+        folder: the prompt's token row (made when the request was read), left-padded to the engines' prefix."""
+        if self.family is not None:
+            return self.family.condition(req.prompt_ids)
         if self.prompts is None:
             return req.condition
         t0 = time.perf_counter()
@@ -279,7 +296,7 @@ class Service:
 
     def engine_key(self, req: ImageRequest) -> EngineKey:
         """The engine a request runs on: its method ("auto": the server's) and the sampling an engine fixes that
-        the request sets apart from the bundle's: top_k, top_p, and a cfg_scale that turns guidance on (it adds
+        the request sets apart from the model's: top_k, top_p, and a cfg_scale that turns guidance on (it adds
         rows to the static shape). Temperature and any other cfg_scale go with the request to the engine
         (lantern.engine.sampling)."""
         method = self.config.method if req.method == "auto" else req.method
@@ -291,7 +308,7 @@ class Service:
 
     def _pngs(self, tokens: list) -> list[str]:
         import torch
-        images = self.bundle.decode_images(torch.stack(tokens))
+        images = self.model.decode_images(torch.stack(tokens))
         out = []
         for img in images:
             buf = io.BytesIO()
@@ -309,8 +326,8 @@ class Service:
                      "backend": backend, "dtype": self.pipe.dtype,
                      "queue_wait_s": result.started_s - result.submitted_s,
                      "decode_s": result.finished_s - result.started_s}
-            item = {"b64_json": png, "index": i, ("prompt" if self.prompts else "class_id"): req.condition,
-                    "stats": stats}
+            given = "prompt" if isinstance(req.condition, str) else "class_id"
+            item = {"b64_json": png, "index": i, given: req.condition, "stats": stats}
             if req.return_tokens:
                 item["tokens"] = result.tokens.tolist()
             data.append(item)

@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from lantern.config import GPTConfig
-from lantern.file_reading import read_json_object
+from lantern.files.reading import read_json_object
 from lantern.models.checkpoint import load_into, weights_hash  # noqa: F401  weights_hash: part of this API
 from lantern.models.classifier import Classifier, ClassifierConfig
 from lantern.models.drafter import Drafter, DrafterOptions

@@ -192,7 +192,7 @@ def cmd_generate(args) -> dict:
     from lantern.bundle import load_bundle
     from lantern.engine import derive_seed
     from lantern.family_cli import cmd_generate_family, is_family_folder
-    from lantern.images import check_outputs, save_images
+    from lantern.files.images import check_outputs, save_images
     from lantern.profile.cli import apply_profile
     from lantern.prompts_cli import check_prompt_args, encode_prompts, wants_prompts
 

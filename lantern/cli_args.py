@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Optional
 
-from lantern.atomic_io import check_fits
+from lantern.files.atomic_io import check_fits
 
 
 class UsageError(ValueError):

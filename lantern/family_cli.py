@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from lantern.cli_args import UsageError, check_writable
-from lantern.file_reading import UnreadableFile, read_json, read_json_object
+from lantern.files.reading import UnreadableFile, read_json, read_json_object
 
 
 TRANSFORMERS_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -85,7 +85,7 @@ def cmd_generate_family(args) -> dict:
     from lantern.api import Pipeline
     from lantern.cli import backend_options, check_method_flags, decode_config_from_args
     from lantern.decoding.stats import GenerationStats
-    from lantern.images import save_images
+    from lantern.files.images import save_images
     from lantern.models.family import load_family
 
     check_method_flags(args)

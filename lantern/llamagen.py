@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from lantern.config import GPTConfig
-from lantern.file_reading import read_json_object
+from lantern.files.reading import read_json_object
 from lantern.models.checkpoint import STRIP_PREFIXES, load_into, load_tensors_file
 from lantern.models.drafter import Drafter, DrafterOptions
 from lantern.models.gpt import GPT

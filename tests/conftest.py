@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from lantern.user_cache import CACHE_ENV
+from lantern.files.user_cache import CACHE_ENV
 
 from lantern.config import GPTConfig, gpt_preset
 from lantern.models.drafter import Drafter

@@ -10,7 +10,7 @@ from lantern.backends.torch_eager import CPUBackend
 from lantern.config import GPTConfig
 
 from lantern.api import ModelDefaults, Pipeline
-from lantern.atomic_io import write_json
+from lantern.files.atomic_io import write_json
 from lantern.decoding.sampling import SamplingConfig
 from lantern.plan import backend_choice, calibration, choose as choose_mod
 from lantern.decoding import method_preset

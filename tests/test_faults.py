@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from lantern import atomic_io, user_cache
+from lantern.files import atomic_io, user_cache
 from lantern.cli import main
 from lantern.plan import calibration, records
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch._dynamo.utils import counters
 
-from lantern import atomic_io
+from lantern.files import atomic_io
 from lantern.api import Pipeline
 from lantern.config import gpt_preset
 from lantern.decoding import SamplingConfig, method_preset

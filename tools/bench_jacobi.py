@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from lantern import atomic_io
+from lantern.files import atomic_io
 from lantern.api import Pipeline
 from lantern.bundle import load_bundle
 from lantern.decoding import DecodeConfig, SamplingConfig, method_preset

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from lantern import atomic_io
+from lantern.files import atomic_io
 from lantern.api import Pipeline
 from lantern.backends import StaticSpec, get_backend
 from lantern.config import gpt_preset

@@ -590,7 +590,7 @@ async def closed_loop_for(clients: int, seconds: float, send) -> tuple[list[floa
 # ---- results --------------------------------------------------------------------------------------------------
 def write_all(stem: Path, record: dict) -> None:
     """<stem>.json, .md and .png, written whole each time; copied under $OUT where that is set."""
-    from lantern import atomic_io
+    from lantern.files import atomic_io
     stem.parent.mkdir(parents=True, exist_ok=True)
     atomic_io.write_text(stem.with_suffix(".json"), json.dumps(record, indent=2, default=str))
     atomic_io.write_text(stem.with_suffix(".md"), markdown(record))

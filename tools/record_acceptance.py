@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from lantern import atomic_io
+from lantern.files import atomic_io
 from lantern.api import Pipeline
 from lantern.bundle import DEFAULT_BUNDLE, load_bundle
 from lantern.decoding.sampling import SamplingConfig

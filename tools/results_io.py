@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from lantern import atomic_io
+from lantern.files import atomic_io
 from lantern.profile.environment import provenance
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from lantern.file_reading import read_json_object
+from lantern.files.reading import read_json_object
 
 CONFIG_ENV = "LANTERN_GAUDI_CONFIG"
 LOWER_LIST_ENV = "PT_HPU_AUTOCAST_LOWER_PRECISION_OPS_LIST"

@@ -32,9 +32,9 @@ from torch import nn
 from lantern.kv_cache import slot_rows
 from lantern.models.checkpoint import model_hash
 from lantern.models.placement import placed_copy
-from lantern import atomic_io
-from lantern.file_reading import UnreadableFile, read_json_object
-from lantern.user_cache import cache_root, cache_source, check_location, entry_lock
+from lantern.files import atomic_io
+from lantern.files.reading import UnreadableFile, read_json_object
+from lantern.files.user_cache import cache_root, cache_source, check_location, entry_lock
 
 FORMAT_VERSION = 5  # bump when the graphs' inputs, outputs or maths change: older cache files become stale
 OPSET = 17

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from lantern.file_reading import read_json
+from lantern.files.reading import read_json
 
 Paths = tuple[tuple[int, ...], ...]
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lantern.file_reading import read_json_object
+from lantern.files.reading import read_json_object
 from lantern.kv_cache import StaticKVCache
 from lantern.models.checkpoint import load_tensors_file
 from lantern.models.chameleon import ChameleonTarget, attention

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lantern.file_reading import read_json_object
+from lantern.files.reading import read_json_object
 from lantern.kv_cache import StaticKVCache
 from lantern.models.family import (FolderInfo, folder_identity, left_padded, load_pretrained, load_tokenizer,
                                    read_config, rope_cos_sin, unpadded_positions)

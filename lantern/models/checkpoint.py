@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lantern.atomic_io import atomic_path
+from lantern.files.atomic_io import atomic_path
 
 WRAPPER_KEYS = ("model", "module", "state_dict")
 STRIP_PREFIXES = ("module.", "_orig_mod.")

@@ -43,7 +43,7 @@ import torch
 
 from lantern.decoding.sampling import SamplingConfig
 from lantern.plan.candidates import AR, Plan
-from lantern.user_cache import (cache_root, entry_folder, entry_lock, field_problem, is_number, read_entry,
+from lantern.files.user_cache import (cache_root, entry_folder, entry_lock, field_problem, is_number, read_entry,
                                  write_entry)
 
 FIXED_REPEATS = 3

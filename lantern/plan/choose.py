@@ -28,7 +28,7 @@ from lantern.decoding.sampling import SamplingConfig
 from lantern.plan import calibration, records
 from lantern.plan.candidates import AR, Plan, candidate_plans
 from lantern.plan.validated import allowed_relaxations
-from lantern.user_cache import usable_root
+from lantern.files.user_cache import usable_root
 
 MIN_SPEEDUP = 1.25  # a speculative plan must be predicted this much faster than AR: a prediction within 20% of
 # the measured speed-up (what auto is held to; on a 2-core VM whose wide steps have two speeds, misses reach 24%)

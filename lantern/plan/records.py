@@ -34,7 +34,7 @@ from typing import Callable, Optional, Sequence
 
 from lantern.decoding.sampling import SamplingConfig
 from lantern.plan.candidates import AR, Plan
-from lantern.user_cache import cache_root, entry_folder, entry_lock, field_problem, read_entry, write_entry
+from lantern.files.user_cache import cache_root, entry_folder, entry_lock, field_problem, read_entry, write_entry
 
 
 def sampling_key(sampling: SamplingConfig) -> str:
@@ -77,7 +77,7 @@ def record_problem(data: dict) -> str:
 
 
 def locked(model: str, sampling: SamplingConfig, dtype: str):
-    """The record's lock (lantern.user_cache.entry_lock): one process measures it at a time."""
+    """The record's lock (lantern.files.user_cache.entry_lock): one process measures it at a time."""
     path = record_path(model, sampling, dtype)
     entry_folder(path.parent.name)
     return entry_lock(path, "an acceptance record")

@@ -269,7 +269,7 @@ def profile_costs(spec: str):
     when it has none, in which case auto uses this machine's cached calibration."""
     import sys
 
-    from lantern.file_reading import UnreadableFile
+    from lantern.files.reading import UnreadableFile
     from lantern.plan.calibration import ProfileCosts
     from lantern.profile.hardware import load_profile
     from lantern.profile.schema import SchemaError, calibration_entries, load_results

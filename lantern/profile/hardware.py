@@ -39,11 +39,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from lantern import atomic_io
+from lantern.files import atomic_io
 from lantern.decoding.config import METHODS
 from lantern.decoding.sampling import SamplingConfig
 from lantern.decoding.trees import TREE_PRESETS
-from lantern.file_reading import read_text, read_toml
+from lantern.files.reading import read_text, read_toml
 
 PROFILES_ENV = "LANTERN_PROFILES"
 TUNED_TREE = "tuned"  # the name a profile's `trees` list uses for its own tuned tree

@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from lantern.file_reading import read_json
+from lantern.files.reading import read_json
 from lantern.profile.schema import SCHEMA, SCHEMA_VERSION, SchemaError, save_results, validate
 
 V1_MISSING = ["calibration cases (calibration/b1): version 1 predates --method auto",

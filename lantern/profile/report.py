@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from lantern import atomic_io
+from lantern.files import atomic_io
 from lantern.profile.schema import (batch_sizes, generation_case_id, load_results, ok_cases, ok_result,
                                     seconds_per_step, step_latencies)
 

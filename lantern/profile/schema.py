@@ -48,8 +48,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from lantern import atomic_io
-from lantern.file_reading import read_json
+from lantern.files import atomic_io
+from lantern.files.reading import read_json
 
 SCHEMA = "lantern-profile-results"
 SCHEMA_VERSION = 2

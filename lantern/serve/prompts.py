@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from lantern.bundle import DEFAULT_BUNDLE
-from lantern.file_reading import read_json_object
+from lantern.files.reading import read_json_object
 
 ENCODE_BATCH = 16  # prompts encoded in one T5 call, as the CLI does
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from lantern.bundle import verify_bundle
 from lantern.config import GPTConfig
-from lantern.file_reading import read_json_object
+from lantern.files.reading import read_json_object
 from lantern.train.common import write_json
 from lantern.train.grow import grow_by_duplication, grown_config
 

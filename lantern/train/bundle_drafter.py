@@ -15,7 +15,7 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from lantern.bundle import load_bundle, sha256_file
-from lantern.file_reading import read_json_object
+from lantern.files.reading import read_json_object
 from lantern.models.checkpoint import weights_hash
 from lantern.train.drafter import train_drafter
 from lantern.train.selfsample import self_samples

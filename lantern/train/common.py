@@ -11,8 +11,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from lantern import atomic_io
-from lantern.file_reading import read_json_object
+from lantern.files import atomic_io
+from lantern.files.reading import read_json_object
 
 
 def seed_everything(seed: int) -> None:

@@ -13,11 +13,11 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from lantern import atomic_io
+from lantern.files import atomic_io
 from lantern.bundle import Bundle, sha256_file, weights_hash
 from lantern.config import GPTConfig
 from lantern.data import HELD_OUT_FRACTION, SOURCE, SPLIT_SEED, load_digits_split
-from lantern.file_reading import read_json_object
+from lantern.files.reading import read_json_object
 from lantern.models.classifier import Classifier, ClassifierConfig
 from lantern.models.drafter import Drafter
 from lantern.models.gpt import GPT

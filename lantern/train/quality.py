@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from lantern import atomic_io
+from lantern.files import atomic_io
 from lantern.bundle import Bundle
 from lantern.evaluate import evaluate
 from lantern.models.checkpoint import weights_hash

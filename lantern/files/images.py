@@ -7,7 +7,7 @@ from typing import Sequence
 import numpy as np
 from PIL import Image
 
-from lantern.atomic_io import check_fits, remove_stale, save_image
+from lantern.files.atomic_io import check_fits, remove_stale, save_image
 
 GRID_PAD = 2  # white gutter between a grid's images, in pixels before upscaling
 

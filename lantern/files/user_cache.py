@@ -6,7 +6,7 @@ $LANTERN_CACHE_DIR, else the platform's user cache folder for lantern (platformd
 read-only, not creatable, a HOME that does not exist) is refused before any work (`check_location`, exit 2).
 
 Every entry is measured by one process at a time (`entry_lock`: the others wait, then read what it stored),
-written atomically (lantern.atomic_io), and checked when read (`read_entry`): an entry that cannot be read as UTF-8
+written atomically (lantern.files.atomic_io), and checked when read (`read_entry`): an entry that cannot be read as UTF-8
 JSON (a folder in its place included) or is not of its kind's shape is named on stderr, moved aside to
 `<name>.corrupt-<UTC time>` and measured again.
 See docs/reliability.md.
@@ -21,8 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-from lantern import atomic_io
-from lantern.file_reading import UnreadableFile, read_json
+from lantern.files import atomic_io
+from lantern.files.reading import UnreadableFile, read_json
 
 import platformdirs
 

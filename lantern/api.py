@@ -93,7 +93,7 @@ class Pipeline:
         # an engine's first steps (lantern.engine.fused), is added once a generation has paid it
         self.prepare_seconds: dict = {}
         self._rules: dict = {}  # (rule parameters, device) -> Acceptance, its neighbourhood built once
-        self.text_encoder = None  # t2i: a lantern.text.T5Conditioner, so generate() takes prompts
+        self.text_encoder = None  # t2i: a lantern.models.text.T5Conditioner, so generate() takes prompts
         self.lock = threading.RLock()  # held by generate for the whole call (and by release)
 
     @classmethod
@@ -189,8 +189,8 @@ class Pipeline:
         if isinstance(conditions, (list, tuple)) and conditions and all(isinstance(c, str) for c in conditions):
             if self.text_encoder is None:
                 raise ValueError("prompts need a text encoder: set pipeline.text_encoder = "
-                                 "lantern.text.T5Conditioner(folder), or pass caption embeddings")
-            from lantern.text import check_encoder_fits
+                                 "lantern.models.text.T5Conditioner(folder), or pass caption embeddings")
+            from lantern.models.text import check_encoder_fits
             check_encoder_fits(self.text_encoder, self.config)
             conditions = self.text_encoder.encode(list(conditions))[0]
         cond = torch.as_tensor(conditions, dtype=torch.float32)

@@ -1,7 +1,7 @@
 """The caption mask of text-to-image: no image token attends to a padded caption slot; what a padded slot itself
 attends differs by convention, and only a drafter that reads the caption's features sees the difference.
 
-Padded slots are the ones LlamaGen zeroed (lantern.text.llamagen_condition), so the mask is read from the
+Padded slots are the ones LlamaGen zeroed (lantern.models.text.llamagen_condition), so the mask is read from the
 condition itself: a caption slot whose embedding is all zero is padding. Both conventions hide the padded slots
 from every valid caption slot and every image token, for the conditional and the unconditional (null caption) row
 of an image alike, so the target's outputs are the same under either; they differ in the features computed AT the

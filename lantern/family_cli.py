@@ -45,7 +45,7 @@ def check_family_request(args) -> list[str]:
     from lantern.backends import get_backend
     from lantern.cli import backend_options
     from lantern.models.family import check_family
-    from lantern.text import read_prompts
+    from lantern.models.text import read_prompts
     info = check_family(args.model, args.vq, need_vq=needs_vq(args))
     prompts = read_prompts(args.prompt, args.prompts_file)
     if not prompts:
@@ -145,7 +145,7 @@ def read_family_table(args):
     """--proximity: LANTERN's Anole table in code order (lantern.models.chameleon.read_lantern_table), read against
     the folder's vocabulary map before any weights are loaded."""
     from lantern.models.chameleon import image_vocabulary, read_lantern_table
-    from lantern.proximity import DEFAULT_K
+    from lantern.models.proximity import DEFAULT_K
     cfg = read_json_object(Path(args.model) / "config.json")
     return read_lantern_table(args.proximity, image_vocabulary(cfg["vocabulary_map"]), DEFAULT_K)
 

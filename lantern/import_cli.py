@@ -11,15 +11,15 @@ from lantern.cli_args import number
 
 
 def proximity_help() -> str:
-    from lantern.proximity import CODEBOOK_PROXIMITIES
+    from lantern.models.proximity import CODEBOOK_PROXIMITIES
     computed = ", ".join(f"'{name}' (computed from {what})" for name, what in CODEBOOK_PROXIMITIES.items())
     return (f"{computed}, LANTERN's top_*_indices.npy, or a lantern proximity.safetensors; the bundle keeps the "
             f"first --proximity-k neighbours")
 
 
 def add_import_command(sub) -> None:
-    from lantern.llamagen import LLAMAGEN_GPT_SIZES, WEIGHT_SETS
-    from lantern.proximity import DEFAULT_K
+    from lantern.models.llamagen import LLAMAGEN_GPT_SIZES, WEIGHT_SETS
+    from lantern.models.proximity import DEFAULT_K
     p = sub.add_parser("import", help="make a bundle from LlamaGen checkpoints (docs/models.md)")
     p.add_argument("--gpt", required=True, type=Path,
                    help="LlamaGen GPT checkpoint, c2i or t2i (.pt/.pth/.safetensors)")
@@ -47,7 +47,7 @@ def add_import_command(sub) -> None:
 
 
 def cmd_import(args) -> dict:
-    from lantern.import_bundle import ImportRequest, import_llamagen
+    from lantern.bundle.from_llamagen import ImportRequest, import_llamagen
     req = ImportRequest(gpt=args.gpt, vq=args.vq, out=args.out, image_size=args.image_size, preset=args.preset,
                         heads=args.heads, weights=args.weights, drafter=args.drafter, proximity=args.proximity,
                         k=args.proximity_k, link=args.link, command="lantern " + shlex.join(sys.argv[1:]))

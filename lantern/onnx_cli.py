@@ -20,7 +20,7 @@ from lantern.cli_args import UsageError, check_writable, number
 
 def add_export_onnx_command(subparsers) -> argparse.ArgumentParser:
     """Register `export-onnx` (the lantern CLI's protocol: `func` returns a result dict or raises)."""
-    from lantern.config import GPT_PRESETS
+    from lantern.models.config import GPT_PRESETS
     from lantern.decoding import METHODS
 
     p = subparsers.add_parser("export-onnx", help="export the ONNX graphs of a generation setup into a folder",
@@ -60,7 +60,7 @@ def export_models(args: argparse.Namespace, needs_drafter: bool):
         if needs_drafter and bundle.drafter is None:
             raise UsageError(f"bundle {bundle.path} has no drafter; method {args.method!r} needs one")
         return bundle.target, bundle.drafter if needs_drafter else None, bundle.default_sampling["cfg_scale"], False
-    from lantern.config import gpt_preset
+    from lantern.models.config import gpt_preset
     from lantern.models.checkpoint import load_checkpoint
     from lantern.models.drafter import Drafter
     from lantern.models.gpt import GPT

@@ -1,4 +1,4 @@
-"""`lantern generate --prompt ... / --prompts-file FILE --t5 PATH`: text-to-image from prompts (lantern.text)."""
+"""`lantern generate --prompt ... / --prompts-file FILE --t5 PATH`: text-to-image from prompts (lantern.models.text)."""
 from __future__ import annotations
 
 import argparse
@@ -18,7 +18,7 @@ def wants_prompts(args) -> bool:
 
 def check_prompt_args(args) -> list[str]:
     """Before any work: the prompts (non-empty, UTF-8), the T5 folder (complete), the `transformers` extra."""
-    from lantern.text import read_prompts, require_transformers, t5_folder
+    from lantern.models.text import read_prompts, require_transformers, t5_folder
     prompts = read_prompts(args.prompt, args.prompts_file)
     t5_folder(args.t5)
     require_transformers()
@@ -27,7 +27,7 @@ def check_prompt_args(args) -> list[str]:
 
 def encode_prompts(args, bundle, prompts: list[str]):
     """The bundle's t2i condition for each prompt, (n, P, C), with LlamaGen's conventions."""
-    from lantern.text import T5Conditioner, check_encoder_fits
+    from lantern.models.text import T5Conditioner, check_encoder_fits
     cfg = bundle.target.config
     if cfg.model_type != "t2i":
         raise ValueError(f"--prompt needs a text-to-image bundle; {bundle.path} is {cfg.model_type} (use --classes)")

@@ -4,10 +4,10 @@ import torch
 
 from lantern.files.user_cache import CACHE_ENV
 
-from lantern.config import GPTConfig, gpt_preset
+from lantern.models.config import GPTConfig, gpt_preset
 from lantern.models.drafter import Drafter
 from lantern.models.gpt import GPT
-from lantern.proximity import build_proximity_table
+from lantern.models.proximity import build_proximity_table
 
 # Tiny models: one thread avoids OpenMP hand-offs that cost more than the maths (and fights over 2 cores).
 torch.set_num_threads(1)

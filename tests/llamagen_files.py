@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lantern.config import GPTConfig
+from lantern.models.config import GPTConfig
 from lantern.models.gpt import GPT
 from lantern.models.rope import rope_table_2d
 from lantern.models.vq import VQConfig, VQModel

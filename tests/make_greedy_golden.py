@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from conftest import make_models  # noqa: E402
 from lantern.api import Pipeline  # noqa: E402
-from lantern.config import gpt_preset  # noqa: E402
+from lantern.models.config import gpt_preset  # noqa: E402
 from lantern.decoding import SamplingConfig, method_preset  # noqa: E402
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "greedy_tokens.json"

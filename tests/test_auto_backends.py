@@ -7,7 +7,7 @@ import torch._dynamo
 
 from conftest import make_models
 from lantern.backends.torch_eager import CPUBackend
-from lantern.config import GPTConfig
+from lantern.models.config import GPTConfig
 
 from lantern.api import ModelDefaults, Pipeline
 from lantern.files.atomic_io import write_json

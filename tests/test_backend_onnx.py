@@ -19,7 +19,7 @@ from lantern.backends.base import dummy_step_inputs
 from lantern.backends.onnx_export import GraphKey, check_cached, ensure_graphs, keys_for_spec
 from lantern.models.checkpoint import model_hash
 from lantern.backends.onnx_runtime import ONNXBackend, ONNXCUDABackend
-from lantern.config import gpt_preset
+from lantern.models.config import gpt_preset
 from lantern.decoding import TREE_PRESETS, SamplingConfig, compile_tree, method_preset
 from lantern.api import Pipeline
 from lantern.models.drafter import Drafter

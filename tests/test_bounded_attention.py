@@ -13,7 +13,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from conftest import make_models
 from lantern.api import Pipeline
-from lantern.config import GPTConfig
+from lantern.models.config import GPTConfig
 from lantern.decoding import SamplingConfig, method_preset
 from lantern.engine import Engine, Request
 

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lantern.bundle import DEFAULT_BUNDLE, load_bundle, verify_bundle, weights_hash
-from lantern.config import gpt_preset
-from lantern.proximity import index_dtype
+from lantern.models.config import gpt_preset
+from lantern.models.proximity import index_dtype
 
 
 @pytest.fixture(scope="module")

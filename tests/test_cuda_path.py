@@ -12,7 +12,7 @@ import torch
 from conftest import make_models
 from lantern.api import Pipeline
 from lantern.backends import get_backend, torch_eager
-from lantern.config import GPTConfig
+from lantern.models.config import GPTConfig
 from lantern.decoding import SamplingConfig, method_preset
 
 

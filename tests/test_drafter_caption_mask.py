@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from lantern.caption_mask import CaptionMaskedRunner, drafter_caption_mask
-from lantern.config import GPTConfig
-from lantern.llamagen import read_lantern_drafter
+from lantern.models.config import GPTConfig
+from lantern.models.llamagen import read_lantern_drafter
 from lantern.models.drafter import Drafter, DrafterOptions
 from lantern.models.gpt import GPT
 

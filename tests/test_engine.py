@@ -13,7 +13,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import lantern.engine.step as step_module
 from conftest import make_models
 from lantern.api import Pipeline
-from lantern.config import gpt_preset
+from lantern.models.config import gpt_preset
 from lantern.decoding import SamplingConfig, method_preset
 from lantern.engine import Engine, Request, SamplingOverrides, derive_seed
 from lantern.engine.draws import SlotDraws
@@ -283,7 +283,7 @@ def test_a_second_engine_cannot_take_a_runner_with_requests_in_flight(pipe):
 def test_caption_conditions_run_through_the_engine():
     """t2i: a request's condition is one caption embedding (P, C); sampled with CFG, each image alone equals
     the same image among others (the prefix of 3 caption tokens is refilled per slot)."""
-    from lantern.config import GPTConfig
+    from lantern.models.config import GPTConfig
     from lantern.models.gpt import GPT
     cfg = GPTConfig(dim=32, n_layer=1, n_head=2, vocab_size=16, model_type="t2i", caption_dim=12, cls_token_num=3,
                     block_size=9, multiple_of=16)

@@ -19,7 +19,7 @@ from lantern.backends import get_backend
 from lantern.backends.base import BackendUnavailable, StaticSpec
 from lantern.caption_mask import CaptionMaskedRunner
 from lantern.cli import main
-from lantern.config import gpt_preset
+from lantern.models.config import gpt_preset
 from lantern.decoding import DecodeConfig, SamplingConfig, method_preset
 from lantern.decoding.sampling import warp
 from lantern.models.anole_drafter import read_anole_drafter
@@ -549,7 +549,7 @@ def test_auto_with_a_drafter_weighs_the_drafter_plans_and_never_a_relaxed_one(an
 
 def test_relaxed_methods_read_the_vqgan_codebook_proximity(anole, drafted, tmp_path, capsys):
     """lantern++ (drafter) and mc-sjd-relaxed run with the proximity table of the VQGAN's codebook, in code order."""
-    from lantern.proximity import build_proximity_table
+    from lantern.models.proximity import build_proximity_table
     folder, _, family = anole
     table = family.proximity_table()
     codebook = load_vqgan(folder / "tokenizer").quantize.embedding.weight
@@ -579,7 +579,7 @@ def test_lanterns_anole_table_is_read_by_image_token_slot(anole, tmp_path, capsy
     VQGAN's codebook come back exactly (reading its rows as codes would not), and a relaxed method run from it
     on a folder without its VQGAN emits what the codebook's own table gives."""
     from lantern.models.chameleon import read_lantern_table
-    from lantern.proximity import build_proximity_table
+    from lantern.models.proximity import build_proximity_table
     folder, _, family = anole
     bpe = family.bpe_of_code
     by_code = build_proximity_table(load_vqgan(folder / "tokenizer").quantize.embedding.weight.detach(), 23).long()

@@ -16,7 +16,7 @@ from lantern.backends.base import BackendUnavailable, StaticSpec
 from lantern.cli import main
 from lantern.decoding import DecodeConfig, SamplingConfig, method_preset
 from lantern.decoding.sampling import warp
-from lantern.config import gpt_preset
+from lantern.models.config import gpt_preset
 from lantern.models.family import TargetModel, TargetShape, inspect_folder, load_family
 from lantern.models.drafter import Drafter
 from lantern.models.gpt import GPT

@@ -695,7 +695,7 @@ def test_messages_name_the_file_and_the_tensor(tmp_path, capsys, bundle_dir):
     bundle whose config.json is not UTF-8, not JSON, or lacks its target: each names the file (and the tensor)."""
     import shutil
 
-    from lantern.config import GPTConfig
+    from lantern.models.config import GPTConfig
     from lantern.models.gpt import GPT
     from test_llamagen_import import SMALL, import_argv, llamagen_vq_file
     llamagen_vq_file(tmp_path / "vq.pt")

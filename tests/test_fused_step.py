@@ -22,7 +22,7 @@ from torch._dynamo.utils import counters
 from conftest import make_models
 from host_transfers import HostTransfers
 from lantern.api import Pipeline
-from lantern.config import GPTConfig
+from lantern.models.config import GPTConfig
 from lantern.backends import get_backend
 from lantern.backends.torch_graph import CUDAGraphReplay
 from lantern.decoding import SamplingConfig, method_preset

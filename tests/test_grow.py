@@ -1,7 +1,7 @@
 """Growing a target by layer duplication keeps its function exactly, and the copies can learn."""
 import torch
 
-from lantern.config import gpt_preset
+from lantern.models.config import gpt_preset
 from lantern.models.gpt import GPT
 from lantern.train.grow import grow_by_duplication, grown_config
 

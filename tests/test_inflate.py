@@ -92,7 +92,7 @@ def test_unreachable_shapes_are_refused(tiny):
 
 
 def test_named_shapes_have_llamagen_compute():
-    from lantern.config import gpt_preset
+    from lantern.models.config import gpt_preset
     small = gpt_preset("GPT-lantern-digits")
     b, l = preset_config(small, "GPT-B"), preset_config(small, "GPT-L")
     assert (b.dim, b.n_layer, b.vocab_size, b.ffn_hidden) == (768, 12, 16384, 2048)

@@ -10,12 +10,12 @@ import lantern.decoding.jacobi as jacobi
 import lantern.engine.proposers as proposers
 from lantern.api import Pipeline
 from lantern.bundle import DEFAULT_BUNDLE
-from lantern.config import GPTConfig
+from lantern.models.config import GPTConfig
 from lantern.decoding import DecodeConfig, SamplingConfig, method_preset
 from lantern.decoding.relaxation import bounded_target
 from lantern.decoding.sampling import Support, warp
 from lantern.models.gpt import GPT
-from lantern.proximity import build_proximity_table
+from lantern.models.proximity import build_proximity_table
 from test_backend_onnx import needs_ort
 from host_budget import check_host_budget
 from test_speculative import LEVEL, SAMPLING, ar_distribution, flat_micro, pvalue, pvalues, sampled_counts

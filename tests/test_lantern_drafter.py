@@ -14,8 +14,8 @@ import math
 import pytest
 import torch
 
-from lantern.config import GPTConfig
-from lantern.llamagen import read_lantern_drafter
+from lantern.models.config import GPTConfig
+from lantern.models.llamagen import read_lantern_drafter
 from lantern.models.drafter import prefix_pairs
 from lantern.models.gpt import GPT
 

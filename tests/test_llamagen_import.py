@@ -13,7 +13,7 @@ import torch
 
 from lantern.bundle import load_bundle, verify_bundle
 from lantern.cli import main
-from lantern.config import GPTConfig
+from lantern.models.config import GPTConfig
 from lantern.decoding.sampling import SamplingConfig
 from lantern.models.gpt import GPT
 from lantern.models.rope import rope_table_2d
@@ -309,7 +309,7 @@ def test_train_a_drafter_for_an_imported_bundle_resumes_and_installs(c2i_files, 
 
 
 def test_legacy_format_and_damaged_files(c2i_files, tmp_path, capsys):
-    from lantern.llamagen import read_llamagen_state
+    from lantern.models.llamagen import read_llamagen_state
     d, gpt, _ = c2i_files
     torch.save({"model": gpt}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
     assert torch.equal(read_llamagen_state(tmp_path / "legacy.pt")["norm.weight"], gpt["norm.weight"])

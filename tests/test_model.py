@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lantern.backends import StaticSpec, get_backend
-from lantern.config import GPTConfig, gpt_preset
+from lantern.models.config import GPTConfig, gpt_preset
 from lantern.models.checkpoint import load_checkpoint, read_state_dict, save_checkpoint, weights_hash
 from lantern.models.gpt import GPT
 from lantern.models.rope import rope_table_2d

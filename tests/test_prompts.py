@@ -11,7 +11,7 @@ import torch
 
 from lantern.bundle import load_bundle
 from lantern.cli import main
-from lantern.text import T5Conditioner, clean_caption, llamagen_condition
+from lantern.models.text import T5Conditioner, clean_caption, llamagen_condition
 
 from test_llamagen_import import HAVE_ORT, import_argv, llamagen_gpt_file, llamagen_vq_file, run
 
@@ -50,7 +50,7 @@ def reference_condition(emb: torch.Tensor, mask: torch.Tensor):
 
 
 def test_conditioning_matches_llamagens_rule(t5_dir):
-    from lantern.text import supports_bf16
+    from lantern.models.text import supports_bf16
     native = torch.bfloat16 if supports_bf16(torch.device("cpu")) else torch.float32
     assert T5Conditioner(t5_dir).dtype == native  # bf16 only where the CPU computes it natively
     enc = T5Conditioner(t5_dir, dtype=torch.float32)

@@ -7,7 +7,7 @@ import torch
 
 from lantern.api import Pipeline
 from lantern.decoding import SamplingConfig, method_preset
-from lantern.proximity import build_proximity_table, compact_table, index_dtype
+from lantern.models.proximity import build_proximity_table, compact_table, index_dtype
 
 
 def test_table_is_the_dense_argsort_prefix_in_a_compact_type():
@@ -34,7 +34,7 @@ def test_lanterns_uint16_npy_reads_as_its_ids(tmp_path):
     """LANTERN saves its tables as uint16 (generate_codebook.py), which torch cannot reduce: read, checked, same ids."""
     import numpy as np
 
-    from lantern.proximity import read_npy_table
+    from lantern.models.proximity import read_npy_table
     table = np.random.default_rng(0).integers(0, 50, (50, 7)).astype(np.uint16)
     np.save(tmp_path / "t.npy", table)
     got = read_npy_table(tmp_path / "t.npy", 50, 5)

@@ -33,7 +33,7 @@ def library_tokens(bundle_dir, t5, prompt: str, seed: int) -> list[int]:
     from lantern.api import Pipeline
     from lantern.bundle import load_bundle
     from lantern.decoding.config import method_preset
-    from lantern.text import T5Conditioner
+    from lantern.models.text import T5Conditioner
     pipe = Pipeline.from_bundle(load_bundle(bundle_dir))
     pipe.text_encoder = T5Conditioner(t5, max_tokens=pipe.config.cls_token_num)
     return pipe.generate([prompt], method_preset("ar", pipe.defaults.sampling), seed=seed).tokens[0].tolist()

@@ -9,7 +9,7 @@ from scipy.stats import chisquare
 import lantern.decoding.acceptance as acc
 import lantern.engine.proposers as proposers
 from lantern.api import Pipeline
-from lantern.config import GPTConfig
+from lantern.models.config import GPTConfig
 from lantern.decoding import TREE_PRESETS, DecodeConfig, SamplingConfig, method_preset
 from lantern.decoding.sampling import GuidedLogits, combine_cfg
 from lantern.decoding.sampling import SamplingConfig as SC

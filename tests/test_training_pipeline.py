@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from lantern.config import gpt_preset
+from lantern.models.config import gpt_preset
 from lantern.metrics import frechet_distance
 from lantern.models.classifier import ClassifierConfig
 from lantern.models.vq import VQConfig

@@ -37,10 +37,10 @@ from results_io import write_results
 
 def tiny_pipeline(backend: str) -> tuple[Pipeline, SamplingConfig]:
     """Random GPT-test models (no download): for --quick."""
-    from lantern.config import gpt_preset
+    from lantern.models.config import gpt_preset
     from lantern.models.drafter import Drafter
     from lantern.models.gpt import GPT
-    from lantern.proximity import build_proximity_table
+    from lantern.models.proximity import build_proximity_table
     torch.manual_seed(0)
     cfg = gpt_preset("GPT-test")
     target = GPT(cfg).eval()

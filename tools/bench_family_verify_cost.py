@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from lantern.backends import get_backend
 from lantern.backends.base import DTYPES, dummy_step_inputs
-from lantern.config import gpt_preset
+from lantern.models.config import gpt_preset
 from lantern.models.gpt import GPT
 from lantern.profile.measure import step_spec, summarize
 from results_io import utc_now, write_results

@@ -57,7 +57,7 @@ def models(args):
     if args.quick:
         sys.path.insert(0, str(ROOT / "tests"))
         from conftest import make_models
-        from lantern.config import gpt_preset
+        from lantern.models.config import gpt_preset
         target, drafter, proximity = make_models(gpt_preset("GPT-test"))
         return target, drafter, proximity, SamplingConfig(cfg_scale=2.0, top_k=20), {}
     from lantern.bundle import load_bundle

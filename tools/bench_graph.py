@@ -26,11 +26,11 @@ from torch._dynamo.utils import counters
 
 from lantern.files import atomic_io
 from lantern.api import Pipeline
-from lantern.config import gpt_preset
+from lantern.models.config import gpt_preset
 from lantern.decoding import SamplingConfig, method_preset
 from lantern.models.drafter import Drafter
 from lantern.models.gpt import GPT
-from lantern.proximity import build_proximity_table
+from lantern.models.proximity import build_proximity_table
 
 BACKENDS = ("cpu", "cpu-graph")
 

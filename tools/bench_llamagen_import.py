@@ -30,11 +30,11 @@ from tqdm import tqdm
 
 from lantern.api import Pipeline
 from lantern.bundle import load_bundle
-from lantern.config import GPTConfig
+from lantern.models.config import GPTConfig
 from lantern.decoding import SamplingConfig, method_preset
 from lantern.engine.step import acceptance_rule
-from lantern.import_bundle import ImportRequest, import_llamagen
-from lantern.llamagen import LLAMAGEN_GPT_SIZES
+from lantern.bundle.from_llamagen import ImportRequest, import_llamagen
+from lantern.models.llamagen import LLAMAGEN_GPT_SIZES
 from lantern.models.gpt import GPT
 from lantern.models.vq import VQConfig, VQModel
 from results_io import utc_now, write_results

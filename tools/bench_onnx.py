@@ -28,13 +28,13 @@ import torch
 from lantern.files import atomic_io
 from lantern.api import Pipeline
 from lantern.backends import StaticSpec, get_backend
-from lantern.config import gpt_preset
+from lantern.models.config import gpt_preset
 from lantern.decoding import TREE_PRESETS, SamplingConfig, compile_tree, method_preset
 from lantern.engine import Engine, Request
 from lantern.engine.step import static_spec
 from lantern.models.drafter import Drafter
 from lantern.models.gpt import GPT
-from lantern.proximity import build_proximity_table
+from lantern.models.proximity import build_proximity_table
 
 BACKENDS = ("cpu", "onnx")
 RESULTS = Path(__file__).resolve().parents[1] / "results"

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from lantern.backends import StaticSpec, get_backend
-from lantern.config import GPTConfig, gpt_preset
+from lantern.models.config import GPTConfig, gpt_preset
 from lantern.models.checkpoint import read_state_dict
 from lantern.models.gpt import GPT
 

@@ -161,10 +161,10 @@ class Models:
 def tiny_models() -> Models:
     """--quick: a one-layer random target (its head sharpened, so greedy choices are not ties), drafter and
     proximity table, made offline by the project's own code."""
-    from lantern.config import GPTConfig
+    from lantern.models.config import GPTConfig
     from lantern.models.drafter import Drafter
     from lantern.models.gpt import GPT
-    from lantern.proximity import build_proximity_table
+    from lantern.models.proximity import build_proximity_table
     torch.manual_seed(0)
     cfg = GPTConfig(dim=64, n_layer=1, n_head=4, vocab_size=64, num_classes=10, block_size=64, multiple_of=32)
     target = GPT(cfg).eval()

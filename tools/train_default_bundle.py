@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from lantern.config import gpt_preset
+from lantern.models.config import gpt_preset
 from lantern.train.pipeline import PipelineSettings, build_bundle, distil_drafter, reuse_target, run_pipeline
 
 DRAFTER_STEPS = 3000  # batches of 32 rows; the features are computed once (lantern.train.drafter.feature_bank)

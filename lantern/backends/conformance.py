@@ -92,7 +92,7 @@ def check_backend(name: str, dtypes: Optional[Sequence[str]] = None, seed: int =
 
 def tiny_models(seed: int):
     """GPT-test and a drafter, random from `seed` (the caller's global RNG state is left as it was)."""
-    from lantern.config import gpt_preset
+    from lantern.models.config import gpt_preset
     from lantern.models.drafter import Drafter
     from lantern.models.gpt import GPT
     with torch.random.fork_rng(devices=[]):

@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from lantern.kv_cache import slot_rows
+from lantern.models.kv_cache import slot_rows
 from lantern.models.checkpoint import model_hash
 from lantern.models.placement import placed_copy
 from lantern.files import atomic_io

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lantern.kv_cache import StaticKVCache
+from lantern.models.kv_cache import StaticKVCache
 
 
 class TargetPrefill(nn.Module):

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from lantern.files.reading import read_json_object
-from lantern.kv_cache import StaticKVCache
+from lantern.models.kv_cache import StaticKVCache
 from lantern.models.checkpoint import load_tensors_file
 from lantern.models.chameleon import ChameleonTarget, attention
 from lantern.models.gpt import attention_bias

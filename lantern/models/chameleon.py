@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lantern.files.reading import read_json_object
-from lantern.kv_cache import StaticKVCache
+from lantern.models.kv_cache import StaticKVCache
 from lantern.models.family import (FolderInfo, folder_identity, left_padded, load_pretrained, load_tokenizer,
                                    read_config, rope_cos_sin, unpadded_positions)
 from lantern.models.gpt import attention_bias
@@ -193,7 +193,7 @@ def read_lantern_table(path: str | Path, bpe_of_code: torch.Tensor, k: int) -> t
     whose BPE token it names, so relaxed acceptance over codes sees the neighbourhoods LANTERN's acceptance sees.
     ValueError (naming the file) for a table that is not (V, K) integers in [0, V), or a vocabulary whose image
     tokens are not one contiguous block of ids (no slot order to read)."""
-    from lantern.proximity import index_dtype, read_npy_table
+    from lantern.models.proximity import index_dtype, read_npy_table
     v = len(bpe_of_code)
     offset = int(bpe_of_code.min())
     if int(bpe_of_code.max()) - offset != v - 1:
@@ -374,7 +374,7 @@ class ChameleonFamily:
 
     def proximity_table(self) -> torch.Tensor:
         """LANTERN's latent proximity table of the VQGAN codebook (V, k) in code order, for relaxed acceptance."""
-        from lantern.proximity import DEFAULT_K, build_proximity_table
+        from lantern.models.proximity import DEFAULT_K, build_proximity_table
         return build_proximity_table(self.vq.quantize.embedding.weight.detach(), DEFAULT_K)
 
     def describe(self) -> dict:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lantern.config import from_known_fields
+from lantern.models.config import from_known_fields
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from lantern.caption_mask import check_caption_mask
-from lantern.config import GPTConfig, from_known_fields
-from lantern.kv_cache import StaticKVCache
+from lantern.models.config import GPTConfig, from_known_fields
+from lantern.models.kv_cache import StaticKVCache
 from lantern.models.gpt import GPT, FeedForward, RMSNorm, TransformerBlock, attention_bias
 
 

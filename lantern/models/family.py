@@ -19,7 +19,7 @@ from typing import Iterator, Protocol, runtime_checkable
 import torch
 
 from lantern.files.reading import read_json_object
-from lantern.kv_cache import StaticKVCache
+from lantern.models.kv_cache import StaticKVCache
 from lantern.models.checkpoint import short_list
 
 

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lantern.config import GPTConfig
-from lantern.kv_cache import StaticKVCache
+from lantern.models.config import GPTConfig
+from lantern.models.kv_cache import StaticKVCache
 from lantern.models.kernels import fused_kernels
 from lantern.models.placement import placed_copy
 from lantern.models.rope import apply_rope, rope_table_2d

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from lantern.config import GPTConfig
+from lantern.models.config import GPTConfig
 from lantern.models.drafter import Drafter
 from lantern.models.gpt import GPT, RMSNorm, TransformerBlock
 

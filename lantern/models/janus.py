@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lantern.kv_cache import StaticKVCache
+from lantern.models.kv_cache import StaticKVCache
 from lantern.models.family import (FolderInfo, folder_identity, left_padded, load_pretrained, load_tokenizer,
                                    read_config, rope_cos_sin, unpadded_positions)
 from lantern.models.gpt import attention_bias

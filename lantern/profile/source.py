@@ -2,7 +2,7 @@
 
     auto            the embedded default bundle if this lantern has one, else random:GPT-small
     bundle[:PATH]   a trained bundle (lantern.bundle.load_bundle)
-    random:PRESET   a deterministic random target of a GPT preset (lantern.config.GPT_PRESETS) with a random
+    random:PRESET   a deterministic random target of a GPT preset (lantern.models.config.GPT_PRESETS) with a random
                     drafter and a proximity table from a random codebook. Timing is that of the real shapes,
                     but acceptance is not a trained model's: exact acceptance (EAGLE-2) gives tau about 1, while
                     LANTERN's and LANTERN++'s relaxed rules accept far more than they would on a trained model,
@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from lantern.config import gpt_preset
+from lantern.models.config import gpt_preset
 
 DEFAULT_RANDOM = "GPT-small"
 RANDOM_CFG_SCALE = 4.0  # LlamaGen's class-conditional default
@@ -70,7 +70,7 @@ def _bundle_source(path: Optional[str]) -> ModelSource:
 def random_source(preset: str, seed: int = 0) -> ModelSource:
     from lantern.models.drafter import Drafter
     from lantern.models.gpt import GPT
-    from lantern.proximity import build_proximity_table
+    from lantern.models.proximity import build_proximity_table
     cfg = gpt_preset(preset)
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)

@@ -1,6 +1,6 @@
 """Text-to-image prompts in the service: the T5 folder checked before anything binds or loads, and one thread that
 encodes the prompts of concurrent requests together, up to `batch` at a time, as `lantern generate` encodes a
-prompts file (lantern.text.T5Conditioner, LlamaGen's conventions)."""
+prompts file (lantern.models.text.T5Conditioner, LlamaGen's conventions)."""
 from __future__ import annotations
 
 import threading
@@ -34,7 +34,7 @@ def check_prompt_encoder(model: Optional[str], t5: Optional[str]) -> None:
             raise ValueError(f"--t5 {t5}: a T5 encoder is for text-to-image bundles; {model or 'the embedded model'} "
                              f"is {kind} (its requests give class_id)")
         return
-    from lantern.text import require_transformers, t5_folder
+    from lantern.models.text import require_transformers, t5_folder
     t5_folder(t5)
     require_transformers()
 

@@ -111,7 +111,7 @@ class Service:
 
     def _prompt_batcher(self) -> PromptBatcher:
         """t2i: the T5 encoder (config.t5, else $LANTERN_T5), checked against the GPT's caption shape."""
-        from lantern.text import T5Conditioner, check_encoder_fits
+        from lantern.models.text import T5Conditioner, check_encoder_fits
         cfg = self.model.target.config
         encoder = T5Conditioner(self.config.t5, max_tokens=cfg.cls_token_num)
         check_encoder_fits(encoder, cfg)

@@ -12,7 +12,7 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from lantern.bundle import verify_bundle
-from lantern.config import GPTConfig
+from lantern.models.config import GPTConfig
 from lantern.files.reading import read_json_object
 from lantern.train.common import write_json
 from lantern.train.grow import grow_by_duplication, grown_config

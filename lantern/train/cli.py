@@ -55,7 +55,7 @@ def _train(args: argparse.Namespace) -> int:
                 raise FileNotFoundError(f"{work / need} is missing: run `lantern train tokenizer --work {work}` first")
         data = token_dataset(load_vq(work), args.n_aug, args.seed, cache_dir=str(work))
         if args.stage == "target":
-            from lantern.config import gpt_preset
+            from lantern.models.config import gpt_preset
             from lantern.train.target import train_target
             cfg = gpt_preset(args.preset)
             report = train_target(str(work), cfg, *data["train"], data["heldout"], **common,
@@ -79,7 +79,7 @@ def add_train_commands(subparsers) -> None:
     t.add_argument("--codebook-size", type=int, default=1024)
     g = stages.add_parser("target", help="the class-conditional GPT on the tokenizer's codes")
     _common(g, steps=600, batch=16, lr=1e-3)
-    g.add_argument("--preset", default="GPT-lantern-digits", help="a lantern.config.GPT_PRESETS name")
+    g.add_argument("--preset", default="GPT-lantern-digits", help="a lantern.models.config.GPT_PRESETS name")
     g.add_argument("--n-aug", type=int, default=6, help="copies of each training image (copy 0 un-augmented)")
     g.add_argument("--init-from", help="continue from these target weights (a second phase) instead of a fresh init")
     g.add_argument("--name", default="target", help="output name: <work>/<name>.safetensors")

@@ -11,7 +11,7 @@ import re
 
 import torch
 
-from lantern.config import GPTConfig
+from lantern.models.config import GPTConfig
 
 LAYER_KEY = re.compile(r"^layers\.(\d+)\.(.+)$")
 RESIDUAL_OUTPUTS = ("attention.wo.weight", "feed_forward.w2.weight")  # what a block adds to the residual

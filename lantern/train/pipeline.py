@@ -15,14 +15,14 @@ from safetensors.torch import load_file, save_file
 
 from lantern.files import atomic_io
 from lantern.bundle import Bundle, sha256_file, weights_hash
-from lantern.config import GPTConfig
+from lantern.models.config import GPTConfig
 from lantern.data import HELD_OUT_FRACTION, SOURCE, SPLIT_SEED, load_digits_split
 from lantern.files.reading import read_json_object
 from lantern.models.classifier import Classifier, ClassifierConfig
 from lantern.models.drafter import Drafter
 from lantern.models.gpt import GPT
 from lantern.models.vq import VQConfig, VQModel
-from lantern.proximity import build_proximity_table
+from lantern.models.proximity import build_proximity_table
 from lantern.train.base import copy_models, import_base, verified_manifest, write_grown_target
 from lantern.train.common import write_json
 from lantern.train.drafter import drafter_report, train_drafter

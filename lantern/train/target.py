@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from tqdm import tqdm
 
-from lantern.config import GPTConfig
+from lantern.models.config import GPTConfig
 from lantern.models.gpt import GPT
 from lantern.train.common import (Checkpoint, autocast, finished_report, lr_at, save_weights, seed_everything,
                                   set_lr, step_generator, write_json)

@@ -6,7 +6,7 @@ Layout of a bundle folder:
     target.safetensors       LlamaGen GPT keys
     drafter.safetensors      optional; metadata["target_hash"] = weights_hash of the target it was trained on
     evaluator.safetensors    the classifier behind `lantern eval`
-    proximity.safetensors    optional; "neighbours" (V, k) integer ids, in memory in lantern.proximity.index_dtype
+    proximity.safetensors    optional; "neighbours" (V, k) integer ids, in memory in lantern.models.proximity.index_dtype
     config.json "drafter"    optional; DrafterOptions of a drafter unlike lantern's own (e.g. LANTERN's)
     manifest.json "linked"   optional; target / vq weights referenced where they are (`lantern import --link`)
     manifest.json            how it was made: command, seed, data split, sha256 of every file, metrics
@@ -24,16 +24,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from lantern.config import GPTConfig
+from lantern.models.config import GPTConfig
 from lantern.files.reading import read_json_object
 from lantern.models.checkpoint import load_into, weights_hash  # noqa: F401  weights_hash: part of this API
 from lantern.models.classifier import Classifier, ClassifierConfig
 from lantern.models.drafter import Drafter, DrafterOptions
 from lantern.models.gpt import GPT
 from lantern.models.vq import VQConfig, VQModel
-from lantern.proximity import compact_table
+from lantern.models.proximity import compact_table
 
-DEFAULT_BUNDLE = Path(__file__).parent / "assets" / "default"
+DEFAULT_BUNDLE = Path(__file__).parents[1] / "assets" / "default"
 
 
 def sha256_file(path: str | Path) -> str:
@@ -65,7 +65,7 @@ def load_model_weights(module: torch.nn.Module, root: Path, name: str, linked: d
     """`name`.safetensors of the bundle, or the file the manifest links for `name`, strictly into `module`."""
     if name not in linked:
         return load_weights_strict(module, root / f"{name}.safetensors")
-    from lantern.linked_weights import read_linked
+    from lantern.bundle.linked_weights import read_linked
     state = read_linked(linked[name], name)
     load_into(module, state, linked[name]["path"])
     return state
@@ -92,7 +92,7 @@ def verify_bundle(path: str | Path | None = None) -> list[str]:
         if name not in manifest.get("files", {}) and name.split(".")[0] not in linked:
             problems.append(f"{name}: not listed in the manifest")
     if linked:
-        from lantern.linked_weights import check_linked
+        from lantern.bundle.linked_weights import check_linked
         problems += check_linked(linked)
     return problems
 
@@ -113,7 +113,7 @@ class Bundle:
     drafter: Optional[Drafter]
     vq: VQModel
     evaluator: Optional[Classifier]
-    proximity: Optional[torch.Tensor]  # (V, k) in lantern.proximity.index_dtype(V)
+    proximity: Optional[torch.Tensor]  # (V, k) in lantern.models.proximity.index_dtype(V)
 
     @property
     def image_size(self) -> int:

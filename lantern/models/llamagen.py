@@ -2,7 +2,7 @@
 shapes, and LANTERN's published drafters (EAGLE-style `config.json` + `pytorch_model.bin` / `model.safetensors`).
 
 Every reader checks its file against what it must be and raises ValueError naming the file and what was
-expected; nothing here writes (lantern.import_bundle does).
+expected; nothing here writes (lantern.bundle.from_llamagen does).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from lantern.config import GPTConfig
+from lantern.models.config import GPTConfig
 from lantern.files.reading import read_json_object
 from lantern.models.checkpoint import STRIP_PREFIXES, load_into, load_tensors_file
 from lantern.models.drafter import Drafter, DrafterOptions

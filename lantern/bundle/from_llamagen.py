@@ -25,12 +25,12 @@ from safetensors.torch import save_file
 
 from lantern.bundle import sha256_file
 from lantern.cli_args import check_writable
-from lantern.config import GPTConfig
-from lantern.llamagen import (SAMPLING, WEIGHT_SETS, infer_gpt_config, infer_vq_config, is_lantern_drafter,
+from lantern.models.config import GPTConfig
+from lantern.models.llamagen import (SAMPLING, WEIGHT_SETS, infer_gpt_config, infer_vq_config, is_lantern_drafter,
                               load_gpt, load_vq, read_lantern_drafter, read_llamagen_state, vq_state)
 from lantern.models.checkpoint import load_into, weights_hash
 from lantern.models.drafter import Drafter, DrafterOptions
-from lantern.proximity import (CODEBOOK_PROXIMITIES, DEFAULT_K, build_proximity_table, compact_table,
+from lantern.models.proximity import (CODEBOOK_PROXIMITIES, DEFAULT_K, build_proximity_table, compact_table,
                                proximity_vectors, read_npy_table)
 
 LINKABLE = ("target", "vq")

@@ -18,8 +18,8 @@ from lantern.cli_args import (Parser, Stopped, UsageError, check_writable, expec
                               stopped_by_signals)
 from lantern.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED_CASES, EXIT_INTERNAL, EXIT_OK, EXIT_UNAVAILABLE
 from lantern.profile.cli import add_profile_commands
-from lantern.seeds import SEED_RANGE
-from lantern.train.cli import add_info_command, add_train_commands
+from lantern.engine.seeds import SEED_RANGE
+from lantern.embedded.train.cli import add_info_command, add_train_commands
 
 
 def add_decode_options(p: argparse.ArgumentParser) -> None:
@@ -262,7 +262,7 @@ def cmd_eval(args) -> dict:
     from lantern.api import Pipeline, check_classes
     from lantern.backends import get_backend
     from lantern.bundle import load_bundle
-    from lantern.evaluate import EVAL_CHUNK, evaluate
+    from lantern.embedded.evaluate import EVAL_CHUNK, evaluate
     from lantern.extras import require
 
     require("sklearn", "lantern eval (the held-out digits it scores against)")

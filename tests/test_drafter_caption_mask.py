@@ -18,7 +18,7 @@ import math
 import pytest
 import torch
 
-from lantern.caption_mask import CaptionMaskedRunner, drafter_caption_mask
+from lantern.engine.caption_mask import CaptionMaskedRunner, drafter_caption_mask
 from lantern.models.config import GPTConfig
 from lantern.models.llamagen import read_lantern_drafter
 from lantern.models.drafter import Drafter, DrafterOptions

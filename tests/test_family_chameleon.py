@@ -17,7 +17,7 @@ from chameleon_fixtures import BOI, BOS, EOT, PAD, make_chameleon_folder, write_
 from lantern.api import Pipeline
 from lantern.backends import get_backend
 from lantern.backends.base import BackendUnavailable, StaticSpec
-from lantern.caption_mask import CaptionMaskedRunner
+from lantern.engine.caption_mask import CaptionMaskedRunner
 from lantern.cli import main
 from lantern.models.config import gpt_preset
 from lantern.decoding import DecodeConfig, SamplingConfig, method_preset

@@ -232,7 +232,7 @@ def test_late_refusals_now_come_first_and_name_their_cause(tmp_path, capsys, bun
     out = tmp_path / "out"
     code, err = run(capsys, "generate", *model, "--seed", str(2 ** 64), "--out", str(out))
     assert code == 2 and f"argument --seed: {2 ** 64} is not allowed; allowed: an integer in [0, " \
-                          f"{2 ** 63 - 1}]" in err  # the engine's seeds (lantern.seeds.SEED_RANGE)
+                          f"{2 ** 63 - 1}]" in err  # the engine's seeds (lantern.engine.seeds.SEED_RANGE)
     code, err = run(capsys, "generate", *model, "--classes", "1", "--out", str(tmp_path / ("a" * 300)))
     assert code == 2 and "--out: the name" in err and "this filesystem allows 255" in err
     code, err = run(capsys, "generate", *model, "--classes", "1", "--scale", "1000000", "--out", str(out))

@@ -3,7 +3,7 @@ import torch
 
 from lantern.models.config import gpt_preset
 from lantern.models.gpt import GPT
-from lantern.train.grow import grow_by_duplication, grown_config
+from lantern.embedded.train.grow import grow_by_duplication, grown_config
 
 
 def test_grown_model_gives_the_same_logits():

@@ -1,4 +1,4 @@
-"""The quality gate can fail (lantern.quality_gate): at LANTERN's class-to-image setting (the whole vocabulary,
+"""The quality gate can fail (lantern.embedded.quality_gate): at LANTERN's class-to-image setting (the whole vocabulary,
 CFG 4.0) on the embedded model, it rejects a sampler that draws tokens uniformly and the relaxation the bundle
 used to ship for mc-sjd-relaxed (LANTERN form, k = 1000, delta = 1.0), and accepts AR at another seed."""
 import pytest
@@ -7,7 +7,7 @@ import torch
 from lantern.api import Pipeline
 from lantern.bundle import load_bundle
 from lantern.decoding import SamplingConfig, method_preset
-from lantern.quality_gate import (MAX_TOKEN_TV, Measure, Reference, failed_checks, gate, heldout_features, measure,
+from lantern.embedded.quality_gate import (MAX_TOKEN_TV, Measure, Reference, failed_checks, gate, heldout_features, measure,
                                   sample, token_tv_bound)
 
 WHOLE = SamplingConfig(top_k=0, cfg_scale=4.0)

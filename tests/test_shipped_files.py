@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from lantern.decoding.trees import load_tree
-from lantern.profile.environment import PROVENANCE_FIELDS
+from lantern.backends.environment import PROVENANCE_FIELDS
 from lantern.profile.hardware import load_profile, profile_names, shipped_dir
 from lantern.profile.schema import SCHEMA, load_results
 

@@ -6,17 +6,17 @@ import pytest
 import torch
 
 from lantern.models.config import gpt_preset
-from lantern.metrics import frechet_distance
+from lantern.embedded.metrics import frechet_distance
 from lantern.models.classifier import ClassifierConfig
 from lantern.models.vq import VQConfig
-from lantern.train.drafter import feature_bank, target_features, train_drafter
-from lantern.train.evaluator import train_evaluator
-from lantern.train.pipeline import load_target, load_vq
-from lantern.train.quality import choose_sampling
-from lantern.train.selfsample import ar_sampler, self_samples
-from lantern.train.target import target_loss, train_target
-from lantern.train.tokenizer import train_tokenizer
-from lantern.train.tokens import token_dataset
+from lantern.embedded.train.drafter import feature_bank, target_features, train_drafter
+from lantern.embedded.train.evaluator import train_evaluator
+from lantern.embedded.train.pipeline import load_target, load_vq
+from lantern.embedded.train.quality import choose_sampling
+from lantern.embedded.train.selfsample import ar_sampler, self_samples
+from lantern.embedded.train.target import target_loss, train_target
+from lantern.embedded.train.tokenizer import train_tokenizer
+from lantern.embedded.train.tokens import token_dataset
 
 TINY_VQ = VQConfig(ch=8, ch_mult=(1, 2), z_channels=8, norm_groups=4, codebook_size=64, image_size=16)
 TINY_GPT = gpt_preset("GPT-test", vocab_size=64, num_classes=10, block_size=64)
@@ -149,7 +149,7 @@ def test_reusing_a_target_built_with_other_settings_is_refused(tmp_path):
     from dataclasses import replace
 
     from lantern.bundle import DEFAULT_BUNDLE
-    from lantern.train.pipeline import PipelineSettings, reuse_target
+    from lantern.embedded.train.pipeline import PipelineSettings, reuse_target
     manifest = json.loads((DEFAULT_BUNDLE / "manifest.json").read_text())
     fields = {**manifest["settings"], "gpt": gpt_preset("GPT-lantern-digits"),
               "sampling_candidates": tuple(manifest["settings"]["sampling_candidates"])}

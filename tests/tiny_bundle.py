@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from lantern.bundle import sha256_file, weights_hash
 from lantern.models.config import gpt_preset
 from lantern.models.vq import VQConfig, VQModel
-from lantern.train.common import save_weights
+from lantern.embedded.train.common import save_weights
 from conftest import make_models
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lantern.profile.environment import cpu_model
+from lantern.backends.environment import cpu_model
 from results_io import utc_now, write_results
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -28,7 +28,7 @@ from lantern.files import atomic_io
 from lantern.api import Pipeline
 from lantern.bundle import load_bundle
 from lantern.decoding import DecodeConfig, SamplingConfig, method_preset
-from lantern.evaluate import evaluate
+from lantern.embedded.evaluate import evaluate
 from results_io import add_bundle_run_options, real_floor_row
 
 ROOT = Path(__file__).resolve().parents[1]

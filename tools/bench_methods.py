@@ -25,7 +25,7 @@ from tqdm import tqdm
 from lantern.api import Pipeline
 from lantern.bundle import load_bundle
 from lantern.decoding import METHODS, SamplingConfig, method_preset
-from lantern.evaluate import evaluate
+from lantern.embedded.evaluate import evaluate
 from fastest_ar import ARBaseline, provenance, runnable_modes
 from results_io import add_bundle_run_options, real_floor_row, utc_now, write_results
 

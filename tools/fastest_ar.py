@@ -73,7 +73,7 @@ class ARBaseline:
 
 def provenance() -> dict:
     """What a results file's tables name: the CPU, the commit and the command (write_results also stores the full
-    record, lantern.profile.environment.provenance, under "provenance")."""
-    from lantern.profile.environment import cpu_model, provenance as full
+    record, lantern.backends.environment.provenance, under "provenance")."""
+    from lantern.backends.environment import cpu_model, provenance as full
     made = full()
     return {"cpu": cpu_model(), "commit": made["commit"] or "unknown", "command": made["command"]}

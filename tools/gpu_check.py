@@ -186,7 +186,7 @@ def default_stem(quick: bool) -> Path:
 
 # ---- env ------------------------------------------------------------------------------------------------------
 def environment(check: Check) -> dict:
-    from lantern.profile.environment import provenance
+    from lantern.backends.environment import provenance
     prov = provenance()
     commit = prov["commit"] or os.environ.get("LANTERN_COMMIT") or "unknown"  # the lease's copy has no .git
     env = {"command": prov["command"], "commit": commit, "machine": prov["machine"], "torch": torch.__version__,

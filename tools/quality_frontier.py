@@ -1,5 +1,5 @@
 """The quality frontier of the relaxed rules on the embedded model at one sampling setting, judged by the quality
-gate (lantern.quality_gate), and the bundle's relaxation defaults validated at that setting.
+gate (lantern.embedded.quality_gate), and the bundle's relaxation defaults validated at that setting.
 
 At the sampling given (default: the bundle's own; `--top-k 0 --cfg-scale 4.0` is LANTERN's class-to-image
 setting, the whole vocabulary), AR runs over `--ar-seeds` seeds of `--per-class` images per class: its spread
@@ -30,7 +30,7 @@ from lantern.api import Pipeline
 from lantern.bundle import DEFAULT_BUNDLE, load_bundle, weights_hash
 from lantern.decoding import SamplingConfig, method_preset
 from lantern.plan.validated import RELAXED_METHODS, bound_problems, same_sampling, sampling_record
-from lantern.quality_gate import (Measure, Reference, failed_checks, gate, heldout_features, measure, sample,
+from lantern.embedded.quality_gate import (Measure, Reference, failed_checks, gate, heldout_features, measure, sample,
                                   token_tv_bound)
 from results_io import utc_now, write_results
 
@@ -106,7 +106,7 @@ def choose(rows: list[dict]) -> dict:
 
 def manifest_entry(row: dict, sampling: dict, rec: dict) -> dict:
     return {"settings": row["decode_overrides"], "sampling": sampling, "evidence": {
-        "label": row["label"], "gate": "lantern.quality_gate (tools/quality_frontier.py)",
+        "label": row["label"], "gate": "lantern.embedded.quality_gate (tools/quality_frontier.py)",
         "passed_checks": {k: {"value": c["value"], "limit": c["limit"]} for k, c in row["gate"]["checks"].items()},
         "step_compression": row["step_compression"], "tau": row["tau"], "images": row["n"],
         "ar_spread": rec["ar_spread"], "results": rec["results"], "date": rec["date"], "commit": rec["commit"]}}
@@ -181,7 +181,7 @@ def main() -> None:
                   if k in ("k", "form") or k in overrides}
         rows.append({"label": label, "method": method, "overrides": overrides, "decode_overrides": decode,
                      **figures, "gate": verdict, "failed": failed_checks(verdict), "shown": first.tolist()})
-    from lantern.profile.environment import provenance
+    from lantern.backends.environment import provenance
     rec = {"date": utc_now(), "setting": name, "bundle": bundle.manifest.get("name"),
            "target_hash": target_hash,
            "drafter_hash": weights_hash(bundle.drafter.state_dict()) if bundle.drafter is not None else None,
@@ -210,7 +210,7 @@ def markdown(rec: dict) -> str:
              f"{s['accuracy_mean']:.3f}, sd {s['accuracy_sd']:.3f}; one run's binomial sd "
              f"{s['accuracy_binomial_sd']:.3f}), Frechet distance {s['frechet_min']:.2f}-{s['frechet_max']:.2f} "
              f"(mean {s['frechet_mean']:.2f}, sd {s['frechet_sd']:.2f}; one run's bootstrap sd "
-             f"{s['frechet_bootstrap_sd']:.2f}). Gate (lantern.quality_gate, Z = {rec['z']:g}): class accuracy >= "
+             f"{s['frechet_bootstrap_sd']:.2f}). Gate (lantern.embedded.quality_gate, Z = {rec['z']:g}): class accuracy >= "
              f"{s['accuracy_limit']:.3f}, Frechet distance <= {s['frechet_limit']:.2f}, mean recorded token TV <= "
              f"the setting's bound (delta, at most 0.4).",
              "", "| run | step compression | tau | class acc. | Frechet dist. | mean token TV | max token TV | gate |",

@@ -52,7 +52,7 @@ def codebook_neighbours(v: int, seed: int = 0) -> torch.Tensor:
 def embedded_pairs(n: int, seed: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
     """(p, q) at random positions of AR samples of the bundle: target and drafter distributions after CFG and
     warping, teacher-forced (what the drafter sees at a root after its catch-up)."""
-    from lantern.train.drafter import drafter_pass
+    from lantern.embedded.train.drafter import drafter_pass
     bundle = load_bundle()
     sc = SamplingConfig(**bundle.default_sampling)
     target, drafter = bundle.target, bundle.drafter

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from lantern.files import atomic_io
-from lantern.profile.environment import provenance
+from lantern.backends.environment import provenance
 
 
 def utc_now() -> str:

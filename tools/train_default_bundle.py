@@ -1,7 +1,7 @@
 """Rebuild the embedded default bundle from a base bundle and write it to lantern/assets/default (or --out).
 
 The base bundle's tokenizer and evaluator are kept as they are; its 6-layer target is grown to 12 layers (every
-layer doubled, the copy's output projections zeroed: lantern.train.grow) and trained on. Then the sampling
+layer doubled, the copy's output projections zeroed: lantern.embedded.train.grow) and trained on. Then the sampling
 defaults are chosen by an evaluator sweep on a separate seed, the grown target samples its own training data for
 the drafter (batched AR through lantern.api.Pipeline), and the drafter is trained on those plus the real data.
 Every stage caches or checkpoints into --work and resumes from there; re-running after completion only packs.
@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 from lantern.models.config import gpt_preset
-from lantern.train.pipeline import PipelineSettings, build_bundle, distil_drafter, reuse_target, run_pipeline
+from lantern.embedded.train.pipeline import PipelineSettings, build_bundle, distil_drafter, reuse_target, run_pipeline
 
-DRAFTER_STEPS = 3000  # batches of 32 rows; the features are computed once (lantern.train.drafter.feature_bank)
+DRAFTER_STEPS = 3000  # batches of 32 rows; the features are computed once (lantern.embedded.train.drafter.feature_bank)
 SAMPLING_CANDIDATES = tuple({"cfg_scale": cfg, "temperature": 1.0, "top_k": k}
                             for cfg, k in ((3.0, 5), (2.0, 5)))
 

@@ -66,11 +66,11 @@ def dynamic_length(t: torch.Tensor) -> torch.Tensor:
 def fusable(spec: Optional[StaticSpec], target) -> Optional[str]:
     """Why the engine's step cannot run as one graph on a runner of this shape and target (None: it can)."""
     if target.config.model_type == "t2i":
-        return ("text-to-image: the caption mask is rebuilt on the host at each refill (lantern.caption_mask), "
+        return ("text-to-image: the caption mask is rebuilt on the host at each refill (lantern.engine.caption_mask), "
                 "so its steps keep one graph per static step")
     if getattr(target, "prefix_visible", None) is not None:
         return ("padded prompt rows (Chameleon's unconditional row): the engine hides the padding in a runner "
-                "wrapper (lantern.caption_mask) that one fused graph would bypass, so its steps keep one graph per "
+                "wrapper (lantern.engine.caption_mask) that one fused graph would bypass, so its steps keep one graph per "
                 "static step")
     return None
 

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from lantern.seeds import SEED_RANGE, is_seed, seed_refusal
+from lantern.engine.seeds import SEED_RANGE, is_seed, seed_refusal
 
 _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B

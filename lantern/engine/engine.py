@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from lantern.caption_mask import CaptionMaskedRunner, caption_slots_visible, drafter_caption_mask
+from lantern.engine.caption_mask import CaptionMaskedRunner, caption_slots_visible, drafter_caption_mask
 from lantern.decoding.config import DecodeConfig
 from lantern.decoding.drafting import PrefixPairs
 from lantern.decoding.sampling import SamplingConfig

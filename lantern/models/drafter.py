@@ -10,7 +10,7 @@ Where the drafter's cache starts: lantern's drafters at the first image token (t
 that `reads_prefix` also holds the condition prefix's pairs (f_i, its `prefix_tokens`) for i < P-1, fed once at
 prefill (LANTERN's t2i drafters: token 0, as LANTERN pads their input ids with zeros over the caption and masks
 nothing; LANTERN's Anole drafter, lantern.models.anole_drafter: the next prompt token).
-Which caption mask the target's features at padded caption slots were computed with (lantern.caption_mask):
+Which caption mask the target's features at padded caption slots were computed with (lantern.engine.caption_mask):
 `caption_mask`, recorded in the options; a drafter whose options record none expects LANTERN's if it reads the
 prefix (only LANTERN's drafters do) and LlamaGen's otherwise (lantern's own, which never read a padded slot).
 """
@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from lantern.caption_mask import check_caption_mask
+from lantern.engine.caption_mask import check_caption_mask
 from lantern.models.config import GPTConfig, from_known_fields
 from lantern.models.kv_cache import StaticKVCache
 from lantern.models.gpt import GPT, FeedForward, RMSNorm, TransformerBlock, attention_bias
@@ -38,7 +38,7 @@ class DrafterOptions:
     ffn_hidden: Optional[int] = None  # SwiGLU width (None: the target's)
     norm_eps: Optional[float] = None  # RMSNorm epsilon (None: the target's)
     reads_prefix: bool = False  # True: its cache holds the prefix pairs (f_i, token 0), i < P-1 (LANTERN's)
-    # the caption mask its t2i features at padded slots were computed with (lantern.caption_mask.CAPTION_MASKS);
+    # the caption mask its t2i features at padded slots were computed with (lantern.engine.caption_mask.CAPTION_MASKS);
     # None: "lantern" if it reads the prefix, else "llamagen" (what bundles written before this field hold)
     caption_mask: Optional[str] = None
 
@@ -79,7 +79,7 @@ class Drafter(nn.Module):
 
     @property
     def caption_mask(self) -> str:
-        """The caption mask (lantern.caption_mask) its caption features are computed with."""
+        """The caption mask (lantern.engine.caption_mask) its caption features are computed with."""
         return self.options.caption_mask or ("lantern" if self.options.reads_prefix else "llamagen")
 
     def prefix_tokens(self, target: GPT, rows: torch.Tensor) -> torch.Tensor:

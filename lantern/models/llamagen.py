@@ -221,7 +221,7 @@ def read_lantern_drafter(folder: Path, target_cfg: GPTConfig) -> Drafter:
     options = DrafterOptions(input_norm="layers.0.input_layernorm.weight" in state, own_embedding=True,
                              ffn_hidden=int(conf.get("intermediate_size", target_cfg.ffn_hidden)),
                              norm_eps=float(conf.get("rms_norm_eps", 1e-6)), reads_prefix=True,
-                             caption_mask="lantern")  # fed as LANTERN feeds it (lantern.caption_mask)
+                             caption_mask="lantern")  # fed as LANTERN feeds it (lantern.engine.caption_mask)
     drafter = Drafter(target_cfg, options)
     load_into(drafter, lantern_drafter_keys(state, bias=conf.get("bias", True), dim=target_cfg.dim),
               f"drafter weights {files[0]}")

@@ -91,7 +91,7 @@ def _turn() -> ContextManager:
 
 
 def machine_id() -> dict:
-    from lantern.profile.environment import cpu_model
+    from lantern.backends.environment import cpu_model
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"host": socket.gethostname(), "cpu": cpu_model(), "cores": os.cpu_count(), "gpu": gpu,
             "platform": platform.platform()}

@@ -8,7 +8,7 @@ Schema version 2 (`"schema": "lantern-profile-results"`, `"schema_version": 2`):
     environment    CPU model, cores, accelerator, driver, python/torch/onnxruntime versions, lantern version
                    and git revision, hostname, platform
     provenance     {"machine", "commit", "command", "missing"}: what every committed results file names
-                   (lantern.profile.environment.provenance)
+                   (lantern.backends.environment.provenance)
     started_at, updated_at   ISO-8601 UTC
     complete       true once every planned case has a record
     cases          {case_id: case}; the case ids, B being the images per step (a batch size of the profile):

@@ -22,7 +22,8 @@ import torch
 from lantern.backends import BackendUnavailable, backend_class, get_backend, resolve_name
 from lantern.decoding.config import method_preset
 from lantern.decoding.trees import load_tree
-from lantern.profile import environment, measure
+from lantern.backends import environment
+from lantern.profile import measure
 from lantern.profile.hardware import TUNED_TREE, HardwareProfile, shipped_dir
 from lantern.profile.schema import (SCHEMA, SCHEMA_VERSION, generation_case_id, load_results, save_results,
                                     step_case_id)

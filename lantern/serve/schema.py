@@ -13,7 +13,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from lantern.seeds import is_seed, seed_refusal
+from lantern.engine.seeds import is_seed, seed_refusal
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "cfg_scale")
 FIELDS = ("prompt", "n", "response_format", "size", "model", "user", "class_id", "seed", "method", *SAMPLING_FIELDS,

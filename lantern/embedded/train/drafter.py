@@ -22,9 +22,9 @@ from tqdm import tqdm
 from lantern.bundle import weights_hash
 from lantern.models.drafter import Drafter
 from lantern.models.gpt import GPT
-from lantern.train.common import (Checkpoint, autocast, finished_report, lr_at, save_weights, seed_everything,
+from lantern.embedded.train.common import (Checkpoint, autocast, finished_report, lr_at, save_weights, seed_everything,
                                   set_lr, step_generator, write_json)
-from lantern.train.tokens import read_metadata
+from lantern.embedded.train.tokens import read_metadata
 
 
 @torch.no_grad()

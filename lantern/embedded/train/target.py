@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from lantern.models.config import GPTConfig
 from lantern.models.gpt import GPT
-from lantern.train.common import (Checkpoint, autocast, finished_report, lr_at, save_weights, seed_everything,
+from lantern.embedded.train.common import (Checkpoint, autocast, finished_report, lr_at, save_weights, seed_everything,
                                   set_lr, step_generator, write_json)
 
 

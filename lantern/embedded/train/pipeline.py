@@ -16,21 +16,21 @@ from safetensors.torch import load_file, save_file
 from lantern.files import atomic_io
 from lantern.bundle import Bundle, sha256_file, weights_hash
 from lantern.models.config import GPTConfig
-from lantern.data import HELD_OUT_FRACTION, SOURCE, SPLIT_SEED, load_digits_split
+from lantern.embedded.data import HELD_OUT_FRACTION, SOURCE, SPLIT_SEED, load_digits_split
 from lantern.files.reading import read_json_object
 from lantern.models.classifier import Classifier, ClassifierConfig
 from lantern.models.drafter import Drafter
 from lantern.models.gpt import GPT
 from lantern.models.vq import VQConfig, VQModel
 from lantern.models.proximity import build_proximity_table
-from lantern.train.base import copy_models, import_base, verified_manifest, write_grown_target
-from lantern.train.common import write_json
-from lantern.train.drafter import drafter_report, train_drafter
-from lantern.train.grow import RESIDUAL_OUTPUTS
-from lantern.train.quality import ACCURACY_SLACK, cached_evaluation, choose_sampling
-from lantern.train.selfsample import self_samples
-from lantern.train.target import train_target
-from lantern.train.tokens import token_dataset
+from lantern.embedded.train.base import copy_models, import_base, verified_manifest, write_grown_target
+from lantern.embedded.train.common import write_json
+from lantern.embedded.train.drafter import drafter_report, train_drafter
+from lantern.embedded.train.grow import RESIDUAL_OUTPUTS
+from lantern.embedded.train.quality import ACCURACY_SLACK, cached_evaluation, choose_sampling
+from lantern.embedded.train.selfsample import self_samples
+from lantern.embedded.train.target import train_target
+from lantern.embedded.train.tokens import token_dataset
 
 
 @dataclass(frozen=True)
@@ -227,13 +227,13 @@ def build_bundle(work: str | Path, out: str | Path, s: PipelineSettings, reports
         "data": {"source": SOURCE, "classes": "digits 0-9 (class id = digit)",
                  "image_size": bundle.vq.config.image_size,
                  "split": f"fixed per-class {HELD_OUT_FRACTION:.0%} held-out, SPLIT_SEED={SPLIT_SEED} "
-                          f"(lantern.data.held_out_indices)",
+                          f"(lantern.embedded.data.held_out_indices)",
                  "n_train": len(load_digits_split("train", 8).labels), "n_heldout": len(held.labels)},
         "base": {"command": reports["base"]["command"], "files": reports["base"]["files"],
                  "kept": "tokenizer (vq) and evaluator as they are; target grown",
                  "rebuild": "git archive fe25dc9 lantern/assets/default | tar -x -C BASE"},
         "growth": {"from_layers": s.gpt.n_layer // 2, "to_layers": s.gpt.n_layer,
-                   "recipe": "base layer i -> layers 2i and 2i+1 (lantern.train.grow); the copy's "
+                   "recipe": "base layer i -> layers 2i and 2i+1 (lantern.embedded.train.grow); the copy's "
                              f"{' and '.join(RESIDUAL_OUTPUTS)} zeroed, so training starts from the base function"},
         "settings": s.to_dict(),
         "stages": {k: v for k, v in reports.items() if k not in ("base", "reused_from")},

@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from lantern.data import augment, load_digits_split
+from lantern.embedded.data import augment, load_digits_split
 from lantern.models.vq import VQModel
 
 

@@ -33,7 +33,7 @@ class DigitsSplit:
 
 def _raw_digits() -> tuple[np.ndarray, np.ndarray]:
     from lantern.extras import require
-    require("sklearn", "the embedded digits data (lantern.data)")
+    require("sklearn", "the embedded digits data (lantern.embedded.data)")
     from sklearn.datasets import load_digits
     d = load_digits()
     return d.images.astype(np.float32), d.target.astype(np.int64)  # (1797, 8, 8) in 0..16, (1797,)

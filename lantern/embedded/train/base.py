@@ -1,5 +1,5 @@
 """The starting point of a bundle rebuild: an earlier bundle whose tokenizer and evaluator are kept as they
-are, and whose target is grown (lantern.train.grow) into the new, deeper one.
+are, and whose target is grown (lantern.embedded.train.grow) into the new, deeper one.
 
 The base's files are checked against its own manifest, then copied into the work dir under the names the
 training stages read (vq.*, evaluator.*, base_target.*); its training reports go to base_reports.json.
@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 from lantern.bundle import verify_bundle
 from lantern.models.config import GPTConfig
 from lantern.files.reading import read_json_object
-from lantern.train.common import write_json
-from lantern.train.grow import grow_by_duplication, grown_config
+from lantern.embedded.train.common import write_json
+from lantern.embedded.train.grow import grow_by_duplication, grown_config
 
 BASE_REPORTS = "base_reports.json"
 

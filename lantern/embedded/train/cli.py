@@ -26,8 +26,8 @@ def _train(args: argparse.Namespace) -> int:
     import torch
 
     from lantern.extras import require
-    from lantern.train.pipeline import load_target, load_vq
-    from lantern.train.tokens import token_dataset
+    from lantern.embedded.train.pipeline import load_target, load_vq
+    from lantern.embedded.train.tokens import token_dataset
 
     require("sklearn", "lantern train (the embedded digits data)", extra="train")
     if args.steps < 1 or args.batch < 1 or args.threads < 1 or not args.lr > 0:
@@ -36,7 +36,7 @@ def _train(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     work, bf16 = Path(args.work), not args.no_bf16
     if getattr(args, "bundle", None):
-        from lantern.train.bundle_drafter import train_bundle_drafter
+        from lantern.embedded.train.bundle_drafter import train_bundle_drafter
         report = train_bundle_drafter(args.bundle, work, args.steps, args.batch, args.lr, args.seed, bf16,
                                       args.per_class, args.chunks, args.install)
         print(json.dumps(report, indent=2))
@@ -44,10 +44,10 @@ def _train(args: argparse.Namespace) -> int:
     common = dict(steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed, bf16=bf16)
     if args.stage == "tokenizer":
         from lantern.models.vq import VQConfig
-        from lantern.train.tokenizer import train_tokenizer
+        from lantern.embedded.train.tokenizer import train_tokenizer
         report = train_tokenizer(str(work), VQConfig(codebook_size=args.codebook_size), **common)
     elif args.stage == "evaluator":
-        from lantern.train.evaluator import train_evaluator
+        from lantern.embedded.train.evaluator import train_evaluator
         report = train_evaluator(str(work), **common)
     else:
         for need in ("vq.safetensors", "vq_config.json"):
@@ -56,12 +56,12 @@ def _train(args: argparse.Namespace) -> int:
         data = token_dataset(load_vq(work), args.n_aug, args.seed, cache_dir=str(work))
         if args.stage == "target":
             from lantern.models.config import gpt_preset
-            from lantern.train.target import train_target
+            from lantern.embedded.train.target import train_target
             cfg = gpt_preset(args.preset)
             report = train_target(str(work), cfg, *data["train"], data["heldout"], **common,
                                   init_from=args.init_from, name=args.name)
         else:
-            from lantern.train.drafter import train_drafter
+            from lantern.embedded.train.drafter import train_drafter
             if not (work / f"{args.target_name}.safetensors").exists():
                 raise FileNotFoundError(f"{work / args.target_name}.safetensors is missing: "
                                         f"run `lantern train target` first")

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from lantern.data import augment, load_digits_split
+from lantern.embedded.data import augment, load_digits_split
 from lantern.models.classifier import Classifier, ClassifierConfig
-from lantern.train.common import (Checkpoint, autocast, lr_at, save_weights, seed_everything, set_lr,
+from lantern.embedded.train.common import (Checkpoint, autocast, lr_at, save_weights, seed_everything, set_lr,
                                   step_generator, write_json)
 
 

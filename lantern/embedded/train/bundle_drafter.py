@@ -1,6 +1,6 @@
 """`lantern train drafter --bundle B`: a drafter for any c2i bundle (an imported LlamaGen one too), by the recipe
 that built the embedded drafter: the target's own samples (batched AR at the bundle's sampling) as data, the frozen
-target's features, EAGLE-1's loss (lantern.train.drafter). Progress bars, a checkpoint every few steps and resume
+target's features, EAGLE-1's loss (lantern.embedded.train.drafter). Progress bars, a checkpoint every few steps and resume
 come from there; samples are cached by chunk, so an interrupted run resumes its sampling too.
 
 Writes `<work>/drafter.safetensors` with the target's weights hash (what `lantern import --drafter` and bundles
@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 from lantern.bundle import load_bundle, sha256_file
 from lantern.files.reading import read_json_object
 from lantern.models.checkpoint import weights_hash
-from lantern.train.drafter import train_drafter
-from lantern.train.selfsample import self_samples
+from lantern.embedded.train.drafter import train_drafter
+from lantern.embedded.train.selfsample import self_samples
 
 
 def train_bundle_drafter(bundle_path: str | Path, work: str | Path, steps: int, batch: int, lr: float, seed: int,

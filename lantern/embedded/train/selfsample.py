@@ -11,10 +11,10 @@ from tqdm import tqdm
 
 from lantern.api import Pipeline
 from lantern.decoding import SamplingConfig, method_preset
-from lantern.evaluate import GenerateFn
+from lantern.embedded.evaluate import GenerateFn
 from lantern.models.checkpoint import weights_hash
 from lantern.models.gpt import GPT
-from lantern.train.tokens import read_metadata
+from lantern.embedded.train.tokens import read_metadata
 
 
 def ar_sampler(target: GPT, sampling: dict) -> GenerateFn:

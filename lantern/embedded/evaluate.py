@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from lantern.bundle import Bundle
-from lantern.data import load_digits_split
-from lantern.metrics import class_accuracy, frechet_distance
+from lantern.embedded.data import load_digits_split
+from lantern.embedded.metrics import class_accuracy, frechet_distance
 
 GenerateFn = Callable[[torch.Tensor, int], torch.Tensor]  # (class_ids (n,), seed) -> codes (n, h*w)
 

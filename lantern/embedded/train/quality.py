@@ -1,4 +1,4 @@
-"""Sample quality while a bundle is built: AR samples through the Pipeline, scored by `lantern.evaluate`, cached
+"""Sample quality while a bundle is built: AR samples through the Pipeline, scored by `lantern.embedded.evaluate`, cached
 in the work dir (codes and report), and the rule that picks the bundle's sampling defaults from a sweep."""
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from safetensors.torch import load_file, save_file
 
 from lantern.files import atomic_io
 from lantern.bundle import Bundle
-from lantern.evaluate import evaluate
+from lantern.embedded.evaluate import evaluate
 from lantern.models.checkpoint import weights_hash
-from lantern.train.selfsample import ar_sampler
-from lantern.train.tokens import read_metadata
+from lantern.embedded.train.selfsample import ar_sampler
+from lantern.embedded.train.tokens import read_metadata
 
 ACCURACY_SLACK = 0.02  # candidates this close to the best class accuracy compete on Frechet distance
 
@@ -24,7 +24,7 @@ def sampling_name(sampling: dict) -> str:
 
 def cached_evaluation(work: str | Path, bundle: Bundle, sampling: dict, n_per_class: int, seed: int,
                       batch_size: int = 100) -> tuple[dict, torch.Tensor]:
-    """`lantern.evaluate.evaluate` of AR samples at `sampling` -> (report, codes (classes * n_per_class, L)),
+    """`lantern.embedded.evaluate.evaluate` of AR samples at `sampling` -> (report, codes (classes * n_per_class, L)),
     cached as `<work>/evaluations/<seed>_<sampling>.safetensors` (codes; report and key as JSON metadata)."""
     folder = Path(work) / "evaluations"
     folder.mkdir(parents=True, exist_ok=True)

@@ -265,7 +265,7 @@ def test_flat_verify_latency_gets_a_bigger_tree_than_steep():
 
 def generate_args(profile, classes, batch=None) -> Namespace:
     """The flags of `lantern generate --profile` that apply_profile reads, after apply_profile."""
-    from lantern.profile.cli import apply_profile
+    from lantern.cli.profile import apply_profile
     args = Namespace(profile=str(profile), backend=None, dtype=None, drafting=None, method="lantern++",
                      classes=classes, batch=batch)
     apply_profile(args)
@@ -437,7 +437,7 @@ def test_run_calibrates_auto_per_batch_size_and_generate_auto_reads_it(tiny_run,
     `--method auto --profile` takes its cost model from the results (interpolated between batch sizes)."""
     from lantern.api import ModelDefaults, Pipeline
     from lantern.plan import calibration
-    from lantern.profile.cli import profile_costs
+    from lantern.cli.profile import profile_costs
     from lantern.profile.source import load_source
     path, results, _ = tiny_run
     data = load_results(results)

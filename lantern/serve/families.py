@@ -24,8 +24,8 @@ CALIBRATION_PROMPTS = ("a photo of a cat sitting on a windowsill", "a red car pa
 
 
 def is_family(model: Optional[str]) -> bool:
-    """A transformers model folder (Janus, Chameleon, ...), not a lantern bundle (lantern.family_cli)."""
-    from lantern.family_cli import is_family_folder
+    """A transformers model folder (Janus, Chameleon, ...), not a lantern bundle (lantern.cli.family)."""
+    from lantern.cli.family import is_family_folder
     return is_family_folder(model)
 
 

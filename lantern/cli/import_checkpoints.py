@@ -6,7 +6,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from lantern.cli_args import number
+from lantern.cli.parsing import number
 
 
 

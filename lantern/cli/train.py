@@ -100,7 +100,7 @@ def add_train_commands(subparsers) -> None:
 
 def _info(args: argparse.Namespace) -> int:
     from lantern.bundle import bundle_methods, describe_bundle, verify_bundle
-    from lantern.family_cli import info_command, is_family_folder
+    from lantern.cli.family import info_command, is_family_folder
     from lantern.files.reading import read_json_object
     if is_family_folder(args.model):
         return info_command(args)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from lantern.cli_args import UsageError, check_writable, number
+from lantern.cli.parsing import UsageError, check_writable, number
 
 
 def add_export_onnx_command(subparsers) -> argparse.ArgumentParser:

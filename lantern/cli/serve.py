@@ -10,7 +10,7 @@ import socket
 import sys
 import threading
 
-from lantern.cli_args import number
+from lantern.cli.parsing import number
 from lantern.exit_codes import EXIT_INTERNAL, EXIT_OK
 
 SERVE_EXTRA_MODULES = ("starlette", "uvicorn", "prometheus_client")

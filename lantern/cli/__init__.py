@@ -14,12 +14,12 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-from lantern.cli_args import (Parser, Stopped, UsageError, check_writable, expected_failure, number,
+from lantern.cli.parsing import (Parser, Stopped, UsageError, check_writable, expected_failure, number,
                               stopped_by_signals)
 from lantern.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED_CASES, EXIT_INTERNAL, EXIT_OK, EXIT_UNAVAILABLE
-from lantern.profile.cli import add_profile_commands
+from lantern.cli.profile import add_profile_commands
 from lantern.engine.seeds import SEED_RANGE
-from lantern.embedded.train.cli import add_info_command, add_train_commands
+from lantern.cli.train import add_info_command, add_train_commands
 
 
 def add_decode_options(p: argparse.ArgumentParser) -> None:
@@ -168,7 +168,7 @@ def decode_plan(args, bundle, pipe, n_images: int, classes: Optional[list[int]] 
             print(f"lantern: warning: this relaxation bounds nothing: {warning}", file=sys.stderr)
         return dcfg, pipe.check(dcfg, args.batch), None
     from lantern.plan.backend_choice import choose_backend, pinned_backend
-    from lantern.profile.cli import profile_costs
+    from lantern.cli.profile import profile_costs
     if pinned_backend(args.backend) is None and not getattr(args, "profile", None):  # auto weighs every mode too
         choice = choose_backend(lambda name, dtype, **options: pipe
                                 if (name, dtype, options) == (pipe.backend.name, pipe.dtype, {}) else
@@ -191,10 +191,10 @@ def cmd_generate(args) -> dict:
     from lantern.backends import get_backend
     from lantern.bundle import load_bundle
     from lantern.engine import derive_seed
-    from lantern.family_cli import cmd_generate_family, is_family_folder
+    from lantern.cli.family import cmd_generate_family, is_family_folder
     from lantern.files.images import check_outputs, save_images
-    from lantern.profile.cli import apply_profile
-    from lantern.prompts_cli import check_prompt_args, encode_prompts, wants_prompts
+    from lantern.cli.profile import apply_profile
+    from lantern.cli.prompts import check_prompt_args, encode_prompts, wants_prompts
 
     if is_family_folder(args.model):
         return cmd_generate_family(args)
@@ -391,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--profile", help="hardware profile NAME or .toml FILE: its backend, dtype, threads, the tree "
                                      "tuned for this batch width, and for --method auto its calibration")
-    from lantern.prompts_cli import add_prompt_options
+    from lantern.cli.prompts import add_prompt_options
     add_prompt_options(g)
     add_decode_options(g)
     add_backend_options(g)
@@ -417,11 +417,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_profile_commands(sub)
     add_train_commands(sub)
     add_info_command(sub)
-    from lantern.onnx_cli import add_export_onnx_command
+    from lantern.cli.export_onnx import add_export_onnx_command
     add_export_onnx_command(sub)
-    from lantern.import_cli import add_import_command
+    from lantern.cli.import_checkpoints import add_import_command
     add_import_command(sub)
-    from lantern.serve.cli import add_serve_command
+    from lantern.cli.serve import add_serve_command
     add_serve_command(sub)
     return parser
 

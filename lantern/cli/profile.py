@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lantern.cli_args import check_writable, number
+from lantern.cli.parsing import check_writable, number
 from lantern.exit_codes import EXIT_FAILED_CASES, EXIT_OK, EXIT_UNAVAILABLE
 
 

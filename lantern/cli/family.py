@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from lantern.cli_args import UsageError, check_writable
+from lantern.cli.parsing import UsageError, check_writable
 from lantern.files.reading import UnreadableFile, read_json, read_json_object
 
 

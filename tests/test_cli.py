@@ -110,7 +110,8 @@ def test_gaudi_config_is_an_hpu_option(tmp_path, capsys):
 
 
 def test_fused_step_is_a_graph_backend_option(capsys):
-    from lantern.cli import backend_options, build_parser, main
+    from lantern.cli import build_parser, main
+    from lantern.cli.options import backend_options
     assert main(["generate", "--backend", "cpu", "--fused-step", "--json"]) == 2
     assert ("--fused-step is an option of the graph backends (cpu-graph, cuda-graph, hpu); the backend here is "
             "'cpu'") in json.loads(capsys.readouterr().out)["error"]

@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from lantern.files import atomic_io, user_cache
+from lantern.files import atomic_io, images, user_cache
 from lantern.cli import main
 from lantern.plan import calibration, records
 
@@ -42,10 +42,10 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
             raise RuntimeError("stopped mid-write")
     assert json.loads(path.read_text()) == {"a": 1} and os.listdir(tmp_path) == ["entry.json"]
     img = Image.new("RGB", (4, 4), "red")
-    atomic_io.save_image(img, tmp_path / "x.png")  # the format comes from the destination's suffix
+    images.save_image(img, tmp_path / "x.png")  # the format comes from the destination's suffix
     assert Image.open(tmp_path / "x.png").format == "PNG"
     with pytest.raises(ValueError, match="unknown image format"):
-        atomic_io.save_image(img, tmp_path / "x.notanimage")
+        images.save_image(img, tmp_path / "x.notanimage")
 
 
 def test_a_write_the_destination_refuses_names_the_destination_not_the_temporary(tmp_path):

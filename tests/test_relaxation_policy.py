@@ -80,7 +80,8 @@ def test_named_method_falls_back_to_lossless_and_says_why():
 def test_cli_named_method_relaxes_only_where_the_bundle_validated_it():
     """The embedded bundle validates relaxed MC-SJD at its own sampling and over the whole vocabulary at CFG 4.0
     (each with its own delta), not at CFG 7.5 (LANTERN's text-to-image guidance)."""
-    from lantern.cli import build_parser, named_relaxation
+    from lantern.cli import build_parser
+    from lantern.cli.options import named_relaxation
     bundle = load_bundle()
     parser = build_parser()
     sub = ["generate", "--method", "mc-sjd-relaxed", "--top-k", "0"]

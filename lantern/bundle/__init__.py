@@ -14,7 +14,6 @@ Layout of a bundle folder:
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -24,8 +23,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from lantern.files.reading import read_json_object, sha256_file  # noqa: F401  sha256_file: part of this API
 from lantern.models.config import GPTConfig
-from lantern.files.reading import read_json_object
 from lantern.models.checkpoint import load_into, weights_hash  # noqa: F401  weights_hash: part of this API
 from lantern.models.classifier import Classifier, ClassifierConfig
 from lantern.models.drafter import Drafter, DrafterOptions
@@ -34,11 +33,6 @@ from lantern.models.vq import VQConfig, VQModel
 from lantern.models.proximity import compact_table
 
 DEFAULT_BUNDLE = Path(__file__).parents[1] / "assets" / "default"
-
-
-def sha256_file(path: str | Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def from_section(config: dict, section: str, make, where: Path):

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from lantern.bundle import sha256_file
-from lantern.cli.parsing import check_writable
+from lantern.files.atomic_io import check_writable
 from lantern.models.config import GPTConfig
 from lantern.models.llamagen import (SAMPLING, WEIGHT_SETS, infer_gpt_config, infer_vq_config, is_lantern_drafter,
                               load_gpt, load_vq, read_lantern_drafter, read_llamagen_state, vq_state)

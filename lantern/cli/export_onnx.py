@@ -15,16 +15,23 @@ from pathlib import Path
 
 import torch
 
-from lantern.cli.parsing import UsageError, check_writable, number
+from lantern.backends import BackendUnavailable
+from lantern.backends.onnx_export import ensure_graphs
+from lantern.backends.onnx_runtime import ONNXBackend
+from lantern.cli.parsing import UsageError, number
+from lantern.decoding import METHODS, SamplingConfig, method_preset
+from lantern.engine.step import static_spec
+from lantern.extras import require
+from lantern.files.atomic_io import check_writable
+from lantern.bundle import load_bundle
+from lantern.models.checkpoint import load_checkpoint
+from lantern.models.config import GPT_PRESETS, gpt_preset
+from lantern.models.drafter import Drafter, prefix_pairs
+from lantern.models.gpt import GPT
 
 
-def add_export_onnx_command(subparsers) -> argparse.ArgumentParser:
-    """Register `export-onnx` (the lantern CLI's protocol: `func` returns a result dict or raises)."""
-    from lantern.models.config import GPT_PRESETS
-    from lantern.decoding import METHODS
-
-    p = subparsers.add_parser("export-onnx", help="export the ONNX graphs of a generation setup into a folder",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p) -> None:
+    p.description, p.formatter_class = __doc__, argparse.RawDescriptionHelpFormatter
     source = p.add_mutually_exclusive_group()
     source.add_argument("--model", help="bundle folder, as for generate (default: the embedded model)")
     source.add_argument("--preset", choices=sorted(GPT_PRESETS), help="instead of a bundle: a target model shape")
@@ -46,7 +53,6 @@ def add_export_onnx_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="export again even when an intact graph exists")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_export_onnx, show=print_export_onnx)
-    return p
 
 
 def export_models(args: argparse.Namespace, needs_drafter: bool):
@@ -55,15 +61,10 @@ def export_models(args: argparse.Namespace, needs_drafter: bool):
         if args.checkpoint or args.drafter_checkpoint:
             raise UsageError("--checkpoint and --drafter-checkpoint go with --preset; a bundle (--model) holds "
                              "its own weights")
-        from lantern.bundle import load_bundle
         bundle = load_bundle(args.model)
         if needs_drafter and bundle.drafter is None:
             raise UsageError(f"bundle {bundle.path} has no drafter; method {args.method!r} needs one")
         return bundle.target, bundle.drafter if needs_drafter else None, bundle.default_sampling["cfg_scale"], False
-    from lantern.models.config import gpt_preset
-    from lantern.models.checkpoint import load_checkpoint
-    from lantern.models.drafter import Drafter
-    from lantern.models.gpt import GPT
 
     torch.manual_seed(args.seed)
     target = GPT(gpt_preset(args.preset)).eval()
@@ -78,14 +79,6 @@ def export_models(args: argparse.Namespace, needs_drafter: bool):
 
 def cmd_export_onnx(args: argparse.Namespace) -> dict:
     """Export (or reuse) every graph; raises BackendUnavailable, ValueError or FileNotFoundError."""
-    from lantern.backends import BackendUnavailable
-    from lantern.backends.onnx_export import ensure_graphs
-    from lantern.backends.onnx_runtime import ONNXBackend
-    from lantern.decoding import SamplingConfig, method_preset
-    from lantern.engine.step import static_spec
-    from lantern.models.drafter import prefix_pairs
-    from lantern.extras import require
-
     require("onnx", "lantern export-onnx")
     require("onnxruntime", "lantern export-onnx")
     avail = ONNXBackend.availability()
@@ -103,7 +96,7 @@ def cmd_export_onnx(args: argparse.Namespace) -> dict:
     spec = static_spec(dcfg, target.config, args.batch, args.dtype,
                        draft_prefix=prefix_pairs(drafter, target.config))
     paths = ensure_graphs(target, drafter, spec, Path(args.out), force=args.force)
-    import onnxruntime as ort
+    import onnxruntime as ort  # the onnx extra, required above
 
     for path in paths.values():  # every written graph must open in the runtime it is for
         ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])

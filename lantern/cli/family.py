@@ -1,35 +1,27 @@
-"""`lantern generate --model <folder> --prompt ...` and `lantern info --model <folder>` for model-family folders
-(transformers model folders, lantern.models.family). Every input is checked before weights are loaded."""
+"""`lantern generate --model <folder> --prompt ...` for model-family folders (transformers model folders,
+lantern.models.family). Every input is checked before weights are loaded."""
 from __future__ import annotations
 
-import json
+import dataclasses
 import sys
 from pathlib import Path
 
-from lantern.cli.parsing import UsageError, check_writable
-from lantern.files.reading import UnreadableFile, read_json, read_json_object
+import torch
 
-
-TRANSFORMERS_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                      "pytorch_model.bin.index.json", "generation_config.json", "tokenizer.json",
-                      "tokenizer_config.json")
-
-
-def is_family_folder(model) -> bool:
-    """A transformers model folder, not a lantern bundle: its config.json names a `model_type`, or (a config.json
-    missing, unreadable or without one) the folder holds files only transformers folders have. What is wrong
-    with such a folder is left to the loader that reports it."""
-    if not model or not Path(model).is_dir():
-        return False
-    root = Path(model)
-    try:
-        config = read_json(root / "config.json")
-    except (FileNotFoundError, UnreadableFile):  # missing, a folder, unreadable, not UTF-8 or not JSON
-        config = None
-    if isinstance(config, dict) and "model_type" in config:
-        return True
-    return any((root / name).is_file() for name in TRANSFORMERS_FILES)
-
+from lantern.api import Pipeline
+from lantern.backends import get_backend
+from lantern.cli.options import backend_options, check_method_flags, decode_config_from_args, sampling_from_args
+from lantern.cli.parsing import UsageError
+from lantern.decoding.stats import GenerationStats
+from lantern.files.atomic_io import check_writable
+from lantern.files.images import save_images
+from lantern.files.reading import read_json_object
+from lantern.models.anole_drafter import check_anole_drafter, read_anole_drafter
+from lantern.models.chameleon import image_vocabulary, read_lantern_table
+from lantern.models.family import check_family, load_family
+from lantern.models.proximity import DEFAULT_K
+from lantern.models.text import read_prompts
+from lantern.plan.choose import MIN_SPEEDUP, choose
 
 RELAXED = ("lantern", "lantern++", "mc-sjd-relaxed")  # methods that read a proximity table of the VQ codebook
 
@@ -42,10 +34,6 @@ def needs_vq(args) -> bool:
 
 def check_family_request(args) -> list[str]:
     """Everything a family generation needs, checked before loading: returns the prompts."""
-    from lantern.backends import get_backend
-    from lantern.cli import backend_options
-    from lantern.models.family import check_family
-    from lantern.models.text import read_prompts
     info = check_family(args.model, args.vq, need_vq=needs_vq(args))
     prompts = read_prompts(args.prompt, args.prompts_file)
     if not prompts:
@@ -63,8 +51,7 @@ def check_family_request(args) -> list[str]:
         if info.family != "chameleon":
             raise UsageError(f"--drafter takes LANTERN's Anole drafters, for Chameleon folders; {args.model} is a "
                              f"{info.family} model")
-        from transformers import ChameleonConfig
-        from lantern.models.anole_drafter import check_anole_drafter
+        from transformers import ChameleonConfig  # the families extra
         check_anole_drafter(Path(args.drafter), ChameleonConfig.from_pretrained(args.model))
     if args.proximity is not None and info.family != "chameleon":
         raise UsageError(f"--proximity takes LANTERN's Anole table, for Chameleon folders; {args.model} is a "
@@ -80,21 +67,12 @@ def check_family_request(args) -> list[str]:
 
 def cmd_generate_family(args) -> dict:
     """--num-images images of each prompt; prompts of one token length share a pipeline (one static shape)."""
-    import torch
-
-    from lantern.api import Pipeline
-    from lantern.cli import backend_options, check_method_flags, decode_config_from_args
-    from lantern.decoding.stats import GenerationStats
-    from lantern.files.images import save_images
-    from lantern.models.family import load_family
-
     check_method_flags(args)
     prompts = check_family_request(args)
     lantern_table = read_family_table(args) if args.proximity is not None else None
     family = load_family(args.model, args.vq, need_vq=needs_vq(args))
     drafter = None
     if args.drafter is not None:
-        from lantern.models.anole_drafter import read_anole_drafter
         drafter = read_anole_drafter(Path(args.drafter), family.model)
     rows = [family.prompt_rows(p).expand(args.num_images, -1).contiguous() for p in prompts]
     auto = args.method == "auto"
@@ -144,8 +122,6 @@ def cmd_generate_family(args) -> dict:
 def read_family_table(args):
     """--proximity: LANTERN's Anole table in code order (lantern.models.chameleon.read_lantern_table), read against
     the folder's vocabulary map before any weights are loaded."""
-    from lantern.models.chameleon import image_vocabulary, read_lantern_table
-    from lantern.models.proximity import DEFAULT_K
     cfg = read_json_object(Path(args.model) / "config.json")
     return read_lantern_table(args.proximity, image_vocabulary(cfg["vocabulary_map"]), DEFAULT_K)
 
@@ -155,12 +131,6 @@ def choose_for_family(args, family, pipe, rows: list):
     the drafter trees, never a relaxed plan (none is validated for these models). The acceptance record is
     measured on the prompts of the first prompt length (the pipeline given) where the cache lacks it, both
     caches keyed by the folder's identity; the plan chosen runs every prompt."""
-    import dataclasses
-
-    import torch
-
-    from lantern.cli import sampling_from_args
-    from lantern.plan.choose import MIN_SPEEDUP, choose
     length = rows[0].shape[1]
     same = torch.cat([r for r in rows if r.shape[1] == length])  # (n, P): the rows this pipeline takes
     choice = choose(pipe, sum(r.shape[0] for r in rows), sampling_from_args(args, family), batch=args.batch,
@@ -170,54 +140,3 @@ def choose_for_family(args, family, pipe, rows: list):
                                                  f"{family.family} models)")
     print(f"lantern: {choice.summary()}", file=sys.stderr)
     return choice
-
-
-def family_info(model: str) -> dict:
-    """What a family folder is and what lantern runs on it: methods, and each registered backend's verdict."""
-    from lantern.backends import backend_class, registered
-    from lantern.models.family import inspect_folder, load_family
-    info = inspect_folder(model)
-    family = load_family(model)
-    backends = {}
-    for name in sorted(registered()):
-        cls = backend_class(name)
-        avail = cls.availability()
-        fam = cls.supports_family(info.family)
-        reasons = [r.reason for r in (avail, fam) if not r.ok]
-        backends[name] = "runs" if not reasons else "unavailable: " + "; ".join(reasons)
-    methods, missing = ["ar", "sjd", "mc-sjd"], {}
-    if info.family == "chameleon" and family.vq_path is not None:  # relaxed: the VQGAN codebook's proximity table
-        methods += ["mc-sjd-relaxed", "eagle2, lantern, lantern++ (with --drafter FOLDER: LANTERN's Anole drafter)"]
-    elif info.family == "chameleon":
-        methods.append("eagle2 (with --drafter FOLDER: LANTERN's Anole drafter)")
-        missing["lantern, lantern++, mc-sjd-relaxed"] = ("no VQGAN found, whose codebook gives the proximity table "
-                                                          "(or give --proximity: LANTERN's Anole table)")
-    else:
-        missing["eagle2, lantern, lantern++"] = "no drafter for this family yet"
-        missing["mc-sjd-relaxed"] = "no proximity table for this family yet"
-    methods.insert(0, "auto (lossless plans: " + ("ar, mc-sjd windows, eagle2 and trees with --drafter)"
-                                                  if info.family == "chameleon" else "ar, mc-sjd windows)"))
-    return {**family.describe(), "methods": methods, "methods_not_available": missing,
-            "backends": backends}
-
-
-def print_family_info(out: dict) -> None:
-    print(f"{out['path']}: {out['family']} ({out['architecture']}), language model {out['language_model']}")
-    print(f"image: {out['image_tokens']} tokens ({out['grid']} grid) over a VQ codebook of {out['image_vocab']}; "
-          f"default sampling " + ", ".join(f"{k} {v}" for k, v in out["default_sampling"].items()))
-    if "vq" in out:
-        print(f"VQGAN: {out['vq']}")
-    print("methods: " + ", ".join(out["methods"]) + " (prompt with --prompt TEXT)")
-    for what, why in out["methods_not_available"].items():
-        print(f"  not available: {what}: {why}")
-    for name, verdict in out["backends"].items():
-        print(f"backend {name:<11} {verdict}")
-
-
-def info_command(args) -> int:
-    out = family_info(args.model)
-    if args.json:
-        print(json.dumps(out))
-    else:
-        print_family_info(out)
-    return 0

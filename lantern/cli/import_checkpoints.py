@@ -7,20 +7,18 @@ import sys
 from pathlib import Path
 
 from lantern.cli.parsing import number
-
+from lantern.bundle.from_llamagen import ImportRequest, import_llamagen
+from lantern.models.llamagen import LLAMAGEN_GPT_SIZES, WEIGHT_SETS
+from lantern.models.proximity import CODEBOOK_PROXIMITIES, DEFAULT_K
 
 
 def proximity_help() -> str:
-    from lantern.models.proximity import CODEBOOK_PROXIMITIES
     computed = ", ".join(f"'{name}' (computed from {what})" for name, what in CODEBOOK_PROXIMITIES.items())
     return (f"{computed}, LANTERN's top_*_indices.npy, or a lantern proximity.safetensors; the bundle keeps the "
             f"first --proximity-k neighbours")
 
 
-def add_import_command(sub) -> None:
-    from lantern.models.llamagen import LLAMAGEN_GPT_SIZES, WEIGHT_SETS
-    from lantern.models.proximity import DEFAULT_K
-    p = sub.add_parser("import", help="make a bundle from LlamaGen checkpoints (docs/models.md)")
+def add_arguments(p) -> None:
     p.add_argument("--gpt", required=True, type=Path,
                    help="LlamaGen GPT checkpoint, c2i or t2i (.pt/.pth/.safetensors)")
     p.add_argument("--vq", required=True, type=Path,
@@ -47,7 +45,6 @@ def add_import_command(sub) -> None:
 
 
 def cmd_import(args) -> dict:
-    from lantern.bundle.from_llamagen import ImportRequest, import_llamagen
     req = ImportRequest(gpt=args.gpt, vq=args.vq, out=args.out, image_size=args.image_size, preset=args.preset,
                         heads=args.heads, weights=args.weights, drafter=args.drafter, proximity=args.proximity,
                         k=args.proximity_k, link=args.link, command="lantern " + shlex.join(sys.argv[1:]))

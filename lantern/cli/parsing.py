@@ -1,21 +1,21 @@
 """Checks of command-line input shared by every `lantern` command, so bad input fails before any work.
 
-`number(...)` is an argparse `type` for bounded ints and finite floats; `check_writable(...)` finds an output
-location that cannot be written before anything is generated; `Parser` reports a bad flag as a `UsageError`
-(exit code 2, one JSON object with --json) instead of exiting. Each names the bad value and what is allowed.
+`number(...)` is an argparse `type` for bounded ints and finite floats; `Parser` reports a bad flag as a
+`UsageError` (exit code 2, one JSON object with --json) instead of exiting; each names the bad value and what is
+allowed. `stopped_by_signals` and `expected_failure` say how a command that did not finish ends. (Output locations
+that cannot be written are found by lantern.files.atomic_io.check_writable.) Nothing here imports torch, so
+`lantern --help` stays quick.
 """
 from __future__ import annotations
 
 import argparse
 import errno
 import math
-import os
-import tempfile
+import signal
+import sys
+import threading
 from contextlib import contextmanager
-from pathlib import Path
-from typing import Callable, Optional
-
-from lantern.files.atomic_io import check_fits
+from typing import Callable
 
 
 class UsageError(ValueError):
@@ -62,26 +62,6 @@ def number(kind: type = float, low=None, high=None, low_open: bool = False) -> C
     return parse
 
 
-def check_writable(path: Path, what: str, folder: bool) -> None:
-    """Raise ValueError unless `path` (a folder, or a file when not `folder`) can be created or written.
-    The nearest existing ancestor gets one probe file, removed at once, so nothing is left behind."""
-    path = Path(path)
-    check_fits(path, what)
-    if path.exists() and folder != path.is_dir():
-        raise ValueError(f"{what} {path} exists and is {'not ' if folder else ''}a folder")
-    base: Optional[Path] = path if path.exists() and folder else path.parent
-    while not base.exists():
-        base = base.parent
-    if not base.is_dir():
-        raise ValueError(f"{what} {path} cannot be written: {base} is a file, not a folder")
-    try:
-        fd, probe = tempfile.mkstemp(dir=base, prefix=".lantern-write-probe-")
-    except OSError as e:
-        raise ValueError(f"{what} {path} cannot be written: {base} is not writable ({e.strerror})") from None
-    os.close(fd)
-    os.unlink(probe)
-
-
 class Stopped(BaseException):
     """Ctrl-C (SIGINT) or SIGTERM: the command stops where it is; its writes are atomic, so nothing it leaves is
     half a file. code: 128 + the signal's number, the shell's convention."""
@@ -94,8 +74,6 @@ class Stopped(BaseException):
 @contextmanager
 def stopped_by_signals():
     """Within: SIGINT and SIGTERM raise Stopped (in the main thread; elsewhere nothing changes)."""
-    import signal
-    import threading
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -124,9 +102,9 @@ def expected_failure(e: Exception, args) -> str:
     """The message for a failure that is the request's or the machine's, not lantern's (exit 2): memory that
     cannot be allocated for the requested size (naming the flag to change), a file the filesystem refuses. ''
     for anything else (lantern's own bug)."""
-    import torch
+    torch = sys.modules.get("torch")  # not loaded: no torch allocation could have failed
     text = str(e)
-    if isinstance(e, (MemoryError, torch.OutOfMemoryError)) or (
+    if isinstance(e, MemoryError) or (torch is not None and isinstance(e, torch.OutOfMemoryError)) or (
             isinstance(e, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())):
         flag = FLAGS_FOR_MEMORY.get(getattr(args, "command", ""), "the request's size")
         detail = text.splitlines()[0][:200] if text else type(e).__name__

@@ -1,4 +1,5 @@
-"""`lantern profile run | compare | tune`, and `apply_profile` for `lantern generate --profile NAME`.
+"""`lantern profile run | compare | calibrate | tune` (the profile suite, lantern.profile), and what
+`lantern generate --profile NAME` reads of a profile (`apply_profile`, `profile_costs`).
 
 Exit codes (also the "exit_code" field of the --json object): 0 every case ok; 1 some case failed (each
 is recorded in the results file with its error) or an internal error; 2 bad input (unknown profile, bad
@@ -8,14 +9,33 @@ No command ever prompts.
 from __future__ import annotations
 
 import argparse
+import datetime
+import sys
 from pathlib import Path
 
-from lantern.cli.parsing import check_writable, number
+import torch
+
+from lantern.api import DEFAULT_BATCH, Pipeline
+from lantern.cli.parsing import number
+from lantern.decoding.config import method_preset
+from lantern.decoding.sampling import SamplingConfig
+from lantern.decoding.trees import TREE_PRESETS
 from lantern.exit_codes import EXIT_FAILED_CASES, EXIT_OK, EXIT_UNAVAILABLE
+from lantern.extras import available, install_hint, require
+from lantern.files.atomic_io import check_writable
+from lantern.files.reading import UnreadableFile
+from lantern.bundle import load_bundle
+from lantern.plan.backend_choice import choose_backend
+from lantern.plan.calibration import ProfileCosts
+from lantern.profile import measure
+from lantern.profile.hardware import load_profile, profile_from_dict, write_tuned
+from lantern.profile.report import compare
+from lantern.profile.schema import SchemaError, calibration_entries, load_results, save_results
+from lantern.profile.suite import STATIC_TREE_METHODS, Suite, default_results_path
+from lantern.profile.tune import tune_results
 
 
-def add_profile_commands(subparsers) -> None:
-    prof = subparsers.add_parser("profile", help="cross-hardware profile suite: run, compare, tune")
+def add_arguments(prof) -> None:
     sub = prof.add_subparsers(dest="profile_command", required=True)
 
     r = sub.add_parser("run", help="measure one hardware profile into a results file (resumable)")
@@ -68,12 +88,10 @@ def add_profile_commands(subparsers) -> None:
 
 
 def _profile(spec):
-    from lantern.profile.hardware import load_profile, profile_from_dict
     return load_profile(spec) if spec else profile_from_dict({"name": "default"})
 
 
 def cmd_run(args) -> dict:
-    from lantern.profile.suite import Suite
     suite = Suite(_profile(args.profile), backend=args.backend, model=args.model,
                   out=Path(args.out) if args.out else None, fresh=args.fresh, progress=not args.no_progress)
     check_writable(suite.out, "results file", folder=False)
@@ -96,10 +114,6 @@ def print_run(out: dict) -> None:
 def cmd_calibrate(args) -> dict:
     """Every mode's calibration for the request size, measured now (compiles and exports included), cached where
     `--method auto` reads it; prints the choice it would make."""
-    from lantern.api import Pipeline
-    from lantern.bundle import load_bundle
-    from lantern.decoding.sampling import SamplingConfig
-    from lantern.plan.backend_choice import choose_backend
     bundle = load_bundle(args.model)
     choice = choose_backend(lambda name, dtype, **options: Pipeline.from_bundle(bundle, backend=name, dtype=dtype,
                                                                                 **options), args.images,
@@ -118,8 +132,6 @@ def print_calibrate(out: dict) -> None:
 
 
 def cmd_compare(args) -> dict:
-    from lantern.extras import available, install_hint, require
-    from lantern.profile.report import compare
     if args.plots:
         require("matplotlib", "lantern profile compare --plots")
     with_plots = not args.no_plots and available("matplotlib")
@@ -138,14 +150,6 @@ def print_compare(out: dict) -> None:
 
 
 def cmd_tune(args) -> dict:
-    import datetime
-
-    from lantern.decoding.trees import TREE_PRESETS
-    from lantern.profile.hardware import write_tuned
-    from lantern.profile.schema import load_results, save_results
-    from lantern.profile.suite import default_results_path
-    from lantern.profile.tune import tune_results
-
     profile = _profile(args.profile)
     results = Path(args.results) if args.results else default_results_path(profile)
     data = load_results(results)
@@ -196,10 +200,6 @@ def tuned_summary(tuned: dict) -> dict:
 def measure_tuned(profile_path: Path, data: dict, repeats, batches: list[int]) -> dict[int, dict]:
     """At each batch size, its tuned tree against the default 57-node tree, interleaved in one run on the
     profile's backend and the results file's model (the profile's classes cycled to that many images)."""
-    from lantern.decoding.config import method_preset
-    from lantern.profile import measure
-    from lantern.profile.hardware import load_profile
-    from lantern.profile.suite import Suite
 
     profile = load_profile(str(profile_path))  # re-read: it now names the tuned trees
     suite = Suite(profile, backend=data["backend"]["name"], model=data["model"]["name"])
@@ -243,11 +243,7 @@ def apply_profile(args: argparse.Namespace) -> None:
     generation runs at, min(images, --batch) (unless --drafting)."""
     if not getattr(args, "profile", None):
         return
-    import torch
 
-    from lantern.api import DEFAULT_BATCH
-    from lantern.profile.hardware import load_profile
-    from lantern.profile.suite import STATIC_TREE_METHODS
     profile = load_profile(args.profile)
     if args.backend is None:
         args.backend = profile.backend
@@ -267,13 +263,6 @@ def apply_profile(args: argparse.Namespace) -> None:
 def profile_costs(spec: str):
     """`--method auto --profile NAME`: the profile's calibration from its results file, or None (said on stderr)
     when it has none, in which case auto uses this machine's cached calibration."""
-    import sys
-
-    from lantern.files.reading import UnreadableFile
-    from lantern.plan.calibration import ProfileCosts
-    from lantern.profile.hardware import load_profile
-    from lantern.profile.schema import SchemaError, calibration_entries, load_results
-    from lantern.profile.suite import default_results_path
     profile = load_profile(spec)
     path = default_results_path(profile)
     try:

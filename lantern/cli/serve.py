@@ -10,8 +10,14 @@ import socket
 import sys
 import threading
 
+from lantern.backends import get_backend
+from lantern.cli.options import add_backend_options, backend_options
 from lantern.cli.parsing import number
+from lantern.decoding.config import METHODS
 from lantern.exit_codes import EXIT_INTERNAL, EXIT_OK
+from lantern.serve.config import ServeConfig
+from lantern.serve.families import check_model
+from lantern.serve.logs import log_json_to_stderr
 
 SERVE_EXTRA_MODULES = ("starlette", "uvicorn", "prometheus_client")
 
@@ -27,13 +33,8 @@ def missing_extra() -> list[str]:
     return missing
 
 
-def add_serve_command(subparsers) -> None:
-    from lantern.cli import add_backend_options
-    from lantern.decoding.config import METHODS
-    from lantern.serve.config import ServeConfig
+def add_arguments(s) -> None:
     d = ServeConfig()
-    s = subparsers.add_parser("serve", help="an HTTP service: POST /v1/images/generations, /health, /ready, "
-                                            "/metrics (needs the serve extra)")
     s.add_argument("--model", help="bundle folder, or a Janus / Chameleon (Anole) transformers folder "
                                    "(default: the embedded model)")
     s.add_argument("--method", choices=("auto", *METHODS), default=d.method,
@@ -82,8 +83,6 @@ def add_serve_command(subparsers) -> None:
 
 
 def config_from_args(args):
-    from lantern.cli import backend_options
-    from lantern.serve.config import ServeConfig
     methods = None
     if args.methods is not None:
         methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
@@ -115,14 +114,10 @@ def cmd_serve(args) -> int:
     if missing:
         raise ValueError(f"lantern serve needs the 'serve' extra (missing: {', '.join(missing)}); install it with "
                          f"pip install 'lantern-decoding[serve]'")
-    import uvicorn
+    import uvicorn  # the serve extra, checked above
 
-    from lantern.serve.app import build_app
-    from lantern.serve.logs import log_json_to_stderr
-    from lantern.serve.families import check_model
-    from lantern.serve.service import Service
-
-    from lantern.backends import get_backend
+    from lantern.serve.app import build_app  # the serve extra (starlette, prometheus_client)
+    from lantern.serve.service import Service  # the serve extra (prometheus_client)
     config = config_from_args(args)
     config.check()
     get_backend(config.backend, **config.backend_options)  # an unknown or unavailable backend fails before loading

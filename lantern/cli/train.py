@@ -1,7 +1,5 @@
-"""CLI wiring for `lantern train tokenizer|target|drafter|evaluator` and `lantern info`.
-
-Each `add_*` registers argparse subcommands on the main parser's subparsers; every handler prints its own
-output and returns an exit code; `lantern.cli.main` turns exceptions into error messages and exit codes.
+"""`lantern train tokenizer|target|drafter|evaluator`: one stage of the embedded model's training
+(lantern.embedded.train), or a drafter for any class-to-image bundle. Prints its report, returns an exit code.
 """
 from __future__ import annotations
 
@@ -9,7 +7,19 @@ import argparse
 import json
 from pathlib import Path
 
-from lantern.exit_codes import EXIT_BAD_INPUT, EXIT_OK
+import torch
+
+from lantern.embedded.train.bundle_drafter import train_bundle_drafter
+from lantern.embedded.train.drafter import train_drafter
+from lantern.embedded.train.evaluator import train_evaluator
+from lantern.embedded.train.pipeline import load_target, load_vq
+from lantern.embedded.train.target import train_target
+from lantern.embedded.train.tokenizer import train_tokenizer
+from lantern.embedded.train.tokens import token_dataset
+from lantern.exit_codes import EXIT_OK
+from lantern.extras import require
+from lantern.models.config import gpt_preset
+from lantern.models.vq import VQConfig
 
 
 def _common(p: argparse.ArgumentParser, steps: int, batch: int, lr: float) -> None:
@@ -23,12 +33,6 @@ def _common(p: argparse.ArgumentParser, steps: int, batch: int, lr: float) -> No
 
 
 def _train(args: argparse.Namespace) -> int:
-    import torch
-
-    from lantern.extras import require
-    from lantern.embedded.train.pipeline import load_target, load_vq
-    from lantern.embedded.train.tokens import token_dataset
-
     require("sklearn", "lantern train (the embedded digits data)", extra="train")
     if args.steps < 1 or args.batch < 1 or args.threads < 1 or not args.lr > 0:
         raise ValueError(f"--steps {args.steps}, --batch {args.batch} and --threads {args.threads} must be >= 1 "
@@ -36,18 +40,14 @@ def _train(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     work, bf16 = Path(args.work), not args.no_bf16
     if getattr(args, "bundle", None):
-        from lantern.embedded.train.bundle_drafter import train_bundle_drafter
         report = train_bundle_drafter(args.bundle, work, args.steps, args.batch, args.lr, args.seed, bf16,
                                       args.per_class, args.chunks, args.install)
         print(json.dumps(report, indent=2))
         return EXIT_OK
     common = dict(steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed, bf16=bf16)
     if args.stage == "tokenizer":
-        from lantern.models.vq import VQConfig
-        from lantern.embedded.train.tokenizer import train_tokenizer
         report = train_tokenizer(str(work), VQConfig(codebook_size=args.codebook_size), **common)
     elif args.stage == "evaluator":
-        from lantern.embedded.train.evaluator import train_evaluator
         report = train_evaluator(str(work), **common)
     else:
         for need in ("vq.safetensors", "vq_config.json"):
@@ -55,13 +55,10 @@ def _train(args: argparse.Namespace) -> int:
                 raise FileNotFoundError(f"{work / need} is missing: run `lantern train tokenizer --work {work}` first")
         data = token_dataset(load_vq(work), args.n_aug, args.seed, cache_dir=str(work))
         if args.stage == "target":
-            from lantern.models.config import gpt_preset
-            from lantern.embedded.train.target import train_target
             cfg = gpt_preset(args.preset)
             report = train_target(str(work), cfg, *data["train"], data["heldout"], **common,
                                   init_from=args.init_from, name=args.name)
         else:
-            from lantern.embedded.train.drafter import train_drafter
             if not (work / f"{args.target_name}.safetensors").exists():
                 raise FileNotFoundError(f"{work / args.target_name}.safetensors is missing: "
                                         f"run `lantern train target` first")
@@ -71,8 +68,7 @@ def _train(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def add_train_commands(subparsers) -> None:
-    p = subparsers.add_parser("train", help="train one stage of a bundle (tokenizer, target, drafter, evaluator)")
+def add_arguments(p) -> None:
     stages = p.add_subparsers(dest="stage", required=True)
     t = stages.add_parser("tokenizer", help="the VQ tokenizer on the digits training split")
     _common(t, steps=300, batch=32, lr=2e-3)
@@ -96,31 +92,3 @@ def add_train_commands(subparsers) -> None:
     _common(e, steps=300, batch=64, lr=2e-3)
     for sp in (t, g, d, e):
         sp.set_defaults(func=_train)
-
-
-def _info(args: argparse.Namespace) -> int:
-    from lantern.bundle import bundle_methods, describe_bundle, verify_bundle
-    from lantern.cli.family import info_command, is_family_folder
-    from lantern.files.reading import read_json_object
-    if is_family_folder(args.model):
-        return info_command(args)
-    problems = verify_bundle(args.model)
-    if args.json:
-        from lantern.bundle import DEFAULT_BUNDLE
-        root = Path(args.model) if args.model else DEFAULT_BUNDLE
-        manifest = read_json_object(root / "manifest.json")
-        print(json.dumps({"path": str(root), "problems": problems, "command": manifest.get("command"),
-                          "seed": manifest.get("seed"), "data": manifest.get("data"),
-                          "metrics": manifest.get("metrics"), "methods": bundle_methods(root)}))
-    else:
-        print(describe_bundle(args.model))
-        print("integrity: ok (every file matches its manifest sha256)" if not problems
-              else "integrity problems:\n  " + "\n  ".join(problems))
-    return EXIT_OK if not problems else EXIT_BAD_INPUT
-
-
-def add_info_command(subparsers) -> None:
-    p = subparsers.add_parser("info", help="what a bundle or model-family folder is, and what runs on it")
-    p.add_argument("--model", help="bundle folder or transformers model folder (default: the embedded model)")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=_info)

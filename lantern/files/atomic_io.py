@@ -16,7 +16,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 TEMP_MARK = ".lantern-"
 TEMP_SUFFIX = ".tmp"
@@ -91,17 +91,6 @@ def write_text(path: str | os.PathLike, text: str) -> None:
 
 def write_json(path: str | os.PathLike, data, indent: int | None = 1, sort_keys: bool = False) -> None:
     write_text(path, json.dumps(data, indent=indent, sort_keys=sort_keys) + "\n")
-
-
-def save_image(image, path: str | os.PathLike, **options) -> None:
-    """A PIL image to `path`, in the format its suffix names (.png, .jpg, ...)."""
-    from PIL import Image
-    path = Path(path)
-    fmt = Image.registered_extensions().get(path.suffix.lower())
-    if fmt is None:
-        raise ValueError(f"{path}: unknown image format {path.suffix!r}")
-    with atomic_path(path) as tmp:
-        image.save(tmp, format=fmt, **options)
 
 
 @contextmanager
@@ -200,3 +189,23 @@ def check_fits(path: str | os.PathLike, what: str) -> None:
     if len(os.fsencode(str(path))) + overhead >= path_max:
         raise ValueError(f"{what}: the path {str(path)[:60]}... is {len(os.fsencode(str(path)))} bytes; this "
                          f"filesystem allows {path_max - 1 - overhead} for a file lantern writes")
+
+
+def check_writable(path: Path, what: str, folder: bool) -> None:
+    """Raise ValueError unless `path` (a folder, or a file when not `folder`) can be created or written.
+    The nearest existing ancestor gets one probe file, removed at once, so nothing is left behind."""
+    path = Path(path)
+    check_fits(path, what)
+    if path.exists() and folder != path.is_dir():
+        raise ValueError(f"{what} {path} exists and is {'not ' if folder else ''}a folder")
+    base: Optional[Path] = path if path.exists() and folder else path.parent
+    while not base.exists():
+        base = base.parent
+    if not base.is_dir():
+        raise ValueError(f"{what} {path} cannot be written: {base} is a file, not a folder")
+    try:
+        fd, probe = tempfile.mkstemp(dir=base, prefix=".lantern-write-probe-")
+    except OSError as e:
+        raise ValueError(f"{what} {path} cannot be written: {base} is not writable ({e.strerror})") from None
+    os.close(fd)
+    os.unlink(probe)

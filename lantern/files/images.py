@@ -1,15 +1,27 @@
-"""Writing generated images: one PNG each and a labelled grid."""
+"""Writing images: any one image atomically, and generated images as one PNG each and a labelled grid."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+import psutil
 from PIL import Image
 
-from lantern.files.atomic_io import check_fits, remove_stale, save_image
+from lantern.files.atomic_io import atomic_path, check_fits, remove_stale
 
 GRID_PAD = 2  # white gutter between a grid's images, in pixels before upscaling
+
+
+def save_image(image: Image.Image, path: str | os.PathLike, **options) -> None:
+    """A PIL image to `path`, atomically, in the format its suffix names (.png, .jpg, ...)."""
+    path = Path(path)
+    fmt = Image.registered_extensions().get(path.suffix.lower())
+    if fmt is None:
+        raise ValueError(f"{path}: unknown image format {path.suffix!r}")
+    with atomic_path(path) as tmp:
+        image.save(tmp, format=fmt, **options)
 
 
 def make_grid(images: np.ndarray, cols: int | None = None, pad: int = GRID_PAD) -> np.ndarray:
@@ -34,7 +46,6 @@ def check_outputs(out_dir: Path, names: Sequence[str], size: int, scale: int, gr
     --scale whose largest image, the grid of `len(names)` images of size x size, cannot be held in memory."""
     for name in [*names, "grid"]:
         check_fits(Path(out_dir) / f"{name}.png", "--out")
-    import psutil
     rows, cols = grid_shape(len(names), grid_cols)
     pixels = (rows * (size + GRID_PAD) + GRID_PAD) * (cols * (size + GRID_PAD) + GRID_PAD)
     need = 2 * 3 * pixels * scale ** 2  # the upscaled grid and PNG encoding's copy of it, 3 bytes a pixel

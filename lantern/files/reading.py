@@ -8,6 +8,7 @@ problem alone from `UnreadableFile.problem`. See docs/reliability.md.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import tomllib
 from pathlib import Path
@@ -66,3 +67,9 @@ def read_toml(path: str | Path, what: str = "") -> dict:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise UnreadableFile(path, f"is not valid TOML ({e})", what) from None
+
+
+def sha256_file(path: str | Path) -> str:
+    """A file's sha256 digest (bundle manifests record one for every file)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()

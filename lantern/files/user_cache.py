@@ -21,10 +21,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+import platformdirs
+from filelock import FileLock, Timeout
+
 from lantern.files import atomic_io
 from lantern.files.reading import UnreadableFile, read_json
-
-import platformdirs
 
 CACHE_ENV = "LANTERN_CACHE_DIR"
 
@@ -87,7 +88,6 @@ def entry_folder(kind: str) -> Path:
 def entry_lock(path: Path, what: str) -> Iterator[None]:
     """Hold `<path>.lock` (released by the OS if this process dies): one process measures an entry at a time.
     A process that must wait says so once, then waits."""
-    from filelock import FileLock, Timeout
     lock = FileLock(f"{path}.lock")
     try:
         lock.acquire(timeout=0)

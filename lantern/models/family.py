@@ -18,7 +18,7 @@ from typing import Iterator, Protocol, runtime_checkable
 
 import torch
 
-from lantern.files.reading import read_json_object
+from lantern.files.reading import UnreadableFile, read_json, read_json_object
 from lantern.models.kv_cache import StaticKVCache
 from lantern.models.checkpoint import short_list
 
@@ -116,6 +116,27 @@ class FolderInfo:
 FAMILIES = {"janus": ("janus", "JanusForConditionalGeneration"),
             "chameleon": ("chameleon", "ChameleonForConditionalGeneration")}
 EXTRA = "families"  # the pyproject extra that brings transformers
+
+
+TRANSFORMERS_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                      "pytorch_model.bin.index.json", "generation_config.json", "tokenizer.json",
+                      "tokenizer_config.json")
+
+
+def is_family_folder(model) -> bool:
+    """A transformers model folder, not a lantern bundle: its config.json names a `model_type`, or (a config.json
+    missing, unreadable or without one) the folder holds files only transformers folders have. What is wrong
+    with such a folder is left to the loader that reports it."""
+    if not model or not Path(model).is_dir():
+        return False
+    root = Path(model)
+    try:
+        config = read_json(root / "config.json")
+    except (FileNotFoundError, UnreadableFile):  # missing, a folder, unreadable, not UTF-8 or not JSON
+        config = None
+    if isinstance(config, dict) and "model_type" in config:
+        return True
+    return any((root / name).is_file() for name in TRANSFORMERS_FILES)
 
 
 def inspect_folder(path: str | Path) -> FolderInfo:

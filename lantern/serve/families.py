@@ -25,7 +25,7 @@ CALIBRATION_PROMPTS = ("a photo of a cat sitting on a windowsill", "a red car pa
 
 def is_family(model: Optional[str]) -> bool:
     """A transformers model folder (Janus, Chameleon, ...), not a lantern bundle (lantern.cli.family)."""
-    from lantern.cli.family import is_family_folder
+    from lantern.models.family import is_family_folder
     return is_family_folder(model)
 
 

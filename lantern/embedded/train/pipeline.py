@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from lantern.files import atomic_io
+from lantern.files.images import save_image
 from lantern.bundle import Bundle, sha256_file, weights_hash
 from lantern.models.config import GPTConfig
 from lantern.embedded.data import HELD_OUT_FRACTION, SOURCE, SPLIT_SEED, load_digits_split
@@ -180,7 +180,7 @@ def write_samples_png(path: Path, bundle: Bundle, codes: torch.Tensor, n_per_cla
         idx = torch.nonzero(held.labels == c).flatten()[:2]
         recon = bundle.decode_images(bundle.vq.encode(held.images[idx]))
         rows.append(list(real_u8[idx.numpy()]) + list(recon) + list(bundle.decode_images(codes[c, :n_grid])))
-    atomic_io.save_image(sample_grid(rows), path, optimize=True)
+    save_image(sample_grid(rows), path, optimize=True)
 
 
 def build_bundle(work: str | Path, out: str | Path, s: PipelineSettings, reports: dict, command: str,

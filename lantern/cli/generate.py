@@ -1,0 +1,116 @@
+"""`lantern generate`: images from class ids or prompts, with a bundle (default: the embedded model) or a
+model-family folder (lantern.cli.family)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from lantern.api import Pipeline, check_classes
+from lantern.backends import get_backend
+from lantern.cli.family import cmd_generate_family
+from lantern.cli.options import (add_backend_options, add_decode_options, add_prompt_options, backend_options,
+                                 check_method_flags, check_prompt_args, decode_plan, encode_prompts,
+                                 relaxation_account, wants_prompts)
+from lantern.cli.parsing import UsageError, number
+from lantern.cli.profile import apply_profile
+from lantern.engine import derive_seed
+from lantern.engine.seeds import SEED_RANGE
+from lantern.files.atomic_io import check_writable
+from lantern.files.images import check_outputs, save_images
+from lantern.bundle import load_bundle
+from lantern.models.family import is_family_folder
+
+
+def add_arguments(g) -> None:
+    g.add_argument("--model", help="bundle folder, or a transformers model folder of a supported family "
+                                   "(docs/model-families.md) (default: the embedded model)")
+    g.add_argument("--classes", type=int, nargs="+", default=[0, 1, 2, 3], help="class ids, one image each")
+    g.add_argument("--num-images", type=number(int, 1), default=1,
+                   help="model-family folders: images per prompt (default 1)")
+    g.add_argument("--seed", type=number(int, *SEED_RANGE), default=0,
+                   help="image i draws from its own seed derived from this one (image 0: this seed itself; the "
+                        "JSON's 'seeds' and the file names give each): --seed <that> --classes <its class> "
+                        "reproduces one image alone")
+    g.add_argument("--out", default="out", help="folder for the PNGs and grid.png")
+    g.add_argument("--scale", type=number(int, 1), default=4, help="upscale factor of the written PNGs, >= 1")
+    g.add_argument("--no-images", action="store_true", help="tokens and stats only")
+    g.add_argument("--drafter", help="Chameleon / Anole folders: LANTERN's Anole drafter folder (config.json + "
+                                     "model.safetensors or pytorch_model.bin), for eagle2")
+    g.add_argument("--vq", help="Chameleon / Anole folders: the folder with vqgan.yaml and vqgan.ckpt (default: "
+                                "<model>/tokenizer, <model> or <model>/../tokenizer, where they are)")
+    g.add_argument("--proximity", help="Chameleon / Anole folders: LANTERN's Anole proximity table "
+                                       "(top_8191_indices.npy) for the relaxed methods (default: computed from the "
+                                       "VQGAN's codebook)")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--profile", help="hardware profile NAME or .toml FILE: its backend, dtype, threads, the tree "
+                                     "tuned for this batch width, and for --method auto its calibration")
+    add_prompt_options(g)
+    add_decode_options(g)
+    add_backend_options(g)
+    g.set_defaults(func=cmd_generate, show=print_generate)
+
+
+def cmd_generate(args) -> dict:
+    if is_family_folder(args.model):
+        return cmd_generate_family(args)
+    if args.vq is not None or args.drafter is not None or args.proximity is not None:
+        raise UsageError("--vq, --drafter and --proximity are for Chameleon / Anole folders; a bundle carries its "
+                         "own VQ model, drafter and proximity table")
+    check_method_flags(args)
+    prompts = check_prompt_args(args) if wants_prompts(args) else None
+    apply_profile(args)  # a --profile supplies backend, dtype, threads and the tree tuned for this batch width
+    options = backend_options(args)
+    get_backend(args.backend, **options)  # an unknown or unavailable backend fails before any loading or writing
+    if not args.no_images:
+        check_writable(Path(args.out), "--out", folder=True)
+    bundle = load_bundle(args.model)
+    if prompts is None and bundle.target.config.model_type == "t2i":
+        raise UsageError(f"{args.model} is a text-to-image bundle: give --prompt or --prompts-file (and --t5)")
+    if prompts is None:
+        check_classes(args.classes, bundle.target.config.num_classes)  # before auto measures anything
+    conditions = args.classes if prompts is None else encode_prompts(args, bundle, prompts)
+    seeds = [derive_seed(args.seed, i) for i in range(len(conditions))]  # each image's own seed
+    kind = "class" if prompts is None else "prompt"
+    if not args.no_images:
+        names = image_names(kind, args.classes if prompts is None else range(len(seeds)), seeds)
+        check_outputs(Path(args.out), names, bundle.vq.config.image_size, args.scale)
+    pipe = Pipeline.from_bundle(bundle, backend=args.backend, dtype=args.dtype, **options)
+    dcfg, batch, choice = decode_plan(args, bundle, pipe, len(conditions), None if prompts else list(args.classes))
+    pipe = getattr(choice, "pipeline", pipe)  # auto may have chosen another backend
+    result = pipe.generate(conditions, dcfg, seed=args.seed, progress=not args.json, batch=batch)
+    paths, grid = [], None
+    if not args.no_images:
+        images = bundle.decode_images(result.tokens)
+        paths, grid = save_images(images, Path(args.out), image_names(kind, result.conditions, seeds),
+                                  scale=args.scale)
+    s = result.stats.summary()
+    return {
+        "backend": result.backend, "device": result.device, "dtype": result.dtype, "mode": args.method,
+        "decode": dcfg.to_dict(), "seed": args.seed, "seeds": seeds,
+        "classes": result.conditions if prompts is None else None, "prompts": prompts,
+        "image_paths": paths, "grid_path": grid, "tokens": result.tokens.tolist(),
+        "batch": s["batch"], "num_tokens": s["tokens"], "target_forwards": s["target_forwards"],
+        "step_compression": s["step_compression"],
+        "mean_accepted_length": s["mean_accepted_length"], "phase_seconds": s["phase_seconds"],
+        "wall_seconds": s["wall_seconds"], "peak_memory_bytes": result.profile["memory"]["peak_bytes"],
+        "memory": result.profile["memory"], "warmup_seconds": result.profile["warmup_s"], "stats": s,
+        "plan": None if choice is None else {**choice.to_dict(), "measured_seconds": s["wall_seconds"]},
+        "relaxation": relaxation_account(args, bundle),
+    }
+
+
+def image_names(kind: str, conditions, seeds: list[int]) -> list[str]:
+    return [f"{i:03d}_{kind}{c}_seed{s}" for i, (c, s) in enumerate(zip(conditions, seeds))]
+
+
+def print_generate(out: dict) -> None:
+    st = out["stats"]
+    print(f"{out['mode']} on {out['backend']} ({out['device']}, {out['dtype']}): {st['tokens']} tokens in "
+          f"{st['wall_seconds']:.2f} s, {st['target_forwards']} target forwards, mean accepted length "
+          f"{st['mean_accepted_length']:.2f}")
+    if out["plan"]:
+        p = out["plan"]
+        print(f"auto ran {p['plan']} at {p['batch']} image(s) per step: predicted {p['predicted_seconds']:.2f} s "
+              f"({p['predicted_speedup']:.2f}x AR's predicted {p['predicted_ar_seconds']:.2f} s), measured "
+              f"{p['measured_seconds']:.2f} s")
+    if out["grid_path"]:
+        print(f"images: {len(out['image_paths'])} in {Path(out['grid_path']).parent}  grid: {out['grid_path']}")

@@ -558,7 +558,7 @@ def test_transformers_output_is_held_back_only_while_lantern_loads(family_folder
     from transformers import JanusConfig, JanusForConditionalGeneration
     from transformers.utils import logging as hf_logging
 
-    from lantern.models.family import load_pretrained, read_config
+    from lantern.models.folders import load_pretrained, read_config
     folder = damaged(family_folders, tmp_path, "janus", without("model.generation_head.proj_out."))
     hf_logging.set_verbosity_info()
     try:

@@ -11,6 +11,9 @@ Layout of a bundle folder:
     manifest.json "linked"   optional; target / vq weights referenced where they are (`lantern import --link`)
     manifest.json            how it was made: command, seed, data split, sha256 of every file, metrics
 `load_bundle()` with no path loads the embedded default, `lantern/assets/default`.
+
+A bundle is more than its models: it carries the relaxations it validated and the acceptance records it measured,
+read here in the planner's terms (lantern.plan.validated), so it sits above the planner and below lantern.api.
 """
 from __future__ import annotations
 
@@ -23,7 +26,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from lantern.files.reading import read_json_object, sha256_file  # noqa: F401  sha256_file: part of this API
+from lantern.bundle.linked_weights import check_linked, read_linked
+from lantern.decoding.config import method_preset, supported_methods
+from lantern.decoding.sampling import SamplingConfig
+from lantern.files.reading import read_json_object, sha256_file
 from lantern.models.config import GPTConfig
 from lantern.models.checkpoint import load_into, weights_hash  # noqa: F401  weights_hash: part of this API
 from lantern.models.classifier import Classifier, ClassifierConfig
@@ -31,6 +37,7 @@ from lantern.models.drafter import Drafter, DrafterOptions
 from lantern.models.gpt import GPT
 from lantern.models.vq import VQConfig, VQModel
 from lantern.models.proximity import compact_table
+from lantern.plan.validated import bound_problems, describe_bound, read_validations, same_sampling, sampling_text
 
 DEFAULT_BUNDLE = Path(__file__).parents[1] / "assets" / "default"
 
@@ -59,7 +66,6 @@ def load_model_weights(module: torch.nn.Module, root: Path, name: str, linked: d
     """`name`.safetensors of the bundle, or the file the manifest links for `name`, strictly into `module`."""
     if name not in linked:
         return load_weights_strict(module, root / f"{name}.safetensors")
-    from lantern.bundle.linked_weights import read_linked
     state = read_linked(linked[name], name)
     load_into(module, state, linked[name]["path"])
     return state
@@ -86,7 +92,6 @@ def verify_bundle(path: str | Path | None = None) -> list[str]:
         if name not in manifest.get("files", {}) and name.split(".")[0] not in linked:
             problems.append(f"{name}: not listed in the manifest")
     if linked:
-        from lantern.bundle.linked_weights import check_linked
         problems += check_linked(linked)
     return problems
 
@@ -127,19 +132,16 @@ class Bundle:
     def validations(self) -> dict:
         """Per relaxed method, its validated relaxations (lantern.plan.validated.Validation: settings, the
         sampling validated at, evidence), as tools/quality_frontier.py recorded them; {} if none."""
-        from lantern.plan.validated import read_validations
         return read_validations(self.manifest.get("relaxation_defaults", {}))
 
     @property
     def relaxation_defaults(self) -> dict[str, dict]:
         """Per method, the relaxation settings validated at the bundle's own sampling (relaxation_at)."""
-        from lantern.decoding.sampling import SamplingConfig
         return self.relaxation_at(SamplingConfig(**self.default_sampling))
 
     def relaxation_at(self, sampling) -> dict[str, dict]:
         """Per method, the relaxation settings validated at `sampling` (a SamplingConfig), as benchmarks at that
         sampling run them; {} if none (then a named relaxed method runs lossless: lantern.plan.validated)."""
-        from lantern.plan.validated import same_sampling
         vocab = self.target.config.vocab_size
         return {m: dict(v.settings) for m, entries in self.validations.items() for v in entries
                 if v.sampling is not None and same_sampling(v.sampling, sampling, vocab)}
@@ -209,7 +211,6 @@ def load_bundle(path: str | Path | None = None, verify: bool = True) -> Bundle:
 
 def bundle_methods(path: str | Path | None = None) -> list[str]:
     """The decoding methods a bundle folder supports (Jacobi methods need no drafter)."""
-    from lantern.decoding.config import supported_methods
     root = Path(path) if path is not None else DEFAULT_BUNDLE
     return supported_methods((root / "drafter.safetensors").exists(), (root / "proximity.safetensors").exists())
 
@@ -222,9 +223,6 @@ def proximity_k(root: Path) -> int:
 
 def relaxation_text(manifest: dict, config: dict, vocab: int) -> str:
     """Each validated relaxation in words: what it allows, where it was validated, its step compression."""
-    from lantern.decoding.config import method_preset
-    from lantern.decoding.sampling import SamplingConfig
-    from lantern.plan.validated import bound_problems, describe_bound, read_validations, sampling_text
     parts = []
     sampling = SamplingConfig(**{k: v for k, v in config.get("sampling", {}).items()})
     for method, entries in read_validations(manifest.get("relaxation_defaults", {})).items():

@@ -21,9 +21,9 @@ from typing import Optional
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
-from lantern.bundle import sha256_file
+from lantern.bundle import bundle_methods, sha256_file, verify_bundle
 from lantern.files.atomic_io import check_writable
 from lantern.models.config import GPTConfig
 from lantern.models.llamagen import (SAMPLING, WEIGHT_SETS, infer_gpt_config, infer_vq_config, is_lantern_drafter,
@@ -135,7 +135,6 @@ def read_drafter(path: Path, target_cfg: GPTConfig, target_state: dict) -> Draft
                          f"but this GPT's weights hash to {actual} (a drafter for another target)")
     options = DrafterOptions.from_dict(json.loads(meta["drafter_options"])) if "drafter_options" in meta else None
     drafter = Drafter(target_cfg, options)
-    from safetensors.torch import load_file
     load_into(drafter, load_file(str(path)), f"drafter {path}")
     return drafter.eval()
 
@@ -208,7 +207,6 @@ def import_llamagen(req: ImportRequest, progress: bool = True) -> dict:
     say(f"{got.size} {got.target_cfg.model_type}, VQ-{got.vq_cfg.downsample} {got.vq_cfg.codebook_size} codes; "
         f"writing {req.out}")
     write_bundle(req, got)
-    from lantern.bundle import bundle_methods, verify_bundle
     problems = verify_bundle(req.out)
     if problems:  # we just wrote it: a mismatch here is lantern's bug, not the user's input
         raise RuntimeError(f"the bundle just written fails verification: {problems}")

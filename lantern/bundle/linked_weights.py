@@ -10,10 +10,12 @@ from pathlib import Path
 
 import torch
 
+from lantern.files.reading import sha256_file
+from lantern.models.llamagen import GPT_IGNORED, read_llamagen_state, vq_state
+
 
 def check_linked(linked: dict) -> list[str]:
     """Problems with the linked files (empty = ok)."""
-    from lantern.bundle import sha256_file
     problems = []
     for name, entry in sorted(linked.items()):
         path = Path(entry["path"])
@@ -31,7 +33,6 @@ def check_linked(linked: dict) -> list[str]:
 def read_linked(entry: dict, name: str) -> dict[str, torch.Tensor]:
     """The state_dict of a linked LlamaGen file, minus what lantern's models do not hold (RoPE table, the VQ's
     training-only buffers)."""
-    from lantern.models.llamagen import GPT_IGNORED, read_llamagen_state, vq_state
     if entry.get("format") != "llamagen":
         raise ValueError(f"linked {name} weights have format {entry.get('format')!r}; allowed: 'llamagen'")
     state = read_llamagen_state(entry["path"], entry.get("weights", "model"), what=f"linked {name} checkpoint")

@@ -29,14 +29,8 @@ from typing import Optional
 import torch
 
 from lantern.backends.base import Runner, StepOutput
+from lantern.models.drafter import check_caption_mask
 
-CAPTION_MASKS = ("llamagen", "lantern")
-
-
-def check_caption_mask(name: str) -> str:
-    if name not in CAPTION_MASKS:
-        raise ValueError(f"caption mask {name!r}; allowed: {', '.join(CAPTION_MASKS)}")
-    return name
 
 
 def caption_slots_visible(captions: torch.Tensor) -> torch.Tensor:
@@ -53,7 +47,7 @@ def drafter_caption_mask(drafter) -> str:
 
 def prefill_caption_mask(mask: torch.Tensor, keys: torch.Tensor, convention: str) -> torch.Tensor:
     """mask (rows, T, S) the prefill's causal mask, keys (rows, S) bool the slots that are not padding ->
-    the mask under `convention` (CAPTION_MASKS)."""
+    the mask under `convention` (lantern.models.drafter.CAPTION_MASKS)."""
     hidden = mask & keys[:, None]
     t = mask.shape[1]
     if convention == "llamagen":  # a padded slot still sees itself
@@ -65,7 +59,8 @@ def prefill_caption_mask(mask: torch.Tensor, keys: torch.Tensor, convention: str
 
 class CaptionMaskedRunner:
     """`runner`, with every target mask also hiding each row's padded caption slots. visible (rows, P) bool;
-    convention (CAPTION_MASKS): what a padded slot attends at prefill (the features a drafter reads there)."""
+    convention (lantern.models.drafter.CAPTION_MASKS): what a padded slot attends at prefill (the features a
+    drafter reads there)."""
 
     def __init__(self, runner: Runner, visible: torch.Tensor, convention: Optional[str] = None):
         self._runner = runner

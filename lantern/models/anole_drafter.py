@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from pathlib import Path
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from lantern.files.reading import read_json_object
@@ -38,7 +39,7 @@ class AnoleDrafter(nn.Module):
 
     def __init__(self, layer_config, vocab: int, bias: bool = True):
         super().__init__()
-        from transformers.models.chameleon.modeling_chameleon import ChameleonDecoderLayer
+        from transformers.models.chameleon.modeling_chameleon import ChameleonDecoderLayer  # the families extra
         dim = layer_config.hidden_size
         self.embed_tokens = nn.Embedding(vocab, dim)
         self.fc = nn.Linear(2 * dim, dim, bias=bias)
@@ -95,7 +96,7 @@ def check_anole_drafter(folder: Path, tcfg) -> tuple[dict, Path]:
 
 def read_anole_drafter(folder: Path, target_model) -> AnoleDrafter:
     """LANTERN's Anole drafter folder -> an AnoleDrafter for `target_model` (a ChameleonForConditionalGeneration)."""
-    from transformers import ChameleonConfig
+    from transformers import ChameleonConfig  # the families extra
     tcfg = target_model.config
     conf, weights = check_anole_drafter(folder, tcfg)
     layer_config = ChameleonConfig(
@@ -122,7 +123,6 @@ def read_anole_drafter(folder: Path, target_model) -> AnoleDrafter:
 
 def read_state(path: Path) -> dict:
     if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
         return load_file(str(path))
     state = load_tensors_file(path, "drafter weights")
     if not isinstance(state, dict):

@@ -31,12 +31,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from lantern.files.reading import read_json_object
-from lantern.models.kv_cache import StaticKVCache
-from lantern.models.family import (FolderInfo, folder_identity, left_padded, load_pretrained, load_tokenizer,
-                                   read_config, rope_cos_sin, unpadded_positions)
+from lantern.models.folders import FolderInfo, folder_identity, load_pretrained, load_tokenizer, read_config
+from lantern.models.padding import left_padded, unpadded_positions
 from lantern.models.gpt import attention_bias
 from lantern.models.janus import STATIC_ROPE, rotate_half
+from lantern.models.kv_cache import StaticKVCache
 from lantern.models.placement import placed_copy
+from lantern.models.proximity import DEFAULT_K, build_proximity_table, index_dtype, read_npy_table
+from lantern.models.rope import rope_cos_sin
+from lantern.models.vqgan import check_vqgan_folder, load_vqgan, vq_files
 
 SPECIAL = {"bos": "<s>", "pad": "<pad>", "eot": "<reserved08706>", "boi": "<racm3:break>"}  # names in the vocabulary
 
@@ -193,7 +196,6 @@ def read_lantern_table(path: str | Path, bpe_of_code: torch.Tensor, k: int) -> t
     whose BPE token it names, so relaxed acceptance over codes sees the neighbourhoods LANTERN's acceptance sees.
     ValueError (naming the file) for a table that is not (V, K) integers in [0, V), or a vocabulary whose image
     tokens are not one contiguous block of ids (no slot order to read)."""
-    from lantern.models.proximity import index_dtype, read_npy_table
     v = len(bpe_of_code)
     offset = int(bpe_of_code.min())
     if int(bpe_of_code.max()) - offset != v - 1:
@@ -250,7 +252,6 @@ def check_config(cfg: dict, cfg_path: Path) -> tuple[int, int]:
 def find_vq(root: Path, given: Optional[str]) -> Optional[Path]:
     """The VQGAN folder: `given` (--vq), else the first of <model>/tokenizer, <model>, <model>/../tokenizer that
     holds vqgan.yaml and vqgan.ckpt (Chameleon's and Anole's layout); None if there is none."""
-    from lantern.models.vqgan import vq_files
     if given is not None:
         return Path(given)
     for folder in (root / "tokenizer", root, root.parent / "tokenizer"):
@@ -280,7 +281,6 @@ class ChameleonFamily:
     def check(cls, info: FolderInfo, vq: Optional[str] = None, need_vq: bool = False) -> Optional[Path]:
         """Everything but the weights: tokenizer, RoPE, and (where the VQ is needed) the VQGAN's files and shape.
         Returns the VQGAN folder (None if there is none and it is not needed)."""
-        from lantern.models.vqgan import check_vqgan_folder
         root = info.path
         if not any((root / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
             raise ValueError(f"{root} has no tokenizer (tokenizer.json): a prompt cannot be turned into tokens")
@@ -303,8 +303,7 @@ class ChameleonFamily:
 
     @classmethod
     def load(cls, info: FolderInfo, vq: Optional[str] = None, need_vq: bool = False) -> "ChameleonFamily":
-        from transformers import ChameleonConfig, ChameleonForConditionalGeneration
-        from lantern.models.vqgan import load_vqgan
+        from transformers import ChameleonConfig, ChameleonForConditionalGeneration  # the families extra
         vq_path = cls.check(info, vq, need_vq)
         vq_model = load_vqgan(vq_path) if need_vq and vq_path is not None else None  # refused before any work
         root = info.path
@@ -319,7 +318,7 @@ class ChameleonFamily:
 
     @property
     def identity(self) -> str:
-        """The folder's digest (lantern.models.family.folder_identity): what auto's caches are keyed by."""
+        """The folder's digest (lantern.models.folders.folder_identity): what auto's caches are keyed by."""
         return folder_identity(self.path)
 
     @property
@@ -364,7 +363,6 @@ class ChameleonFamily:
         if self.vq_path is None:
             raise ValueError(f"{self.path}: no VQGAN (give --vq FOLDER)")
         if self._vq is None:
-            from lantern.models.vqgan import load_vqgan
             self._vq = load_vqgan(self.vq_path)
         return self._vq
 
@@ -374,7 +372,6 @@ class ChameleonFamily:
 
     def proximity_table(self) -> torch.Tensor:
         """LANTERN's latent proximity table of the VQGAN codebook (V, k) in code order, for relaxed acceptance."""
-        from lantern.models.proximity import DEFAULT_K, build_proximity_table
         return build_proximity_table(self.vq.quantize.embedding.weight.detach(), DEFAULT_K)
 
     def describe(self) -> dict:

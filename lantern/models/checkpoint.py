@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
+import zipfile
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from lantern.files.atomic_io import atomic_path
@@ -25,7 +28,6 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
         try:
             sd = load_file(str(path))
         except Exception as e:  # noqa: BLE001  safetensors raises its own error types for a damaged header
@@ -53,8 +55,6 @@ def load_tensors_file(path: Path, what: str = "checkpoint", allowed: tuple = (),
     else, or no torch checkpoint at all, is refused with a ValueError naming `what`, the path and what lantern
     accepts. torch's own advice (to load with weights_only=False, executing the pickle) is never passed on.
     mmap: map the file instead of reading it (a legacy, non-zip file is read)."""
-    import pickle
-    import zipfile
     try:
         with torch.serialization.safe_globals(list(allowed)):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
@@ -109,7 +109,6 @@ def save_checkpoint(model: nn.Module, path: str | Path) -> None:
     sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     with atomic_path(path) as tmp:
         if path.suffix == ".safetensors":
-            from safetensors.torch import save_file
             save_file(sd, str(tmp))
         else:
             torch.save({"model": sd}, tmp)

@@ -23,10 +23,18 @@ from typing import Optional
 import torch
 from torch import nn
 
-from lantern.engine.caption_mask import check_caption_mask
 from lantern.models.config import GPTConfig, from_known_fields
 from lantern.models.kv_cache import StaticKVCache
 from lantern.models.gpt import GPT, FeedForward, RMSNorm, TransformerBlock, attention_bias
+
+# the conventions of the features a drafter reads at padded caption slots (lantern.engine.caption_mask)
+CAPTION_MASKS = ("llamagen", "lantern")
+
+
+def check_caption_mask(name: str) -> str:
+    if name not in CAPTION_MASKS:
+        raise ValueError(f"caption mask {name!r}; allowed: {', '.join(CAPTION_MASKS)}")
+    return name
 
 
 @dataclass(frozen=True)
@@ -38,7 +46,7 @@ class DrafterOptions:
     ffn_hidden: Optional[int] = None  # SwiGLU width (None: the target's)
     norm_eps: Optional[float] = None  # RMSNorm epsilon (None: the target's)
     reads_prefix: bool = False  # True: its cache holds the prefix pairs (f_i, token 0), i < P-1 (LANTERN's)
-    # the caption mask its t2i features at padded slots were computed with (lantern.engine.caption_mask.CAPTION_MASKS);
+    # the caption mask its t2i features at padded slots were computed with (CAPTION_MASKS above);
     # None: "lantern" if it reads the prefix, else "llamagen" (what bundles written before this field hold)
     caption_mask: Optional[str] = None
 

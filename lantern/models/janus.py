@@ -24,11 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lantern.models.kv_cache import StaticKVCache
-from lantern.models.family import (FolderInfo, folder_identity, left_padded, load_pretrained, load_tokenizer,
-                                   read_config, rope_cos_sin, unpadded_positions)
+from lantern.models.folders import FolderInfo, folder_identity, load_pretrained, load_tokenizer, read_config
 from lantern.models.gpt import attention_bias
+from lantern.models.kv_cache import StaticKVCache
+from lantern.models.padding import left_padded, unpadded_positions
 from lantern.models.placement import placed_copy
+from lantern.models.rope import rope_cos_sin
 
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # rope types whose frequencies do not depend on length
 
@@ -214,7 +215,7 @@ class JanusFamily:
 
     @property
     def identity(self) -> str:
-        """The folder's digest (lantern.models.family.folder_identity): what auto's caches are keyed by."""
+        """The folder's digest (lantern.models.folders.folder_identity): what auto's caches are keyed by."""
         return folder_identity(self.path)
 
     @property

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from safetensors.torch import load_file
 
 from lantern.models.config import GPTConfig
 from lantern.files.reading import read_json_object
@@ -45,7 +46,6 @@ def read_llamagen_state(path: str | Path, weights: str = "model", what: str = "c
     if not path.is_file():
         raise ValueError(f"{what} {path} does not exist")
     if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
         try:
             return _strip(load_file(str(path)))
         except Exception as e:  # noqa: BLE001  a damaged file is bad input

@@ -34,3 +34,12 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         out = torch.stack([xs[..., 0] * r[..., 0] - xs[..., 1] * r[..., 1],
                            xs[..., 1] * r[..., 0] + xs[..., 0] * r[..., 1]], dim=-1)
     return out.flatten(3).type_as(x)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A transformers rotary embedding at (B, T) positions -> cos, sin (B, T, 1, hd) in `dtype`, computed in fp32
+    as transformers does (inv_freq: its (hd/2,) frequencies; scaling: its attention_scaling)."""
+    freqs = positions[..., None].float() * inv_freq  # (B, T, hd/2)
+    emb = torch.cat([freqs, freqs], dim=-1)[:, :, None]
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)

@@ -118,7 +118,7 @@ class FamilyModel:
 
     def condition(self, row: list[int]) -> torch.Tensor:
         """A prompt's token row -> the engine's condition (prompt_len,), left-padded."""
-        from lantern.models.family import left_padded
+        from lantern.models.padding import left_padded
         return left_padded(torch.tensor([row], dtype=torch.long), self.prompt_len, self.target.pad)[0]
 
     def calibration_rows(self) -> torch.Tensor:

@@ -1,0 +1,6 @@
+"""lantern.models.config under the import path documented before 0.2 (the same module object, so either name works)."""
+import sys
+
+from lantern.models import config
+
+sys.modules[__name__] = config

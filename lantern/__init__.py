@@ -1,6 +1,8 @@
 """lantern: speculative decoding (EAGLE-2, LANTERN, LANTERN++, speculative Jacobi decoding) for LlamaGen-style
 visual autoregressive image generators, on swappable backends. The Python API is `lantern.api.Pipeline`; the
 command line is `lantern`."""
+import importlib
+import tomllib
 from importlib import metadata
 from pathlib import Path
 
@@ -10,7 +12,6 @@ def _version() -> str:
     try:
         return metadata.version("lantern-decoding")
     except metadata.PackageNotFoundError:
-        import tomllib
         pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
         return tomllib.loads(pyproject.read_text())["project"]["version"]
 
@@ -33,5 +34,4 @@ __all__ = ["__version__", *_PUBLIC]
 def __getattr__(name: str):
     if name not in _PUBLIC:
         raise AttributeError(f"module 'lantern' has no attribute {name!r}")
-    import importlib
     return getattr(importlib.import_module(_PUBLIC[name]), name)

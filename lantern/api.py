@@ -25,7 +25,10 @@ from lantern.decoding.sampling import SamplingConfig
 from lantern.decoding.stats import GenerationStats
 from lantern.engine import Engine, Request, derive_seed
 from lantern.engine.step import acceptance_rule, static_spec
+from lantern.models.checkpoint import model_hash, weights_hash
 from lantern.models.drafter import prefix_pairs
+from lantern.models.text import check_encoder_fits
+from lantern.plan.choose import MIN_SPEEDUP, choose
 
 
 @dataclass
@@ -116,7 +119,6 @@ class Pipeline:
         is predicted from its class's acceptance. min_speedup: the predicted speed-up over AR a plan needs to be
         chosen (None: lantern.plan.choose.MIN_SPEEDUP). prompts: (n, P) prompt rows a prompt-conditioned target
         (a model family's) measures its acceptance record and calibration on, where the cache lacks them."""
-        from lantern.plan.choose import MIN_SPEEDUP, choose
         sampling = sampling or self.defaults.sampling
         if sampling is None:
             raise ValueError("auto needs sampling settings: pass sampling=, or build the pipeline with "
@@ -134,7 +136,6 @@ class Pipeline:
     def model_key(self) -> str:
         """The identity that acceptance records and calibrations are keyed by: target (its weights, or a family
         target's `identity`), drafter and proximity table (hashed once per pipeline)."""
-        from lantern.models.checkpoint import model_hash, weights_hash
         identity = getattr(self.target, "identity", None)  # a family target: its folder's digest (family.py)
         if identity is None:
             h = hashlib.sha256(model_hash(self.target, self.drafter).encode())
@@ -190,7 +191,6 @@ class Pipeline:
             if self.text_encoder is None:
                 raise ValueError("prompts need a text encoder: set pipeline.text_encoder = "
                                  "lantern.models.text.T5Conditioner(folder), or pass caption embeddings")
-            from lantern.models.text import check_encoder_fits
             check_encoder_fits(self.text_encoder, self.config)
             conditions = self.text_encoder.encode(list(conditions))[0]
         cond = torch.as_tensor(conditions, dtype=torch.float32)

@@ -378,18 +378,16 @@ def test_acceptance_counts_per_depth_and_rank():
 
 def test_auto_source_prefers_the_embedded_bundle(tmp_path, monkeypatch, tiny):
     """With a `lantern.bundle` whose default bundle exists, `auto` loads it and records it as a bundle."""
-    import sys
     import types
 
+    from lantern.profile import source
     from lantern.profile.source import load_source
     target, drafter, proximity = tiny
     (tmp_path / "config.json").write_text("{}")
-    fake = types.ModuleType("lantern.bundle")
-    fake.DEFAULT_BUNDLE = tmp_path
-    fake.load_bundle = lambda path=None: types.SimpleNamespace(
+    monkeypatch.setattr(source, "DEFAULT_BUNDLE", tmp_path)
+    monkeypatch.setattr(source, "load_bundle", lambda path=None: types.SimpleNamespace(
         path=tmp_path, target=target, drafter=drafter, proximity=proximity, default_cfg_scale=3.0,
-        manifest={"files": {"target.safetensors": "ab12"}}, validations={}, acceptance_records={})
-    monkeypatch.setitem(sys.modules, "lantern.bundle", fake)
+        manifest={"files": {"target.safetensors": "ab12"}}, validations={}, acceptance_records={}))
     monkeypatch.setattr("importlib.util.find_spec", lambda name: object() if name == "lantern.bundle" else None)
     src = load_source("auto")
     # the embedded bundle is recorded by name, never by the folder it is installed in

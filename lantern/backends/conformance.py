@@ -32,6 +32,9 @@ import torch
 
 from lantern.backends.base import DTYPES, MemoryReport, Runner, StaticSpec, StepOutput, dummy_step_inputs
 from lantern.backends.registry import backend_class, get_backend
+from lantern.models.config import gpt_preset
+from lantern.models.drafter import Drafter
+from lantern.models.gpt import GPT
 
 TOLERANCE = {"fp32": 1e-4, "tf32": 5e-3, "bf16": 5e-2, "fp16": 1e-2}  # of the reference's largest |value|
 TREE_NODES = 6  # N: root + 5 drafted nodes
@@ -92,9 +95,6 @@ def check_backend(name: str, dtypes: Optional[Sequence[str]] = None, seed: int =
 
 def tiny_models(seed: int):
     """GPT-test and a drafter, random from `seed` (the caller's global RNG state is left as it was)."""
-    from lantern.models.config import gpt_preset
-    from lantern.models.drafter import Drafter
-    from lantern.models.gpt import GPT
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         target = GPT(gpt_preset("GPT-test")).eval()
@@ -290,7 +290,7 @@ def guarded(name: str, check: Callable[[], Check]) -> Check:
 
 def count_compiled_graphs(work: Callable[[], object]) -> int:
     """How many graphs torch.compile (dynamo) compiled while `work` ran; 0 for backends that do not use it."""
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import counters  # here, not at the top: importing dynamo costs seconds
     before = counters["stats"]["unique_graphs"]
     work()
     return counters["stats"]["unique_graphs"] - before

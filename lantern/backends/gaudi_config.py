@@ -89,7 +89,7 @@ def load_gaudi_config(path: Optional[str] = None) -> Optional[GaudiSettings]:
         raise ValueError(f"gaudi config {file} does not exist")
     optimum_config = None
     if optimum_habana_installed():
-        from optimum.habana import GaudiConfig
+        from optimum.habana import GaudiConfig  # the hpu extra
         optimum_config = GaudiConfig.from_pretrained(str(file))
         config = vars(optimum_config)
     else:

@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from lantern.backends.base import parse_dtype
 from lantern.models.kv_cache import slot_rows
 from lantern.models.checkpoint import model_hash
 from lantern.models.placement import placed_copy
@@ -218,8 +219,6 @@ def _example(key: GraphKey, target, drafter, dtype: torch.dtype):
 
 def export_graph(key: GraphKey, target, drafter, path: Path) -> None:
     """Export one graph with the project's exporter settings (fixed shapes, opset 17, weights inside)."""
-    from lantern.backends.base import parse_dtype
-
     dtype = parse_dtype(key.dtype)
     # own host copies in the graph's dtype, rotations kept in fp32 (as the torch runners place them)
     host = torch.device("cpu")

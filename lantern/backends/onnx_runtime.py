@@ -38,7 +38,7 @@ INSTALL_HINT = {"onnx": "pip install 'lantern-decoding[onnx]'",
 def _import_ort(name: str):
     """(onnxruntime, "") or (None, why it cannot be imported); imported lazily, never at module scope."""
     try:
-        import onnxruntime
+        import onnxruntime  # the onnx extra
     except ImportError:
         return None, f"onnxruntime is not installed ({INSTALL_HINT[name]})"
     return onnxruntime, ""

@@ -58,7 +58,7 @@ def as_inference(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def dynamic_length(t: torch.Tensor) -> torch.Tensor:
     """t, its last dimension marked dynamic for torch.compile: a step compiled once reads any number of cache
     slots (cpu-graph's bounded attention) instead of one graph per length."""
-    import torch._dynamo
+    import torch._dynamo  # here, not at the top: importing dynamo costs seconds
     torch._dynamo.mark_dynamic(t, t.dim() - 1)
     return t
 

@@ -9,8 +9,9 @@ dtype: 4 for fp32, 8 for int64, 1 for bool.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
+from lantern.decoding.config import method_preset
 from lantern.decoding.relaxation import WORKSPACE_BYTES
 
 FP32, INT64, BOOL = 4, 8, 1
@@ -135,9 +136,6 @@ def refusal(dcfg, width: int, needed, available: int, source: str, prediction: P
     """The refusal of `dcfg` at `width` images per step, naming what would fit: the widest smaller --batch, the
     widest smaller --top-k (powers of two), and AR where a speculative method was asked for. needed(dcfg, width):
     the bytes such a request still has to allocate."""
-    from dataclasses import replace
-
-    from lantern.decoding.config import method_preset
     fits = []
     batch = next((w for w in range(width - 1, 0, -1) if needed(dcfg, w) <= available), None)
     if batch is not None:

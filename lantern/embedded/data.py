@@ -18,6 +18,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from lantern.extras import require
+
 NUM_CLASSES = 10
 SPLIT_SEED = 20250101
 HELD_OUT_FRACTION = 0.2
@@ -32,9 +34,8 @@ class DigitsSplit:
 
 
 def _raw_digits() -> tuple[np.ndarray, np.ndarray]:
-    from lantern.extras import require
     require("sklearn", "the embedded digits data (lantern.embedded.data)")
-    from sklearn.datasets import load_digits
+    from sklearn.datasets import load_digits  # the eval and train extras, required above
     d = load_digits()
     return d.images.astype(np.float32), d.target.astype(np.int64)  # (1797, 8, 8) in 0..16, (1797,)
 

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from lantern.bundle import Bundle
+from lantern.embedded.data import load_digits_split
 from lantern.embedded.metrics import class_accuracy, frechet_distance
 
 Z = 3.0  # tolerance in AR's standard deviations
@@ -48,7 +49,6 @@ class Measure:
 
 def heldout_features(bundle: Bundle) -> np.ndarray:
     """The evaluator's features of the held-out real images: the Frechet distance's reference set."""
-    from lantern.embedded.data import load_digits_split
     if bundle.evaluator is None:
         raise ValueError(f"bundle {bundle.path} has no evaluator.safetensors; the quality gate needs one")
     held = load_digits_split("heldout", bundle.vq.config.image_size)

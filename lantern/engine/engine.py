@@ -17,7 +17,7 @@ from lantern.decoding.drafting import PrefixPairs
 from lantern.decoding.sampling import SamplingConfig
 from lantern.decoding.stats import GenerationStats
 from lantern.engine.draws import SlotDraws, check_seed
-from lantern.engine.fused import FusedStep
+from lantern.engine.fused import WARM_CALLS, FusedStep
 from lantern.engine.proposers import make_proposer
 from lantern.engine.sampling import SamplingOverrides, SlotSampling, request_sampling
 from lantern.engine.step import Slots, condition_rows, decode_step, prefill
@@ -194,7 +194,6 @@ class Engine:
         step has nothing to do. Call it while the engine is idle."""
         if self._fused is None:
             return
-        from lantern.engine.fused import WARM_CALLS
         cfg = self.pipeline.config
         neutral = {"c2i": lambda: 0, "t2i": lambda: torch.zeros(cfg.cls_token_num, cfg.caption_dim),
                    "prompt": lambda: self.slots.cond[0].cpu()}[self._kind]()

@@ -186,7 +186,7 @@ class JanusFamily:
     @classmethod
     def load(cls, info: FolderInfo) -> "JanusFamily":
         """Check the folder's generation token ids, tokenizer, RoPE and grid, then load weights and tokenizer."""
-        from transformers import GenerationConfig, JanusConfig, JanusForConditionalGeneration
+        from transformers import GenerationConfig, JanusConfig, JanusForConditionalGeneration  # the families extra
         root = info.path
         gen = GenerationConfig.from_pretrained(root) if (root / "generation_config.json").exists() else None
         ids = {"bos": getattr(gen, "bos_token_id", None), "pad": getattr(gen, "pad_token_id", None),

@@ -107,7 +107,7 @@ def t5_folder(path: Optional[str | Path]) -> Path:
 
 def require_transformers():
     try:
-        import transformers
+        import transformers  # the t2i extra
     except ImportError:
         raise ValueError("prompts need the `transformers` package: pip install 'lantern-decoding[t2i]'") from None
     return transformers

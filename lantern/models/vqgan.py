@@ -135,7 +135,7 @@ class VQGANDecoder(nn.Module):
 
 def read_vqgan_config(path: Path) -> tuple[int, int, dict]:
     """vqgan.yaml -> (n_embed, embed_dim, ddconfig); ValueError naming what is missing."""
-    import yaml
+    import yaml  # the families extra
     try:
         cfg = yaml.safe_load(path.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:

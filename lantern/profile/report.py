@@ -222,9 +222,9 @@ def markdown(files: list[tuple[str, dict]], plots: dict) -> str:
 
 
 def plot(files: list[tuple[str, dict]], out_dir: Path) -> dict:
-    import matplotlib
+    import matplotlib  # the plots extra
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # the plots extra
 
     measured = [(n, d) for n, d in files if d["backend"].get("available")]
     makers = {"latency vs N": (plot_latency, "latency_vs_n.png"), "speed-up": (plot_speedup, "speedup.png"),

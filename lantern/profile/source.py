@@ -16,7 +16,11 @@ from typing import Optional
 
 import torch
 
+from lantern.bundle import DEFAULT_BUNDLE, load_bundle
 from lantern.models.config import gpt_preset
+from lantern.models.drafter import Drafter
+from lantern.models.gpt import GPT
+from lantern.models.proximity import build_proximity_table
 
 DEFAULT_RANDOM = "GPT-small"
 RANDOM_CFG_SCALE = 4.0  # LlamaGen's class-conditional default
@@ -37,7 +41,6 @@ class ModelSource:
 def has_embedded_bundle() -> bool:
     if importlib.util.find_spec("lantern.bundle") is None:
         return False
-    from lantern.bundle import DEFAULT_BUNDLE
     return (DEFAULT_BUNDLE / "config.json").is_file()
 
 
@@ -55,7 +58,6 @@ def load_source(spec: str = "auto") -> ModelSource:
 def _bundle_source(path: Optional[str]) -> ModelSource:
     if importlib.util.find_spec("lantern.bundle") is None:
         raise ValueError("this lantern has no lantern.bundle module; use model = \"random:GPT-small\"")
-    from lantern.bundle import load_bundle
     b = load_bundle(path)
     # the name is a valid source spec, so `tune --measure` reloads exactly this bundle; the embedded one is named
     # "bundle", never by the folder it happens to be installed in (its files' hashes say which model it was)
@@ -68,9 +70,6 @@ def _bundle_source(path: Optional[str]) -> ModelSource:
 
 
 def random_source(preset: str, seed: int = 0) -> ModelSource:
-    from lantern.models.drafter import Drafter
-    from lantern.models.gpt import GPT
-    from lantern.models.proximity import build_proximity_table
     cfg = gpt_preset(preset)
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)

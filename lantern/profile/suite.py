@@ -18,11 +18,15 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+from tqdm import tqdm
 
-from lantern.backends import BackendUnavailable, backend_class, get_backend, resolve_name
+from lantern.api import Pipeline
+from lantern.backends import BackendUnavailable, backend_class, environment, get_backend, resolve_name
 from lantern.decoding.config import method_preset
 from lantern.decoding.trees import load_tree
-from lantern.backends import environment
+from lantern.plan import calibration, records
+from lantern.plan.candidates import AR, candidate_plans
+from lantern.plan.choose import allowed_relaxation, runnable
 from lantern.profile import measure
 from lantern.profile.hardware import TUNED_TREE, HardwareProfile, shipped_dir
 from lantern.profile.schema import (SCHEMA, SCHEMA_VERSION, generation_case_id, load_results, save_results,
@@ -153,9 +157,6 @@ class Suite:
                 for b in self.profile.batch_sizes]
 
     def _calibrate(self, width: int) -> dict:
-        from lantern.plan import calibration, records
-        from lantern.plan.candidates import AR, candidate_plans
-        from lantern.plan.choose import allowed_relaxation, runnable
         src, pipe = self.source, self.make_pipe()
         relaxation, _ = allowed_relaxation(True, src.relaxation, self.sampling, src.target.config.vocab_size)
         plans, _ = runnable(pipe, candidate_plans(src.drafter is not None, src.proximity is not None, relaxation),
@@ -181,7 +182,6 @@ class Suite:
     def make_pipe(self):
         """A new Pipeline per case: the runners an earlier case prepared are freed first, so each case's
         memory is its own (a Pipeline keeps every runner it prepared)."""
-        from lantern.api import Pipeline
         gc.collect()
         src = self.source
         return Pipeline(src.target, src.drafter, src.proximity, backend=self.backend_name, dtype=self.profile.dtype,
@@ -245,7 +245,6 @@ class Suite:
         cases = self.plan()
         todo = [c for c in cases if data["cases"].get(c.id, {}).get("status") != "ok"]
         save_results(data, self.out)
-        from tqdm import tqdm
         bar = tqdm(todo, desc=f"profile {p.name}", unit="case", file=sys.stderr, disable=not self.progress)
         for case in bar:
             bar.set_postfix_str(case.id)

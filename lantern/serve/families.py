@@ -15,7 +15,12 @@ from typing import Optional
 
 import torch
 
+from lantern.backends import get_backend
+from lantern.bundle import load_bundle
+from lantern.models.family import check_family, is_family_folder, load_family
+from lantern.models.padding import left_padded
 from lantern.serve.config import ServeConfig
+from lantern.serve.prompts import check_prompt_encoder
 
 # what auto's background planning measures a family's acceptance on where the cache lacks it (a bundle's classes
 # play this part); the record is kept for every later prompt, as `lantern generate --method auto` keeps it
@@ -24,8 +29,7 @@ CALIBRATION_PROMPTS = ("a photo of a cat sitting on a windowsill", "a red car pa
 
 
 def is_family(model: Optional[str]) -> bool:
-    """A transformers model folder (Janus, Chameleon, ...), not a lantern bundle (lantern.cli.family)."""
-    from lantern.models.family import is_family_folder
+    """A transformers model folder (Janus, Chameleon, ...), not a lantern bundle (lantern.models.family)."""
     return is_family_folder(model)
 
 
@@ -35,15 +39,12 @@ def check_model(config: ServeConfig) -> None:
     config, tokenizer and VQ (images are the answer: Chameleon's VQGAN must be there), the backend runs the family,
     and no setting that is a bundle's alone."""
     if not is_family(config.model):
-        from lantern.serve.prompts import check_prompt_encoder
         if config.vq is not None:
             model = config.model or "the embedded model"
             raise ValueError(f"--vq {config.vq}: a VQGAN folder is for Chameleon folders; {model} is a lantern "
                              f"bundle, which decodes with its own VQ")
         check_prompt_encoder(config.model, config.t5)
         return
-    from lantern.backends import get_backend
-    from lantern.models.family import check_family
     info = check_family(config.model, config.vq, need_vq=True)
     if config.t5 is not None:
         raise ValueError(f"--t5 encodes prompts for LlamaGen t2i bundles; {config.model} is a {info.family} model, "
@@ -58,7 +59,6 @@ def load_model(config: ServeConfig):
     """The served model: a lantern.bundle.Bundle, or a FamilyModel for a family folder."""
     if is_family(config.model):
         return FamilyModel.load(config)
-    from lantern.bundle import load_bundle
     return load_bundle(config.model)
 
 
@@ -85,7 +85,6 @@ class FamilyModel:
 
     @classmethod
     def load(cls, config: ServeConfig) -> "FamilyModel":
-        from lantern.models.family import load_family
         return cls(load_family(config.model, config.vq, need_vq=True), config.max_prompt_tokens)
 
     @property
@@ -118,7 +117,6 @@ class FamilyModel:
 
     def condition(self, row: list[int]) -> torch.Tensor:
         """A prompt's token row -> the engine's condition (prompt_len,), left-padded."""
-        from lantern.models.padding import left_padded
         return left_padded(torch.tensor([row], dtype=torch.long), self.prompt_len, self.target.pad)[0]
 
     def calibration_rows(self) -> torch.Tensor:

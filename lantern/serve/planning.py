@@ -18,6 +18,8 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import torch
+
 from lantern.decoding.config import DecodeConfig
 from lantern.plan import calibration
 from lantern.plan.candidates import AR
@@ -76,7 +78,6 @@ class BackgroundPlanner:
         self.on_state(state)
 
     def _run(self) -> None:
-        import torch
         self.worker.ready.wait()
         if self.worker.failure is not None:
             self._set("stopped")

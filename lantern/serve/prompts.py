@@ -10,6 +10,7 @@ from typing import Optional
 
 from lantern.bundle import DEFAULT_BUNDLE
 from lantern.files.reading import read_json_object
+from lantern.models.text import require_transformers, t5_folder
 
 ENCODE_BATCH = 16  # prompts encoded in one T5 call, as the CLI does
 
@@ -34,7 +35,6 @@ def check_prompt_encoder(model: Optional[str], t5: Optional[str]) -> None:
             raise ValueError(f"--t5 {t5}: a T5 encoder is for text-to-image bundles; {model or 'the embedded model'} "
                              f"is {kind} (its requests give class_id)")
         return
-    from lantern.models.text import require_transformers, t5_folder
     t5_folder(t5)
     require_transformers()
 

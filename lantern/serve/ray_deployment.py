@@ -36,7 +36,7 @@ DEFAULT_OPTIONS = dict(
 class LanternDeployment:
     async def __init__(self, config: ServeConfig):
         if config.threads is None:  # the replica's CPUs (ray_actor_options num_cpus), not the whole machine's cores
-            import ray
+            import ray  # the ray extra
             cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
             if cpus:
                 config = replace(config, threads=max(1, int(cpus)))

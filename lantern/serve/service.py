@@ -23,6 +23,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Awaitable, Callable
 
+import psutil
+import torch
 from PIL import Image
 
 from lantern.api import Pipeline
@@ -31,7 +33,9 @@ from lantern.decoding.config import supported_methods
 from lantern.decoding.sampling import SamplingConfig
 from lantern.engine import Request, SamplingOverrides, derive_seed
 from lantern.engine.sampling import PER_REQUEST
+from lantern.models.text import T5Conditioner, check_encoder_fits
 from lantern.plan.backend_choice import choose_backend, pinned_backend
+from lantern.plan.validated import named_config
 from lantern.serve.config import ServeConfig
 from lantern.serve.families import FamilyModel, check_model, load_model
 from lantern.serve.metrics import ServeMetrics
@@ -111,7 +115,6 @@ class Service:
 
     def _prompt_batcher(self) -> PromptBatcher:
         """t2i: the T5 encoder (config.t5, else $LANTERN_T5), checked against the GPT's caption shape."""
-        from lantern.models.text import T5Conditioner, check_encoder_fits
         cfg = self.model.target.config
         encoder = T5Conditioner(self.config.t5, max_tokens=cfg.cls_token_num)
         check_encoder_fits(encoder, cfg)
@@ -120,7 +123,6 @@ class Service:
     def _setup(self) -> Pipeline:
         """Worker thread, before the default engines are built: its torch threads (set once, so the steps never
         switch the count). Auto serves the safe plan until its background planner switches."""
-        import torch
         torch.set_num_threads(self.threads)
         return self.pipe
 
@@ -185,7 +187,6 @@ class Service:
     def _decode_named(self, method: str):
         """A named method at the service's sampling: a relaxed one relaxed only where the bundle validated it (or
         with allow_relaxed), else lossless (lantern.plan.validated)."""
-        from lantern.plan.validated import named_config
         return named_config(method, self.sampling, {}, self.model.validations, self.model.target.config.vocab_size,
                             self.config.allow_relaxed)[0]
 
@@ -307,7 +308,6 @@ class Service:
         return EngineKey(method, tuple(sorted(fixed.items())))
 
     def _pngs(self, tokens: list) -> list[str]:
-        import torch
         images = self.model.decode_images(torch.stack(tokens))
         out = []
         for img in images:
@@ -336,5 +336,4 @@ class Service:
 
 def physical_cores() -> int:
     """The machine's physical cores (logical ones where psutil cannot tell)."""
-    import psutil
     return psutil.cpu_count(logical=False) or os.cpu_count() or 1

@@ -7,11 +7,10 @@ device; nothing here reads a value back to the host.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
-from lantern.backends.base import Runner
 from lantern.decoding.acceptance import DraftedTree
 from lantern.decoding.sampling import Draws, SamplingConfig, Support, candidates, target_support
 from lantern.decoding.strategy import DynamicTree, LevelPlan, StaticTree
@@ -44,12 +43,22 @@ class PrefixPairs:
     visible: torch.Tensor
 
 
+class DrafterSteps(Protocol):
+    """What drafting needs of a runner (lantern.backends.base.Runner has it), so the core never imports a backend."""
+
+    spec: Any  # its StaticSpec: batch, max_len, draft_first_slot, draft_prefix
+    device: torch.device
+
+    def draft(self, tokens, features, positions, slots, mask) -> Any:
+        """The drafter's forward over T (feature, token) pairs into its own cache -> (logits, hidden) by name."""
+
+
 @dataclass
 class DraftRunner:
     """The drafter steps of one runner (lantern.models.drafter.Drafter, prepared by the backend), with the
     sampling that shapes its distributions and the random draws its candidates come from."""
 
-    runner: Runner
+    runner: DrafterSteps
     sampling: SamplingConfig
     generator: Draws
     # (R*B, S) the drafter slots each row may attend, when its cache holds the prefix (padded prompt slots hidden);

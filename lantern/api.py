@@ -169,7 +169,8 @@ class Pipeline:
         """Whether the runner for this static shape is already prepared (its compile or export paid; a fused
         step's compile included)."""
         runner = self._runners.get(self.spec(dcfg, batch))
-        return runner is not None and (not getattr(runner, "fused", False) or runner.fused_warm(dcfg))
+        fused = runner.fused_steps() if runner is not None else None
+        return runner is not None and (fused is None or fused.fused_warm(dcfg))
 
     def _rule(self, dcfg: DecodeConfig, runner: Runner) -> Acceptance:
         """The acceptance rule of `dcfg` on the runner's device, built once and reused by every generation."""
@@ -283,7 +284,7 @@ class Pipeline:
         runner = engine.runner
         runner.reset_times()
         runner.reset_peak_memory()
-        compiled_before = getattr(runner, "fused_warmup_seconds", 0.0)
+        compiled_before = runner.fused_warmup_seconds
         for i in range(n):
             condition = int(cond[i]) if self.config.model_type == "c2i" else cond[i]
             engine.submit(Request(condition, seeds[i], request_id=str(i), tokens=tokens))
@@ -292,7 +293,7 @@ class Pipeline:
             results = {int(r.request_id): r for r in engine.run(bar.update)}
         stats = GenerationStats(batch=engine.width, wall_seconds=time.perf_counter() - t0,
                                 draft_forwards=engine.steps_run * engine.proposer.drafter_calls)
-        compiled = getattr(runner, "fused_warmup_seconds", 0.0) - compiled_before
+        compiled = runner.fused_warmup_seconds - compiled_before
         if compiled:  # the fused step compiled at this engine's first steps: part of preparing the runner
             self.prepare_seconds[runner.spec] = self.prepare_seconds.get(runner.spec, 0.0) + compiled
         for i in range(n):

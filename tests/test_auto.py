@@ -213,7 +213,8 @@ class CostCurvePipe:
         def attend_at_least(slots):  # no attention to trim: only recorded
             self.floors.setdefault(dcfg.verify_width, set()).add(slots)
             return contextlib.nullcontext()
-        return SimpleNamespace(spec=SimpleNamespace(prefix_len=1), attend_at_least=attend_at_least)
+        return SimpleNamespace(spec=SimpleNamespace(prefix_len=1), attend_at_least=attend_at_least,
+                               fused_steps=lambda: None)  # a runner without a fused step
 
     def generate(self, cond, dcfg, seed, batch, tokens):
         w = 1 if dcfg.strategy is None else dcfg.strategy.verify_width

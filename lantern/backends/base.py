@@ -11,6 +11,8 @@ A backend turns (target, drafter, StaticSpec) into a `Runner`. The decoding core
     phase(name)                                           timing context (base: syncs the device; torch on
                                                           CUDA: events, resolved when `times` is read)
     sync(), profile(), warmup() (optional: default runs every static step once)
+    fused_steps()                                         (optional) the fused step, a capability some graph
+                                                          runners have (FusedSteps); default None
 
 Every argument is a tensor of a fixed shape (positions, slots and lengths included: never Python ints that
 would key a new graph), on the runner's device; `mask` is (B, T, S) bool over all S cache slots, built by the
@@ -30,7 +32,7 @@ import contextlib
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
-from typing import ClassVar, Iterator, NamedTuple, Optional
+from typing import Callable, ClassVar, Iterator, NamedTuple, Optional
 
 import torch
 
@@ -152,6 +154,10 @@ class Runner(ABC):
     trims_attention = False  # True: a step attends only the cache slots in use (eager CPU), else the whole cache
     attention_floor = 0  # a trimming runner attends at least this many slots (attend_at_least)
     bounds_attention = False  # True: verify reads only the slots below the engine's bound (attend_until; cpu-graph)
+    fused_warmup_seconds = 0.0  # what its fused step's compiles and captures took so far (0: it has none)
+    # a weak reference to the engine whose requests hold this runner's KV cache (lantern.engine.Engine claims the
+    # runner when it takes requests); None until one does
+    engine_in_flight: Optional[Callable[[], object]] = None
 
     def __init__(self, spec: StaticSpec, device: torch.device, model_config):
         self.spec = spec
@@ -197,6 +203,11 @@ class Runner(ABC):
         if cfg.model_type == "prompt":
             return torch.zeros(b, cfg.cls_token_num, dtype=torch.long, device=self.device)
         return torch.zeros(b, cfg.cls_token_num, cfg.caption_dim, device=self.device)
+
+    def fused_steps(self) -> Optional[FusedSteps]:
+        """(optional) This runner as the fused step sees it, where the engine's whole decode step runs as one graph
+        on it (lantern.engine.fused); default None: the engine calls the steps one by one."""
+        return None
 
     def attend_until(self, end: int) -> None:
         """(optional) The engine's bound for its next step: no running row attends a cache slot at or past `end`
@@ -298,6 +309,34 @@ def run_every_static_step(runner: Runner) -> None:
     runner.commit(a, a.clone())
 
 
+class FusedSteps(ABC):
+    """The fused step, a capability of the graph runners that have it (`Runner.fused_steps()` returns the runner
+    as a FusedSteps): what lantern.engine.fused calls, besides the Runner contract, to run an engine's whole decode
+    step as one graph per static step."""
+
+    @abstractmethod
+    def inside(self):
+        """The view of the runner the fused step is traced against: its steps as code inside the one graph."""
+
+    @abstractmethod
+    def fused_warm(self, decode) -> bool:
+        """Whether an engine of this DecodeConfig has compiled (and captured) its fused step on this runner."""
+
+    @abstractmethod
+    def mark_fused_warm(self, decode) -> None:
+        """An engine of this DecodeConfig has: its later engines pay no compile."""
+
+    def capture_step(self, fn: Callable) -> Callable:
+        """(optional) fn, the fused step function, as this mode compiles it (once per runner: every engine on the
+        runner shares it); default: fn itself, captured whole by `replayable`."""
+        return fn
+
+    def replayable(self, call: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        """(optional) One engine's step, `call()` -> its report over the engine's persistent buffers, as this mode
+        replays it; default: called as it is."""
+        return call
+
+
 class Backend(ABC):
     """A way of running the static steps. Subclasses: name, availability(), capabilities(), prepare()."""
 
@@ -311,6 +350,8 @@ class Backend(ABC):
     @abstractmethod
     def capabilities(self) -> Capabilities:
         ...
+
+    fused_step = False  # (optional) its runners run the engine's whole decode step as one graph (FusedSteps)
 
     @abstractmethod
     def prepare(self, target, drafter, spec: StaticSpec) -> Runner:

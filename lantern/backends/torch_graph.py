@@ -21,7 +21,8 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from lantern.backends.base import Runner, StaticSpec, StepOutput, run_every_static_step, run_prefill
+from lantern.backends.base import (FusedSteps, Runner, StaticSpec, StepOutput, run_every_static_step,
+                                   run_prefill)
 from lantern.backends.torch_eager import CPUBackend, CUDABackend, TorchRunner
 
 # Graphs of several runners (other shapes) share the step modules' code objects; a few runners in one process
@@ -109,20 +110,19 @@ class StepInside:
         self.modules["commit"](src, dst)
 
 
-class CapturedRunner(TorchRunner):
+class CapturedRunner(TorchRunner, FusedSteps):
     """TorchRunner whose step modules are captured graphs; the eager reference stays untouched.
 
     Fused step (optional, `fused=True`): the engine's whole decode step becomes one graph per static step
-    (lantern.engine.fused). The runner then offers `inside()`, the view the step is traced against, and
-    `capture_step(fn)`, the step function compiled once per runner and captured once per engine by
-    `replayable`. Prefill stays a per-module graph (it runs at refills, not every step)."""
+    (lantern.engine.fused), and `fused_steps()` returns the runner as a FusedSteps: `inside()`, the view the step
+    is traced against, and `capture_step(fn)`, the step function compiled once per runner and captured once per
+    engine by `replayable`. Prefill stays a per-module graph (it runs at refills, not every step)."""
 
     trims_attention = False  # the mask never sets a step's shape (bounds_attention: the engine's bound does)
 
     clone_outputs = False  # True where a replay returns the same output buffers every time
     capture_kind = ""  # how steps are captured, for the profile record
     fused = False  # the engine's step runs as one graph (lantern.engine.fused)
-    fused_warmup_seconds = 0.0  # the fused step's compile and capture, paid at an engine's first steps
     not_fused: Optional[str] = None  # why a requested fused step is not used
 
     _attend_end: Optional[int] = None  # the engine's bound for its next step (attend_until)
@@ -141,6 +141,9 @@ class CapturedRunner(TorchRunner):
             return self.spec.max_len
         return min(self.spec.max_len, max(end, self.attention_floor))
 
+    def fused_steps(self) -> Optional[FusedSteps]:
+        return self if self.fused else None
+
     def fused_warm(self, decode) -> bool:
         """Whether an engine of this DecodeConfig has compiled (and captured) its fused step on this runner. A
         step's graph depends on the configuration (its acceptance rule, its proposer), not on the runner's shape
@@ -156,15 +159,9 @@ class CapturedRunner(TorchRunner):
             self._inside = StepInside(self)
         return self._inside
 
-    def capture_step(self, fn: Callable) -> Callable:
-        """(optional) fn, the fused step function, as this mode compiles it (once per runner: every engine on
-        the runner shares it); default: fn itself, captured whole by `replayable`."""
-        return fn
-
     def replayable(self, call: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-        """(optional) One engine's step, `call()` -> its report over the engine's persistent buffers, as this
-        mode replays it; default: called as it is, with the runner's threads (torch.compile's graph is
-        replayed by calling it)."""
+        """One engine's step, called as it is with the runner's threads (torch.compile's graph is replayed by
+        calling it)."""
         def step() -> torch.Tensor:
             with self._threads():
                 return call()

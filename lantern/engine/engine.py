@@ -91,12 +91,11 @@ class Engine:
         self._run = self.runner
         draws = SlotDraws(self._width, self.runner.device)
         self.sampling = SlotSampling(decode.sampling, self._width, self.runner.device)
-        # a fused step (graph backends that offer it) runs the proposer inside its one graph
-        fused = getattr(self.runner, "fused", False)
-        self.proposer = make_proposer(self.runner.inside() if fused else self.runner, decode, rule, draws,
-                                      self.sampling)
+        # a fused step (graph runners that have one) runs the proposer inside its one graph
+        fused = self.runner.fused_steps()
+        self.proposer = make_proposer(fused.inside() if fused else self.runner, decode, rule, draws, self.sampling)
         self.slots = Slots.allocate(self.runner, self._width, self.proposer.depth, cond, draws)
-        self._fused = FusedStep(self.runner, self.proposer, self.slots) if fused else None
+        self._fused = FusedStep(fused, self.proposer, self.slots) if fused else None
         self._queue: deque[_Ticket] = deque()
         self._held: list[Optional[_Ticket]] = [None] * self._width
         self._ids = itertools.count()
@@ -230,7 +229,7 @@ class Engine:
         free = [i for i, t in enumerate(self._held) if t is None]
         if not (free and self._queue):
             return
-        ref = getattr(self.runner, "engine_in_flight", None)
+        ref = self.runner.engine_in_flight
         owner = ref() if ref is not None else None
         if owner is not None and owner is not self and owner.busy:
             raise RuntimeError(f"another engine has {owner.busy} requests in flight on this runner (its KV cache); "

@@ -62,8 +62,8 @@ def _own(value):
 
 
 class FusedStep:
-    """One engine's step as its runner captures it. runner: a graph runner with `fused` set; proposer: built
-    on `runner.inside()`; slots: the engine's."""
+    """One engine's step as its runner captures it. runner: the runner's FusedSteps (Runner.fused_steps());
+    proposer: built on `runner.inside()`; slots: the engine's."""
 
     def __init__(self, runner, proposer, slots):
         self.runner, self.decode = runner, proposer.dcfg

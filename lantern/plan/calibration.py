@@ -103,7 +103,7 @@ FUSED = "+fused"  # the costs of a graph backend running the engine's whole step
 def costs_name(pipe) -> str:
     """The name this pipeline's step costs are kept under: its backend's, + FUSED when the backend runs the
     fused step (lantern.engine.fused), whose costs are not per-module graphs'."""
-    return pipe.backend.name + (FUSED if getattr(pipe.backend, "fused_step", False) else "")
+    return pipe.backend.name + (FUSED if pipe.backend.fused_step else "")
 
 
 # What a step costs depends on lantern's step code as well as the machine: a change that moves costs (2:
@@ -286,7 +286,7 @@ def compile_fused_step(pipe, dcfg, width: int, prompts: torch.Tensor | None = No
     per_step = 1 if dcfg.strategy is None else dcfg.strategy.depth + 1
     tokens = min(pipe.config.block_size, (WARM_CALLS + 1) * per_step + 1)
     for _ in range(WARM_CALLS):  # one run is enough unless the image ends within its first steps
-        if not getattr(runner, "fused", False) or runner.fused_warm(dcfg):
+        if runner.fused_steps() is None or runner.fused_steps().fused_warm(dcfg):
             return
         _short_run(pipe, dcfg, width, tokens, prompts=prompts)
 

@@ -154,7 +154,7 @@ class Service:
         self.pipe, self.serving = pipe, plan
         self.metrics.plan_switches.inc()
         log.info("plan", extra={"fields": {"event": "plan", "plan": plan.name, "backend": pipe.backend.name,
-                                           "fused_step": bool(getattr(pipe.backend, "fused_step", False)),
+                                           "fused_step": pipe.backend.fused_step,
                                            "why": plan.why}})
 
     def _report_plan(self) -> None:
@@ -166,7 +166,7 @@ class Service:
         """What serves: backend (fused_step: the whole step as one graph), dtype, threads, widths, what each
         engine runs (auto: its plan), and auto's plan: why, and its calibration's state (`calibration`: waiting,
         calibrating, switching, done, failed: <why>, stopped; None without auto)."""
-        return {"backend": self.pipe.backend.name, "fused_step": bool(getattr(self.pipe.backend, "fused_step", False)),
+        return {"backend": self.pipe.backend.name, "fused_step": self.pipe.backend.fused_step,
                 "dtype": self.pipe.dtype, "threads": self.threads,
                 "widths": list(self.worker.widths), "methods": dict(self.worker.described),
                 "plan": self.serving.why if self.planner is not None else None,

@@ -36,6 +36,8 @@ from typing import Callable, ClassVar, Iterator, NamedTuple, Optional
 
 import torch
 
+from lantern.models.family import neutral_conditions
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -196,13 +198,8 @@ class Runner(ABC):
         reset. A runner that offers it reads its peak from lantern.backends.memory."""
 
     def dummy_condition(self) -> torch.Tensor:
-        """A valid condition of the prepared batch: class 0, an all-zero caption, or a prompt of token 0."""
-        cfg, b = self.model_config, self.spec.batch
-        if cfg.model_type == "c2i":
-            return torch.zeros(b, dtype=torch.long, device=self.device)
-        if cfg.model_type == "prompt":
-            return torch.zeros(b, cfg.cls_token_num, dtype=torch.long, device=self.device)
-        return torch.zeros(b, cfg.cls_token_num, cfg.caption_dim, device=self.device)
+        """A valid condition for every row of the prepared batch (lantern.models.family.neutral_conditions)."""
+        return neutral_conditions(self.model_config, self.spec.batch, self.device)
 
     def fused_steps(self) -> Optional[FusedSteps]:
         """(optional) This runner as the fused step sees it, where the engine's whole decode step runs as one graph

@@ -204,13 +204,23 @@ class CPUBackend(SharedWeights, Backend):
                             timer="time.perf_counter", memory_source=HostPeak().source)
 
     def prepare(self, target, drafter, spec: StaticSpec) -> Runner:
+        """The one prepare of the torch backends: the models placed on `device()` in the spec's dtype (shared
+        between runners), then the runner this backend makes of them (`make_runner`)."""
         self.check_dtype(spec.dtype)
-        device = torch.device("cpu")
-        runner = self.runner_cls(*self.placed(target, drafter if spec.draft_widths else None, device, spec.dtype),
-                                 spec, device)
+        device = self.device()
+        runner = self.make_runner(*self.placed(target, drafter if spec.draft_widths else None, device, spec.dtype),
+                                  spec, device)
         runner.backend_name = self.name
         runner.threads = self.threads
         return runner
+
+    def device(self) -> torch.device:
+        """Where this backend's runners live."""
+        return torch.device("cpu")
+
+    def make_runner(self, target, drafter, spec: StaticSpec, device: torch.device) -> Runner:
+        """(optional) The runner of the placed models; default: `runner_cls` of them."""
+        return self.runner_cls(target, drafter, spec, device)
 
 
 def allow_tf32() -> None:
@@ -247,11 +257,3 @@ class CUDABackend(CPUBackend):
         if self.tf32:
             allow_tf32()
         return torch.device("cuda", self.device_index)
-
-    def prepare(self, target, drafter, spec: StaticSpec) -> Runner:
-        self.check_dtype(spec.dtype)
-        device = self.device()
-        runner = self.runner_cls(*self.placed(target, drafter if spec.draft_widths else None, device, spec.dtype),
-                                 spec, device)
-        runner.backend_name = self.name
-        return runner

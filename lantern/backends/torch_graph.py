@@ -344,14 +344,8 @@ class CPUGraphBackend(CPUBackend):
     def capabilities(self):
         return dataclasses.replace(super().capabilities(), supports_graphs=True)
 
-    def prepare(self, target, drafter, spec: StaticSpec) -> Runner:
-        self.check_dtype(spec.dtype)
-        device = torch.device("cpu")
-        runner = CompiledRunner(*self.placed(target, drafter if spec.draft_widths else None, device, spec.dtype),
-                                spec, device, compiler=self.compiler, fused=self.fused_step)
-        runner.backend_name = self.name
-        runner.threads = self.threads
-        return runner
+    def make_runner(self, target, drafter, spec: StaticSpec, device: torch.device) -> Runner:
+        return CompiledRunner(target, drafter, spec, device, compiler=self.compiler, fused=self.fused_step)
 
 
 class CUDAGraphBackend(CUDABackend):
@@ -367,10 +361,6 @@ class CUDAGraphBackend(CUDABackend):
     def capabilities(self):
         return dataclasses.replace(super().capabilities(), supports_graphs=True)
 
-    def prepare(self, target, drafter, spec: StaticSpec) -> Runner:
-        self.check_dtype(spec.dtype)
-        device = self.device()
-        runner = CompiledRunner(*self.placed(target, drafter if spec.draft_widths else None, device, spec.dtype),
-                                spec, device, compiler="inductor", mode="reduce-overhead", fused=self.fused_step)
-        runner.backend_name = self.name
-        return runner
+    def make_runner(self, target, drafter, spec: StaticSpec, device: torch.device) -> Runner:
+        return CompiledRunner(target, drafter, spec, device, compiler="inductor", mode="reduce-overhead",
+                              fused=self.fused_step)

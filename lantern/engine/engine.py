@@ -11,16 +11,17 @@ from typing import Optional
 
 import torch
 
-from lantern.engine.caption_mask import CaptionMaskedRunner, caption_slots_visible, drafter_caption_mask
 from lantern.decoding.config import DecodeConfig
 from lantern.decoding.drafting import PrefixPairs
 from lantern.decoding.sampling import SamplingConfig
 from lantern.decoding.stats import GenerationStats
+from lantern.engine.caption_mask import CaptionMaskedRunner, caption_slots_visible, drafter_caption_mask
 from lantern.engine.draws import SlotDraws, check_seed
 from lantern.engine.fused import WARM_CALLS, FusedStep
 from lantern.engine.proposers import make_proposer
 from lantern.engine.sampling import SamplingOverrides, SlotSampling, request_sampling
-from lantern.engine.step import Slots, condition_rows, decode_step, prefill
+from lantern.engine.step import Slots, StepCounts, condition_rows, decode_step, prefill
+from lantern.models.family import neutral_conditions
 
 
 @dataclass(frozen=True)
@@ -81,9 +82,7 @@ class Engine:
         cfg = pipeline.config
         self._kind = cfg.model_type  # c2i: class ids; t2i: caption embeddings; prompt: token rows
         self._t2i = self._kind == "t2i"
-        cond = {"c2i": lambda: torch.zeros(self._width, dtype=torch.long),
-                "t2i": lambda: torch.zeros(self._width, cfg.cls_token_num, cfg.caption_dim),
-                "prompt": lambda: torch.zeros(self._width, cfg.cls_token_num, dtype=torch.long)}[self._kind]()
+        cond = neutral_conditions(cfg, self._width)
         # t2i: LlamaGen's caption mask per slot (host copy, updated at refill); steps run on `_run`
         self._visible = torch.ones(self._width, cfg.cls_token_num, dtype=torch.bool) if self._t2i else None
         # prompt targets whose rows carry padding (Chameleon's unconditional row) say which prefix slots are visible
@@ -173,14 +172,14 @@ class Engine:
             report = decode_step(self._run, self.proposer, self.slots)
         self.steps_run += 1
         complete = self.slots.busy & (self.slots.emitted >= self.slots.limit)
-        packed = torch.cat([report, complete.long(), self.slots.root]).tolist()  # the step's one host transfer
-        depth, width = self.proposer.depth, self._width
-        self._roots = packed[4 + depth + width:]
-        done = [i for i in busy if packed[4 + depth + i] or self._held[i].cancelled]
+        read = torch.cat([report, complete.long(), self.slots.root]).tolist()  # the step's one host transfer
+        counts, rest = StepCounts.unpack(read, self.proposer.depth)
+        complete, self._roots = rest[:self._width], rest[self._width:]
+        done = [i for i in busy if complete[i] or self._held[i].cancelled]
         if done:
             finished += self._collect(done)
-        drafts, draft_tokens, accepted, _ = packed[:4]
-        return StepReport(len(busy), finished, drafts, draft_tokens, accepted, packed[4:4 + depth])
+        return StepReport(len(busy), finished, counts.drafting, counts.draft_tokens, counts.accepted,
+                          counts.per_depth)
 
     def _attention_bound(self, busy: list[int]) -> int:
         """The cache slots the coming step's running rows attend: up to the furthest root, plus the verify's
@@ -194,8 +193,7 @@ class Engine:
         if self._fused is None:
             return
         cfg = self.pipeline.config
-        neutral = {"c2i": lambda: 0, "t2i": lambda: torch.zeros(cfg.cls_token_num, cfg.caption_dim),
-                   "prompt": lambda: self.slots.cond[0].cpu()}[self._kind]()
+        neutral = neutral_conditions(cfg, 1)[0]
         tokens = min(cfg.block_size, (WARM_CALLS + 1) * (self.proposer.depth + 1) + 1)
         for n in range(WARM_CALLS):  # one request is enough unless its image ends within its first steps
             if self._fused.calls >= WARM_CALLS:

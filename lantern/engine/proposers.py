@@ -11,13 +11,13 @@ A proposer keeps its own per-slot state, (B, ...) tensors like the engine's, and
   propose(slots) -> DraftedTree         every slot's candidates: node 0 is its root (the last accepted token)
   distributions(logits)                 the verify logits as the acceptance reads them (`.index(nodes)`)
   accept(p_nodes, tree) -> StepAcceptance
-  advance(slots, tree, acc, out, p_nodes, running, m, new_tokens, advance)   after the step moved every
-                                        running slot on by `advance` tokens (its last accepted pairs are
-                                        new_tokens[:, :m+1])
+  advance(slots, step: Stepped)         after the step moved every running slot on by `step.advance` tokens
+                                        (its last accepted pairs are step.new_tokens[:, :m+1])
 Only the reset rows change in `reset`; rows that are not running carry garbage that no running row reads.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -28,6 +28,20 @@ from lantern.decoding.drafting import DraftRunner, PrefixPairs, draft_dynamic, d
 from lantern.decoding.jacobi import CoupledNoise, redraw, spatial_prior
 from lantern.decoding.sampling import GuidedLogits, Support, combine_cfg, draw, target_support
 from lantern.decoding.strategy import StaticTree
+
+
+@dataclass(frozen=True)
+class Stepped:
+    """What one step decided, for a proposer to carry its state on (`Proposer.advance`)."""
+
+    tree: DraftedTree  # the proposal that was verified
+    acc: StepAcceptance  # what acceptance made of it: the accepted path and the bonus token
+    out: object  # the verify's StepOutput over the tree's nodes: logits (R*B, N, V), features (R*B, N, D)
+    p_nodes: object  # the target's distributions at the nodes, as `distributions` returned them
+    running: torch.Tensor  # (B,) bool: the slots that stepped
+    m: torch.Tensor  # (B,) drafts accepted, -1 where not running
+    new_tokens: torch.Tensor  # (B, D+1): the accepted drafts, then the bonus
+    advance: torch.Tensor  # (B,) tokens each slot moved on by: m + 1, 0 where not running
 
 
 class Proposer:
@@ -51,7 +65,7 @@ class Proposer:
         """(R*B, N, V) verify logits -> each image's guided logits, warped where the acceptance reads them."""
         return GuidedLogits(combine_cfg(logits, self.sampling.cfg_scale, self.sampling.use_cfg), self.sampling)
 
-    def advance(self, slots, tree, acc, out, p_nodes, running, m, new_tokens, advance) -> None:
+    def advance(self, slots, step: Stepped) -> None:
         """(optional) Move the slots' state on after a step; default: no state."""
 
 
@@ -127,12 +141,12 @@ class TreeProposal(Proposer):
                                 self.draws, self.vocab)
         return accept(p_nodes, tree, self.rule, greedy, self.draws, self.vocab)
 
-    def advance(self, slots, tree, acc, out, p_nodes, running, m, new_tokens, advance) -> None:
-        hidden, rows = out.hidden, self.sampling.rows_per_image
-        path = on_rows(acc.path, rows)[..., None].expand(-1, -1, hidden.shape[-1])
+    def advance(self, slots, step: Stepped) -> None:
+        hidden, rows = step.out.hidden, self.sampling.rows_per_image
+        path = on_rows(step.acc.path, rows)[..., None].expand(-1, -1, hidden.shape[-1])
         self.pend_feats = hidden.gather(1, path)  # the accepted nodes' features: the next catch-up's pairs
-        self.pend_tokens = new_tokens
-        self.pend_count = torch.where(running, m + 1, self.pend_count)
+        self.pend_tokens = step.new_tokens
+        self.pend_count = torch.where(step.running, step.m + 1, self.pend_count)
 
 
 class WindowProposal(Proposer):
@@ -192,10 +206,10 @@ class WindowProposal(Proposer):
         return accept_chain(p_nodes, tree.tokens, tree.valid, tree.q, self.rule, self.sampling.greedy, self.draws,
                             self.vocab)
 
-    def advance(self, slots, tree, acc, out, p_nodes, running, m, new_tokens, advance) -> None:
+    def advance(self, slots, step: Stepped) -> None:
         # window slot w now holds position root + 1 + w: p after node advance + w predicts it (if that node exists)
-        predicted_by = advance[:, None] + self.nodes[:-1]  # (B, L)
-        q = p_nodes.index(predicted_by.clamp(max=self.window))
+        predicted_by = step.advance[:, None] + self.nodes[:-1]  # (B, L)
+        q = step.p_nodes.index(predicted_by.clamp(max=self.window))
         if self.above:
             q = spatial_prior(q, predicted_by > self.window, slots.out, slots.emitted, self.grid, self.vocab)
         self.q, self.drafts = q, self._drafts(q, slots.root)

@@ -12,6 +12,9 @@ from lantern.decoding.acceptance import StepAcceptance
 from lantern.decoding.stats import ImageStats
 
 
+RECORDS = ("steps", "accepted", "tried", "ranks", "token_tv", "boost")  # the columns of a packed row, in order
+
+
 class SlotRecords:
     def __init__(self, width: int, max_steps: int, depth: int, device):
         t, d = max_steps + 1, depth
@@ -38,21 +41,23 @@ class SlotRecords:
         self.steps += running.long()
 
     def packed(self, slots: torch.Tensor) -> torch.Tensor:
-        """(n,) slot ids -> (n, X) float64 rows: steps, then every record (exact: all values fit 53 bits)."""
-        parts = [self.steps[slots, None], self.accepted[slots], self.tried[slots].flatten(1),
-                 self.ranks[slots].flatten(1), self.token_tv[slots].flatten(1), self.boost[slots].flatten(1)]
-        return torch.cat([p.double() for p in parts], 1)
+        """(n,) slot ids -> (n, X) float64 rows: each of RECORDS flattened, in order (exact: all values fit 53
+        bits)."""
+        return torch.cat([getattr(self, name)[slots].reshape(len(slots), -1).double() for name in RECORDS], 1)
+
+    def unpacked(self, row: list) -> dict[str, list]:
+        """One row of `packed` on the host -> each of RECORDS by name, flat."""
+        out, at = {}, 0
+        for name in RECORDS:
+            size = getattr(self, name)[0].numel()
+            out[name], at = row[at:at + size], at + size
+        return out
 
     def image_stats(self, row: list, tokens: int) -> ImageStats:
         """One row of `packed` on the host -> the image's stats."""
-        t, d = self.max_steps + 1, self.depth
-        sizes = [1, t, t * d, t * d, t * (d + 1), t * d]
-        parts, at = [], 0
-        for size in sizes:
-            parts.append(row[at:at + size])
-            at += size
-        (steps,), accepted, tried, ranks, tv, boost = parts
-        steps = int(steps)
+        d, r = self.depth, self.unpacked(row)
+        accepted, tried, ranks, tv, boost = r["accepted"], r["tried"], r["ranks"], r["token_tv"], r["boost"]
+        steps = int(r["steps"][0])
         st = ImageStats(tokens=tokens, target_forwards=1 + steps)
         for s in range(steps):
             m = int(accepted[s])

@@ -21,7 +21,7 @@ from lantern.decoding.config import DecodeConfig
 from lantern.decoding.drafting import PrefixPairs, on_rows, window_mask
 from lantern.decoding.sampling import draw, target_support
 from lantern.engine.draws import SlotDraws
-from lantern.engine.proposers import Proposer
+from lantern.engine.proposers import Proposer, Stepped
 from lantern.engine.records import SlotRecords
 
 
@@ -105,9 +105,32 @@ def prefill(runner: Runner, proposer: Proposer, slots: Slots, null: torch.Tensor
         proposer.reset(slots, fresh, first, out.hidden, prefix)  # features (R*B, P, D)
 
 
+@dataclass(frozen=True)
+class StepCounts:
+    """What one decode step did, counted over its slots. On the device it is one (D + 4,) int64 tensor (`pack`:
+    a fused step's graph returns one tensor, and the engine reads it in the step's one host transfer); on the
+    host, these fields (`unpack`)."""
+
+    drafting: int  # requests that offered drafts
+    draft_tokens: int  # drafted tokens offered for verification
+    accepted: int  # drafted tokens accepted (bonus tokens not counted)
+    running: int  # images that stepped
+    per_depth: list[int]  # requests accepting a draft at depth 1 .. D
+
+    @staticmethod
+    def pack(drafting, draft_tokens, accepted, running, per_depth: torch.Tensor) -> torch.Tensor:
+        return torch.cat([torch.stack([drafting, draft_tokens, accepted, running]), per_depth])
+
+    @classmethod
+    def unpack(cls, values: list, depth: int) -> tuple[StepCounts, list]:
+        """The counts at the head of `values` (a packed report read to the host, then what followed it), and the
+        rest of `values`."""
+        drafting, draft_tokens, accepted, running = (int(v) for v in values[:4])
+        return cls(drafting, draft_tokens, accepted, running, values[4:4 + depth]), values[4 + depth:]
+
+
 def decode_step(runner: Runner, proposer: Proposer, slots: Slots) -> torch.Tensor:
-    """Every running slot moves on by one step. Returns this step's report (D + 4,) int64 on the device:
-    [requests drafting, draft tokens, accepted draft tokens, images running, accepted at depth 1 .. D]."""
+    """Every running slot moves on by one step. Returns this step's StepCounts, packed, on the device."""
     spec, dev, rows = runner.spec, runner.device, proposer.sampling.rows_per_image
     depth = proposer.depth
     running = slots.busy & (slots.emitted < slots.limit)
@@ -138,12 +161,13 @@ def decode_step(runner: Runner, proposer: Proposer, slots: Slots) -> torch.Tenso
     advance = torch.where(running, m + 1, 0)
     slots.root_tok = torch.where(running, acc.bonus, slots.root_tok)
     slots.root, slots.emitted = slots.root + advance, slots.emitted + advance
-    proposer.advance(slots, tree, acc, out, p_nodes, running, m, new_tokens, advance)
+    proposer.advance(slots, Stepped(tree, acc, out, p_nodes, running, m, new_tokens, advance))
     drafts = tree.valid[:, 1:].sum(-1)  # (B,) draft tokens offered
     accepted = torch.where(running, acc.accepted, 0)
     per_depth = (accepted[:, None] >= steps[None, 1:]).sum(0)  # (D,)
-    return torch.cat([torch.stack([(running & (drafts > 0)).sum(), torch.where(running, drafts, 0).sum(),
-                                   accepted.sum(), running.sum()]), per_depth])
+    return StepCounts.pack(drafting=(running & (drafts > 0)).sum(),
+                           draft_tokens=torch.where(running, drafts, 0).sum(),
+                           accepted=accepted.sum(), running=running.sum(), per_depth=per_depth)
 
 
 def _verify(runner: Runner, tree: DraftedTree, root: torch.Tensor, n: int, slots: torch.Tensor, rows: int):

@@ -74,6 +74,17 @@ class TargetModel(Protocol):
     # and unconditional rows alike) a query may attend; the engine hides the others in every mask. Default: all.
 
 
+def neutral_conditions(config: TargetShape, n: int, device=None) -> torch.Tensor:
+    """n valid conditions that carry no request, by the kind of condition the target takes (`model_type`): class
+    0 (c2i), an all-zero caption (t2i: LlamaGen's padding), a prompt of token 0 (prompt). What runners warm up and
+    capture with, and what an engine's slots hold before their first request."""
+    if config.model_type == "c2i":
+        return torch.zeros(n, dtype=torch.long, device=device)
+    if config.model_type == "prompt":
+        return torch.zeros(n, config.cls_token_num, dtype=torch.long, device=device)
+    return torch.zeros(n, config.cls_token_num, config.caption_dim, device=device)
+
+
 # config.json model_type -> (family, the transformers class lantern loads)
 FAMILIES = {"janus": ("janus", "JanusForConditionalGeneration"),
             "chameleon": ("chameleon", "ChameleonForConditionalGeneration")}

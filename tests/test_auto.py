@@ -17,7 +17,7 @@ import torch
 from lantern.api import ModelDefaults, Pipeline
 from lantern.decoding.config import method_preset
 from lantern.decoding.sampling import SamplingConfig
-from lantern.plan import calibration, records
+from lantern.plan import calibration, acceptance_records as records
 from lantern.plan.candidates import AR, RELAXED_METHODS, candidate_plans
 from lantern.plan.choose import MIN_SPEEDUP, allowed_relaxation, choose, predict_seconds
 

@@ -15,7 +15,7 @@ from PIL import Image
 
 from lantern.files import atomic_io, images, user_cache
 from lantern.cli import main
-from lantern.plan import calibration, records
+from lantern.plan import calibration, acceptance_records as records
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_bundle import write_tiny_bundle  # noqa: E402

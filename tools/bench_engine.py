@@ -31,7 +31,7 @@ from tqdm import tqdm
 from lantern.api import Pipeline
 from lantern.decoding import SamplingConfig, method_preset
 from lantern.engine import Engine, Request
-from lantern.engine.sampling import SamplingOverrides
+from lantern.engine.slot_sampling import SamplingOverrides
 from results_io import write_results
 
 

@@ -19,7 +19,7 @@ from lantern.files import atomic_io
 from lantern.api import Pipeline
 from lantern.bundle import DEFAULT_BUNDLE, load_bundle
 from lantern.decoding.sampling import SamplingConfig
-from lantern.plan import records
+from lantern.plan import acceptance_records as records
 from lantern.plan.candidates import candidate_plans
 from lantern.plan.choose import allowed_relaxation, runnable
 

@@ -148,7 +148,7 @@ class Bundle:
 
     @property
     def acceptance_records(self) -> dict:
-        """By dtype, steps per image of each `--method auto` plan at the default sampling (lantern.plan.records),
+        """By dtype, steps per image of each `--method auto` plan at the default sampling (lantern.plan.acceptance_records),
         as far as the bundle ships them (written by tools/record_acceptance.py); {} if none."""
         return self.manifest.get("acceptance_records", {})
 

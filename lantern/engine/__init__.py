@@ -2,6 +2,6 @@
 continuous batching over a static-width batch of slots, per-request seeds. docs/engine.md."""
 from lantern.engine.draws import derive_seed
 from lantern.engine.engine import Engine, Request, RequestResult, StepReport
-from lantern.engine.sampling import SamplingOverrides
+from lantern.engine.slot_sampling import SamplingOverrides
 
 __all__ = ["Engine", "Request", "RequestResult", "SamplingOverrides", "StepReport", "derive_seed"]

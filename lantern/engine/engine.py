@@ -19,7 +19,7 @@ from lantern.engine.caption_mask import CaptionMaskedRunner, caption_slots_visib
 from lantern.engine.draws import SlotDraws, check_seed
 from lantern.engine.fused import WARM_CALLS, FusedStep
 from lantern.engine.proposers import make_proposer
-from lantern.engine.sampling import SamplingOverrides, SlotSampling, request_sampling
+from lantern.engine.slot_sampling import SamplingOverrides, SlotSampling, request_sampling
 from lantern.engine.step import Slots, StepCounts, condition_rows, decode_step, prefill
 from lantern.models.family import neutral_conditions
 

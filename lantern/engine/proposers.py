@@ -51,7 +51,7 @@ class Proposer:
     state: tuple[str, ...] = ()  # the per-slot state attributes `advance` replaces (a fused step keeps them)
 
     def __init__(self, runner, dcfg: DecodeConfig, rule: Acceptance, draws, sampling):
-        """sampling: the engine's per-slot settings (lantern.engine.sampling.SlotSampling)."""
+        """sampling: the engine's per-slot settings (lantern.engine.slot_sampling.SlotSampling)."""
         self.runner, self.dcfg, self.rule, self.draws = runner, dcfg, rule, draws
         self.sampling = sampling
         self.vocab = runner.model_config.vocab_size

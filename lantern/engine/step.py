@@ -22,7 +22,7 @@ from lantern.decoding.drafting import PrefixPairs, on_rows, window_mask
 from lantern.decoding.sampling import draw, target_support
 from lantern.engine.draws import SlotDraws
 from lantern.engine.proposers import Proposer, Stepped
-from lantern.engine.records import SlotRecords
+from lantern.engine.slot_records import SlotRecords
 
 
 def static_spec(dcfg: DecodeConfig, model_config, batch: int, dtype: str, draft_prefix: int = 0) -> StaticSpec:

@@ -37,7 +37,7 @@ from typing import Callable, Optional, Sequence
 
 from lantern.backends.registry import ENV_VAR, backend_class, get_backend, registered, resolve_name
 from lantern.decoding.sampling import SamplingConfig
-from lantern.plan import calibration, records
+from lantern.plan import calibration, acceptance_records as records
 from lantern.plan.calibration import FUSED  # a candidate name's suffix: the backend with fused_step=True
 from lantern.plan.candidates import AR, Plan, candidate_plans
 from lantern.plan.choose import MIN_SPEEDUP, Choice, allowed_relaxation, choose, probe_rounds, steps_by_plan

@@ -25,7 +25,7 @@ import torch
 
 from lantern.decoding.config import DecodeConfig
 from lantern.decoding.sampling import SamplingConfig
-from lantern.plan import calibration, records
+from lantern.plan import calibration, acceptance_records as records
 from lantern.plan.candidates import AR, Plan, candidate_plans
 from lantern.plan.validated import allowed_relaxations
 from lantern.files.user_cache import usable_root

@@ -35,7 +35,7 @@ class ModelSource:
     default_cfg_scale: float
     info: dict = field(default_factory=dict)  # what the results file records
     relaxation: dict = field(default_factory=dict)  # a bundle's validated relaxations (Bundle.validations)
-    acceptance_records: dict = field(default_factory=dict)  # by dtype (lantern.plan.records)
+    acceptance_records: dict = field(default_factory=dict)  # by dtype (lantern.plan.acceptance_records)
 
 
 def has_embedded_bundle() -> bool:

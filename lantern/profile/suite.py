@@ -24,7 +24,7 @@ from lantern.api import Pipeline
 from lantern.backends import BackendUnavailable, backend_class, environment, get_backend, resolve_name
 from lantern.decoding.config import method_preset
 from lantern.decoding.trees import load_tree
-from lantern.plan import calibration, records
+from lantern.plan import calibration, acceptance_records as records
 from lantern.plan.candidates import AR, candidate_plans
 from lantern.plan.choose import allowed_relaxation, runnable
 from lantern.profile import measure

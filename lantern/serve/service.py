@@ -32,7 +32,7 @@ from lantern.backends import backend_class, resolve_name
 from lantern.decoding.config import supported_methods
 from lantern.decoding.sampling import SamplingConfig
 from lantern.engine import Request, SamplingOverrides, derive_seed
-from lantern.engine.sampling import PER_REQUEST
+from lantern.engine.slot_sampling import PER_REQUEST
 from lantern.models.text import T5Conditioner, check_encoder_fits
 from lantern.plan.backend_choice import choose_backend, pinned_backend
 from lantern.plan.validated import named_config
@@ -299,7 +299,7 @@ class Service:
         """The engine a request runs on: its method ("auto": the server's) and the sampling an engine fixes that
         the request sets apart from the model's: top_k, top_p, and a cfg_scale that turns guidance on (it adds
         rows to the static shape). Temperature and any other cfg_scale go with the request to the engine
-        (lantern.engine.sampling)."""
+        (lantern.engine.slot_sampling)."""
         method = self.config.method if req.method == "auto" else req.method
         differ = {k: v for k, v in req.sampling.items() if v != getattr(self.sampling, k)}
         fixed = {k: v for k, v in differ.items() if k not in PER_REQUEST}

@@ -4,7 +4,7 @@ A TorchFunctionMode that records every call that copies tensor data to the host 
 `.tolist()`, `bool()`, `int()`, `float()`, `.cpu()`, `.numpy()`, and `.to("cpu")` of a tensor on another
 device), and how many elements each moved. On an accelerator each is a device sync; on the CPU the same calls
 mark the places that would be (`.to(device)` is placement onto the runner's device, not a transfer back).
-A test instrument, not part of lantern (tests/test_speculative.py, tests/test_jacobi.py and
+A test instrument, not part of lantern (tests/decoding/test_speculative.py, tests/decoding/test_jacobi.py and
 tools/bench_host_transfers.py use it). Standalone on purpose (torch only), so a benchmark can load it into an
 older revision's environment.
 """

@@ -27,7 +27,7 @@ last.
 --quick runs every section on CPU stand-ins, labelled as such in every row: `cpu` for cuda, `cpu-graph`
 (dynamo's eager compiler) for cuda-graph and the fused step; the GPT-B / GPT-L shapes become a slightly inflated
 embedded model, images are a few tokens long, and host reads stand in for device synchronisations. Its numbers
-mean nothing; it proves the check runs end to end (tests/test_gpu_check.py). docs/gpu.md says how to read it.
+mean nothing; it proves the check runs end to end (tests/docs/test_gpu_check.py). docs/gpu.md says how to read it.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Rewrites the lines between `<!-- results:begin -->` and `<!-- results:end -->` in README.md: per sampling setting
 and number of images decoded together, what the default runs and each method family's best speed-up against the
 fastest plain AR measured in the same run, with the results file and its provenance named beside the numbers.
-tests/test_readme.py checks that the committed block is what this tool generates.
+tests/docs/test_readme.py checks that the committed block is what this tool generates.
 
     python tools/readme_tables.py            # rewrite README.md's block
     python tools/readme_tables.py --check    # exit 1 if README.md's block is not what the results say

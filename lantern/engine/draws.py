@@ -11,7 +11,7 @@ The hash: 32-bit lanes held in int64 (multipliers below 2^31, so no product over
 x ^= x >> 16; x *= 0x45d9f3b; (twice) x ^= x >> 16, chained over the key's parts in two independently seeded
 lanes; an element's 32 bits are mix(mix(lane_a ^ e) ^ lane_b). A uniform is its top 23 bits, (k + 1/2) / 2^23:
 exactly representable in float32, strictly inside (0, 1) (so -log(-log(u)) is finite), and off the exact
-uniform by at most 2^-24 in any probability (tests/test_engine.py checks the streams and the lossless claims
+uniform by at most 2^-24 in any probability (tests/engine/test_engine.py checks the streams and the lossless claims
 end to end).
 """
 from __future__ import annotations

@@ -15,7 +15,7 @@ from PIL import Image
 
 from lantern.plan import calibration
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
 from tiny_bundle import write_tiny_bundle  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="POSIX signals (SIGKILL) and process semantics")
@@ -33,7 +33,7 @@ class Lantern:
 
     def __init__(self, tmp: Path, name: str, *args, **env):
         self.err_path = tmp / f"{name}.stderr"
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1]), **env}
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2]), **env}
         with open(self.err_path, "w") as err:
             self.proc = subprocess.Popen([sys.executable, "-m", "lantern.cli", *args], stdout=subprocess.DEVNULL,
                                          stderr=err, env=full_env)

@@ -11,7 +11,7 @@ import pytest
 from lantern.cli import main
 from lantern.exit_codes import EXIT_BAD_INPUT, EXIT_OK
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
+RESULTS = Path(__file__).resolve().parents[2] / "results"
 
 
 def only_line(stderr: str) -> str:

@@ -3,7 +3,7 @@ furthest running root plus the verify's nodes), with that length as the graph's 
 graph serves every length. Per-module graphs and the fused step: the lengths read are the bound's, the tokens
 are eager's, nothing recompiles, a bound one slot short changes the tokens, a bound lasts one step, the
 calibration floor holds, and the spare cache slot stays unwritten. Dynamo's "eager" backend through a
-CompileCounter (tests/test_graph_mode.py runs the same path through inductor)."""
+CompileCounter (tests/backends/test_graph_mode.py runs the same path through inductor)."""
 from __future__ import annotations
 
 import pytest

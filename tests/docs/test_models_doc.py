@@ -21,7 +21,7 @@ from llamagen_files import HEADS, write_page_files
 pytest.importorskip("transformers", reason="the t2i extra (transformers) is not installed")
 pytest.importorskip("onnxruntime", reason="the onnx extra (onnxruntime) is not installed")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "models.md"
 
 

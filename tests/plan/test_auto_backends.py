@@ -32,7 +32,7 @@ def cache(module_cache, monkeypatch):
     """A cache shared by this module's tests (the tiny model's acceptance record is measured once), without
     calibrations or prepare ledgers at the start of each test."""
     monkeypatch.setenv("LANTERN_CACHE_DIR", str(module_cache))
-    # these tests pin the cost model and the modes, not the disturbance check (tests/test_faults.py pins it): the
+    # these tests pin the cost model and the modes, not the disturbance check (tests/cli/test_faults.py pins it): the
     # tiny model's sub-millisecond steps under the parallel suite's load would read as disturbed at random
     monkeypatch.setattr(calibration, "disturbance", lambda entry: "")
     for kind in ("calibration", "prepare"):

@@ -83,7 +83,7 @@ def test_documented_config_file_is_valid_for_ray_serve():
 
     import yaml
     from ray.serve.schema import ServeDeploySchema
-    doc = yaml.safe_load((Path(__file__).parents[1] / "docs" / "serving-ray.yaml").read_text())
+    doc = yaml.safe_load((Path(__file__).parents[2] / "docs" / "serving-ray.yaml").read_text())
     app = ServeDeploySchema.model_validate(doc).applications[0]
     assert app.import_path == "lantern.serve.ray_deployment:build"
     config = config_from_args(app.args)

@@ -10,7 +10,7 @@ from lantern.backends.environment import PROVENANCE_FIELDS
 from lantern.profile.hardware import load_profile, profile_names, shipped_dir
 from lantern.profile.schema import SCHEMA, load_results
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RESULTS = sorted((REPO / "results").glob("*.json"))
 PROFILES = sorted(p.stem for p in shipped_dir().glob("*.toml"))
 

@@ -1,6 +1,6 @@
 """Faults around a run (docs/reliability.md): writes that never leave half a file, cache entries that are
 corrupt or in a location that cannot be used, and refusals that name their cause before any work. The
-commands run in this process (lantern.cli.main) where they can; tests/test_faults_processes.py has the ones
+commands run in this process (lantern.cli.main) where they can; tests/cli/test_faults_processes.py has the ones
 that need processes of their own (concurrent first runs, signals)."""
 import json
 import os
@@ -17,7 +17,7 @@ from lantern.files import atomic_io, images, user_cache
 from lantern.cli import main
 from lantern.plan import calibration, acceptance_records as records
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
 from tiny_bundle import write_tiny_bundle  # noqa: E402
 
 

@@ -144,7 +144,7 @@ def test_relaxed_plans_join_only_when_allowed():
 
 @pytest.fixture(autouse=True)
 def calm_timing(monkeypatch):
-    """These tests pin the cost model and the cache, not the disturbance check (tests/test_faults.py pins it):
+    """These tests pin the cost model and the cache, not the disturbance check (tests/cli/test_faults.py pins it):
     the tiny model's sub-millisecond steps under the parallel suite's load would read as disturbed at random."""
     monkeypatch.setattr(calibration, "disturbance", lambda entry: "")
 

@@ -12,7 +12,7 @@ import pytest
 
 from tiny_bundle import write_tiny_bundle
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "gpu_check.py"
 
 

@@ -128,7 +128,7 @@ def test_functionalized_step_matches_eager_and_keeps_its_buffers(small):
 
 
 def test_each_fused_step_moves_only_its_report_to_the_host(small):
-    """The host-sync budget of tests/test_speculative.py, kept: inside the graph nothing can read the host
+    """The host-sync budget of tests/decoding/test_speculative.py, kept: inside the graph nothing can read the host
     (fullgraph would fail), and around it each step reads its report once (O(B * depth) elements), plus each
     finishing image's tokens and records once."""
     engine = Engine(Pipeline(*small[0], backend="cpu-graph", compiler="eager", fused_step=True),

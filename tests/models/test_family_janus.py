@@ -310,7 +310,7 @@ def test_the_default_method_auto_chooses_a_lossless_plan_and_caches_what_it_meas
     from lantern.plan import calibration
     monkeypatch.setenv("LANTERN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("LANTERN_CALIBRATION_BUDGET", "0.5")
-    # this pins the caching, not the disturbance check (tests/test_faults.py pins it): the tiny model's short
+    # this pins the caching, not the disturbance check (tests/cli/test_faults.py pins it): the tiny model's short
     # steps under the parallel suite's load would read as disturbed at random, and a disturbed probe is not kept
     monkeypatch.setattr(calibration, "disturbance", lambda entry: "")
     folder = str(janus[0])

@@ -157,6 +157,7 @@ def test_whole_generations_compile_each_static_step_once(models, tiny, drafting)
     assert counter.frame_count == len(keys)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,compiler", [("fp32", "aot_eager"), ("bf16", "eager")])
 def test_every_step_matches_eager(models, dtype, compiler):
     """Logits, features and the KV cache after every kind of step (aot_eager functionalizes the in-place
@@ -244,6 +245,7 @@ def test_compiling_runners_leave_the_process_recompile_limit_alone(models):
             assert torch._dynamo.config.cache_size_limit == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drafting", ["eagle1-25", "dynamic"])
 def test_images_batched_equal_each_alone(tiny, drafting):
     """Greedy: three images in one static batch give each image's tokens exactly as decoded alone."""

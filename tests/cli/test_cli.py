@@ -15,6 +15,7 @@ def lantern(*args, env=None):
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
+@pytest.mark.slow
 def test_generate_json_reports_every_field_and_same_seed_same_tokens(tmp_path, capsys):
     """The first run as a user runs it (a process of its own), the second in process."""
     from lantern.cli import main
@@ -28,6 +29,7 @@ def test_generate_json_reports_every_field_and_same_seed_same_tokens(tmp_path, c
     assert all(os.path.isfile(p) for p in outs[0]["image_paths"] + [outs[0]["grid_path"]])
 
 
+@pytest.mark.slow
 def test_speculative_generate_reports_acceptance(tmp_path, capsys):
     from lantern.cli import main
     r = lantern("generate", "--classes", "1", "--method", "lantern++", "--drafting", "chain-5", "--lam", "1",

@@ -146,6 +146,7 @@ def seed_probe_to_refine(bundle_dir: Path, caches: list[Path], monkeypatch) -> s
     return calibration.calibration_path(key).read_text()
 
 
+@pytest.mark.slow
 def test_stopped_generation_and_calibration_leave_whole_files_and_a_usable_cache(tmp_path, bundle_dir, monkeypatch):
     """Stopped while writing images, or while calibrating (refining a first-run probe in full): every PNG present
     opens, every cache entry present is whole and of its shape (the stopped calibration stored nothing), a stopped
@@ -193,6 +194,7 @@ def test_stopped_generation_and_calibration_leave_whole_files_and_a_usable_cache
     assert temporaries(tmp_path / "out-SIGKILL") == [] and temporaries(tmp_path / "cache-SIGKILL") == []
 
 
+@pytest.mark.slow
 def test_stopped_export_leaves_whole_graphs(tmp_path):
     """Stopped while exporting ONNX graphs: every graph folder present matches its manifest, no temporary folder
     is left by a stopped run, and the next export into the killed one's folder succeeds and clears it."""

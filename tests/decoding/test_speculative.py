@@ -208,6 +208,7 @@ def run_lossless(flat, drafting, batch):
 
 @pytest.mark.parametrize("drafting, batch", [("static", 1), ("static", 6000), ("dynamic", 1), ("dynamic", 6000),
                                              ("chain", 6000)])
+@pytest.mark.slow
 def test_exact_speculative_sampling_reproduces_ar_for_every_image(flat, drafting, batch):
     """Every token of 2x2 images, CFG + temperature + top-k + top-p: each image's joint distribution of its 4
     tokens and every token's marginal equal AR's exact ones (chi-square), one image per step and batched

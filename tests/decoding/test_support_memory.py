@@ -71,6 +71,7 @@ CASES = [(rule, shape, top_k) for top_k in (2000, 0) for shape in ("tree-60", "w
          if top_k or rule != "lantern++"]  # at the whole vocabulary, lantern++'s bounded walk is lantern's (slow on meta)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule, shape, top_k", CASES)
 def test_one_step_holds_memory_linear_in_the_support(rule, shape, top_k):
     peak = step_peak(shape, rules()[rule], top_k)

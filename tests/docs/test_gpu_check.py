@@ -24,6 +24,7 @@ def run_tool(*args: str, out: Path | None = None) -> subprocess.CompletedProcess
     return subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True, env=env, timeout=900)
 
 
+@pytest.mark.slow
 def test_quick_runs_every_section_on_labelled_stand_ins(tmp_path):
     bundle = write_tiny_bundle(tmp_path / "bundle")
     device_out = tmp_path / "device-out"

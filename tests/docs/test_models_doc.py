@@ -52,6 +52,7 @@ def run_line(line: str, cwd: Path, monkeypatch) -> None:
         subprocess.run(["bash", "-c", line], cwd=cwd, check=True)
 
 
+@pytest.mark.slow
 def test_the_models_page_from_install_to_a_grid_of_images(tmp_path, monkeypatch, capsys):
     files = write_page_files(tmp_path)
     monkeypatch.chdir(tmp_path)

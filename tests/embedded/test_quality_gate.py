@@ -50,6 +50,7 @@ def test_reference_needs_seeds_and_one_image_count():
         gate(Reference((m, m, m)), Measure(0.9, 10.0, 20, 1.0))
 
 
+@pytest.mark.slow
 def test_gate_accepts_ar_at_another_seed(embedded, ar_reference):
     candidate, tv = run(embedded, method_preset("ar", WHOLE), seed=7)
     verdict = gate(ar_reference, candidate, tv)
@@ -69,6 +70,7 @@ def test_gate_rejects_uniform_tokens(embedded, ar_reference):
     assert not verdict["checks"]["class_accuracy"]["passed"] and not verdict["checks"]["frechet_distance"]["passed"]
 
 
+@pytest.mark.slow
 def test_gate_rejects_the_old_mc_sjd_relaxed_default_at_whole_vocabulary(embedded, ar_reference):
     """LANTERN form, k = 1000 of 1024 codes, delta = 1.0: at top-k 5 the support limited what could move; over
     the whole vocabulary each token's distribution moves almost entirely and the images are noise."""

@@ -162,6 +162,7 @@ def test_a_drafter_recording_llamagen_caption_mask_reads_llamagen_features(tmp_p
     assert (prefix_feats - feats[:, :119]).abs().max() <= 1e-4 * max(1.0, feats.abs().max().item())
 
 
+@pytest.mark.slow
 def test_outputs_are_the_same_under_either_caption_mask(tmp_path):
     """The caption mask only changes what the drafter reads: greedy EAGLE-2 tokens with a LANTERN drafter equal
     AR's on a padded caption, whichever convention the drafter records."""

@@ -384,6 +384,7 @@ def test_generate_auto_runs_the_plan_it_reports(tiny):
         Pipeline(target, drafter, proximity, backend="cpu").generate([1], "auto")
 
 
+@pytest.mark.slow
 def test_cli_reports_the_plan_and_says_it_calibrates(tmp_path, monkeypatch, capsys):
     """The embedded model (it ships its acceptance record), its calibration seeded by the test for every plan but
     one (MC-SJD L=16 made cheapest, so the choice is known): the first run (a process of its own) calibrates that

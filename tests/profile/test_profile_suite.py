@@ -55,6 +55,7 @@ def tiny_run(tmp_path_factory):
     return path, root / "results" / "tiny.json", summary
 
 
+@pytest.mark.slow
 def test_run_writes_a_valid_results_file(tiny_run):
     _, results, summary = tiny_run
     assert summary["failed"] == [] and summary["complete"]

@@ -21,6 +21,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_one_replica_on_local_ray_answers_requests(tmp_path):
     bundle = write_tiny_bundle(tmp_path / "tiny")
     port = free_port()

@@ -4,6 +4,7 @@ behaviours, /metrics parsed as Prometheus text with counters that add up, and SI
 flight before exiting 0. Every request loop is bounded in count and time."""
 import asyncio
 import base64
+import contextlib
 import io
 import json
 import logging
@@ -454,16 +455,46 @@ def run_lantern(*args, env=None, **kwargs):
     return subprocess.Popen([sys.executable, "-m", "lantern.cli", *args], stderr=subprocess.PIPE, text=True,
                             env=env or {**os.environ, "OMP_NUM_THREADS": "1"}, **kwargs)
 
-
-def test_sigterm_finishes_the_requests_in_flight_then_exits_0(bundle_dir):
-    proc = run_lantern("serve", "--model", str(bundle_dir), "--method", "ar", "--batch", "2", "--max-n", "8",
-                       "--queue", "8", "--port", "0", "--threads", "1")
+@contextlib.contextmanager
+def subprocess_service(bundle_dir, batch: int, max_n: int):
+    """`lantern serve` in a process of its own (AR, one thread), ready: (process, url); killed if still running."""
+    proc = run_lantern("serve", "--model", str(bundle_dir), "--method", "ar", "--batch", str(batch), "--max-n",
+                       str(max_n), "--queue", str(max_n), "--port", "0", "--threads", "1")
     try:
         url = json.loads(proc.stderr.readline())["url"]
         wait_until(lambda: _ready(url), "the subprocess service to be ready")
-        answer = {}
-        request = threading.Thread(target=lambda: answer.update(r=generate(url, class_id=1, n=8)))
-        request.start()
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def request_in_thread(url, n: int) -> tuple[threading.Thread, dict]:
+    """One request of n images sent from a thread: (the thread, the dict its answer lands in under "r")."""
+    answer = {}
+    request = threading.Thread(target=lambda: answer.update(r=generate(url, class_id=1, n=n)))
+    request.start()
+    return request, answer
+
+
+def first_ready(url, t0: float) -> dict | None:
+    """/ready's first 200 answer within READY_BUDGET_S of t0 (None if none came)."""
+    while time.monotonic() - t0 < READY_BUDGET_S:
+        try:
+            r = httpx.get(f"{url}/ready", timeout=5)
+            if r.status_code == 200:
+                return r.json()
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    return None
+
+
+
+def test_sigterm_finishes_the_requests_in_flight_then_exits_0(bundle_dir):
+    with subprocess_service(bundle_dir, batch=2, max_n=8) as (proc, url):
+        request, answer = request_in_thread(url, 8)
         wait_until(lambda: metric_samples(url)[("lantern:requests_in_flight", ())] == 1, "the request in flight")
         proc.send_signal(signal.SIGTERM)
         assert request.is_alive()  # still decoding when the signal came
@@ -475,23 +506,13 @@ def test_sigterm_finishes_the_requests_in_flight_then_exits_0(bundle_dir):
         assert lines[-1]["event"] == "stopped" and lines[-1]["exit_code"] == 0
         with pytest.raises(httpx.TransportError):
             generate(url, class_id=1)  # no longer listening
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_a_second_sigterm_while_draining_cancels_with_503_and_exits_at_once(bundle_dir):
     """The first SIGTERM drains; a second one cancels what is in flight (503) and stops with 143, the shell's code
     for SIGTERM, without the abort a running engine thread caused at interpreter exit."""
-    proc = run_lantern("serve", "--model", str(bundle_dir), "--method", "ar", "--batch", "1", "--max-n", "256",
-                       "--queue", "256", "--port", "0", "--threads", "1")
-    try:
-        url = json.loads(proc.stderr.readline())["url"]
-        wait_until(lambda: _ready(url), "the subprocess service to be ready")
-        answer = {}
-        request = threading.Thread(target=lambda: answer.update(r=generate(url, class_id=1, n=256)))
-        request.start()
+    with subprocess_service(bundle_dir, batch=1, max_n=256) as (proc, url):
+        request, answer = request_in_thread(url, 256)
         wait_until(lambda: metric_samples(url)[("lantern:requests_in_flight", ())] == 1, "the request in flight")
         proc.send_signal(signal.SIGTERM)
         wait_until(lambda: not _ready(url), "the service to drain")
@@ -505,26 +526,15 @@ def test_a_second_sigterm_while_draining_cancels_with_503_and_exits_at_once(bund
         lines = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
         assert [(x["status"], x["outcome"]) for x in lines if x.get("event") == "request"] == [(503, "unavailable")]
         assert lines[-1]["event"] == "stopped" and lines[-1]["exit_code"] == 143
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_a_third_signal_leaves_without_waiting_for_connections_to_close(bundle_dir):
     """A client that sent half its body keeps its connection open through the drain and the second signal's
     cancelling; a third signal leaves without it, promptly, with the second signal's code and no abort."""
-    proc = run_lantern("serve", "--model", str(bundle_dir), "--method", "ar", "--batch", "1", "--max-n", "256",
-                       "--queue", "256", "--port", "0", "--threads", "1")
-    stalled = None
-    try:
-        url = json.loads(proc.stderr.readline())["url"]
-        wait_until(lambda: _ready(url), "the subprocess service to be ready")
-        answer = {}
-        request = threading.Thread(target=lambda: answer.update(r=generate(url, class_id=1, n=256)))
-        request.start()
+    with subprocess_service(bundle_dir, batch=1, max_n=256) as (proc, url), contextlib.ExitStack() as closing:
+        request, answer = request_in_thread(url, 256)
         host, port = url.removeprefix("http://").split(":")
-        stalled = socket.create_connection((host, int(port)), timeout=WAIT_S)
+        stalled = closing.enter_context(socket.create_connection((host, int(port)), timeout=WAIT_S))
         stalled.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
                         b"Content-Length: 100\r\n\r\n{\"class_id\": ")  # and never the rest
         wait_until(lambda: metric_samples(url)[("lantern:requests_in_flight", ())] == 2, "both requests in flight")
@@ -543,12 +553,6 @@ def test_a_third_signal_leaves_without_waiting_for_connections_to_close(bundle_d
         assert [(x["status"], x["outcome"]) for x in lines if x.get("event") == "request"] == [
             (503, "unavailable"), (499, "cancelled")]  # the half-sent request ends as its client gone
         assert lines[-1]["event"] == "stopped" and lines[-1]["exit_code"] == 130
-    finally:
-        if stalled is not None:
-            stalled.close()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def _ready(url) -> bool:
@@ -668,14 +672,7 @@ def test_a_fresh_service_on_an_empty_cache_is_ready_within_the_budget_then_calib
                        "--port", "0", env={**env, "OMP_NUM_THREADS": "1"})
     try:
         url = json.loads(proc.stderr.readline())["url"]
-        first = None
-        while first is None and time.monotonic() - t0 < READY_BUDGET_S:
-            try:
-                r = httpx.get(f"{url}/ready", timeout=5)
-                first = r.json() if r.status_code == 200 else None
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
+        first = first_ready(url, t0)
         assert first is not None, f"not ready within {READY_BUDGET_S} s"
         assert first["calibration"] in ("waiting", "calibrating") and first["methods"]["auto"] == "auto: ar"
         assert generate(url, class_id=1, seed=3).status_code == 200  # served while calibrating

@@ -23,8 +23,8 @@ from chameleon_fixtures import make_chameleon_folder  # noqa: E402
 from janus_fixtures import make_janus_folder  # noqa: E402
 from lantern.serve.config import ServeConfig  # noqa: E402
 from lantern.serve.service import Service  # noqa: E402
-from test_serve import (READY_BUDGET_S, WAIT_S, ServerThread, generate, generate_all, metric_samples, png,  # noqa: E402
-                        run_lantern, wait_until)
+from test_serve import (READY_BUDGET_S, WAIT_S, ServerThread, first_ready, generate, generate_all,  # noqa: E402
+                        metric_samples, png, run_lantern, wait_until)
 
 PROMPTS = ["a red cat", "the blue dog on the mat", "a cat"]  # 3, 6 and 2 words: rows of different lengths
 MAX_PROMPT = 12  # tokens, the family's own included
@@ -210,14 +210,7 @@ def test_a_fresh_family_service_is_ready_within_the_budget_and_answers_while_aut
                        "--max-prompt-tokens", str(MAX_PROMPT), "--port", "0", env=env)
     try:
         url = listening_url(proc)
-        first = None
-        while first is None and time.monotonic() - t0 < READY_BUDGET_S:
-            try:
-                r = httpx.get(f"{url}/ready", timeout=5)
-                first = r.json() if r.status_code == 200 else None
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
+        first = first_ready(url, t0)
         assert first is not None, f"not ready within {READY_BUDGET_S} s"
         assert first["family"] == "chameleon" and first["methods"]["auto"] == "auto: ar"
         out = generate(url, prompt="a red cat", seed=3)

@@ -294,11 +294,13 @@ def main() -> None:
 
 def markdown(record: dict) -> str:
     names = list(record.get("samplings") or {"bundle": "the bundle's"})
+    baseline = (f" and {record.get('cli_per_client', record['per_client'])} to one `lantern generate --backend "
+                f"{record.get('cli_backend', record['backend'])}` process per image"
+                if any(r["mode"] == "cli" for r in record["rows"]) else " (no one-process-per-image baseline ran)")
     lines = [f"# lantern serve load test ({record['backend']}, service batch {record['batch']})", "",
              f"{record['date']}, commit {record['commit']}, {record['machine']['cpus']} CPUs; `{record['command']}`; "
-             f"each client sends {record['per_client']} one-image requests in turn to the service and "
-             f"{record.get('cli_per_client', record['per_client'])} to one `lantern generate --backend "
-             f"{record.get('cli_backend', record['backend'])}` process per image, mixed classes"
+             f"each client sends {record['per_client']} one-image requests in turn to the service{baseline}, "
+             f"mixed classes"
              f"{'; the service runs --fused-step' if record.get('fused_step') else ''}.", "",
              f"Machine: {record['provenance']['machine'] if 'provenance' in record else record['machine']['cpu']}; "
              f"OMP_NUM_THREADS={record.get('omp_num_threads') or 'unset'} (every process; the service runs its steps at "

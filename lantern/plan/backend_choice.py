@@ -41,7 +41,8 @@ from lantern.plan import calibration, acceptance_records as records
 from lantern.plan.calibration import FUSED  # a candidate name's suffix: the backend with fused_step=True
 from lantern.plan.candidates import AR, Plan, candidate_plans
 from lantern.plan.choose import MIN_SPEEDUP, Choice, allowed_relaxation, choose, probe_rounds, steps_by_plan
-from lantern.files.user_cache import cache_root, entry_folder, entry_lock, field_problem, is_number, read_entry, write_entry
+from lantern.files.user_cache import (cache_root, entry_folder, entry_lock, field_problem, is_number, read_entry,
+                                      write_entry)
 
 # The modes auto weighs, per device family (the default backend first). CUDA's fused step (one CUDA graph per
 # engine) is tested against fakes only, so auto leaves it to those who ask for it (--backend cuda-graph --fused-step).

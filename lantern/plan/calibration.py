@@ -44,7 +44,7 @@ import torch
 from lantern.decoding.sampling import SamplingConfig
 from lantern.plan.candidates import AR, Plan
 from lantern.files.user_cache import (cache_root, entry_folder, entry_lock, field_problem, is_number, read_entry,
-                                 write_entry)
+                                      write_entry)
 
 FIXED_REPEATS = 3
 FIRST_STEPS = 6  # loop steps per timed run in round 1 (every plan)

@@ -504,7 +504,7 @@ def serve(check: Check) -> dict:
     """The service under `clients` closed-loop clients for --serve-s seconds, against one `lantern generate`
     process per image (each client one image in turn, for the same seconds)."""
     sys.path.insert(0, str(ROOT / "tools"))
-    from bench_serve import lantern_command, num_classes, summary
+    from bench_serve import LogDrain, lantern_command, num_classes, summary
     import httpx
     clients, seconds, classes = check.args.clients, check.args.serve_s, num_classes(check.args.model)
     model = ["--model", check.args.model] if check.args.model else []
@@ -515,7 +515,8 @@ def serve(check: Check) -> dict:
                                             "--port", "0"), stderr=subprocess.PIPE, text=True, env=env)
     try:
         url = json.loads(proc.stderr.readline())["url"]
-        ready = wait_ready(httpx, url, proc, check.budget.left())
+        drain = LogDrain(proc.stderr)  # a log line per request: undrained, the pipe fills and the service blocks
+        ready = wait_ready(httpx, url, proc, drain, check.budget.left())
         if ready is None:
             return {"error": "the service was not ready within the budget"}
 
@@ -556,7 +557,7 @@ def serve(check: Check) -> dict:
     return out
 
 
-def wait_ready(httpx, url: str, proc, seconds: float) -> Optional[dict]:
+def wait_ready(httpx, url: str, proc, drain, seconds: float) -> Optional[dict]:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
@@ -566,7 +567,7 @@ def wait_ready(httpx, url: str, proc, seconds: float) -> Optional[dict]:
         except httpx.TransportError:
             pass
         if proc.poll() is not None:
-            raise RuntimeError(f"lantern serve exited with {proc.returncode}: {proc.stderr.read()[-500:]}")
+            raise RuntimeError(f"lantern serve exited with {proc.returncode}: {drain.tail()}")
         time.sleep(1.0)
     return None
 

@@ -40,7 +40,8 @@ from lantern.decoding.sampling import SamplingConfig
 from lantern.plan import calibration, acceptance_records as records
 from lantern.plan.calibration import FUSED  # a candidate name's suffix: the backend with fused_step=True
 from lantern.plan.candidates import AR, Plan, candidate_plans
-from lantern.plan.choose import MIN_SPEEDUP, Choice, allowed_relaxation, choose, probe_rounds, steps_by_plan
+from lantern.plan.choose import (MIN_SPEEDUP, Choice, allowed_relaxation, choosable, choose, probe_rounds,
+                                 steps_by_plan)
 from lantern.files.user_cache import (cache_root, entry_folder, entry_lock, field_problem, is_number, read_entry,
                                       write_entry)
 
@@ -204,7 +205,7 @@ class BackendChoice:
 
 def _weighable(choice: Choice) -> list[dict]:
     """The candidates a choice may run: every timed plan, or AR alone when its calibration was disturbed."""
-    return [r for r in choice.candidates if "predicted_seconds" in r and not r.get("lower_bound")
+    return [r for r in choice.candidates if "predicted_seconds" in r and choosable(r)
             and (not choice.disturbed or r["plan"] == AR.name)]
 
 
@@ -308,7 +309,8 @@ def choose_backend(make_pipe: Callable[..., object], n_images: int, sampling: Sa
                                          width, list(by_name.values()), sampling)}
     request_s = min(r["predicted_seconds"] for r in _weighable(base))
     wanted = list(classes) if classes is not None else [None] * n_images
-    ranked = sorted((r for r in _weighable(base) if r["plan"] != AR.name), key=lambda r: r["predicted_seconds"])
+    ranked = sorted((r for r in base.candidates if "predicted_seconds" in r and not r.get("lower_bound")
+                     and r["plan"] != AR.name), key=lambda r: r["predicted_seconds"])  # unconfirmed ones too
     cross = [AR, *(by_name[r["plan"]] for r in ranked[:CROSS_PLANS])]
     anchor = calibration.ar_step_timer(base_pipe, sampling, width)
     anchor_ar_step_s = next(r["step_ms"] for r in base.candidates if r["plan"] == AR.name) / 1e3

@@ -11,9 +11,10 @@ as attention's cost grows with the slots it reads. Per width w:
 
     fixed_s            one chunk's prefill, first draw and statistics (AR with a one-token image)
     plans[name].step_s (wall time of a short generation - fixed_s) / its loop steps, relative to an AR run of
-                       as many steps timed just before it (median ratio x AR's median step); with
-                       `lower_bound`, only a floor: the plan could not contend, or its first run did not fit
-                       in the budget, so it was never timed
+                       as many steps timed just before it (median ratio x AR's median step; AR's own: the
+                       median of every AR run); with `lower_bound`, only a floor: the plan could not contend,
+                       or its first run did not fit in the budget, so it was never timed; with
+                       `unconfirmed`, timed fewer than CONFIRMED times: shown, never chosen
     seconds            the timing; prepare_s: preparing runners and exporting graphs, which later runs reuse
 
 Cached per (machine, backend, dtype, threads, model) in the user cache (calibration/<key>.json), measured once
@@ -54,6 +55,8 @@ MAX_ROUNDS = 16  # ... and more while the next run fits in BUDGET_S
 BUDGET_S = 30.0  # a width's timing (preparing runners apart) starts no run it expects to end past this
 CONTENDER = 1.5  # a plan contends when its estimated seconds per chunk are within this factor of the best
 CLOSE = 1.15  # rounds past ROUNDS time only the plans this close to the best: the choice hinges on them
+CONFIRMED = 3  # timed runs a plan needs before it may be chosen: one run of a few steps is noise (a first-run
+# probe on an Intel Xeon VM timed MC-SJD's step at 1.19x AR's where whole runs take 1.7-1.8x, and AR's own at 1.41x)
 WIDER_SLACK = 0.9  # a step with a wider verify costs at least this fraction of a narrower one's (timing noise)
 BUDGET_ENV = "LANTERN_CALIBRATION_BUDGET"  # seconds, overrides BUDGET_S (a slow machine may want less)
 DISTURBED = 3.0  # runs of the same thing this many times apart: the machine was loaded while timing (a concurrent
@@ -107,9 +110,10 @@ def costs_name(pipe) -> str:
 
 
 # What a step costs depends on lantern's step code as well as the machine: a change that moves costs (2:
-# cpu-graph's verify reads only the slots in use; 3: other modes' entries carry their anchor, `ar_to_anchor`) gets
-# a new number, so no cached timing of the old code is read.
-STEP_CODE = 3
+# cpu-graph's verify reads only the slots in use; 3: other modes' entries carry their anchor, `ar_to_anchor`; 4: a
+# plan timed fewer than CONFIRMED times is `unconfirmed`) gets a new number, so no cached timing of the old code is
+# read.
+STEP_CODE = 4
 
 
 def calibration_key(backend: str, dtype: str, model: str) -> dict:
@@ -341,6 +345,8 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
     ar = AR.decode(sampling)
     attended_by_plan = attended or {}
     took: dict[str, float] = {}  # plan -> seconds per loop step its last timed run (with its AR reference) took
+    ar_own: list[float] = []  # AR's runs as a plan: more AR steps, like its references
+    reference_took: list[float] = []  # seconds per loop step each AR reference run took, its fixed cost included
 
     def prepare(dcfg) -> None:
         nonlocal prepare_s
@@ -391,15 +397,42 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
         with turn():
             start = clock()
             anchor_s = anchor(steps) if anchor is not None else 0.0
+            ref_start = clock()
             reference = step_seconds(ar, float(block - 1), steps, 0.5)
+            reference_took.append((clock() - ref_start) / steps)
             ar_steps.append(reference)
             if anchor is not None:
                 to_anchor.append(reference / max(anchor_s, 1e-9))
-            ratios[plan.name].append(step_seconds(dcfg, per_chunk, steps, fraction) / max(reference, 1e-9))
+            seconds = step_seconds(dcfg, per_chunk, steps, fraction)
+            ratios[plan.name].append(seconds / max(reference, 1e-9))
+            if plan == AR:
+                ar_own.append(seconds)
             took[plan.name] = (clock() - start) / steps
 
     def per_chunk_s(name: str, ratio: float) -> float:
         return ratio * statistics.median(ar_steps) * steps_per_chunk.get(name, block)
+
+    def confirm_leader(measured: list[Plan]) -> None:
+        """Time the plan that leads AR (by its median so far) until it has CONFIRMED runs, while they fit; a
+        leader that falls behind passes the lead to the next. What a choice hinges on is timed first."""
+        while True:
+            median = {p.name: per_chunk_s(p.name, statistics.median(ratios[p.name])) for p in measured}
+            leader = min((p for p in measured if p != AR), key=lambda p: median[p.name], default=None)
+            if (leader is None or median[leader.name] >= median.get(AR.name, math.inf)
+                    or len(ratios[leader.name]) >= min(CONFIRMED, max_rounds)
+                    or not fits(took[leader.name] * TIMED_STEPS)):
+                return
+            bar.set_postfix_str(leader.name)
+            time_plan(leader, TIMED_STEPS)
+            tick()
+
+    def confirming_s() -> float:
+        """Seconds to time the leader so far (a plan, not AR) up to CONFIRMED runs: round 1 leaves them."""
+        timed = [p for p in todo if ratios[p.name] and p != AR]
+        if not timed:
+            return 0.0
+        leader = min(timed, key=lambda p: per_chunk_s(p.name, ratios[p.name][0]))
+        return max(CONFIRMED - len(ratios[leader.name]), 0) * took[leader.name] * TIMED_STEPS
 
     known = [v["step_s"] * steps_per_chunk.get(name, block) for name, v in entry["plans"].items()
              if not v.get("lower_bound")]
@@ -420,7 +453,8 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
             floor = WIDER_SLACK * max((ratios[p.name][0] for p in timed if not decoded[p.name].needs_drafter
                                        and width_of[p.name] <= width_of[plan.name]), default=0.0)
             best = min([per_chunk_s(p.name, ratios[p.name][0]) for p in timed] + known, default=math.inf)
-            if plan != AR and timed and (per_chunk_s(plan.name, floor) > CONTENDER * best or not fits(first_run)):
+            if plan != AR and timed and (per_chunk_s(plan.name, floor) > CONTENDER * best
+                                         or not fits(first_run + confirming_s())):
                 floors[plan.name] = floor
             else:
                 start, prepared, waited = clock(), prepare_s, waited_s
@@ -432,6 +466,7 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
             estimate = {p.name: per_chunk_s(p.name, ratios[p.name][0]) for p in measured}
             best = min([*estimate.values(), *known])
             contenders = [p for p in measured if p == AR or estimate[p.name] <= CONTENDER * best]
+            confirm_leader(measured)
             r, out_of_time = 1, False
             while contenders and r < max_rounds and not out_of_time:
                 if r >= rounds:
@@ -439,6 +474,8 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
                     best = min(estimate[p.name] for p in contenders)
                     contenders = [p for p in contenders if estimate[p.name] <= CLOSE * best]  # the leader at least
                 for plan in (contenders if r % 2 else contenders[::-1]):  # alternating order
+                    if len(ratios[plan.name]) > r:  # timed this round already (confirm_leader)
+                        continue
                     if not fits(took[plan.name] * TIMED_STEPS):
                         out_of_time = True
                         break
@@ -446,18 +483,20 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
                     time_plan(plan, TIMED_STEPS)
                     tick()
                 r += 1
-            if len(ar_steps) < 2 or fits(statistics.median(ar_steps) * TIMED_STEPS + entry["fixed_s"]):
+            if len(ar_steps) < 2 or fits(statistics.median(reference_took) * TIMED_STEPS):
                 # a closing reference: the load at the end of the timing against its start (`disturbance`)
                 with turn():
                     ar_steps.append(step_seconds(ar, float(block - 1), TIMED_STEPS, 0.5))
             entry["ar_reference_s"] = list(ar_steps)
             if to_anchor:
                 entry["ar_to_anchor"] = [round(x, 4) for x in to_anchor]
-            ar_s = statistics.median(ar_steps)
+            ar_s = statistics.median(ar_steps + ar_own)
             for plan in measured:
-                entry["plans"][plan.name] = {"step_s": statistics.median(ratios[plan.name]) * ar_s,
-                                             "ratio_to_ar": [round(x, 4) for x in ratios[plan.name]],
-                                             "attended": attended_by_plan.get(plan.name, 0.5)}
+                entry["plans"][plan.name] = {"step_s": statistics.median(ratios[plan.name]) * ar_s if plan != AR
+                                             else ar_s, "ratio_to_ar": [round(x, 4) for x in ratios[plan.name]],
+                                             "attended": attended_by_plan.get(plan.name, 0.5),
+                                             **({"unconfirmed": True} if plan != AR
+                                                and len(ratios[plan.name]) < CONFIRMED else {})}
             for name, floor in floors.items():
                 entry["plans"][name] = {"step_s": floor * ar_s, "lower_bound": True}
         tick()
@@ -498,7 +537,7 @@ def at_width(widths: dict, width: int) -> dict:
         return max(x + (y - x) * f, 0.0)
 
     plans = {name: {"step_s": lerp(a["plans"][name]["step_s"], b["plans"][name]["step_s"]),
-                    **({"lower_bound": True} if a["plans"][name].get("lower_bound")
-                       or b["plans"][name].get("lower_bound") else {})}
+                    **{flag: True for flag in ("lower_bound", "unconfirmed")
+                       if a["plans"][name].get(flag) or b["plans"][name].get(flag)}}
              for name in a["plans"] if name in b["plans"]}
     return {"fixed_s": lerp(a["fixed_s"], b["fixed_s"]), "plans": plans, "interpolated_from": [lo, hi]}

@@ -84,8 +84,18 @@ class Choice:
         if self.plan != AR or not faster:
             return ""
         best = max(faster, key=lambda r: r["predicted_speedup"])
+        if best.get("unconfirmed"):
+            return (f"; the best plan, {best['plan']}, was predicted at {best['predicted_speedup']:.2f}x from fewer "
+                    f"than {calibration.CONFIRMED} timed runs, too few to choose it (a request long enough to pay "
+                    f"for a full calibration, or `lantern profile run`, times it in full)")
         return (f"; the best plan, {best['plan']}, was predicted at {best['predicted_speedup']:.2f}x, under the "
                 f"{self.min_speedup:.2f}x a plan needs")
+
+
+def choosable(row: dict) -> bool:
+    """Whether a candidate's prediction may choose it: not a lower bound (a plan too slow to be worth timing) and
+    not unconfirmed (timed fewer than calibration.CONFIRMED times, which a noisy machine can flatter by 2x)."""
+    return not row.get("lower_bound") and not row.get("unconfirmed")
 
 
 def predict_seconds(width: int, fixed_s: float, step_s: float, images: list[list[float]]) -> float:
@@ -182,12 +192,11 @@ def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] =
         t = predict_seconds(width, costs["fixed_s"], cost["step_s"], steps[p.name])
         rows.append({"plan": p.name, "lossless": p.lossless, "predicted_seconds": t,
                      "steps_per_image": mean_steps[p.name], "step_ms": 1e3 * cost["step_s"],
-                     **({"lower_bound": True} if cost.get("lower_bound") else {})})
+                     **{flag: True for flag in ("lower_bound", "unconfirmed") if cost.get(flag)}})
     ar_s = rows[0]["predicted_seconds"]  # AR is the first candidate
     for r in rows:
         r["predicted_speedup"] = ar_s / r["predicted_seconds"] if r["predicted_seconds"] else 1.0
-    # a lower bound (a plan too slow to be worth timing) is never chosen
-    best = min((r for r in rows if not r.get("lower_bound")), key=lambda r: r["predicted_seconds"])
+    best = min((r for r in rows if choosable(r)), key=lambda r: r["predicted_seconds"])
     if best["predicted_speedup"] < min_speedup or costs.get("disturbed"):  # a disturbed timing: AR, the safe plan
         best = rows[0]
     plan = next(p for p in plans if p.name == best["plan"])

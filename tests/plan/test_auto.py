@@ -302,6 +302,100 @@ def test_a_costly_drafter_bounds_no_plan_that_drafts_nothing():
     assert min(per_image, key=per_image.get).startswith("mc-sjd")
 
 
+class FlatteringPipe(CostCurvePipe):
+    """A noisy machine (a fake): the first run of each listed verify width reads `by` times too fast."""
+
+    def __init__(self, step_ms, flattered: dict):
+        super().__init__(step_ms)
+        self.flattered = dict(flattered)
+
+    def generate(self, cond, dcfg, seed, batch, tokens):
+        w = 1 if dcfg.strategy is None else dcfg.strategy.verify_width
+        out = super().generate(cond, dcfg, seed, batch, tokens)
+        if tokens > 2 and w in self.flattered:  # a timed run, not a warm-up
+            wall = out.stats.wall_seconds
+            out.stats.wall_seconds = wall / self.flattered.pop(w)
+            self.now -= wall - out.stats.wall_seconds
+        return out
+
+
+def probe(pipe, plans, budget: float) -> dict:
+    per_chunk = {p.name: (63.0 if p == AR else 31.5) for p in plans}
+    return calibration.measure_width(pipe, plans, SAMPLING, 1, per_chunk, progress=False, clock=pipe.clock,
+                                     rounds=1, max_rounds=3, budget=budget)
+
+
+def test_a_plan_timed_too_few_times_is_never_chosen(pipe):
+    """One run of a few steps can read a plan 2x too fast (a probe on an Intel Xeon VM timed MC-SJD's step at
+    1.19x AR's where whole runs take 1.7-1.8x, and the default ran at 0.95x AR): it is shown, never chosen."""
+    choose(pipe, 2, SAMPLING, batch=2, progress=False)
+    seed_calibration(pipe, 2, {"ar": 1.0, "mc-sjd/L4": 0.5})
+    key = calibration.calibration_key(pipe.backend.name, pipe.dtype, pipe.model_key)
+    data = calibration.load_calibration(key)
+    data["widths"]["2"]["plans"]["mc-sjd/L4"]["unconfirmed"] = True
+    calibration.save_calibration(data)
+    c = choose(pipe, 2, SAMPLING, batch=2, progress=False)
+    row = {r["plan"]: r for r in c.candidates}["mc-sjd/L4"]
+    assert c.plan == AR and row["unconfirmed"] and row["predicted_speedup"] > MIN_SPEEDUP
+    assert f"from fewer than {calibration.CONFIRMED} timed runs" in c.summary()
+
+
+def test_a_probe_out_of_budget_leaves_its_flattered_leader_unconfirmed():
+    """L4's step truly costs 2.2 AR steps (0.9x AR at half the steps); its one run in round 1 reads 2x too fast.
+    With no budget left to time it again it must not be taken at its word."""
+    plans = [AR, next(p for p in candidate_plans(True, False) if p.name == "mc-sjd/L4")]
+    costs = {1: 1.0, 5: 2.2}
+    entry = probe(FlatteringPipe(lambda w, drafts: costs[w], {5: 2.0}), plans, budget=0.06)
+    l4 = entry["plans"]["mc-sjd/L4"]
+    assert len(l4["ratio_to_ar"]) < calibration.CONFIRMED and l4["unconfirmed"]
+    assert l4["step_s"] < entry["plans"]["ar"]["step_s"] * 1.25  # what the flattered run says ...
+    # ... with the budget to confirm it, the median of its runs is its true cost, and it is confirmed
+    confirmed = probe(FlatteringPipe(lambda w, drafts: costs[w], {5: 2.0}), plans, budget=math.inf)
+    l4 = confirmed["plans"]["mc-sjd/L4"]
+    assert len(l4["ratio_to_ar"]) == calibration.CONFIRMED and "unconfirmed" not in l4
+    assert l4["step_s"] / confirmed["plans"]["ar"]["step_s"] == pytest.approx(2.2, rel=0.1)
+
+
+def test_round_one_leaves_the_budget_to_confirm_its_leader():
+    """Every plan's first run fits the budget, and then nothing more would: round 1 stops timing new plans
+    (kept as floors) while confirming the leader still fits, so the plan the choice hinges on is timed
+    CONFIRMED times."""
+    plans = candidate_plans(True, False)
+    def flat():  # a flat verify curve: every plan contends
+        return CostCurvePipe(lambda w, drafts: 1.0 + 0.01 * w)
+    per_chunk = {p.name: (63.0 if p == AR else 31.5) for p in plans}
+    first = flat()
+    round_one = calibration.measure_width(first, plans, SAMPLING, 1, per_chunk, progress=False, rounds=1,
+                                          max_rounds=1, budget=math.inf, clock=first.clock)
+    assert all("ratio_to_ar" in v for v in round_one["plans"].values())
+    pipe = flat()
+    entry = probe(pipe, plans, budget=1.05 * round_one["seconds"])
+    timed = {name: len(v["ratio_to_ar"]) for name, v in entry["plans"].items() if "ratio_to_ar" in v}
+    leader = min((n for n in timed if n != "ar"), key=lambda n: entry["plans"][n]["step_s"] * 31.5)
+    assert timed[leader] == calibration.CONFIRMED and len(timed) < len(plans)
+
+
+def test_ar_costs_the_median_of_every_ar_run_not_its_own_ratio():
+    """AR is its own reference: its one run as a plan reading 1.5x slow must not move its cost (a probe once
+    put AR at 1.41x its own reference, which made a plan timed against it look faster than it is)."""
+    plans = [AR, next(p for p in candidate_plans(True, False) if p.name == "mc-sjd/L4")]
+    pipe = CostCurvePipe(lambda w, drafts: 1.0 + 0.2 * (w > 1))
+    timed_ar = []
+
+    def generate(cond, dcfg, seed, batch, tokens, base=pipe.generate):
+        out = base(cond, dcfg, seed, batch, tokens)
+        if dcfg.strategy is None and tokens > 2:
+            timed_ar.append(tokens)
+            if len(timed_ar) == 2:  # AR's own run as a plan (the first is its reference)
+                pipe.now += out.stats.wall_seconds / 2
+                out.stats.wall_seconds *= 1.5
+        return out
+    pipe.generate = generate
+    entry = probe(pipe, plans, budget=math.inf)
+    assert max(entry["plans"]["ar"]["ratio_to_ar"]) > 1.4  # the slow run was AR's own
+    assert entry["plans"]["ar"]["step_s"] == pytest.approx(statistics.median(entry["ar_reference_s"]), rel=0.05)
+
+
 def test_the_choice_follows_the_requested_classes(pipe, tmp_path, monkeypatch):
     """A record where L4 is fast on class 0 and slow on class 1, L8 the same on both: equal step costs, so
     class 0 images get L4 and class 1 images L8."""

@@ -162,7 +162,7 @@ def draft_static(d: DraftRunner, strategy: StaticTree, root_token, root: torch.T
     q = None if greedy else Support(q_probs, q_ids)
     return DraftedTree(tokens=tokens, valid=valid, depth=placed.depth, ancestors=placed.ancestors,
                        parents=placed.parents, children=table[None], q=q, max_depth=strategy.depth,
-                       rank=placed.rank)
+                       rank=placed.rank, chain=placed.chain)
 
 
 def draft_dynamic(d: DraftRunner, strategy: DynamicTree, root_token, root: torch.Tensor, q_root: Support,

@@ -27,7 +27,8 @@ from torch import nn
 from lantern.files.reading import read_json_object
 from lantern.models.kv_cache import StaticKVCache
 from lantern.models.checkpoint import load_tensors_file
-from lantern.models.chameleon import ChameleonTarget, attention
+from lantern.models.chameleon import ChameleonTarget
+from lantern.models.language_model import attention
 from lantern.models.gpt import attention_bias
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")

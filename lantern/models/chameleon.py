@@ -1,19 +1,12 @@
 """Chameleon-family targets (Anole, Chameleon; Lumina-mGPT shares the architecture but not the image stream, and is
 refused: `check_not_lumina`): transformers' `ChameleonForConditionalGeneration` from a local folder, generating
-images.
+images, with the prompt, CFG row and image tokens of Anole's own pipeline (docs/model-families.md).
 
-Chameleon's image tokens live inside its 65536-token vocabulary: the BPE tokens named `IMGIMG<code>Z` (transformers'
-ChameleonImageVocabularyMapping) stand for the VQGAN codes 0..8191. lantern's tokens are those codes: `embed_tokens`
-maps a code to its BPE id, and `head` computes logits over the image rows of `lm_head` only, in code order, so
-warping, CFG and acceptance never see a text token.
-
-The prompt and CFG follow Anole's own pipeline (and LANTERN's Anole code): the conditional row is
-`<s>, tokens of the prompt, <reserved08706> (end of turn), <racm3:break> (begin image)`, the unconditional row is
-`<s>, <racm3:break>` alone, left-padded with `<pad>` to the same length; the pads are masked for every query
-(`prefix_visible`, applied by the engine) and the unconditional row's positions start at 0 at its `<s>`, so it sits
-P - 2 positions behind the conditional row. `forward_cached` reads that offset from the mask itself: a row's position
-shifts back by the prefix slots (up to its position) it may not see, so the core passes the same positions to both
-rows and needs no per-row state.
+lantern's tokens are the VQGAN codes 0..8191 (the BPE tokens `IMGIMG<code>Z`): `embed_tokens` maps a code to its BPE
+id and `head` reads the image rows of `lm_head` only, in code order, so warping, CFG and acceptance never see a text
+token. CFG's unconditional row `<s>, <racm3:break>` is left-padded with `<pad>`, hidden from every query
+(`prefix_visible`), and `forward_cached` reads each row's position shift from the mask itself (`row_positions`), so
+the core passes the same positions to both rows and needs no per-row state.
 
 `ChameleonTarget` runs the language model's layers, q/k LayerNorms included, in the standard or the Swin-norm order
 over lantern's static KV cache (lantern.models.language_model). Pixels come from the model's taming VQGAN

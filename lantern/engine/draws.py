@@ -80,7 +80,7 @@ class SlotDraws:
 
     def uniform(self, shape) -> torch.Tensor:
         """(B, ...) uniforms in (0, 1); row b from slot b's stream."""
-        b, per = shape[0], math.prod(shape[1:])
+        per = math.prod(shape[1:])
         a, c = (mix(k ^ self.calls) for k in self._keys)  # (B,) this draw's keys
         self.calls += 1
         e = torch.arange(per, device=self.device)[None]

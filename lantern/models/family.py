@@ -1,8 +1,8 @@
 """The model-family seam: what the decoding core and the backends need from a target, written down once.
 
 A target is any `nn.Module` that satisfies `TargetModel` below. LlamaGen's GPT (lantern.models.gpt) does so
-natively; other families (lantern.models.janus, lantern.models.chameleon) wrap the modules of a `transformers` model loaded from a local
-folder, holding its weights by reference. docs/model-families.md describes the seam and each family.
+natively; other families (lantern.models.janus, lantern.models.chameleon) wrap the modules of a `transformers`
+model loaded from a local folder, holding its weights by reference. docs/model-families.md describes the seam.
 
 A folder's family is read from its config.json (`model_type`) before any weights are loaded: `inspect_folder`
 refuses an architecture lantern does not run, or a config without an image vocabulary, with a ValueError that
@@ -27,7 +27,7 @@ class TargetShape(Protocol):
     """The static facts of a target (its `config`) that runners, caches and the decoding core read."""
 
     family: str  # "llamagen", "janus", ...
-    model_type: str  # what a condition is: "c2i" class ids (B,), "t2i" caption embeddings (B, P, C), "prompt" token ids (B, P)
+    model_type: str  # a condition: "c2i" class ids (B,), "t2i" caption embeddings (B, P, C), "prompt" tokens (B, P)
     cls_token_num: int  # P, the prefix (condition) positions before the first image token
     block_size: int  # image tokens per image, raster order over a grid_size x grid_size grid
     grid_size: int  # Jacobi's spatial prior reads the token one grid row up

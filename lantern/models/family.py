@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from lantern.extras import require
 from lantern.files.reading import UnreadableFile, read_json, read_json_object
 from lantern.models.chameleon import ChameleonFamily, check_config
 from lantern.models.folders import FolderInfo
@@ -88,7 +89,6 @@ def neutral_conditions(config: TargetShape, n: int, device=None) -> torch.Tensor
 # config.json model_type -> (family, the transformers class lantern loads)
 FAMILIES = {"janus": ("janus", "JanusForConditionalGeneration"),
             "chameleon": ("chameleon", "ChameleonForConditionalGeneration")}
-EXTRA = "families"  # the pyproject extra that brings transformers
 
 
 TRANSFORMERS_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -144,12 +144,8 @@ def inspect_folder(path: str | Path) -> FolderInfo:
 
 
 def require_transformers():
-    """transformers, or a ValueError naming the extra that installs it."""
-    try:
-        import transformers  # the families extra
-    except ImportError:
-        raise ValueError(f"model families need transformers: pip install 'lantern-decoding[{EXTRA}]'") from None
-    return transformers
+    """transformers, or a MissingExtra (a ValueError) naming the extra that installs it."""
+    return require("transformers", "a model-family folder")
 
 
 def check_family(path: str | Path, vq: str | None = None, need_vq: bool = False) -> FolderInfo:

@@ -16,6 +16,7 @@ EXTRAS = {
     "matplotlib": ("matplotlib", "plots"),
     "onnx": ("onnx", "onnx"),
     "onnxruntime": ("onnxruntime", "onnx"),
+    "transformers": ("transformers", "families"),  # model-family folders; T5 prompts take it from `t2i`
 }
 
 

@@ -5,22 +5,12 @@
     assert report.passed, report.failures()
 
 It prepares small random models (GPT-test and its drafter) on the backend under test and on the torch-eager `cpu`
-reference (fp32), feeds both the same random steps and compares what comes back:
-
-- availability: an unavailable backend says why (a non-empty reason); nothing else can run then;
-- capabilities: a device, and dtypes lantern knows;
-- parity, per step kind and dtype: prefill, the AR step verify[1], a random tree verify[N] (ancestor masks, so a
-  backend that ignores the mask fails), commit (the accepted paths, different per row, compacted and then read
-  by the next step: a commit that does nothing fails) and two drafter steps (when the backend can prepare a
-  drafter). Tolerance: max |out - ref| <= TOLERANCE[dtype] * max |ref| (logits and features apart; fp32 on a
-  backend whose fp32 matrix products run in TF32: TOLERANCE["tf32"]);
-- output ownership (base.py's output lifetime): a step's outputs do not share memory with its inputs, and stay
-  unchanged until the next call of the same step (its inputs overwritten, sync(), memory() and the other steps
-  called in between); the core copies what it needs beyond that;
-- static shapes (graph backends): the warm-up compiles at most one graph per static step (where torch.compile
-  is used, counted by dynamo), later calls of the same shapes compile nothing, and a width outside the
-  StaticSpec is refused;
-- memory report: every MemoryReport size a non-negative int, and a non-empty source.
+reference (fp32), feeds both the same random steps and compares what comes back: availability (an unavailable
+backend says why), capabilities, parity per step kind and dtype (prefill, verify[1], a random tree verify[N] with
+ancestor masks, commit of per-row paths read by the next step, two drafter steps) within TOLERANCE[dtype] of the
+reference's largest value (TF32 fp32 within TOLERANCE["tf32"]), output ownership (base.py's output lifetime),
+static shapes (at most one graph per static step at warm-up, none after, a width outside the StaticSpec refused)
+and the memory report (docs/backends.md, "Writing one").
 """
 from __future__ import annotations
 

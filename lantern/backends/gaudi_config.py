@@ -1,17 +1,10 @@
 """A Gaudi user's `gaudi_config.json` (optimum-habana's GaudiConfig) for the hpu backend: autocast op lists.
 
-Fields lantern uses: `use_torch_autocast` (run every step under torch.autocast(hpu, bf16), so weights may stay
-in fp32 while the listed ops run in bf16), `autocast_bf16_ops` and `autocast_fp32_ops` (the ops autocast lowers
-to bf16 and the ops it keeps in fp32; absent = the bridge's own lists). The other fields (fused optimizers,
-dynamic shapes) are about training and are ignored.
-
+lantern uses `use_torch_autocast`, `autocast_bf16_ops` and `autocast_fp32_ops` (docs/gaudi.md, "A GaudiConfig").
 Habana's bridge reads the two lists from the files named by PT_HPU_AUTOCAST_LOWER_PRECISION_OPS_LIST and
 PT_HPU_AUTOCAST_FP32_OPS_LIST when `habana_frameworks.torch.core` is first imported, so `declare()` must run
-before that import; the hpu backend calls it while preparing a runner. With optimum-habana installed the file is
-read and declared by its own GaudiConfig (`from_pretrained`, `declare_autocast_bf16_fp32_ops`); without it,
-lantern reads the same fields and sets the same two variables itself (lists written to a temporary folder).
-Where to find the file: the hpu backend's `gaudi_config` option (`--gaudi-config` of `lantern generate`), else
-$LANTERN_GAUDI_CONFIG; neither = no autocast (the runner's dtype decides, bf16 by default).
+before that import; the hpu backend calls it while preparing a runner. With optimum-habana installed its own
+GaudiConfig reads and declares them; without it, lantern reads the same fields and sets the same two variables.
 """
 from __future__ import annotations
 

@@ -71,8 +71,8 @@ def fusable(spec: Optional[StaticSpec], target) -> Optional[str]:
                 "so its steps keep one graph per static step")
     if getattr(target, "prefix_visible", None) is not None:
         return ("padded prompt rows (Chameleon's unconditional row): the engine hides the padding in a runner "
-                "wrapper (lantern.engine.caption_mask) that one fused graph would bypass, so its steps keep one graph per "
-                "static step")
+                "wrapper (lantern.engine.caption_mask) that one fused graph would bypass, so its steps keep one graph "
+                "per static step")
     return None
 
 

@@ -6,7 +6,7 @@ Layout of a bundle folder:
     target.safetensors       LlamaGen GPT keys
     drafter.safetensors      optional; metadata["target_hash"] = weights_hash of the target it was trained on
     evaluator.safetensors    the classifier behind `lantern eval`
-    proximity.safetensors    optional; "neighbours" (V, k) integer ids, in memory in lantern.models.proximity.index_dtype
+    proximity.safetensors    optional; "neighbours" (V, k) integer ids (in memory: models.proximity.index_dtype)
     config.json "drafter"    optional; DrafterOptions of a drafter unlike lantern's own (e.g. LANTERN's)
     manifest.json "linked"   optional; target / vq weights referenced where they are (`lantern import --link`)
     manifest.json            how it was made: command, seed, data split, sha256 of every file, metrics
@@ -148,8 +148,8 @@ class Bundle:
 
     @property
     def acceptance_records(self) -> dict:
-        """By dtype, steps per image of each `--method auto` plan at the default sampling (lantern.plan.acceptance_records),
-        as far as the bundle ships them (written by tools/record_acceptance.py); {} if none."""
+        """By dtype, steps per image of each `--method auto` plan at the default sampling
+        (lantern.plan.acceptance_records), as far as the bundle ships them (tools/record_acceptance.py); {} if none."""
         return self.manifest.get("acceptance_records", {})
 
     @torch.no_grad()

@@ -76,4 +76,5 @@ def print_eval(out: dict) -> None:
     print(f"{mode} on {out['backend']} ({out['dtype']}): class accuracy {g['class_accuracy']:.3f}, Frechet "
           f"distance {g['frechet_distance']:.2f} over {g['n']} images; mean accepted length "
           f"{out['mean_accepted_length']:.2f}, {out['wall_seconds']:.1f} s")
-    print(f"real images (floor): class accuracy {r['class_accuracy']:.3f}, Frechet distance {r['frechet_distance']:.2f}")
+    print(f"real images (floor): class accuracy {r['class_accuracy']:.3f}, "
+          f"Frechet distance {r['frechet_distance']:.2f}")

@@ -1,12 +1,13 @@
 """Acceptance as one tensor program on the runner's device: which drafted nodes a target keeps, per image.
 
 For a drafted tree and the target's distribution p at every node, nothing in the rule depends on the random
-draws except which branch is taken, so every candidate's acceptance probability and every residual of the
-recursive rejection are computed up front, batched over images and nodes (a loop over sibling rank only).
-Then one uniform per candidate decides: a child is taken iff its uniform is below its acceptance probability
-and every earlier valid sibling was rejected; a node is on the accepted path iff it and all its ancestors
-were taken. The bonus token is one draw from the residual at the last accepted node (or from p there when
-no child was tried). Only the path (B, depth + 1), its length and the bonus token are results.
+draws except which branch is taken, so every candidate's acceptance probability (and the residual each later
+sibling is tested against) is computed up front, batched over images and nodes (a loop over sibling rank
+only). Then one uniform per candidate decides: a child is taken iff its uniform is below its acceptance
+probability and every earlier valid sibling was rejected; a node is on the accepted path iff it and all its
+ancestors were taken (on a chain, [root; d_1 .. d_L] such as a Jacobi window: the prefix up to the first
+rejection). The bonus token is one draw from the residual at the last accepted node, computed there only (or
+from p there when no child was tried). Only the path (B, depth + 1), its length and the bonus token are results.
 
 Rules (docs/algorithms.md):
 - exact: recursive rejection against q_i, the distribution candidate i was drawn from (q without the
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -71,6 +72,11 @@ class Acceptance:
         return False
 
     @property
+    def paper(self) -> bool:
+        """The papers' per-candidate boost (else the exact rule, against p_hat where relaxed)."""
+        return self.relaxed and self.form == "paper"
+
+    @property
     def bounds(self) -> tuple[Optional[float], Optional[float]]:
         """(delta, lam): the one that applies, the other None."""
         return (self.delta, None) if self.kind == "lantern" else (None, self.lam)
@@ -96,6 +102,7 @@ class DraftedTree:
     q: Optional[Support]  # (B, M, Kq) what each parent's children were drawn from; None = deterministic top-k
     max_depth: int  # D: the deepest a node can be (static)
     rank: torch.Tensor  # (B|1, N) int64 child rank of each node among its siblings (root: -1 or 0)
+    chain: bool = False  # node i's one child is node i + 1, no padding (static): the path is a prefix
 
 
 @dataclass
@@ -123,85 +130,103 @@ def residual(r: torch.Tensor, q: torch.Tensor, tried: torch.Tensor) -> torch.Ten
     return torch.where(tried[..., None] & (total > 0), nxt / total.clamp_min(1e-30), r)
 
 
+class LastCandidate(NamedTuple):
+    """Each parent's rule before its last candidate: the distribution a bonus is drawn from after every valid
+    child was rejected is the residual against that candidate, computed only at the rows a bonus is drawn at."""
+
+    r: Support  # (B, M, K) the target the last candidate was tested against
+    q: Optional[torch.Tensor] = None  # (B, M, K) what it was drawn from, on r's support (None: r itself is drawn)
+    tried: Optional[torch.Tensor] = None  # (B, M) bool: it is a valid candidate
+
+    def rejected(self, rows: torch.Tensor) -> Support:
+        """rows (B, 1) -> (B, 1, K) the distribution after every valid child at those rows was rejected."""
+        r = self.r.index(rows)
+        if self.q is None:
+            return r
+        return Support(residual(r.probs, self.q.gather(1, rows[..., None].expand_as(r.probs)),
+                                self.tried.gather(1, rows)), r.ids)
+
+
 def _acceptance_sampling(target: Support, p_orig: Support, cand, cvalid, q_at: Optional[SupportLookup],
-                         rule: Acceptance):
-    """Acceptance probabilities (B, M, C), the final residuals (B, M, K) and papers' boosts (B, M, C); q_at: where
-    the draft distribution holds each token (None: deterministic drafts)."""
+                         q_sup: Optional[torch.Tensor], rule: Acceptance):
+    """Acceptance probabilities (B, M, C), papers' boosts (B, M, C; None for other rules) and the rule before
+    each parent's last candidate; q_at: where the draft distribution holds each token, q_sup (B, M, K): it on
+    the target's support (both None: deterministic drafts)."""
     r, ids = target.probs, target.ids
     acc = torch.zeros(cand.shape, device=r.device)
-    boost = torch.zeros(cand.shape, device=r.device)
-    if q_at is not None:
-        q_sup, removed = q_at.prob(ids), torch.zeros(r.shape[:2], device=r.device)
-        earlier = torch.zeros(r.shape, dtype=torch.bool, device=r.device)
-    paper = rule.relaxed and rule.form == "paper"
+    boost = torch.zeros(cand.shape, device=r.device) if rule.paper else None
+    removed = earlier = None  # the q mass (B, M) and the support tokens (B, M, K) of the candidates tried
+    last = LastCandidate(target)
     for j in range(cand.shape[-1]):
+        if j:  # candidate j is tested against the residual after candidate j - 1 was rejected
+            r = residual(r, last.q, last.tried)
         x, v = cand[..., j], cvalid[..., j]
         hit = ids == x[..., None]  # (B, M, K)
         if q_at is None:  # a deterministic draft: x was "drawn" with certainty
             q_x, q_j = torch.ones(x.shape, dtype=r.dtype, device=r.device), hit.to(r.dtype)
         else:
             q_drawn = q_at.prob(x[..., None])[..., 0]
-            q_x = q_drawn / (1.0 - removed).clamp_min(1e-12)
-            q_j = draft_distribution(q_sup, earlier, removed)
-        if paper:
+            if earlier is None:  # the first candidate was drawn from q itself
+                q_x, q_j = q_drawn, q_sup
+            else:
+                q_x = q_drawn / (1.0 - removed).clamp_min(1e-12)
+                q_j = draft_distribution(q_sup, earlier, removed)
+        if rule.paper:
             p_tilde, b = paper_boost(Support(r, ids), p_orig.prob_of(x), x, rule.neighbours(r.device), *rule.bounds)
             boost[..., j] = torch.where(v, b, 0.0)
         else:
             p_tilde = (r * hit).sum(-1)
         acc[..., j] = torch.where(v, (p_tilde / q_x.clamp_min(1e-30)).clamp(max=1.0), 0.0)  # min(1, p~/q_i)
-        r = residual(r, q_j, v)
-        if q_at is not None:
-            removed = removed + torch.where(v, q_drawn, 0.0)
-            earlier = earlier | (hit & v[..., None])
-    return acc, r, boost
+        last = LastCandidate(Support(r, ids), q_j, v)
+        if q_at is not None and j + 1 < cand.shape[-1]:  # the next candidate was drawn without this one
+            mass, drawn = torch.where(v, q_drawn, 0.0), hit & v[..., None]
+            removed, earlier = (mass, drawn) if earlier is None else (removed + mass, earlier | drawn)
+    return acc, boost, last
 
 
 def _acceptance_greedy(target: Support, cand, cvalid, rule: Acceptance):
     """Greedy: a child is accepted iff it is the argmax (of p_hat), or for the papers' rule iff its boosted
-    probability reaches the best other token's. Returns (B, M, C) in {0, 1} and the boosts."""
-    best = draw(target, True, None)  # (B, M)
-    boost = torch.zeros(cand.shape, device=cand.device)
-    if rule.relaxed and rule.form == "paper":
+    probability reaches the best other token's. Returns (B, M, C) in {0, 1} and the boosts (None for other
+    rules)."""
+    if rule.paper:
         top = torch.topk(target.probs, min(2, target.probs.shape[-1]), dim=-1)  # (B, M, 2) on the support
         first = target.ids.gather(-1, top.indices[..., :1])[..., 0]
         second = top.values[..., 1] if top.values.shape[-1] > 1 else torch.zeros_like(top.values[..., 0])
-        acc = torch.zeros(cand.shape, device=cand.device)
+        acc, boost = torch.zeros(cand.shape, device=cand.device), torch.zeros(cand.shape, device=cand.device)
         for j in range(cand.shape[-1]):
             x = cand[..., j]
             p_tilde, b = paper_boost(target, target.prob_of(x), x, rule.neighbours(cand.device), *rule.bounds)
             other = torch.where(first == x, second, top.values[..., 0])
             acc[..., j] = (p_tilde >= other).float()
             boost[..., j] = b
-    else:
-        acc = (cand == best[..., None]).float()
-    return acc * cvalid, boost * cvalid
+        return acc * cvalid, boost * cvalid
+    return (cand == draw(target, True, None)[..., None]).float() * cvalid, None
 
 
 def _rule(p: Support, cand: torch.Tensor, cvalid: torch.Tensor, q: Optional[Support], rule: Acceptance,
           greedy: bool, vocab: int):
     """The rule at M parents: p (B, M, K) their distributions, cand/cvalid (B, M, C) their children in rank
     order, q (B, M, K) what the children were drawn from (None: deterministic drafts). Returns acceptance
-    probabilities (B, M, C), the distributions a bonus is drawn from after every valid child was rejected
-    (B, M, K, on p's support), the papers' boosts (B, M, C) and TV(p_hat, p) (B, M)."""
-    b, m_rows = cand.shape[:2]
-    tv = torch.zeros(b, m_rows, device=cand.device)
-    target = p
+    probabilities (B, M, C), the rule before each parent's last candidate (LastCandidate, on p's support), the
+    papers' boosts (B, M, C) and TV(p_hat, p) (B, M), each None where the rule has none."""
+    target, tv = p, None
     q_at = q.lookup() if q is not None else None  # sorted once, read by the relaxation and the rule
-    if rule.relaxed and rule.form == "bounded":
+    q_sup = q_at.prob(p.ids) if q_at is not None else None  # (B, M, K) q on p's support
+    if rule.relaxed and not rule.paper:
         near = rule.neighbours(cand.device)
         if q_at is not None:
-            p_hat, tv = bounded_target(p, q_at.prob(p.ids), near, vocab, *rule.bounds)
+            p_hat, tv = bounded_target(p, q_sup, near, vocab, *rule.bounds)
         else:  # deterministic drafts: the fixed candidate set plays q, and only a candidate can receive
             slot, found = p.lookup().position(cand)
             drafted = (found & cvalid).to(p.probs.dtype)
-            q_sup = torch.zeros_like(p.probs).scatter_add_(2, slot, drafted).clamp(max=1.0)
-            p_hat, tv = bounded_target(p, q_sup, near, vocab, *rule.bounds, receivers=slot)
+            drafted_sup = torch.zeros_like(p.probs).scatter_add_(2, slot, drafted).clamp(max=1.0)
+            p_hat, tv = bounded_target(p, drafted_sup, near, vocab, *rule.bounds, receivers=slot)
         target = Support(p_hat, p.ids)
     if greedy:
         acc, boost = _acceptance_greedy(target, cand, cvalid, rule)
-        return acc, target.probs, boost, tv
-    acc, end, boost = _acceptance_sampling(target, p, cand, cvalid, q_at, rule)
-    return acc, end, boost, tv
+        return acc, LastCandidate(target), boost, tv
+    acc, boost, last = _acceptance_sampling(target, p, cand, cvalid, q_at, q_sup, rule)
+    return acc, last, boost, tv
 
 
 def accept(p_nodes, tree: DraftedTree, rule: Acceptance, greedy: bool, generator: Draws,
@@ -213,52 +238,58 @@ def accept(p_nodes, tree: DraftedTree, rule: Acceptance, greedy: bool, generator
     parents = tree.parents.expand(b, -1)
     kids = tree.children.expand(b, -1, -1)  # (B, M, C)
     m_rows, c = kids.shape[1:]
-    has_parent = parents >= 0
     kid_ids = kids.clamp_min(0)
-    cvalid = (kids >= 0) & has_parent[..., None] & tree.valid.gather(1, kid_ids.flatten(1)).view(b, m_rows, c)
+    cvalid = (kids >= 0) & (parents >= 0)[..., None] & tree.valid.gather(1, kid_ids.flatten(1)).view(b, m_rows, c)
     cand = tree.tokens.gather(1, kid_ids.flatten(1)).view(b, m_rows, c)
     p = p_nodes.index(parents.clamp_min(0))  # (B, M, K)
-    acc, end, boost, tv = _rule(p, cand, cvalid, tree.q, rule, greedy, vocab)
-
+    acc, last, boost, tv = _rule(p, cand, cvalid, tree.q, rule, greedy, vocab)
     u = uniform(generator, acc.shape, dev)
-    ok = (u < acc) & cvalid  # (B, M, C)
-    first = ok.int().argmax(-1)  # first accepted sibling (rank order)
-    taken_kid = torch.where(ok.any(-1), kids.gather(2, first[..., None])[..., 0], -1)  # (B, M)
-    taken = torch.zeros(b, n + 1, dtype=torch.bool, device=dev)
-    taken.scatter_(1, torch.where(taken_kid >= 0, taken_kid, n), True)
-    taken = taken[:, :n]
-    taken[:, 0] = True
-    on_path = ~(tree.ancestors & ~taken[:, None, :]).any(-1)  # (B, N): every ancestor taken
+    path, accepted = _accepted_path(tree, (u < acc) & cvalid, kids)
 
-    depth = tree.depth.expand(b, -1)
     max_depth = tree.max_depth
-    path = torch.zeros(b, max_depth + 2, dtype=torch.long, device=dev)
-    node_ids = torch.arange(n, device=dev).expand(b, n)
-    path.scatter_(1, torch.where(on_path, depth, max_depth + 1), node_ids)
-    path = path[:, : max_depth + 1]
-    accepted = torch.where(on_path, depth, 0).max(-1).values  # (B,)
-    final = path.gather(1, accepted[:, None])[:, 0]
-
+    final = path.gather(1, accepted[:, None])  # (B, 1) the last accepted node
     rows = torch.arange(m_rows, device=dev).expand(b, m_rows)
-    row_of = _per_node(parents, rows, n, -1)  # (B, N): parent row of each node, -1 if it has none
-    final_row = row_of.gather(1, final[:, None])[:, 0]
-    end_sup = Support(end, p.ids).index(final_row.clamp_min(0)[:, None])
-    at_final = p_nodes.index(final[:, None])
-    has_row = (final_row >= 0)[:, None, None]
-    bonus_dist = Support(torch.where(has_row, end_sup.probs, at_final.probs),
-                         torch.where(has_row, end_sup.ids, at_final.ids))
+    final_row = _per_node(parents, rows, n, -1).gather(1, final)  # its parent row, -1 if it has no children
+    end, at_final = last.rejected(final_row.clamp_min(0)), p_nodes.index(final)
+    has_row = (final_row >= 0)[..., None]
+    bonus_dist = Support(torch.where(has_row, end.probs, at_final.probs), torch.where(has_row, end.ids, at_final.ids))
     bonus = draw(bonus_dist, greedy, generator)[:, 0]
 
     has_kids = _per_node(parents, cvalid.any(-1), n, False)
     depths = torch.arange(max_depth, device=dev)
     tried = (depths[None] <= accepted[:, None]) & has_kids.gather(1, path[:, :max_depth])
-    tv_node = _per_node(parents, tv, n, 0.0)
     emitted = torch.arange(max_depth + 1, device=dev)[None] <= accepted[:, None]
-    token_tv = torch.where(emitted, tv_node.gather(1, path), 0.0)
-    boost_node = _per_node(kids.flatten(1), boost.flatten(1), n, 0.0)
-    boost_path = torch.where(emitted[:, 1:], boost_node.gather(1, path[:, 1:]), 0.0)
+    token_tv = torch.zeros(b, max_depth + 1, device=dev)
+    if tv is not None:
+        token_tv = torch.where(emitted, _per_node(parents, tv, n, 0.0).gather(1, path), 0.0)
+    boost_path = torch.zeros(b, max_depth, device=dev)
+    if boost is not None:
+        boost_node = _per_node(kids.flatten(1), boost.flatten(1), n, 0.0)
+        boost_path = torch.where(emitted[:, 1:], boost_node.gather(1, path[:, 1:]), 0.0)
     return StepAcceptance(path=path, accepted=accepted, bonus=bonus, tried=tried, token_tv=token_tv,
                           boost=boost_path)
+
+
+def _accepted_path(tree: DraftedTree, ok: torch.Tensor, kids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ok (B, M, C): each parent's children that passed their test -> the accepted path (B, D+1), node ids by
+    depth (0 past its end), and its length in drafts (B,). A child is taken iff it passed and every earlier
+    sibling failed; a node is on the path iff it and every ancestor were taken. On a chain that is the prefix
+    up to the first failure."""
+    b, n = tree.tokens.shape
+    dev = ok.device
+    if tree.chain:
+        accepted = ok[..., 0].int().cumprod(-1).sum(-1)
+        nodes = torch.arange(n, device=dev)[None]
+        return torch.where(nodes <= accepted[:, None], nodes, 0), accepted
+    first = ok.int().argmax(-1)  # first accepted sibling (rank order)
+    taken_kid = torch.where(ok.any(-1), kids.gather(2, first[..., None])[..., 0], -1)  # (B, M)
+    taken = _per_node(taken_kid, torch.ones_like(taken_kid, dtype=torch.bool), n, False)
+    taken[:, 0] = True
+    on_path = ~(tree.ancestors & ~taken[:, None, :]).any(-1)  # (B, N): every ancestor taken
+    depth = tree.depth.expand(b, -1)
+    path = torch.zeros(b, tree.max_depth + 2, dtype=torch.long, device=dev)
+    path.scatter_(1, torch.where(on_path, depth, tree.max_depth + 1), torch.arange(n, device=dev).expand(b, n))
+    return path[:, : tree.max_depth + 1], torch.where(on_path, depth, 0).max(-1).values
 
 
 def _per_node(nodes: torch.Tensor, values: torch.Tensor, n: int, fill) -> torch.Tensor:
@@ -266,51 +297,3 @@ def _per_node(nodes: torch.Tensor, values: torch.Tensor, n: int, fill) -> torch.
     b = nodes.shape[0]
     out = torch.full((b, n + 1), fill, dtype=values.dtype, device=values.device)
     return out.scatter_(1, torch.where(nodes >= 0, nodes, n), values)[:, :n]
-
-
-def accept_chain(p_nodes: Support, tokens: torch.Tensor, valid: torch.Tensor, q: Optional[Support], rule: Acceptance,
-                 greedy: bool, generator: Draws, vocab: int) -> StepAcceptance:
-    """`accept` on a chain [root; d_1 .. d_L] (node i's one child is node i + 1: a Jacobi window, a drafter's
-    chain-5), without the walk over a tree's structure: the accepted path is the chain up to the first
-    rejection. The same rule, the same draws in the same order, the same result as `accept` on the chain.
-    p_nodes (B, L+1, K): p after every node; tokens, valid (B, L+1); q (B, L, Kq): what d_1 .. d_L were drawn
-    from (None: greedy, or deterministic drafts)."""
-    b, n = tokens.shape
-    window = n - 1
-    dev = tokens.device
-    p = Support(p_nodes.probs[:, :window], p_nodes.ids[:, :window])  # the parents: nodes 0 .. L-1
-    cand, cvalid = tokens[:, 1:, None], valid[:, 1:, None]  # (B, L, 1)
-    sampled = not greedy and q is not None and not (rule.relaxed and rule.form == "paper")
-    if sampled:  # one candidate per parent: the rule's few products, and a residual only where it is drawn
-        q_on_p = q.lookup().prob(p.ids)  # (B, L, K) q at p's support tokens
-        target, tv = p.probs, torch.zeros(b, window, device=dev)
-        if rule.relaxed:
-            target, tv = bounded_target(p, q_on_p, rule.neighbours(dev), vocab, *rule.bounds)
-        p_x = Support(target, p.ids).prob_of(cand)  # (B, L, 1)
-        acc = torch.where(cvalid, (p_x / q.prob_of(cand).clamp_min(1e-30)).clamp(max=1.0), 0.0)  # min(1, p/q)
-        boost = torch.zeros_like(acc)
-    else:
-        acc, end, boost, tv = _rule(p, cand, cvalid, q, rule, greedy, vocab)
-    u = uniform(generator, acc.shape, dev)
-    ok = ((u < acc) & cvalid)[..., 0]  # (B, L)
-    accepted = ok.int().cumprod(-1).sum(-1)  # (B,) drafts before the first rejection
-    depths = torch.arange(n, device=dev)
-    emitted = depths[None] <= accepted[:, None]  # (B, L+1)
-    path = torch.where(emitted, depths[None], 0)  # node i sits at depth i
-    # the bonus: from the final rule distribution at the last accepted node, or from p after node L
-    at = accepted.clamp(max=window - 1)[:, None]  # (B, 1)
-    if sampled:  # the residual normalise(max(p - q, 0)) where the first rejection happened
-        at_k = at[..., None].expand(-1, -1, p.ids.shape[-1])  # (B, 1, K)
-        end = residual(target.gather(1, at_k), q_on_p.gather(1, at_k), cvalid[:, :, 0].gather(1, at))
-        end_sup = Support(end, p.ids.gather(1, at_k))
-    else:
-        end_sup = Support(end, p.ids).index(at)
-    has_row = (accepted < window)[:, None, None]
-    last = Support(p_nodes.probs[:, window:], p_nodes.ids[:, window:])  # (B, 1, K)
-    bonus_dist = Support(torch.where(has_row, end_sup.probs, last.probs), torch.where(has_row, end_sup.ids, last.ids))
-    bonus = draw(bonus_dist, greedy, generator)[:, 0]
-    tried = emitted[:, :window] & cvalid[..., 0]
-    token_tv = torch.where(emitted, torch.cat([tv, tv.new_zeros(b, 1)], 1), 0.0)
-    boost_path = torch.where(emitted[:, 1:], boost[..., 0], 0.0)
-    return StepAcceptance(path=path, accepted=accepted, bonus=bonus, tried=tried, token_tv=token_tv,
-                          boost=boost_path)

@@ -162,7 +162,7 @@ def draft_static(d: DraftRunner, strategy: StaticTree, root_token, root: torch.T
     q = None if greedy else Support(q_probs, q_ids)
     return DraftedTree(tokens=tokens, valid=valid, depth=placed.depth, ancestors=placed.ancestors,
                        parents=placed.parents, children=table[None], q=q, max_depth=strategy.depth,
-                       rank=placed.rank)
+                       rank=placed.rank, chain=placed.chain)
 
 
 def draft_dynamic(d: DraftRunner, strategy: DynamicTree, root_token, root: torch.Tensor, q_root: Support,
@@ -190,7 +190,8 @@ def draft_dynamic(d: DraftRunner, strategy: DynamicTree, root_token, root: torch
         score[:, span] = (score.gather(1, parent_recs)[..., None] + logq).flatten(1)
         rec_depth[span] = level
 
-    add_children(1, torch.zeros(b, 1, dtype=torch.long, device=dev), Support(q_root.probs[:, None], q_root.ids[:, None]), 1)
+    root_support = Support(q_root.probs[:, None], q_root.ids[:, None])
+    add_children(1, torch.zeros(b, 1, dtype=torch.long, device=dev), root_support, 1)
     committed = d.committed(root)
     frontier_mask = committed[:, None].expand(b, k, -1)  # slots each frontier node's ancestors occupy
     parent_feats = root_feat[:, None].expand(-1, k, -1)
@@ -205,7 +206,8 @@ def draft_dynamic(d: DraftRunner, strategy: DynamicTree, root_token, root: torch
         if level > 1:  # the beam's parent is a frontier node of the previous level
             from_beam = pick // k
             frontier_mask = frontier_mask.gather(1, from_beam[..., None].expand(-1, -1, frontier_mask.shape[-1]))
-            parent_feats = prev_feats.gather(1, on_rows(from_beam, d.rows)[..., None].expand(-1, -1, prev_feats.shape[-1]))
+            beam_rows = on_rows(from_beam, d.rows)[..., None].expand(-1, -1, prev_feats.shape[-1])
+            parent_feats = prev_feats.gather(1, beam_rows)
         slots = root[:, None] + 1 + (level - 1) * k + torch.arange(k, device=dev)  # (B, k) scratch
         own = torch.zeros_like(frontier_mask).scatter_(2, slots[..., None], True)
         frontier_mask = frontier_mask | own

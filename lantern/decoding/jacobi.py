@@ -1,32 +1,10 @@
-"""Speculative Jacobi decoding (SJD) and its coupled form (MC-SJD) over any backend Runner, B images at once.
-
-No drafter. Each image keeps a window of L drafts after its root (the last accepted token, not yet in the
-cache); per step, for all B images:
-  verify [root; d_1 .. d_L] as one causal chain (width L + 1; node i at position and slot root + i)
-  -> the target's p after every node -> acceptance (lantern.decoding.acceptance, on a chain: each node has one
-  child) tests d_1, d_2, ... against q_j, the distribution d_j was drawn from, with the exact rule (or the
-  bounded relaxation: a fixed p_hat per position) -> the first rejected position gets a token from the residual
-  normalise(max(p - q, 0)) (or from p after the last node when all L are accepted) -> the window slides past
-  the new root and every draft is redrawn from this step's p at its position.
-Node i's cache entry is written at its own position's slot, so the accepted prefix of the chain is already in
-place: a step never commits. The step itself is the engine's (lantern.engine.step); its Jacobi proposer
-(lantern.engine.proposers) keeps the window with the pieces below.
-
-Initial drafts: a position never predicted yet (the window at the start, then the positions entering at its
-far end) gets, with `initial="above"` (the default), the token one row up in the image's token grid when that
-token is decided already (always, for a window no wider than the grid): q is the point mass on it. Otherwise,
-and with `initial="last"`, its draft is drawn from the last distribution the step has: p after the last node
-(at the start: the prefill's p). Either q is a function of earlier positions only, and the test is against
-exactly that q. Images are mostly flat regions, so the token above is often right: on the embedded model the
-prior raises MC-SJD's step compression by about a tenth at L = 8 and 16.
-
-Coupling "gumbel" (MC-SJD): each (image, position) has Gumbel noise G over the vocabulary, fixed until the
-position is decided (drawn token by token, as tokens enter the position's support: `CoupledNoise`); its draft
-is argmax(log q + G), so an unchanged q redraws the same token. Still lossless: the model is causal and every
-test at a position i < j reads only drafts, uniforms and p at positions <= i, so nothing a test at j
-conditions on depends on G_j; given all of it, G_j is a fresh Gumbel and d_j ~ q_j exactly. The test's
-uniforms and the residual draw use fresh noise.
-Coupling "none" (SJD) draws every draft afresh each step.
+"""Speculative Jacobi decoding's pieces (SJD, and MC-SJD's coupled noise), for the engine's Jacobi proposer
+(lantern.engine.proposers): no drafter; each image keeps a window of L drafts after its root, verified as one
+causal chain [root; d_1 .. d_L] whose node i is written at its own position's slot (so a step never commits),
+accepted as a chain (lantern.decoding.acceptance), then slid past the new root and redrawn from this step's p.
+Positions never predicted yet take the spatial prior (`initial="above"`: the decided token one grid row up, as a
+point-mass q) or the last p the step has (`initial="last"`). The maths, and why the coupling stays lossless:
+docs/algorithms.md section 6.
 """
 from __future__ import annotations
 

@@ -93,6 +93,7 @@ class PlacedTree:
     parents: torch.Tensor
     children: torch.Tensor  # (M, C)
     rank: torch.Tensor
+    chain: bool  # CompiledTree.is_chain
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ class StaticTree(Strategy):
             cache[key] = PlacedTree(levels=[plan.to(device) for plan in self.levels],
                                     depth=t.node_depth.to(device)[None], ancestors=t.mask.to(device)[None],
                                     parents=t.parent_nodes.to(device)[None], children=t.children_table.to(device),
-                                    rank=t.rank.to(device)[None])
+                                    rank=t.rank.to(device)[None], chain=t.is_chain)
         return cache[key]
 
     @cached_property

@@ -123,7 +123,7 @@ class CompiledTree:
 
     @property
     def is_chain(self) -> bool:
-        """Node i's one child is node i + 1 and there is no padding (what `accept_chain` takes)."""
+        """Node i's one child is node i + 1 and there is no padding (acceptance's path is then a prefix)."""
         return self.n_real == self.size and all(c == ((i + 1,) if i + 1 < self.size else ())
                                                 for i, c in enumerate(self.children))
 

@@ -1,16 +1,10 @@
 """A quality gate that can fail: a candidate sampler's images at one sampling setting against AR's at the same setting.
 
-Three checks, each with a threshold derived from AR itself (docs/algorithms.md, 5 "The quality gate"):
-
-- class accuracy (the bundle's evaluator) >= AR's mean - Z * s_acc;
-- Frechet distance on the evaluator's features (to the held-out real images) <= AR's mean + Z * s_fd;
-- the mean token TV the sampler recorded <= its bound (the per-token TV budget it declares, at most MAX_TOKEN_TV).
-
-s_acc and s_fd are AR's seed-to-seed standard deviations at the candidate's image count, each floored by what one
-run's sampling noise alone gives (the binomial sd of an accuracy; the bootstrap sd of a Frechet distance over
-the run's images), so a reference of a few seeds that happen to agree cannot make the gate fail AR itself.
-Z = 3: a sampler distributed as AR fails a check about once in a thousand runs. Every figure is reported, AR's
-spread included, so a reader sees how tight the reference was.
+Three checks, each with a threshold derived from AR itself (docs/algorithms.md, 5 "The quality gate"): class
+accuracy >= AR's mean - Z * s_acc; Frechet distance on the evaluator's features <= AR's mean + Z * s_fd; the mean
+token TV the sampler recorded <= its bound (at most MAX_TOKEN_TV). s_acc and s_fd are AR's seed-to-seed standard
+deviations, each floored by one run's own sampling noise (binomial; bootstrap); Z = 3. Every figure is reported,
+AR's spread included, so a reader sees how tight the reference was.
 """
 from __future__ import annotations
 

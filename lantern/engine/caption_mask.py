@@ -1,22 +1,8 @@
 """The caption mask of text-to-image: no image token attends to a padded caption slot; what a padded slot itself
-attends differs by convention, and only a drafter that reads the caption's features sees the difference.
-
-Padded slots are the ones LlamaGen zeroed (lantern.models.text.llamagen_condition), so the mask is read from the
-condition itself: a caption slot whose embedding is all zero is padding. Both conventions hide the padded slots
-from every valid caption slot and every image token, for the conditional and the unconditional (null caption) row
-of an image alike, so the target's outputs are the same under either; they differ in the features computed AT the
-padded slots (the null caption's, where the inputs are not zero):
-
-- "llamagen" (autoregressive/models/generate.py): the causal mask's caption columns times the caption mask, the
-  diagonal kept: a padded slot sees only itself. lantern's target and lantern's own drafters use it.
-- "lantern": LANTERN (models/kv_variants/modeling_llamagen_kv.py) adds a Hugging Face style additive mask,
-  causal (float32 minimum) plus padding (the minimum of the model's dtype, bf16 by default), and the softmax
-  cannot tell equally masked scores apart: a slot attends to the earlier caption slots that are not padding, or,
-  where there are none (a padded slot before the caption's first token, as LlamaGen lays captions out), to every
-  earlier slot. Caption slots' queries and keys are zero (LlamaGen's zero RoPE rows), so that is a plain average
-  of the earlier padded slots. LANTERN's text-to-image drafters were trained on, and are fed, these features.
-  (At fp32 LANTERN's sum makes the later valid slots visible to a padded slot as well; its runs and its drafters'
-  training data are bf16, where they are not.)
+attends differs by convention ("llamagen": only itself; "lantern": LANTERN's additive bf16 mask, an average of the
+earlier padded slots), so only the features AT padded slots differ, which only a drafter reading the caption sees
+(docs/models.md, "Which caption features a drafter reads"). Padded slots are the ones LlamaGen zeroed
+(lantern.models.text.llamagen_condition), so the mask is read from the condition itself.
 
 `CaptionMaskedRunner` wraps any backend's Runner and applies this to every mask it is given (masks are inputs of
 every backend's steps, so no backend changes). The drafter's masks are left alone: lantern's drafters never
@@ -30,7 +16,6 @@ import torch
 
 from lantern.backends.base import Runner, StepOutput
 from lantern.models.drafter import check_caption_mask
-
 
 
 def caption_slots_visible(captions: torch.Tensor) -> torch.Tensor:

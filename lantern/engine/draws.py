@@ -1,11 +1,5 @@
-"""Per-request random streams: counter-based uniforms keyed by (seed, step, draw, element), on the device.
-
-Every random draw of the decode core is `uniform(shape)` with dim 0 the slot. Slot b's uniforms are a hash of
-its request's seed, the request's own step counter (0 = its prefill, then 1, 2, ... per step it runs), the
-draw's index within the step (the core makes the same draws in the same order every step) and the element's
-index within the slot's row. Nothing depends on the batch width, the slot, the other slots or the arrival
-order, so a request draws the same numbers alone or among any others. All of it is a few integer ops over
-device tensors: the step stays one batched function, nothing is reseeded per slot.
+"""Per-request random streams: counter-based uniforms keyed by (seed, step, draw, element), on the device, so a
+request draws the same numbers alone or among any others (docs/engine.md, "Per-request seeds").
 
 The hash: 32-bit lanes held in int64 (multipliers below 2^31, so no product overflows), the integer finaliser
 x ^= x >> 16; x *= 0x45d9f3b; (twice) x ^= x >> 16, chained over the key's parts in two independently seeded
@@ -80,7 +74,7 @@ class SlotDraws:
 
     def uniform(self, shape) -> torch.Tensor:
         """(B, ...) uniforms in (0, 1); row b from slot b's stream."""
-        b, per = shape[0], math.prod(shape[1:])
+        per = math.prod(shape[1:])
         a, c = (mix(k ^ self.calls) for k in self._keys)  # (B,) this draw's keys
         self.calls += 1
         e = torch.arange(per, device=self.device)[None]

@@ -1,16 +1,8 @@
-"""The engine's whole decode step as one graph, on graph backends that offer it (`fused_step=True`).
-
-`decode_step` is a function of device tensors, so a graph mode can capture all of it, proposal (drafter
-catch-up and tree levels, or the Jacobi redraw), verify, acceptance, commit, emit and records, as one graph
-per static step instead of one graph per forward with eager glue between them. Two things make that work:
-- the proposer and the step run against the runner's `inside()` view: its eager step modules are traced into
-  the one graph (the KV caches stay module buffers written in place), and phases are not timed;
-- every piece of state the step replaces (the slots' roots and lengths, the proposer's pending pairs or its
-  window) lives in persistent buffers: the step writes its new values into them and puts them back, so a
-  recorded graph (CUDA graphs, HPU graphs) replays over the same memory every step. A refill's eager prefill
-  replaces some of them; `FusedStep` copies those values into the buffers before the next step (only then).
-The first step of an engine runs eagerly through the same view: it builds what rules and trees build on first
-use (a tree's device tables), outside any graph.
+"""The engine's whole decode step as one graph, on graph backends that offer it (`fused_step=True`): the proposer
+and the step run against the runner's `inside()` view (its eager step modules traced into the one graph, phases
+not timed), and every piece of state the step replaces lives in persistent buffers that `FusedStep` keeps, copying
+a refill's new values in before the next step, so a recorded graph replays over the same memory. The first step
+runs eagerly through the same view. docs/engine.md, "Fused step", describes the design.
 """
 from __future__ import annotations
 

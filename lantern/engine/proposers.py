@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from lantern.decoding.acceptance import Acceptance, DraftedTree, StepAcceptance, accept, accept_chain
+from lantern.decoding.acceptance import Acceptance, DraftedTree, StepAcceptance, accept
 from lantern.decoding.config import DecodeConfig
 from lantern.decoding.drafting import DraftRunner, PrefixPairs, draft_dynamic, draft_static, on_rows
 from lantern.decoding.jacobi import CoupledNoise, redraw, spatial_prior
@@ -65,6 +65,9 @@ class Proposer:
         """(R*B, N, V) verify logits -> each image's guided logits, warped where the acceptance reads them."""
         return GuidedLogits(combine_cfg(logits, self.sampling.cfg_scale, self.sampling.use_cfg), self.sampling)
 
+    def accept(self, p_nodes, tree: DraftedTree) -> StepAcceptance:
+        return accept(p_nodes, tree, self.rule, self.sampling.greedy, self.draws, self.vocab)
+
     def advance(self, slots, step: Stepped) -> None:
         """(optional) Move the slots' state on after a step; default: no state."""
 
@@ -99,7 +102,7 @@ class NoProposal(Proposer):
 
 class TreeProposal(Proposer):
     """A drafter's tree: catch-up on the last accepted pairs, then a static tree (LANTERN++) or EAGLE-2's
-    dynamic one; a chain is accepted without the tree walk."""
+    dynamic one."""
 
     commits = True
     state = ("pend_feats", "pend_tokens", "pend_count")
@@ -110,7 +113,6 @@ class TreeProposal(Proposer):
         self.depth, self.drafter_calls = self.strategy.depth, self.strategy.drafter_calls
         self.drafter = DraftRunner(runner, self.sampling, draws)
         self._draft = draft_static if isinstance(self.strategy, StaticTree) else draft_dynamic
-        self.chain = isinstance(self.strategy, StaticTree) and self.strategy.tree.is_chain
         self.pend_feats = self.pend_tokens = self.pend_count = None
 
     def reset(self, slots, fresh, first, features, prefix=None) -> None:
@@ -133,14 +135,6 @@ class TreeProposal(Proposer):
                                                       slots.root)
             return self._draft(self.drafter, self.strategy, slots.root_tok, slots.root, q_root, root_feat)
 
-    def accept(self, p_nodes, tree: DraftedTree) -> StepAcceptance:
-        greedy = self.sampling.greedy
-        if self.chain:
-            nodes = torch.arange(self.depth + 1, device=tree.tokens.device).expand(tree.tokens.shape[0], -1)
-            return accept_chain(p_nodes.index(nodes), tree.tokens, tree.valid, tree.q, self.rule, greedy,
-                                self.draws, self.vocab)
-        return accept(p_nodes, tree, self.rule, greedy, self.draws, self.vocab)
-
     def advance(self, slots, step: Stepped) -> None:
         hidden, rows = step.out.hidden, self.sampling.rows_per_image
         path = on_rows(step.acc.path, rows)[..., None].expand(-1, -1, hidden.shape[-1])
@@ -154,7 +148,6 @@ class WindowProposal(Proposer):
     (lantern.decoding.jacobi: SJD, MC-SJD's coupled noise, the spatial prior). The verify writes node i at
     its own position, so the accepted prefix is in place: no commit."""
 
-    chain = True
     state = ("q", "drafts")
 
     def __init__(self, runner, dcfg, rule, draws, sampling):
@@ -168,7 +161,8 @@ class WindowProposal(Proposer):
         self.q = self.drafts = None
         dev, n = runner.device, self.window + 1
         self._tree = dict(depth=self.nodes[None], ancestors=torch.ones(n, n, dtype=torch.bool, device=dev).tril()[None],
-                          parents=None, children=None, rank=torch.zeros(1, n, dtype=torch.long, device=dev))
+                          parents=self.nodes[None, :-1], children=self.nodes[None, 1:, None],
+                          rank=torch.zeros(1, n, dtype=torch.long, device=dev), chain=True)
 
     def distributions(self, logits):
         return target_support(logits, self.sampling)  # (B, L+1, K): every node is a parent
@@ -201,10 +195,6 @@ class WindowProposal(Proposer):
         return DraftedTree(tokens=torch.cat([slots.root_tok[:, None], self.drafts], 1),
                            valid=torch.ones(b, self.window + 1, dtype=torch.bool, device=slots.root.device),
                            q=None if self.sampling.greedy else self.q, max_depth=self.window, **self._tree)
-
-    def accept(self, p_nodes, tree) -> StepAcceptance:
-        return accept_chain(p_nodes, tree.tokens, tree.valid, tree.q, self.rule, self.sampling.greedy, self.draws,
-                            self.vocab)
 
     def advance(self, slots, step: Stepped) -> None:
         # window slot w now holds position root + 1 + w: p after node advance + w predicts it (if that node exists)

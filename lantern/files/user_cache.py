@@ -1,15 +1,14 @@
 """The user's cache folder for what lantern measures or builds once per machine or model: exported ONNX graphs,
 `--method auto`'s latency calibrations and acceptance records.
 
-$LANTERN_CACHE_DIR, else the platform's user cache folder for lantern (platformdirs: $XDG_CACHE_HOME/lantern or
-~/.cache/lantern on Linux, ~/Library/Caches/lantern on macOS, %LOCALAPPDATA%\\lantern\\Cache on Windows). A location that cannot be used (a file,
-read-only, not creatable, a HOME that does not exist) is refused before any work (`check_location`, exit 2).
+$LANTERN_CACHE_DIR, else the platform's user cache folder for lantern (platformdirs; docs/install.md). A location
+that cannot be used (a file, read-only, not creatable, a HOME that does not exist) is refused before any work
+(`check_location`, exit 2).
 
 Every entry is measured by one process at a time (`entry_lock`: the others wait, then read what it stored),
-written atomically (lantern.files.atomic_io), and checked when read (`read_entry`): an entry that cannot be read as UTF-8
-JSON (a folder in its place included) or is not of its kind's shape is named on stderr, moved aside to
-`<name>.corrupt-<UTC time>` and measured again.
-See docs/reliability.md.
+written atomically (lantern.files.atomic_io), and checked when read (`read_entry`): an entry that cannot be read
+as UTF-8 JSON (a folder in its place included) or is not of its kind's shape is named on stderr, moved aside to
+`<name>.corrupt-<UTC time>` and measured again. See docs/reliability.md.
 """
 from __future__ import annotations
 

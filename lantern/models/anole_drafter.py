@@ -1,20 +1,13 @@
 """LANTERN's Anole drafter (`anole_drafter`): an EAGLE-1 head over a Chameleon target, in LANTERN's own format.
 
-A folder with `config.json` (a one-layer Chameleon config: hidden_size, num_attention_heads, num_key_value_heads,
-intermediate_size, vocab_size 65536, `bias` of fc) and `pytorch_model.bin` or `model.safetensors` with
-    embed_tokens.weight (65536, D)   its own copy of the BPE embeddings
-    fc.weight (D, 2D), fc.bias        fc([embed(x_{t+1}); f_t])
-    layers.0.*                        one Chameleon decoder layer, as transformers names it: q/k/v/o projections,
-                                      the per-head q/k LayerNorms (q_norm, k_norm: weight and bias), the SwiGLU MLP,
-                                      and both RMSNorms (the layer-0 input norm included, unlike LlamaGen's EAGLE)
-The output (no final norm) is read out by the target's head, as LANTERN reads it with the base model's lm_head.
+A folder with `config.json` (a one-layer Chameleon config; `bias` of fc) and `pytorch_model.bin` or
+`model.safetensors` with `embed_tokens.weight` (its own 65536-row BPE embeddings), `fc` (fc([embed(x_{t+1}); f_t]))
+and `layers.0.*`, one Chameleon decoder layer as transformers names it (per-head q/k LayerNorms and the layer-0
+input norm included). The output (no final norm) is read out by the target's head, as LANTERN reads it.
 
-Its cache holds the prompt's pairs too, as LANTERN feeds it (models/ea_model_anole.py, drafters/cnets_anole.py): at
-prefill, the target's features f_0 .. f_{P-2} of each row paired with the row's next prompt token (the pair
-(f_i, token i+1), i < P - 1; the pair (f_{P-1}, first image token) is the first catch-up), every pair whose
-feature comes from a `<pad>` slot hidden (the unconditional row's left padding). Drafter tokens are image codes
-0..V-1, or V + a vocabulary id for the prompt's tokens (`prefix_tokens`). Both CFG rows sit at the positions the
-core gives them: LANTERN's unconditional row runs P - 2 positions behind, a shift RoPE does not see across the
+Its cache holds the prompt's pairs too, fed as LANTERN feeds them (docs/model-families.md): drafter tokens are image
+codes 0..V-1, or V + a vocabulary id for the prompt's tokens (`prefix_tokens`). Both CFG rows sit at the positions
+the core gives them: LANTERN's unconditional row runs P - 2 positions behind, a shift RoPE does not see across the
 slots the row attends.
 """
 from __future__ import annotations
@@ -27,7 +20,8 @@ from torch import nn
 from lantern.files.reading import read_json_object
 from lantern.models.kv_cache import StaticKVCache
 from lantern.models.checkpoint import load_tensors_file
-from lantern.models.chameleon import ChameleonTarget, attention
+from lantern.models.chameleon import ChameleonTarget
+from lantern.models.language_model import attention
 from lantern.models.gpt import attention_bias
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")

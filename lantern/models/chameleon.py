@@ -1,22 +1,15 @@
 """Chameleon-family targets (Anole, Chameleon; Lumina-mGPT shares the architecture but not the image stream, and is
 refused: `check_not_lumina`): transformers' `ChameleonForConditionalGeneration` from a local folder, generating
-images.
+images, with the prompt, CFG row and image tokens of Anole's own pipeline (docs/model-families.md).
 
-Chameleon's image tokens live inside its 65536-token vocabulary: the BPE tokens named `IMGIMG<code>Z` (transformers'
-ChameleonImageVocabularyMapping) stand for the VQGAN codes 0..8191. lantern's tokens are those codes: `embed_tokens`
-maps a code to its BPE id, and `head` computes logits over the image rows of `lm_head` only, in code order, so
-warping, CFG and acceptance never see a text token.
+lantern's tokens are the VQGAN codes 0..8191 (the BPE tokens `IMGIMG<code>Z`): `embed_tokens` maps a code to its BPE
+id and `head` reads the image rows of `lm_head` only, in code order, so warping, CFG and acceptance never see a text
+token. CFG's unconditional row `<s>, <racm3:break>` is left-padded with `<pad>`, hidden from every query
+(`prefix_visible`), and `forward_cached` reads each row's position shift from the mask itself (`row_positions`), so
+the core passes the same positions to both rows and needs no per-row state.
 
-The prompt and CFG follow Anole's own pipeline (and LANTERN's Anole code): the conditional row is
-`<s>, tokens of the prompt, <reserved08706> (end of turn), <racm3:break> (begin image)`, the unconditional row is
-`<s>, <racm3:break>` alone, left-padded with `<pad>` to the same length; the pads are masked for every query
-(`prefix_visible`, applied by the engine) and the unconditional row's positions start at 0 at its `<s>`, so it sits
-P - 2 positions behind the conditional row. `forward_cached` reads that offset from the mask itself: a row's position
-shifts back by the prefix slots (up to its position) it may not see, so the core passes the same positions to both
-rows and needs no per-row state.
-
-`ChameleonTarget` runs the language model's own projections, q/k LayerNorms, norms and MLPs (both the standard and
-the Swin-norm layer order) over lantern's static KV cache. Pixels come from the model's taming VQGAN
+`ChameleonTarget` runs the language model's layers, q/k LayerNorms included, in the standard or the Swin-norm order
+over lantern's static KV cache (lantern.models.language_model). Pixels come from the model's taming VQGAN
 (lantern.models.vqgan), which transformers does not carry.
 """
 from __future__ import annotations
@@ -32,33 +25,12 @@ from torch import nn
 
 from lantern.files.reading import read_json_object
 from lantern.models.folders import FolderInfo, folder_identity, load_pretrained, load_tokenizer, read_config
+from lantern.models.language_model import STATIC_ROPE, LanguageModelTarget, PromptShape
 from lantern.models.padding import left_padded, unpadded_positions
-from lantern.models.gpt import attention_bias
-from lantern.models.janus import STATIC_ROPE, rotate_half
-from lantern.models.kv_cache import StaticKVCache
-from lantern.models.placement import placed_copy
 from lantern.models.proximity import DEFAULT_K, build_proximity_table, index_dtype, read_npy_table
-from lantern.models.rope import rope_cos_sin
 from lantern.models.vqgan import check_vqgan_folder, load_vqgan, vq_files
 
 SPECIAL = {"bos": "<s>", "pad": "<pad>", "eot": "<reserved08706>", "boi": "<racm3:break>"}  # names in the vocabulary
-
-
-@dataclass(frozen=True)
-class ChameleonShape:
-    """A Chameleon target's lantern.models.family.TargetShape for one prompt length."""
-
-    cls_token_num: int  # the prompt's tokens, <racm3:break> included
-    block_size: int
-    grid_size: int
-    vocab_size: int  # image codes
-    n_layer: int
-    n_head: int
-    kv_heads: int
-    head_dim: int
-    dim: int
-    family: str = "chameleon"
-    model_type: str = "prompt"
 
 
 def image_vocabulary(vocab_map: dict) -> torch.Tensor:
@@ -78,45 +50,15 @@ def image_vocabulary(vocab_map: dict) -> torch.Tensor:
     return torch.tensor([codes[c] for c in range(len(codes))], dtype=torch.long)
 
 
-def attention(attn, x: torch.Tensor, cos, sin, bias, cache: StaticKVCache, layer: int, flat, live: int,
-              shape: ChameleonShape) -> torch.Tensor:
-    """A Chameleon attention module's projections and q/k LayerNorms (per head) on x (B, T, D), RoPE, then
-    attention over cache layer `layer` (written at `flat`, its first `live` slots read) -> (B, T, D)."""
-    B, T, _ = x.shape
-    H, Hkv, hd = shape.n_head, shape.kv_heads, shape.head_dim
-    q = attn.q_norm(attn.q_proj(x).reshape(B * T, H, hd)).view(B, T, H, hd)
-    k = attn.k_norm(attn.k_proj(x).reshape(B * T, Hkv, hd)).view(B, T, Hkv, hd)
-    v = attn.v_proj(x).view(B, T, Hkv, hd)
-    q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-    keys, values = cache.update(layer, k, v, flat, live)  # (B, Hkv, s, hd)
-    if H > Hkv:
-        keys, values = keys.repeat_interleave(H // Hkv, dim=1), values.repeat_interleave(H // Hkv, dim=1)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=bias,
-                                         scale=attn.scaling)  # (B, H, T, hd)
-    return attn.o_proj(out.transpose(1, 2).reshape(B, T, H * hd))
+class ChameleonTarget(LanguageModelTarget):
+    qk_norm = True
 
-
-class ChameleonTarget(nn.Module):
-    def __init__(self, hf_model, shape: ChameleonShape, bpe_of_code: torch.Tensor, bos: int, boi: int, pad: int):
-        super().__init__()
-        self.config = shape
-        self.bos, self.boi, self.pad = bos, boi, pad
-        lm = hf_model.model
-        self.embeddings = lm.embed_tokens
-        self.layers = lm.layers
-        self.norm = lm.norm
+    def __init__(self, hf_model, shape: PromptShape, bpe_of_code: torch.Tensor, bos: int, boi: int, pad: int):
+        super().__init__(hf_model.model, shape, bos, boi, pad)
         self.swin_norm = bool(hf_model.config.swin_norm)
         self.register_buffer("bpe_of_code", bpe_of_code.clone(), persistent=False)  # (V,) code -> BPE id
         # the head's image rows in code order (V of the 65536 rows): the one copy the target makes
         self.register_buffer("image_head", hf_model.lm_head.weight.detach()[bpe_of_code].clone(), persistent=False)
-        rotary = lm.rotary_emb
-        self.rope_scaling = float(rotary.attention_scaling)
-        self.register_buffer("inv_freq", rotary.inv_freq.detach().float().clone(), persistent=False)  # (hd/2,)
-
-    # --- condition rows -----------------------------------------------------------------------
-    def embed_condition(self, cond: torch.Tensor) -> torch.Tensor:
-        """Prompt token rows (B, P) -> (B, P, D)."""
-        return self.embeddings(cond)
 
     def unconditional(self, cond: torch.Tensor) -> torch.Tensor:
         """`<pad> ... <pad>, <s>, <racm3:break>` for each row (Anole's unconditional prompt, left-padded)."""
@@ -128,46 +70,16 @@ class ChameleonTarget(nn.Module):
         """(B, P) prompt rows -> (B, P) bool: the slots a query may attend (every slot but padding)."""
         return rows != self.pad
 
-    # --- image tokens in and out --------------------------------------------------------------
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embeddings(self.bpe_of_code[tokens])
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.image_head).float()
 
-    # --- the language model over lantern's static cache ---------------------------------------
     def row_positions(self, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Each row's own positions: back by the prefix slots its mask hides (the unconditional row's left padding,
         a padded prompt's), so its `<s>` is at 0 as in Anole's pipeline."""
         return unpadded_positions(positions, mask, self.config.cls_token_num)
-
-    def rope_at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, T) positions -> cos, sin (B, T, 1, hd) in `dtype`."""
-        return rope_cos_sin(positions, self.inv_freq, self.rope_scaling, dtype)
-
-    def forward_cached(self, h: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: StaticKVCache,
-                       slots: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.rope_at(self.row_positions(positions, mask), h.dtype)
-        flat = cache.flat(slots)
-        bias = attention_bias(mask, h.dtype)  # (B, 1, T, s)
-        live = mask.shape[-1]
-        for i, layer in enumerate(self.layers):
-            if self.swin_norm:  # Chameleon-30B's order: norm after attention and after the MLP
-                h = h + layer.input_layernorm(attention(layer.self_attn, h, cos, sin, bias, cache, i, flat, live,
-                                                        self.config))
-                h = h + layer.post_attention_layernorm(layer.mlp(h))
-            else:
-                h = h + attention(layer.self_attn, layer.input_layernorm(h), cos, sin, bias, cache, i, flat, live,
-                                  self.config)
-                h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.norm(h)
-
-    def placed(self, device: torch.device, dtype: torch.dtype) -> "ChameleonTarget":
-        """Itself where its weights already are on `device` in `dtype` (frozen), else a converted copy."""
-        tensors = list(self.parameters()) + [self.image_head]
-        if all(t.device == device and t.dtype == dtype for t in tensors):
-            return self.eval().requires_grad_(False)
-        return placed_copy(self, device, dtype, keep_fp32=("inv_freq",))  # rotations stay in fp32
 
 
 def chameleon_target(model, prompt_len: int, bpe_of_code: torch.Tensor, ids: dict) -> ChameleonTarget:
@@ -175,9 +87,9 @@ def chameleon_target(model, prompt_len: int, bpe_of_code: torch.Tensor, ids: dic
     cfg = model.config
     grid = image_grid(cfg.vq_config)
     heads = cfg.num_attention_heads
-    shape = ChameleonShape(cls_token_num=prompt_len, block_size=grid * grid, grid_size=grid,
-                           vocab_size=len(bpe_of_code), n_layer=cfg.num_hidden_layers, n_head=heads,
-                           kv_heads=cfg.num_key_value_heads, head_dim=cfg.hidden_size // heads, dim=cfg.hidden_size)
+    shape = PromptShape(family="chameleon", cls_token_num=prompt_len, block_size=grid * grid, grid_size=grid,
+                        vocab_size=len(bpe_of_code), n_layer=cfg.num_hidden_layers, n_head=heads,
+                        kv_heads=cfg.num_key_value_heads, head_dim=cfg.hidden_size // heads, dim=cfg.hidden_size)
     return ChameleonTarget(model, shape, bpe_of_code, ids["bos"], ids["boi"], ids["pad"])
 
 

@@ -40,12 +40,17 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
                 break
     if not isinstance(sd, dict):
         raise ValueError(f"checkpoint {path} holds a {type(sd).__name__}, not a state_dict")
+    return stripped(sd, IGNORED_KEYS)
+
+
+def stripped(state: dict, ignored: tuple = ()) -> dict[str, torch.Tensor]:
+    """A state_dict's keys without the prefixes DDP and torch.compile add, the `ignored` keys left out."""
     out = {}
-    for k, v in sd.items():
+    for k, v in state.items():
         for prefix in STRIP_PREFIXES:
             if k.startswith(prefix):
                 k = k[len(prefix):]
-        if k not in IGNORED_KEYS:
+        if k not in ignored:
             out[k] = v
     return out
 

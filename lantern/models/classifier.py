@@ -1,29 +1,21 @@
 """A small CNN digit classifier: the evaluator behind class accuracy and the Frechet distance of samples."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lantern.models.config import from_known_fields
+from lantern.models.config import ConfigFields
 
 
 @dataclass(frozen=True)
-class ClassifierConfig:
+class ClassifierConfig(ConfigFields):
     num_classes: int = 10
     image_size: int = 32
     width: int = 32  # channels of the first stage; doubled at each of the 3 stages
     feature_dim: int = 64  # penultimate features: the Frechet-distance space
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "ClassifierConfig":
-        return from_known_fields(cls, d)
 
 
 def _stage(c_in: int, c_out: int) -> nn.Sequential:

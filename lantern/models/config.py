@@ -6,13 +6,20 @@ from dataclasses import dataclass
 from typing import Optional
 
 
-def from_known_fields(cls, d: dict):
-    """Build the dataclass `cls` from a dict, refusing unknown keys by name (a config for another model)."""
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - known)
-    if unknown:
-        raise ValueError(f"unknown {cls.__name__} fields {unknown}; allowed: {sorted(known)}")
-    return cls(**d)
+class ConfigFields:
+    """A config dataclass as plain data: `to_dict`, and `from_dict`, which refuses unknown keys by name (a config
+    for another model)."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} fields {unknown}; allowed: {sorted(known)}")
+        return cls(**d)
 
 
 def find_multiple(n: int, k: int) -> int:
@@ -20,7 +27,7 @@ def find_multiple(n: int, k: int) -> int:
 
 
 @dataclass(frozen=True)
-class GPTConfig:
+class GPTConfig(ConfigFields):
     """LlamaGen `ModelArgs`, minus the training-only dropout fields."""
 
     dim: int = 768
@@ -86,13 +93,6 @@ class GPTConfig:
     def seq_len(self) -> int:
         """Prefix plus every image token: the positions that carry a RoPE row."""
         return self.cls_token_num + self.block_size
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "GPTConfig":
-        return from_known_fields(cls, d)
 
 
 # LlamaGen's class-conditional sizes, plus small ones the tests and the embedded model use.

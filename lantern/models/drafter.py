@@ -16,14 +16,13 @@ prefix (only LANTERN's drafters do) and LlamaGen's otherwise (lantern's own, whi
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import nn
 
-from lantern.models.config import GPTConfig, from_known_fields
+from lantern.models.config import ConfigFields, GPTConfig
 from lantern.models.kv_cache import StaticKVCache
 from lantern.models.gpt import GPT, FeedForward, RMSNorm, TransformerBlock, attention_bias
 
@@ -38,7 +37,7 @@ def check_caption_mask(name: str) -> str:
 
 
 @dataclass(frozen=True)
-class DrafterOptions:
+class DrafterOptions(ConfigFields):
     """How a drafter's layer departs from the target's blocks (defaults: lantern's own drafters)."""
 
     input_norm: bool = True  # False: no RMSNorm before attention (EAGLE's first layer, LANTERN's drafters)
@@ -53,13 +52,6 @@ class DrafterOptions:
     def __post_init__(self):
         if self.caption_mask is not None:
             check_caption_mask(self.caption_mask)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "DrafterOptions":
-        return from_known_fields(cls, d)
 
 
 class Drafter(nn.Module):

@@ -1,8 +1,8 @@
 """The model-family seam: what the decoding core and the backends need from a target, written down once.
 
 A target is any `nn.Module` that satisfies `TargetModel` below. LlamaGen's GPT (lantern.models.gpt) does so
-natively; other families (lantern.models.janus, lantern.models.chameleon) wrap the modules of a `transformers` model loaded from a local
-folder, holding its weights by reference. docs/model-families.md describes the seam and each family.
+natively; other families (lantern.models.janus, lantern.models.chameleon) wrap the modules of a `transformers`
+model loaded from a local folder, holding its weights by reference. docs/model-families.md describes the seam.
 
 A folder's family is read from its config.json (`model_type`) before any weights are loaded: `inspect_folder`
 refuses an architecture lantern does not run, or a config without an image vocabulary, with a ValueError that
@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from lantern.extras import require
 from lantern.files.reading import UnreadableFile, read_json, read_json_object
 from lantern.models.chameleon import ChameleonFamily, check_config
 from lantern.models.folders import FolderInfo
@@ -27,7 +28,7 @@ class TargetShape(Protocol):
     """The static facts of a target (its `config`) that runners, caches and the decoding core read."""
 
     family: str  # "llamagen", "janus", ...
-    model_type: str  # what a condition is: "c2i" class ids (B,), "t2i" caption embeddings (B, P, C), "prompt" token ids (B, P)
+    model_type: str  # a condition: "c2i" class ids (B,), "t2i" caption embeddings (B, P, C), "prompt" tokens (B, P)
     cls_token_num: int  # P, the prefix (condition) positions before the first image token
     block_size: int  # image tokens per image, raster order over a grid_size x grid_size grid
     grid_size: int  # Jacobi's spatial prior reads the token one grid row up
@@ -88,7 +89,6 @@ def neutral_conditions(config: TargetShape, n: int, device=None) -> torch.Tensor
 # config.json model_type -> (family, the transformers class lantern loads)
 FAMILIES = {"janus": ("janus", "JanusForConditionalGeneration"),
             "chameleon": ("chameleon", "ChameleonForConditionalGeneration")}
-EXTRA = "families"  # the pyproject extra that brings transformers
 
 
 TRANSFORMERS_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -144,12 +144,8 @@ def inspect_folder(path: str | Path) -> FolderInfo:
 
 
 def require_transformers():
-    """transformers, or a ValueError naming the extra that installs it."""
-    try:
-        import transformers  # the families extra
-    except ImportError:
-        raise ValueError(f"model families need transformers: pip install 'lantern-decoding[{EXTRA}]'") from None
-    return transformers
+    """transformers, or a MissingExtra (a ValueError) naming the extra that installs it."""
+    return require("transformers", "a model-family folder")
 
 
 def check_family(path: str | Path, vq: str | None = None, need_vq: bool = False) -> FolderInfo:

@@ -1,19 +1,9 @@
 """Function-preserving inflation: a trained small target and drafter computing exactly what they compute, at a
-larger compute shape (LlamaGen's GPT-B or GPT-L), so benchmarks get real acceptance at real compute cost.
-
-The construction (docs/algorithms.md, "Measuring at LlamaGen scale"):
-- head_dim is kept (the 2D RoPE table depends on it); width D0 -> D1 adds heads. Every weight goes into the
-  top-left block of its inflated matrix (q, k and v rows of the fused projection each at their own offset),
-  zeros elsewhere, so the padded dims of the residual stream stay zero and padded heads and FFN units add nothing.
-- RMSNorm averages over D1 instead of D0: norm weights are scaled by sqrt(D0 / D1), eps by D0 / D1.
-- depth L0 -> L1 appends blocks whose every weight is zero: a block adds attention(.) @ wo + ffn(.) @ w2 to the
-  residual stream, both exactly zero, so the stream passes unchanged (the matmuls still cost what they cost).
-- vocabulary V0 -> V1: residual dim D0 carries a small constant c (every token and class embedding row; the
-  drafter's fc bias), which no block reads or writes; the final norm passes it with weight 1, and the head rows of
-  padded codes read only it, with weight -L / c: their logits sit near -L * rsqrt(mean square), far below any real
-  logit, so no top-k, top-p or temperature ever samples them.
-Greedy tokens equal the small model's; sampled tokens too wherever the draw is over a top-k support (the random
-stream then sees the same support); otherwise equal in distribution.
+larger compute shape (LlamaGen's GPT-B or GPT-L), so benchmarks get real acceptance at real compute cost. The
+construction (docs/algorithms.md, "Measuring at LlamaGen scale"): head_dim kept and every weight in the top-left
+block of its inflated matrix, norms rescaled, appended blocks all zero, and padded codes' logits held far below
+every real one by a constant residual dim. Greedy tokens equal the small model's; sampled tokens too wherever the
+draw is over a top-k support (the random stream then sees the same support); otherwise equal in distribution.
 """
 from __future__ import annotations
 

@@ -6,12 +6,11 @@ side); its VQ model decodes tokens to pixels. The condition is the token prompt 
 (BOS first), and CFG's unconditional row is that prompt with every token but BOS and BOI set to pad, as
 transformers' `generate(generation_mode="image")` builds it.
 
-`JanusTarget` is a lantern.models.family.TargetModel over those modules (held by reference, no copies): its
-`forward_cached` runs the Llama layers' own projections, norms and MLPs, with attention over lantern's static
-KV cache at explicit positions and slots. The image vocabulary is the VQ codebook, which is exactly the
-generation head's output and the generation embeddings' input, so tokens need no mapping. `PaddedJanusTarget` takes
-prompt rows left-padded to one length (`prompt_rows(prompt, length)`), so prompts of any length share one static
-shape, as `lantern serve` batches them.
+`JanusTarget` is a lantern.models.family.TargetModel over those modules (held by reference; the Llama layers run
+over lantern's static KV cache as lantern.models.language_model runs them). The image vocabulary is the VQ
+codebook, exactly the generation head's output and the generation embeddings' input, so tokens need no mapping.
+`PaddedJanusTarget` takes prompt rows left-padded to one length (`prompt_rows(prompt, length)`), so prompts of
+any length share one static shape, as `lantern serve` batches them.
 """
 from __future__ import annotations
 
@@ -21,114 +20,30 @@ from typing import Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lantern.models.folders import FolderInfo, folder_identity, load_pretrained, load_tokenizer, read_config
-from lantern.models.gpt import attention_bias
-from lantern.models.kv_cache import StaticKVCache
+from lantern.models.language_model import STATIC_ROPE, LanguageModelTarget, PromptShape
 from lantern.models.padding import left_padded, unpadded_positions
-from lantern.models.placement import placed_copy
-from lantern.models.rope import rope_cos_sin
-
-STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # rope types whose frequencies do not depend on length
 
 
-@dataclass(frozen=True)
-class JanusShape:
-    """A Janus target's lantern.models.family.TargetShape for one prompt length."""
-
-    cls_token_num: int  # the prompt's tokens, BOI included
-    block_size: int
-    grid_size: int
-    vocab_size: int
-    n_layer: int
-    n_head: int
-    kv_heads: int
-    head_dim: int
-    dim: int
-    family: str = "janus"
-    model_type: str = "prompt"
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat([-b, a], dim=-1)
-
-
-class JanusTarget(nn.Module):
-    def __init__(self, hf_model, shape: JanusShape, bos: int, boi: int, pad: int):
-        super().__init__()
-        self.config = shape
-        self.bos, self.boi, self.pad = bos, boi, pad
+class JanusTarget(LanguageModelTarget):
+    def __init__(self, hf_model, shape: PromptShape, bos: int, boi: int, pad: int):
         janus = hf_model.model
-        lm = janus.language_model
-        self.prompt_embeddings = lm.embed_tokens
-        self.layers = lm.layers
-        self.norm = lm.norm
+        super().__init__(janus.language_model, shape, bos, boi, pad)
         self.generation_embeddings = janus.generation_embeddings
         self.generation_aligner = janus.generation_aligner
         self.generation_head = janus.generation_head
-        rotary = lm.rotary_emb
-        self.rope_scaling = float(rotary.attention_scaling)
-        self.register_buffer("inv_freq", rotary.inv_freq.detach().float().clone(), persistent=False)  # (hd/2,)
-
-    # --- condition rows -----------------------------------------------------------------------
-    def embed_condition(self, cond: torch.Tensor) -> torch.Tensor:
-        """Prompt token rows (B, P) -> (B, P, D)."""
-        return self.prompt_embeddings(cond)
 
     def unconditional(self, cond: torch.Tensor) -> torch.Tensor:
         keep = (cond == self.bos) | (cond == self.boi)
         return torch.where(keep, cond, torch.full_like(cond, self.pad))
 
-    # --- image tokens in and out --------------------------------------------------------------
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.generation_aligner(self.generation_embeddings(tokens))
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.generation_head(hidden).float()
-
-    # --- the language model over lantern's static cache ---------------------------------------
-    def rope_at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, T) positions -> cos, sin (B, T, 1, hd) in `dtype`."""
-        return rope_cos_sin(positions, self.inv_freq, self.rope_scaling, dtype)
-
-    def row_positions(self, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """The positions RoPE reads: the sequence positions themselves (rows are not padded)."""
-        return positions
-
-    def forward_cached(self, h: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: StaticKVCache,
-                       slots: torch.Tensor) -> torch.Tensor:
-        B, T, _ = h.shape
-        cfg = self.config
-        cos, sin = self.rope_at(self.row_positions(positions, mask), h.dtype)
-        flat = cache.flat(slots)
-        bias = attention_bias(mask, h.dtype)  # (B, 1, T, s)
-        live = mask.shape[-1]
-        rep = cfg.n_head // cfg.kv_heads
-        for i, layer in enumerate(self.layers):
-            attn, x = layer.self_attn, layer.input_layernorm(h)
-            q = attn.q_proj(x).view(B, T, cfg.n_head, cfg.head_dim)
-            k = attn.k_proj(x).view(B, T, cfg.kv_heads, cfg.head_dim)
-            v = attn.v_proj(x).view(B, T, cfg.kv_heads, cfg.head_dim)
-            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-            keys, values = cache.update(i, k, v, flat, live)  # (B, Hkv, s, hd)
-            if rep > 1:
-                keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=bias,
-                                                 scale=attn.scaling)  # (B, H, T, hd)
-            h = h + attn.o_proj(out.transpose(1, 2).reshape(B, T, cfg.n_head * cfg.head_dim))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.norm(h)
-
-    def placed(self, device: torch.device, dtype: torch.dtype) -> "JanusTarget":
-        """Itself where its weights already are on `device` in `dtype` (frozen: runners never write weights),
-        else a converted copy of its modules."""
-        params = list(self.parameters())
-        if all(p.device == device and p.dtype == dtype for p in params):
-            return self.eval().requires_grad_(False)
-        return placed_copy(self, device, dtype, keep_fp32=("inv_freq",))  # rotations stay in fp32
 
 
 class PaddedJanusTarget(JanusTarget):
@@ -139,7 +54,7 @@ class PaddedJanusTarget(JanusTarget):
     attends them. A prefix that is hidden keeps the engine's steps off a fused graph (lantern.backends.torch_graph
     .fusable), so unpadded rows run on JanusTarget itself."""
 
-    def __init__(self, hf_model, shape: JanusShape, bos: int, boi: int, pad: int):
+    def __init__(self, hf_model, shape: PromptShape, bos: int, boi: int, pad: int):
         if pad == bos:
             raise ValueError(f"the pad token id {pad} is the BOS token id: a padded prompt row could not tell its "
                              f"padding from its start")
@@ -160,10 +75,10 @@ def janus_target(model, prompt_len: int, bos: int, boi: int, pad: int, padded: b
     cfg = model.config
     text = cfg.text_config
     heads = text.num_attention_heads
-    shape = JanusShape(cls_token_num=prompt_len, block_size=cfg.vision_config.num_image_tokens,
-                       grid_size=cfg.vq_config.num_patches, vocab_size=cfg.vq_config.num_embeddings,
-                       n_layer=text.num_hidden_layers, n_head=heads, kv_heads=text.num_key_value_heads,
-                       head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads, dim=text.hidden_size)
+    shape = PromptShape(family="janus", cls_token_num=prompt_len, block_size=cfg.vision_config.num_image_tokens,
+                        grid_size=cfg.vq_config.num_patches, vocab_size=cfg.vq_config.num_embeddings,
+                        n_layer=text.num_hidden_layers, n_head=heads, kv_heads=text.num_key_value_heads,
+                        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads, dim=text.hidden_size)
     return (PaddedJanusTarget if padded else JanusTarget)(model, shape, bos, boi, pad)
 
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from lantern.models.config import GPTConfig
 from lantern.files.reading import read_json_object
-from lantern.models.checkpoint import STRIP_PREFIXES, load_into, load_tensors_file
+from lantern.models.checkpoint import WRAPPER_KEYS, load_into, load_tensors_file, stripped
 from lantern.models.drafter import Drafter, DrafterOptions
 from lantern.models.gpt import GPT
 from lantern.models.vq import VQConfig, VQModel
@@ -47,7 +47,7 @@ def read_llamagen_state(path: str | Path, weights: str = "model", what: str = "c
         raise ValueError(f"{what} {path} does not exist")
     if path.suffix == ".safetensors":
         try:
-            return _strip(load_file(str(path)))
+            return stripped(load_file(str(path)))
         except Exception as e:  # noqa: BLE001  a damaged file is bad input
             raise ValueError(f"{what} {path} is not a readable safetensors file: {e}") from None
     raw = load_tensors_file(path, what, allowed=(argparse.Namespace,), mmap=True)  # LlamaGen saves its args
@@ -56,24 +56,14 @@ def read_llamagen_state(path: str | Path, weights: str = "model", what: str = "c
             raise ValueError(f"{what} {path} has no 'ema' weights; its top-level keys are {sorted(raw)[:8]}")
         raw = raw["ema"]
     elif isinstance(raw, dict):
-        for key in ("model", "module", "state_dict"):
+        for key in WRAPPER_KEYS:
             if isinstance(raw.get(key), dict):
                 raw = raw[key]
                 break
     if not isinstance(raw, dict) or not all(isinstance(v, torch.Tensor) for v in raw.values()):
         raise ValueError(f"{what} {path} holds no state_dict of tensors (looked under 'model', 'module', "
                          f"'state_dict', and at the top level)")
-    return _strip(raw)
-
-
-def _strip(state: dict) -> dict[str, torch.Tensor]:
-    out = {}
-    for k, v in state.items():
-        for prefix in STRIP_PREFIXES:
-            if k.startswith(prefix):
-                k = k[len(prefix):]
-        out[k] = v
-    return out
+    return stripped(raw)
 
 
 def _shape(state: dict, key: str, path: Path, what: str) -> tuple[int, ...]:

@@ -23,6 +23,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from lantern.extras import require
+
 T5_ENV = "LANTERN_T5"
 MAX_TOKENS = 120  # LlamaGen's t5_feature_max_len (its GPTs' cls_token_num)
 T5_FILES = ("config.json",)
@@ -106,11 +108,8 @@ def t5_folder(path: Optional[str | Path]) -> Path:
 
 
 def require_transformers():
-    try:
-        import transformers  # the t2i extra
-    except ImportError:
-        raise ValueError("prompts need the `transformers` package: pip install 'lantern-decoding[t2i]'") from None
-    return transformers
+    """transformers, or a MissingExtra (a ValueError) naming the `t2i` extra."""
+    return require("transformers", "a text prompt", "t2i")
 
 
 class T5Conditioner:

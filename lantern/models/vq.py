@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lantern.models.config import from_known_fields
+from lantern.models.config import ConfigFields
 
 
 @dataclass(frozen=True)
-class VQConfig:
+class VQConfig(ConfigFields):
     codebook_size: int = 1024
     codebook_embed_dim: int = 8
     commit_loss_beta: float = 0.25
@@ -52,10 +52,6 @@ class VQConfig:
         d = dataclasses.asdict(self)
         d["ch_mult"] = list(self.ch_mult)
         return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "VQConfig":
-        return from_known_fields(cls, d)
 
 
 def swish(x: torch.Tensor) -> torch.Tensor:

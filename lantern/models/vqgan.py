@@ -17,12 +17,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from lantern.models.checkpoint import load_into, load_tensors_file
+from lantern.models.vq import AttnBlock, Upsample  # LlamaGen's, the same modules
 
 DDCONFIG_KEYS = ("z_channels", "resolution", "out_ch", "ch", "ch_mult", "num_res_blocks", "attn_resolutions")
 
 
+GROUPS = 32  # every GroupNorm's groups
+
+
 def group_norm(channels: int) -> nn.GroupNorm:
-    return nn.GroupNorm(32, channels, eps=1e-6, affine=True)
+    return nn.GroupNorm(GROUPS, channels, eps=1e-6, affine=True)
 
 
 class ResBlock(nn.Module):
@@ -39,31 +43,6 @@ class ResBlock(nn.Module):
         return (self.nin_shortcut(x) if hasattr(self, "nin_shortcut") else x) + h
 
 
-class AttnBlock(nn.Module):
-    """Single-head self-attention over the h*w pixels, 1x1 convs for q, k, v and the output."""
-
-    def __init__(self, c: int):
-        super().__init__()
-        self.norm = group_norm(c)
-        self.q, self.k, self.v, self.proj_out = (nn.Conv2d(c, c, 1) for _ in range(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, c, hh, ww = x.shape
-        h = self.norm(x)
-        q, k, v = (m(h).reshape(b, c, hh * ww).transpose(1, 2) for m in (self.q, self.k, self.v))  # (B, hw, C)
-        out = F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None])[:, 0]  # scale C^-0.5
-        return x + self.proj_out(out.transpose(1, 2).reshape(b, c, hh, ww))
-
-
-class Upsample(nn.Module):
-    def __init__(self, c: int):
-        super().__init__()
-        self.conv = nn.Conv2d(c, c, 3, padding=1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
-
-
 class Decoder(nn.Module):
     def __init__(self, z_channels: int, resolution: int, out_ch: int, ch: int, ch_mult, num_res_blocks: int,
                  attn_resolutions):
@@ -73,8 +52,8 @@ class Decoder(nn.Module):
         res = resolution // 2 ** (levels - 1)
         self.conv_in = nn.Conv2d(z_channels, block_in, 3, padding=1)
         self.mid = nn.Module()
-        self.mid.block_1, self.mid.attn_1, self.mid.block_2 = (ResBlock(block_in, block_in), AttnBlock(block_in),
-                                                                ResBlock(block_in, block_in))
+        self.mid.block_1, self.mid.attn_1 = ResBlock(block_in, block_in), AttnBlock(block_in, GROUPS)
+        self.mid.block_2 = ResBlock(block_in, block_in)
         ups = []
         for level in reversed(range(levels)):  # lowest resolution first; stored highest first (checkpoint order)
             up = nn.Module()
@@ -84,7 +63,7 @@ class Decoder(nn.Module):
                 up.block.append(ResBlock(block_in, block_out))
                 block_in = block_out
                 if res in attn_resolutions:
-                    up.attn.append(AttnBlock(block_in))
+                    up.attn.append(AttnBlock(block_in, GROUPS))
             if level != 0:
                 up.upsample = Upsample(block_in)
                 res *= 2

@@ -1,31 +1,8 @@
 """Hardware profiles: one TOML file per target (backend, device, dtype, threads, what to measure, and the
-trees `lantern profile tune` chose for it).
-
-Lookup of `--profile NAME|FILE`: an existing .toml path, else NAME.toml in the first folder of the search path
-that has it: $LANTERN_PROFILES (folders separated by os.pathsep), ./profiles, then the profiles lantern ships
-(the package `lantern.hardware_profiles`, installed with lantern).
-Every field and its default is in `HardwareProfile`.
-Everything is measured per batch size B (`batch_sizes`: images decoded together, one batched step advancing
-all of them), and `tune` chooses one tree per measured B. Each tuned tree lives beside the profile as
-`<name>.tuned.b{B}.json` (a list of paths, loadable by `load_tree`); the profile's trailing `[tuned]` table
-says what they were tuned from, with one sub-table per batch size naming its tree:
-
-    [tuned]
-    results = "cpu.json"
-    model = "bundle:..."
-    backend = "cpu"
-    tuned_at = "2026-01-01T00:00:00+00:00"
-
-    [tuned.b4]
-    tree_file = "cpu.tuned.b4.json"
-    N = 16
-    depth = 3
-    predicted_tau = 2.1
-    predicted_step_ms = 40.5
-
-Decoding B images per step uses the tree of the largest tuned batch size <= B, else of the smallest tuned one.
-A profile tuned before per-batch tuning has a single `tree_file` in [tuned] itself: that tree was tuned at
-batch 1 and counts as [tuned.b1]. Rewriting these tables keeps every comment above them.
+trees `lantern profile tune` chose for it). Every field and its default is in `HardwareProfile`; the lookup of
+`--profile NAME|FILE`, the batch sizes and the `[tuned]` / `[tuned.bB]` tables `tune` writes (rewriting them keeps
+every comment above them; a profile tuned before per-batch tuning has one `tree_file` in [tuned], counted as
+[tuned.b1]) are in docs/profiles.md.
 """
 from __future__ import annotations
 

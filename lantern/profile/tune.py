@@ -1,22 +1,10 @@
 """Choose the static tree for one device from its measurements, one tree per batch size B (images decoded
-together: one batched step advances all of them).
-
-Model of one speculative step at B images with a tree T of N nodes (root included), depth D and widest
-drafting level W:
-
-    E(T)    = 1 + sum over nodes v of P(v's path accepted),  P = product over the path's edges (depth d,
-              rank j) of a[d][j] = P(the rank-j child is the accepted one | its parent was reached)
-    cost(T) = verify(N) + draft(D + 1) + (D - 1) * draft(W) + host_a + host_b * N
-
-verify() and draft() are the step-latency curves measured at B (interpolated), the catch-up is one drafter
-step of width D + 1 and each deeper level one step of width W (the static drafting shapes), and
-host_a + host_b*N is the host-side work per step (sampling, tree walk, commit) fitted from the whole-generation
-cases at B. The acceptance rates a[d][j] are the batch-1 probe's at every B (acceptance does not depend on the
-batch width). The search grows a tree greedily from the single node (0,): each round it adds the candidate
-node (the next child of any node) that gives the highest tokens per second E/cost, up to the largest N
-measured at B, takes the best tree seen on the way, and prunes the leaves that do not pay for themselves.
-With a flat verify curve extra nodes are nearly free and the tree grows wide; with a steep one every node must
-pay for itself and the tree stays small.
+together: one batched step advances all of them). A tree T of N nodes, depth D and widest drafting level W costs
+verify(N) + draft(D + 1) + (D - 1) * draft(W) + host_a + host_b * N per step (the curves measured at B, the host
+work fitted on the whole generations at B) and yields E(T) = 1 + sum over nodes of the product of the batch-1
+probe's acceptance rates a[d][j] along its path; a greedy search grows the tree from (0,) by the node that gives
+the highest E / cost, up to the largest N measured at B, and prunes the leaves that do not pay for themselves
+(docs/profiles.md, "How `tune` chooses").
 """
 from __future__ import annotations
 

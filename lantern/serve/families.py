@@ -11,7 +11,6 @@ longer is refused (HTTP 422, lantern.serve.schema).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -28,17 +27,12 @@ CALIBRATION_PROMPTS = ("a photo of a cat sitting on a windowsill", "a red car pa
                        "a mountain lake at sunrise, snow on the peaks", "a bowl of fruit on a wooden table")
 
 
-def is_family(model: Optional[str]) -> bool:
-    """A transformers model folder (Janus, Chameleon, ...), not a lantern bundle (lantern.models.family)."""
-    return is_family_folder(model)
-
-
 def check_model(config: ServeConfig) -> None:
     """What the served model needs, checked before binding or loading any weights; ValueError naming what is
     wrong. A bundle: its T5 folder where it is text-to-image (lantern.serve.prompts); a family folder: its
     config, tokenizer and VQ (images are the answer: Chameleon's VQGAN must be there), the backend runs the family,
     and no setting that is a bundle's alone."""
-    if not is_family(config.model):
+    if not is_family_folder(config.model):
         if config.vq is not None:
             model = config.model or "the embedded model"
             raise ValueError(f"--vq {config.vq}: a VQGAN folder is for Chameleon folders; {model} is a lantern "
@@ -57,7 +51,7 @@ def check_model(config: ServeConfig) -> None:
 
 def load_model(config: ServeConfig):
     """The served model: a lantern.bundle.Bundle, or a FamilyModel for a family folder."""
-    if is_family(config.model):
+    if is_family_folder(config.model):
         return FamilyModel.load(config)
     return load_bundle(config.model)
 

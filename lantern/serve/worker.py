@@ -1,25 +1,18 @@
 """The one thread that owns the engines: it takes submissions and cancellations from the asyncio side through a
 command queue, steps every engine that has work, and resolves each image's future with its RequestResult.
 
-An engine runs one DecodeConfig at one static width, so the worker keeps, per (method, sampling overrides)
-actually requested, a ladder of engines, one per width (e.g. 1, 4, 16), at most `max_engines` ladders at once:
-the default one is built and warmed up at every width before the service reports ready; another is built, in this
-thread, width by width as requests first need it (its warm-up holds up the other engines' steps meanwhile),
-replacing an idle ladder when the limit is reached. New images go to the narrowest engine of their ladder that fits
-the ladder's load (its images in flight and queued, with the new ones and every other request taken in the same
-turn, so a burst arriving during a step lands together), or the highest load the ladder had in the last `hold_s`
-seconds if that is higher (clients that just got their images and send the next request land with the load they
-left, not one by one on narrower engines), so a request alone runs a width-1 step and a full load the widest;
-images already admitted never move. Each engine has a runner (KV cache) of its own. Busy
-engines take turns, one step each, under their pipeline's lock (so nothing else uses its runners meanwhile); an
-engine with no work is not stepped.
+Per (method, sampling overrides) requested the worker keeps a ladder of engines, one per static width, at most
+`max_engines` ladders (the default one warmed up at every width before the service is ready, another built width by
+width on first use in this thread, replacing an idle ladder); a new image goes to the narrowest width that fits the
+ladder's load, or its highest load within `hold_s`, and never moves (docs/serving.md, "Engines"). Busy engines take
+turns, one step each, under their pipeline's lock (so nothing else uses its runners meanwhile).
 
 Work from another thread that must not share the cores with the steps (a background calibration's timed runs)
 takes a turn (`quiet_turn`): it waits until no image is admitted, or TURN_PATIENCE_S under constant load (then it
-comes between two steps), and the steps wait while it holds the turn. A
-new plan (`switch`) takes effect at a step boundary: every ladder is retired (its engines keep stepping until their
-images are done, so an image runs on one engine, one plan, from its first step to its last) and new requests go
-to ladders built on the new pipeline, the default one at once.
+comes between two steps), and the steps wait while it holds the turn. A new plan (`switch`) takes effect at a step
+boundary: every ladder is retired (its engines keep stepping until their images are done, so an image runs on one
+engine, one plan, from its first step to its last) and new requests go to ladders built on the new pipeline, the
+default one at once.
 """
 from __future__ import annotations
 

@@ -2,6 +2,8 @@
 (within the recorded TV of p), the papers' rules stay reference-compatible, p(x) = 0 is never accepted.
 
 Every statistical test runs many one-node trees as one batch: row b is an independent trial."""
+from dataclasses import replace
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -262,8 +264,8 @@ def random_chain(b=6, window=7, v=64, k=5, seed=0):
                                   codebook_rule("lantern++", k=8, lam=2.0),
                                   codebook_rule("lantern", k=8, delta=0.1, form="paper")])
 def test_chain_acceptance_is_the_tree_acceptance_on_a_chain(rule, greedy):
-    """accept_chain skips the tree walk; on a chain it must give accept's result draw for draw."""
-    from lantern.decoding.acceptance import DraftedTree, accept, accept_chain
+    """A tree marked as a chain skips the walk over its structure; it must give the walk's result draw for draw."""
+    from lantern.decoding.acceptance import DraftedTree, accept
     for seed in range(5):
         p_nodes, q, tokens, valid = random_chain(seed=seed)
         n = tokens.shape[1]
@@ -273,8 +275,7 @@ def test_chain_acceptance_is_the_tree_acceptance_on_a_chain(rule, greedy):
                            children=nodes[None, 1:, None], q=None if greedy else q, max_depth=n - 1,
                            rank=torch.zeros(1, n, dtype=torch.long))
         want = accept(p_nodes, tree, rule, greedy, torch.Generator().manual_seed(seed), 64)
-        got = accept_chain(p_nodes, tokens, valid, None if greedy else q, rule, greedy,
-                           torch.Generator().manual_seed(seed), 64)
+        got = accept(p_nodes, replace(tree, chain=True), rule, greedy, torch.Generator().manual_seed(seed), 64)
         for field in ("path", "accepted", "bonus", "tried", "token_tv", "boost"):
             assert torch.equal(getattr(got, field), getattr(want, field)), (field, seed)
         if not greedy:

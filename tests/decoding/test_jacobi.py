@@ -2,6 +2,7 @@
 host transfers, bad input, a bundle without a drafter."""
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -56,12 +57,12 @@ def test_jacobi_sampling_reproduces_ar_for_every_image(flat, method, batch, wind
 def test_testing_against_the_wrong_distribution_fails_the_lossless_test(flat, monkeypatch):
     """A broken coupling: drafts drawn from the previous step's q but tested against this step's p (what the
     draft would be if it were drawn now). Acceptance then always succeeds, and the test must notice."""
-    real = proposers.accept_chain
+    real = proposers.accept
 
-    def against_p(p_nodes, tokens, valid, q, *args):
+    def against_p(p_nodes, tree, *args):
         current = Support(p_nodes.probs[:, :-1], p_nodes.ids[:, :-1])
-        return real(p_nodes, tokens, valid, current, *args)
-    monkeypatch.setattr(proposers, "accept_chain", against_p)
+        return real(p_nodes, replace(tree, q=current), *args)
+    monkeypatch.setattr(proposers, "accept", against_p)
     assert min(run_lossless(flat, "mc-sjd", 6000)) < LEVEL
 
 
@@ -213,7 +214,7 @@ def test_each_jacobi_step_moves_only_a_flag_to_the_host(sharp, monkeypatch):
     attention trim (a CPU-only host read of each mask) is off."""
     pipe = Pipeline(sharp, None, None, backend="cpu")
     dcfg = DecodeConfig(sampling=SamplingConfig(cfg_scale=2.0, top_k=20), drafting="jacobi", window=4)
-    check_host_budget(pipe, dcfg, "accept_chain", monkeypatch)
+    check_host_budget(pipe, dcfg, "accept", monkeypatch)
 
 
 def test_same_seed_same_tokens(flat):

@@ -1,6 +1,7 @@
 """Batched speculative decoding end to end on the CPU backend, against AR decoding on the same model."""
 import itertools
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -231,18 +232,19 @@ def test_verify_guided_with_another_cfg_scale_fails_the_lossless_test(flat, monk
 
 @pytest.mark.parametrize("kw", [dict(), dict(acceptance="lantern++", k=10, lam=2.0)])
 def test_a_chain_is_accepted_without_the_tree_walk_token_for_token(pipe, kw, monkeypatch):
-    """chain-5 takes accept_chain; the same generation through the tree walk gives the same tokens and stats."""
+    """chain-5 is drafted as a chain, whose accepted path skips the walk; the same generation through the tree
+    walk gives the same tokens and stats."""
     from lantern.decoding import trees
     assert trees.compile_tree(TREE_PRESETS["chain-5"]).is_chain
     assert not trees.compile_tree(TREE_PRESETS["chain-5"], pad_to=8).is_chain
     assert not trees.compile_tree(TREE_PRESETS["eagle1-25"]).is_chain
     dcfg = DecodeConfig(sampling=SamplingConfig(cfg_scale=2.0, top_k=20), drafting="chain-5", **kw)
-    calls = []
-    real = proposers.accept_chain
-    monkeypatch.setattr(proposers, "accept_chain", lambda *a: calls.append(1) or real(*a))
+    chains = []
+    real = proposers.accept
+    monkeypatch.setattr(proposers, "accept", lambda p, tree, *a: chains.append(tree.chain) or real(p, tree, *a))
     fast = pipe.generate([0, 1, 2], dcfg, seed=5)
-    assert calls
-    monkeypatch.setattr(trees.CompiledTree, "is_chain", property(lambda self: False))
+    assert chains and all(chains)
+    monkeypatch.setattr(proposers, "accept", lambda p, tree, *a: real(p, replace(tree, chain=False), *a))
     walked = pipe.generate([0, 1, 2], dcfg, seed=5)
     assert torch.equal(fast.tokens, walked.tokens)
     assert fast.stats.token_tv == walked.stats.token_tv

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from allocations import PeakAllocations
-from lantern.decoding.acceptance import Acceptance, DraftedTree, accept, accept_chain
+from lantern.decoding.acceptance import Acceptance, DraftedTree, accept
 from lantern.decoding.sampling import GuidedLogits, SamplingConfig, Support, combine_cfg, target_support
 from lantern.decoding.trees import TREE_PRESETS, compile_tree
 
@@ -47,16 +47,23 @@ def tree_on_meta(paths, pad_to, sampled: bool, k: int) -> DraftedTree:
                        q=support((IMAGES, m), k) if sampled else None, max_depth=t.depth, rank=t.rank[None].to(META))
 
 
+def window_on_meta(k: int) -> DraftedTree:
+    """A Jacobi window [root; d_1 .. d_L] as the chain it is, drafts drawn from q."""
+    nodes, n = torch.arange(WINDOW + 1, device=META), WINDOW + 1
+    return DraftedTree(tokens=torch.empty(IMAGES, n, dtype=torch.long, device=META),
+                       valid=torch.empty(IMAGES, n, dtype=torch.bool, device=META), depth=nodes[None],
+                       ancestors=torch.ones(n, n, dtype=torch.bool, device=META).tril()[None],
+                       parents=nodes[None, :-1], children=nodes[None, 1:, None], q=support((IMAGES, WINDOW), k),
+                       max_depth=WINDOW, rank=torch.zeros(1, n, dtype=torch.long, device=META), chain=True)
+
+
 def step_peak(shape: str, rule: Acceptance, top_k: int) -> int:
     sampling = SamplingConfig(top_k=top_k, cfg_scale=4.0)
     k = sampling.support_size(V)
     if shape == "window":
         logits = torch.empty(2 * IMAGES, WINDOW + 1, V, device=META)
-        tokens = torch.empty(IMAGES, WINDOW + 1, dtype=torch.long, device=META)
-        valid = torch.empty(IMAGES, WINDOW + 1, dtype=torch.bool, device=META)
-        q = support((IMAGES, WINDOW), k)
         with PeakAllocations() as seen:
-            accept_chain(target_support(logits, sampling), tokens, valid, q, rule, False, MetaDraws(), V)
+            accept(target_support(logits, sampling), window_on_meta(k), rule, False, MetaDraws(), V)
         return seen.peak
     tree = (tree_on_meta(TREE_PRESETS["lantern++-57"], 60, True, k) if shape == "tree-60"
             else tree_on_meta(TREE_PRESETS["wide-63"], None, False, k))

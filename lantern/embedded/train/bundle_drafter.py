@@ -1,7 +1,7 @@
 """`lantern train drafter --bundle B`: a drafter for any c2i bundle (an imported LlamaGen one too), by the recipe
-that built the embedded drafter: the target's own samples (batched AR at the bundle's sampling) as data, the frozen
-target's features, EAGLE-1's loss (lantern.embedded.train.drafter). Progress bars, a checkpoint every few steps and resume
-come from there; samples are cached by chunk, so an interrupted run resumes its sampling too.
+that built the embedded drafter: the target's own samples (batched AR at the bundle's sampling) as data, the
+frozen target's features, EAGLE-1's loss (lantern.embedded.train.drafter), with its progress bars, checkpoints and
+resume; samples are cached by chunk, so an interrupted run resumes its sampling too.
 
 Writes `<work>/drafter.safetensors` with the target's weights hash (what `lantern import --drafter` and bundles
 check); with `install`, also puts it into the bundle and updates the bundle's manifest.

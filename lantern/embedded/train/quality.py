@@ -1,5 +1,5 @@
-"""Sample quality while a bundle is built: AR samples through the Pipeline, scored by `lantern.embedded.evaluate`, cached
-in the work dir (codes and report), and the rule that picks the bundle's sampling defaults from a sweep."""
+"""Sample quality while a bundle is built: AR samples through the Pipeline, scored by lantern.embedded.evaluate,
+cached in the work dir (codes and report), and the rule that picks the bundle's sampling defaults from a sweep."""
 from __future__ import annotations
 
 import json

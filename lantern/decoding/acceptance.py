@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from lantern.decoding.relaxation import bounded_target, paper_boost
+from lantern.decoding.relaxation import NeighbourLinks, bounded_target, paper_boost
 from lantern.decoding.sampling import Draws, Support, SupportLookup, draw, uniform
 
 KINDS = ("exact", "lantern", "lantern++")
@@ -52,6 +52,7 @@ class Acceptance:
     lam: float = 1.0
     form: str = "bounded"
     proximity: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)  # (V, K) any integer type
+    _links: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # device -> NeighbourLinks
 
     def __post_init__(self):
         check_rule(self.kind, self.k, self.delta, self.lam, self.form)
@@ -81,6 +82,13 @@ class Acceptance:
             raise ValueError(f"a proximity table holds integer code ids, not {self.proximity.dtype}")
         near = self.proximity[:, : self.k]
         return near if near.device == torch.device(device) else near.to(device)
+
+    def links(self, device) -> NeighbourLinks:
+        """The bounded relaxation's neighbour lists on `device`, kept with the rule (what they build, once)."""
+        key = torch.device(device)
+        if key not in self._links:
+            self._links[key] = NeighbourLinks(self.neighbours(device))
+        return self._links[key]
 
 
 @dataclass
@@ -188,7 +196,7 @@ def _rule(p: Support, cand: torch.Tensor, cvalid: torch.Tensor, q: Optional[Supp
     target = p
     q_at = q.lookup() if q is not None else None  # sorted once, read by the relaxation and the rule
     if rule.relaxed and rule.form == "bounded":
-        near = rule.neighbours(cand.device)
+        near = rule.links(cand.device)
         if q_at is not None:
             p_hat, tv = bounded_target(p, q_at.prob(p.ids), near, vocab, *rule.bounds)
         else:  # deterministic drafts: the fixed candidate set plays q, and only a candidate can receive
@@ -285,7 +293,7 @@ def accept_chain(p_nodes: Support, tokens: torch.Tensor, valid: torch.Tensor, q:
         q_on_p = q.lookup().prob(p.ids)  # (B, L, K) q at p's support tokens
         target, tv = p.probs, torch.zeros(b, window, device=dev)
         if rule.relaxed:
-            target, tv = bounded_target(p, q_on_p, rule.neighbours(dev), vocab, *rule.bounds)
+            target, tv = bounded_target(p, q_on_p, rule.links(dev), vocab, *rule.bounds)
         p_x = Support(target, p.ids).prob_of(cand)  # (B, L, 1)
         acc = torch.where(cvalid, (p_x / q.prob_of(cand).clamp_min(1e-30)).clamp(max=1.0), 0.0)  # min(1, p/q)
         boost = torch.zeros_like(acc)

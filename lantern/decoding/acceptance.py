@@ -290,7 +290,7 @@ def accept_chain(p_nodes: Support, tokens: torch.Tensor, valid: torch.Tensor, q:
     cand, cvalid = tokens[:, 1:, None], valid[:, 1:, None]  # (B, L, 1)
     sampled = not greedy and q is not None and not (rule.relaxed and rule.form == "paper")
     if sampled:  # one candidate per parent: the rule's few products, and a residual only where it is drawn
-        q_on_p = q.lookup().prob(p.ids)  # (B, L, K) q at p's support tokens
+        q_on_p = q.lookup(vocab).prob(p.ids)  # (B, L, K) q at p's support tokens
         target, tv = p.probs, torch.zeros(b, window, device=dev)
         if rule.relaxed:
             target, tv = bounded_target(p, q_on_p, rule.links(dev), vocab, *rule.bounds)

@@ -98,7 +98,7 @@ def setting(bundle, backend: str, dtype: str, n: int, seeds: list[int], repeats:
             choose_backend(make, n, sampling, calibrate_all=True, **common)
             machine_s = time.perf_counter() - t1
         anywhere = choose_backend(make, n, sampling, **common)
-        anywhere.pipeline.generate(classes, anywhere.choice.decode, batch=anywhere.choice.width, tokens=2)
+        anywhere.pipeline.generate(classes, anywhere.decode, batch=anywhere.width, tokens=2)
     any_walls: dict[int, list[float]] = {}
 
     def run(names: list[str], seed: int) -> None:
@@ -108,8 +108,8 @@ def setting(bundle, backend: str, dtype: str, n: int, seeds: list[int], repeats:
             runs[m].setdefault(seed, []).append(wall)
         baseline.time(classes, seed, tokens=tokens)
         if anywhere is not None:
-            c = anywhere.choice
-            result = anywhere.pipeline.generate(classes, c.decode, seed=seed, batch=c.width, tokens=tokens)
+            result = anywhere.pipeline.generate(classes, anywhere.decode, seed=seed, batch=anywhere.width,
+                                                tokens=tokens)
             any_walls.setdefault(seed, []).append(result.stats.wall_seconds)
 
     run(list(configs), seeds[0])  # the screen: every method once

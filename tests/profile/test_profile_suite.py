@@ -455,4 +455,4 @@ def test_run_calibrates_auto_per_batch_size_and_generate_auto_reads_it(tiny_run,
     costs = profile_costs(str(path))
     assert costs.name == "tiny" and set(costs.widths) == {"1", "2"}
     choice = pipe.plan(3, batch=3, profile=costs, progress=False)
-    assert choice.choice.cost_source.startswith("hardware profile tiny (interpolated between batch widths [1, 2])")
+    assert choice.cost_source.startswith("hardware profile tiny (interpolated between batch widths [1, 2])")

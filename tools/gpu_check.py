@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from pathlib import Path
 from typing import Callable, Optional
@@ -142,9 +143,11 @@ class Check:
         print(f"[gpu_check] skipped {what}: {why}", file=sys.stderr)
 
     def error(self, what: str, e: Exception) -> None:
-        """A unit that broke: recorded (the run fails), and the run goes on."""
+        """A unit that broke: recorded with where it broke (the run fails), and the run goes on."""
         self.record.setdefault("errors", []).append(f"{what}: {type(e).__name__}: {e}")
+        self.record.setdefault("tracebacks", {})[what] = where_it_broke(e)
         print(f"[gpu_check] {what} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        forget_cuda_graph_recordings()
 
     def save(self) -> None:
         self.record["elapsed_s"] = time.monotonic() - self.t0
@@ -681,6 +684,20 @@ def plot(record: dict, path: Path) -> None:
 SECTIONS = ("conformance", "parity", "sync", "distribution", "timing", "serve")
 
 
+def where_it_broke(e: Exception, frames: int = 8) -> list[str]:
+    """The last frames of e's traceback, one line each: enough to find the bug from the results file alone."""
+    summary = traceback.extract_tb(e.__traceback__)[-frames:]
+    return [f"{f.filename.rsplit('/lantern/', 1)[-1]}:{f.lineno} {f.name}: {f.line}" for f in summary]
+
+
+def forget_cuda_graph_recordings() -> None:
+    """After a unit broke, possibly inside a CUDA graph recording: drop inductor's recorded graphs (they are
+    recorded again when next called), so that one failure does not fail every later unit with a corrupt pool."""
+    if torch.cuda.is_available():
+        from torch._inductor import cudagraph_trees  # here: only a real GPU run records graphs
+        cudagraph_trees.reset_cudagraph_trees()
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     from lantern.decoding import METHODS
     from lantern.models.inflate import INFLATE_SHAPES
@@ -740,8 +757,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         try:
             result = run()
         except Exception as e:  # noqa: BLE001  one section's failure is a result; the others still run
-            result = {"error": f"{type(e).__name__}: {e}"}
+            result = {"error": f"{type(e).__name__}: {e}", "traceback": where_it_broke(e)}
             print(f"[gpu_check] {share} failed: {result['error']}", file=sys.stderr)
+            forget_cuda_graph_recordings()
         if section != "timing":
             check.record["sections"][section] = result
         elif "error" in result:  # timing's rows are in the record already, row by row

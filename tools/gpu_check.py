@@ -191,7 +191,8 @@ def default_stem(quick: bool) -> Path:
 def environment(check: Check) -> dict:
     from lantern.backends.environment import provenance
     prov = provenance()
-    commit = prov["commit"] or os.environ.get("LANTERN_COMMIT") or "unknown"  # the lease's copy has no .git
+    # the caller's LANTERN_COMMIT names what it sent: a lease's copy has no .git, or a stale one
+    commit = os.environ.get("LANTERN_COMMIT") or prov["commit"] or "unknown"
     env = {"command": prov["command"], "commit": commit, "machine": prov["machine"], "torch": torch.__version__,
            "python": sys.version.split()[0], "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     if check.quick:
@@ -605,7 +606,8 @@ def write_all(stem: Path, record: dict) -> None:
     out = os.environ.get("OUT")
     if out:
         for p in paths:
-            shutil.copy(p, Path(out) / p.name)
+            if p.parent.resolve() != Path(out).resolve():  # --out under $OUT: written there already
+                shutil.copy(p, Path(out) / p.name)
 
 
 def fmt(x, spec: str = ".2f", suffix: str = "") -> str:
@@ -684,6 +686,14 @@ def plot(record: dict, path: Path) -> None:
 SECTIONS = ("conformance", "parity", "sync", "distribution", "timing", "serve")
 
 
+def section_shares(names: list[str]) -> dict[str, Optional[float]]:
+    """Each section's share of the budget among the sections that run (SHARES, the rest to the last one, which
+    has the whole remainder): a run of one section has the whole budget."""
+    rest = 1.0 - sum(SHARES.values())
+    total = sum(SHARES.get(n, rest) for n in names)
+    return {n: None if i == len(names) - 1 else SHARES.get(n, rest) / total for i, n in enumerate(names)}
+
+
 def where_it_broke(e: Exception, frames: int = 8) -> list[str]:
     """The last frames of e's traceback, one line each: enough to find the bug from the results file alone."""
     summary = traceback.extract_tb(e.__traceback__)[-frames:]
@@ -749,10 +759,10 @@ def main(argv: Optional[list[str]] = None) -> int:
              ("timing-1", "timing", lambda: timing(check, [n for n in args.images if n == 1])),
              ("serve", "serve", lambda: serve(check)),
              ("timing-rest", "timing", lambda: timing(check, [n for n in args.images if n != 1]))]
+    steps = [step for step in steps if step[1] in wanted]
+    shares = section_shares([share for share, _, _ in steps])
     for share, section, run in steps:
-        if section not in wanted:
-            continue
-        check.budget.section(None if args.quick else SHARES.get(share))
+        check.budget.section(None if args.quick else shares[share])
         t0 = time.monotonic()
         try:
             result = run()

@@ -57,6 +57,8 @@ SPEED_METHODS = ("mc-sjd", "mc-sjd-relaxed", "eagle2", "lantern", "lantern++")
 RELAXED = ("lantern", "lantern++", "mc-sjd-relaxed")  # the methods that read the proximity table (k neighbours)
 TINY_NEIGHBOURS = 8  # --quick's proximity table: few enough to fit the inflated vocabulary's padded codes
 PARITY_ORDER = ("ar", "mc-sjd", "lantern++", "mc-sjd-relaxed", "eagle2", "lantern", "sjd")
+COLD_COMPILE_S = 40.0  # the longest cold compile of one timing row seen on an H100 at GPT-B (37 s): a row starts
+# only with that much budget left
 BASELINE_S = 20.0  # seconds of one-process-per-image load: each process pays torch's import and CUDA's start
 # each section's share of the budget (what it may start within); the timing rows of 4 and 16 images take the rest
 SHARES = {"conformance": 0.12, "parity": 0.18, "sync": 0.05, "distribution": 0.05, "timing-1": 0.25, "serve": 0.2}
@@ -125,6 +127,8 @@ class Check:
                        if args.quick else None, "budget_s": args.budget_s, "sections": {}, "skipped": []}
         self._pipes: dict = {}
         self.t0 = time.monotonic()
+        earlier = self.stem.with_suffix(".json")
+        self.earlier = json.loads(earlier.read_text()) if args.resume and earlier.exists() else None
 
     def pipe(self, mode: str, models, dtype: str, **extra):
         """One pipeline per (mode, models, dtype, options), so runners and compiled steps are reused across
@@ -380,6 +384,15 @@ def samplings(check: Check) -> dict:
 def timing(check: Check, images: list[int]) -> list[dict]:
     rows = check.record["sections"].setdefault("timing", {"rows": []})["rows"]
     for shape, make in shapes(check).items():
+        groups = [(n, name) for n in images for name in samplings(check)]
+        kept = {group: earlier_group(check, shape, *group) for group in groups}
+        for (n, name), earlier_rows in kept.items():
+            if earlier_rows:
+                rows.extend(earlier_rows)
+                print(f"[gpu_check] timing {shape} {name} B={n}: kept from commit {earlier_rows[0]['commit']}",
+                      file=sys.stderr)
+        if all(kept.values()):
+            continue
         if not check.budget.allows(30):
             check.skip(f"timing {shape} {images}", "budget")
             continue
@@ -387,8 +400,9 @@ def timing(check: Check, images: list[int]) -> list[dict]:
         check.record["sections"]["timing"].setdefault("shapes", {})[shape] = describe_shape(models)
         for n in images:
             for name, sampling in samplings(check).items():
-                timing_rows(check, models, shape, name, sampling, n, rows)
-                check.save()
+                if not kept[(n, name)]:
+                    timing_rows(check, models, shape, name, sampling, n, rows)
+                    check.save()
         check.drop_pipes(models)
         del models
     return rows
@@ -403,13 +417,14 @@ def describe_shape(models) -> dict:
 def timing_rows(check: Check, models, shape: str, sampling_name: str, sampling, n: int, rows: list) -> None:
     """AR on every mode, then each method on --method-mode, then auto: one generation each after its prepare."""
     classes = [i % models.target.config.num_classes for i in range(n)]
-    base = dict(shape=shape, sampling=sampling_name, images=n, dtype=check.args.dtype)
+    base = dict(shape=shape, sampling=sampling_name, images=n, dtype=check.args.dtype,
+                commit=check.record["sections"]["env"]["commit"])
     ar = {}
     plan = [(mode, "ar") for mode in ("fused", "graph", "eager")]
-    plan += [(check.args.method_mode, m) for m in SPEED_METHODS]
+    plan += [(check.args.method_mode, m) for m in SPEED_METHODS]  # planned_rows, in this order
     for mode, method in plan:
         what = f"timing {shape} {sampling_name} B={n} {method} on {mode}"
-        if not check.budget.allows(15):
+        if not check.budget.allows(10 if mode == "eager" else COLD_COMPILE_S):
             check.skip(what, "budget")
             continue
         try:
@@ -433,6 +448,37 @@ def timing_rows(check: Check, models, shape: str, sampling_name: str, sampling, 
             auto_row(check, models, base, classes, rows, ar, sampling)
         except Exception as e:  # noqa: BLE001
             check.error(f"timing {shape} B={n} auto", e)
+
+
+def planned_rows(check: Check) -> set[tuple[str, str]]:
+    """(mode, method) of every row a timing group times: AR on every mode, each method on --method-mode."""
+    return {(mode, "ar") for mode in ("fused", "graph", "eager")} | {
+        (check.args.method_mode, m) for m in SPEED_METHODS}
+
+
+def earlier_group(check: Check, shape: str, n: int, sampling_name: str) -> list[dict]:
+    """With --resume: a timing group (shape, images, sampling) an earlier run completed (every planned row, each
+    against the fastest AR of that same run), its rows as they were (each names its commit); else []. A group
+    is kept or timed whole, so a ratio never mixes runs."""
+    if check.earlier is None:
+        return []
+    group = [r for r in check.earlier["sections"].get("timing", {}).get("rows", [])
+             if (r["shape"], r["images"], r["sampling"]) == (shape, n, sampling_name)]
+    complete = planned_rows(check) <= {(r["mode"], r["method"]) for r in group if r.get("fastest_ar")}
+    commit = check.earlier["sections"]["env"]["commit"]
+    return [{"commit": commit, **r} for r in group] if complete else []
+
+
+def earlier_section(check: Check, section: str) -> Optional[dict]:
+    """With --resume: a section an earlier run of this same commit finished (no error, nothing skipped), else
+    None."""
+    e = check.earlier
+    if e is None or e["sections"].get("env", {}).get("commit") != check.record["sections"]["env"]["commit"]:
+        return None
+    result = e["sections"].get(section)
+    finished = isinstance(result, dict) and "error" not in result and not any(
+        x.startswith(f"{section} ") for x in e.get("skipped", []))
+    return result if finished else None
 
 
 def timing_row(check: Check, models, mode: str, method: str, sampling, classes: list) -> dict:
@@ -631,11 +677,13 @@ def summary_lines(record: dict) -> list[str]:
         d = s["distribution"]
         lines.append(f"distribution {d['method']} vs {d['against']}: p = {d['p_value']:.3g} "
                      f"({'pass' if d['passed'] else 'FAIL'})")
+    commit = s.get("env", {}).get("commit")
     for r in record["sections"].get("timing", {}).get("rows", []):
         lines.append(f"{r['shape']} {r['sampling']} B={r['images']} {r['method']:<16} {r['mode']:<6} "
                      f"{r['wall_s']:.3f} s  x{fmt(r.get('speedup_vs_fastest_ar'))} vs {r.get('fastest_ar')} AR  "
                      f"tok/fwd {r['tokens_per_forward']:.2f}  ratio {fmt(r.get('verify_cost_ratio'))}  "
-                     f"ceiling {fmt(r.get('ceiling'))}  peak {r['peak_memory_gib']:.2f} GiB")
+                     f"ceiling {fmt(r.get('ceiling'))}  peak {r['peak_memory_gib']:.2f} GiB"
+                     + (f"  (commit {r['commit']})" if r.get("commit", commit) != commit else ""))
     if "serve" in s and "service" in s["serve"]:
         v = s["serve"]
         lines.append(f"serve {v['clients']} clients {v['seconds']:.0f} s: {v['service']['images_per_s']:.2f} "
@@ -733,6 +781,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--model", help="the bundle `lantern serve` and `lantern generate` load (default: the embedded "
                                     "model)")
     ap.add_argument("--out", help="output stem (default results/gpu-<device>; --quick: a temporary folder)")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep what the results file at the output stem finished: sections of this commit, and "
+                         "whole timing groups (their rows name their commit); run the rest")
     args = ap.parse_args(argv)
     if args.budget_s is None:
         args.budget_s = 300.0 if args.quick else 420.0
@@ -750,6 +801,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         ap.error(f"no CUDA device (torch {torch.__version__}); --quick runs the check on CPU stand-ins")
     check = Check(args)
     check.record["sections"]["env"] = environment(check)
+    if check.earlier is not None:
+        check.record["earlier_runs"] = [*check.earlier.get("earlier_runs", []), check.earlier["sections"]["env"]]
     check.save()
     wanted = set(args.sections)
     steps = [("conformance", "conformance", lambda: conformance(check)),
@@ -762,6 +815,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     steps = [step for step in steps if step[1] in wanted]
     shares = section_shares([share for share, _, _ in steps])
     for share, section, run in steps:
+        if section != "timing" and earlier_section(check, section) is not None:
+            check.record["sections"][section] = earlier_section(check, section)
+            print(f"[gpu_check] {section}: kept from the earlier run of this commit", file=sys.stderr)
+            continue
         check.budget.section(None if args.quick else shares[share])
         t0 = time.monotonic()
         try:

@@ -382,6 +382,7 @@ def samplings(check: Check) -> dict:
 
 
 def timing(check: Check, images: list[int]) -> list[dict]:
+    check.drop_pipes(check.models)  # the correctness sections' runners (1024 images' caches): not in any row's peak
     rows = check.record["sections"].setdefault("timing", {"rows": []})["rows"]
     for shape, make in shapes(check).items():
         groups = [(n, name) for n in images for name in samplings(check)]
@@ -419,7 +420,7 @@ def timing_rows(check: Check, models, shape: str, sampling_name: str, sampling, 
     classes = [i % models.target.config.num_classes for i in range(n)]
     base = dict(shape=shape, sampling=sampling_name, images=n, dtype=check.args.dtype,
                 commit=check.record["sections"]["env"]["commit"])
-    ar = {}
+    ar, ar_step_ms = {}, {}
     plan = [(mode, "ar") for mode in ("fused", "graph", "eager")]
     plan += [(check.args.method_mode, m) for m in SPEED_METHODS]  # planned_rows, in this order
     for mode, method in plan:
@@ -434,7 +435,7 @@ def timing_rows(check: Check, models, shape: str, sampling_name: str, sampling, 
             continue
         row = {**base, **row}
         if method == "ar":
-            ar[mode] = row["wall_s"]
+            ar[mode], ar_step_ms[mode] = row["wall_s"], row["step_ms"]
         rows.append(row)
     if ar:
         fastest = min(ar, key=ar.get)
@@ -442,7 +443,7 @@ def timing_rows(check: Check, models, shape: str, sampling_name: str, sampling, 
                 and "verify_width" in r]
         ratios = verify_cost_ratios(check, models, {r["verify_width"] for r in mine}, n, sampling)
         for row in mine:
-            finish_row(row, fastest, ar[fastest], ratios)
+            finish_row(row, fastest, ar[fastest], ratios, ar_step_ms[fastest])
     if sampling_name == "bundle":
         try:
             auto_row(check, models, base, classes, rows, ar, sampling)
@@ -496,7 +497,8 @@ def timing_row(check: Check, models, mode: str, method: str, sampling, classes: 
     return {"mode": mode, "backend": check.modes[mode].backend, "method": method, "wall_s": s["wall_seconds"],
             "tokens_per_forward": s["step_compression"], "prepare_s": prepare_s,
             "peak_memory_gib": result.profile["memory"]["peak_bytes"] / 2 ** 30,
-            "verify_width": pipe.spec(dcfg, n).verify_widths[0]}
+            "verify_width": pipe.spec(dcfg, n).verify_widths[0],
+            "step_ms": 1000 * s["wall_seconds"] * n / max(s["verify_steps"], 1)}  # the images step together
 
 
 def verify_cost_ratios(check: Check, models, widths: set[int], n: int, sampling) -> dict[int, float]:
@@ -514,12 +516,16 @@ def verify_cost_ratios(check: Check, models, widths: set[int], n: int, sampling)
     return {w: median[w] / median[1] for w in widths}
 
 
-def finish_row(row: dict, fastest: str, fastest_s: float, ratios: dict[int, float]) -> None:
+def finish_row(row: dict, fastest: str, fastest_s: float, ratios: dict[int, float], ar_step_ms: float) -> None:
+    """The row against the fastest AR of its group: speed-up, ceiling, and where a step's time goes: its target
+    forward (the verify cost ratio times the fastest AR's step) and the rest (drafting, sampling, acceptance)."""
     ratio = ratios.get(row["verify_width"])
     ceiling = row["tokens_per_forward"] / ratio if ratio else None
     speedup = fastest_s / row["wall_s"]
+    forward_ms = ratio * ar_step_ms if ratio else None
     row.update(fastest_ar=fastest, speedup_vs_fastest_ar=speedup, verify_cost_ratio=ratio, ceiling=ceiling,
-               of_ceiling=speedup / ceiling if ceiling else None)
+               of_ceiling=speedup / ceiling if ceiling else None, forward_ms=forward_ms,
+               beyond_forward_ms=row["step_ms"] - forward_ms if ratio else None)
 
 
 def auto_row(check: Check, models, base: dict, classes: list, rows: list, ar: dict, sampling) -> None:
@@ -682,7 +688,8 @@ def summary_lines(record: dict) -> list[str]:
         lines.append(f"{r['shape']} {r['sampling']} B={r['images']} {r['method']:<16} {r['mode']:<6} "
                      f"{r['wall_s']:.3f} s  x{fmt(r.get('speedup_vs_fastest_ar'))} vs {r.get('fastest_ar')} AR  "
                      f"tok/fwd {r['tokens_per_forward']:.2f}  ratio {fmt(r.get('verify_cost_ratio'))}  "
-                     f"ceiling {fmt(r.get('ceiling'))}  peak {r['peak_memory_gib']:.2f} GiB"
+                     f"ceiling {fmt(r.get('ceiling'))}  step {fmt(r.get('step_ms'))} ms "
+                     f"(beyond the forward {fmt(r.get('beyond_forward_ms'))})  peak {r['peak_memory_gib']:.2f} GiB"
                      + (f"  (commit {r['commit']})" if r.get("commit", commit) != commit else ""))
     if "serve" in s and "service" in s["serve"]:
         v = s["serve"]

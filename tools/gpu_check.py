@@ -206,7 +206,23 @@ def environment(check: Check) -> dict:
                              text=True).stdout.strip() if smi else None)
     props = torch.cuda.get_device_properties(0)
     return {**env, "device": torch.cuda.get_device_name(), "driver": driver, "cuda": torch.version.cuda,
-            "gpu_memory_gib": props.total_memory / 2 ** 30, "multiprocessors": props.multi_processor_count}
+            "gpu_memory_gib": props.total_memory / 2 ** 30, "multiprocessors": props.multi_processor_count,
+            "backends": backends_here()}
+
+
+def backends_here() -> dict[str, str]:
+    """Every registered backend: "available", or "unavailable: why" (onnx-cuda needs onnxruntime-gpu, which an
+    image with plain onnxruntime lacks; the check runs none it cannot)."""
+    from lantern.backends.registry import backend_class, registered
+    here = {}
+    for name in sorted(registered()):
+        try:
+            a = backend_class(name).availability()
+        except Exception as e:  # noqa: BLE001  a backend whose SDK breaks on import is a finding, not a crash
+            here[name] = f"unavailable: {type(e).__name__}: {e}"
+            continue
+        here[name] = "available" if a.ok else f"unavailable: {a.reason}"
+    return here
 
 
 # ---- conformance ----------------------------------------------------------------------------------------------
@@ -222,10 +238,15 @@ def conformance(check: Check) -> dict:
             check.skip(f"conformance {name}", "budget")
             continue
         options = {k: v for k, v in m.options.items() if k != "fused_step"}
-        report = check_backend(m.backend, dtypes=dtypes, **options).to_dict()
-        out[name] = {"passed": report["passed"], "failures": [c for c in report["checks"] if c["status"] == "fail"],
-                     "checks": len(report["checks"])}
+        out[name] = conformance_result(check_backend(m.backend, dtypes=dtypes, **options))
+    if not check.quick and backends_here()["onnx-cuda"] == "available" and check.budget.allows(60):
+        out["onnx-cuda fp32"] = conformance_result(check_backend("onnx-cuda", dtypes=["fp32"]))  # exports: a minute
     return out
+
+
+def conformance_result(report) -> dict:
+    checks = report.to_dict()["checks"]
+    return {"passed": report.passed, "failures": [c for c in checks if c["status"] == "fail"], "checks": len(checks)}
 
 
 # ---- parity ---------------------------------------------------------------------------------------------------
@@ -670,6 +691,8 @@ def summary_lines(record: dict) -> list[str]:
     """The short table: one line per check, one per timing row."""
     s = {k: v for k, v in record["sections"].items() if not (isinstance(v, dict) and "error" in v)}
     lines = [f"{k}: ERROR {v['error']}" for k, v in record["sections"].items() if isinstance(v, dict) and "error" in v]
+    lines += [f"backend {name}: {state}" for name, state in s.get("env", {}).get("backends", {}).items()
+              if name.startswith("onnx")]
     for name, r in s.get("conformance", {}).items():
         lines.append(f"conformance {name}: {'pass' if r['passed'] else 'FAIL ' + str(r['failures'][:2])}")
     for method, by_mode in s.get("parity", {}).get("methods", {}).items():

@@ -465,6 +465,9 @@ def timing_rows(check: Check, models, shape: str, sampling_name: str, sampling, 
         ratios = verify_cost_ratios(check, models, {r["verify_width"] for r in mine}, n, sampling)
         for row in mine:
             finish_row(row, fastest, ar[fastest], ratios, ar_step_ms[fastest])
+        check.save()  # the group's timings first: a profile that breaks the device must not cost them
+        if n == 1 and sampling_name == "bundle" and check.args.step_profiles:
+            profile_fused_rows(check, models, sampling, classes, [r for r in mine if r["mode"] == "fused"])
     if sampling_name == "bundle":
         try:
             auto_row(check, models, base, classes, rows, ar, sampling)
@@ -520,6 +523,39 @@ def timing_row(check: Check, models, mode: str, method: str, sampling, classes: 
             "peak_memory_gib": result.profile["memory"]["peak_bytes"] / 2 ** 30,
             "verify_width": pipe.spec(dcfg, n).verify_widths[0],
             "step_ms": 1000 * s["wall_seconds"] * n / max(s["verify_steps"], 1)}  # the images step together
+
+
+def profile_fused_rows(check: Check, models, sampling, classes: list, rows: list[dict]) -> None:
+    for row in rows:
+        what = f"step profile {row['shape']} B={row['images']} {row['method']}"
+        if not check.budget.allows(10):
+            check.skip(what, "budget")
+            continue
+        try:
+            row["step_profile"] = step_profile(check, check.pipe("fused", models, check.args.dtype),
+                                               method_config(check, row["method"], sampling), classes)
+        except Exception as e:  # noqa: BLE001  the row's timing stands without its profile
+            check.error(what, e)
+
+
+def step_profile(check: Check, pipe, dcfg, classes: list, tokens: int = 32) -> dict:
+    """Where one engine step's time goes, from torch.profiler over a short generation on the prepared runner: the
+    device's kernels per step (inside the recorded graph), their busy time against the step's wall time (the rest
+    is the gaps between kernels), and the costliest kernels. --quick: the host's ops instead."""
+    from torch.profiler import ProfilerActivity, profile
+    activity = ProfilerActivity.CPU if check.quick else ProfilerActivity.CUDA
+    with profile(activities=[activity]) as prof:
+        result = pipe.generate(classes, dcfg, seed=0, batch=len(classes), tokens=tokens)
+    s = result.stats.summary()
+    steps = max(s["verify_steps"] // len(classes), 1)
+    kind = "cpu" if check.quick else "cuda"
+    events = [(e.key, e.count, getattr(e, f"self_{'cpu' if check.quick else 'device'}_time_total"))
+              for e in prof.key_averages() if str(e.device_type).lower().endswith(kind)]
+    events = [e for e in events if e[2] > 0]
+    top = sorted(events, key=lambda e: -e[2])[:8]
+    return {"steps": steps, "wall_ms": 1000 * s["wall_seconds"] / steps,
+            "busy_ms": sum(e[2] for e in events) / 1000 / steps, "kernels": sum(e[1] for e in events) / steps,
+            "top": [{"name": name[:90], "per_step": count / steps, "ms": us / 1000 / steps} for name, count, us in top]}
 
 
 def verify_cost_ratios(check: Check, models, widths: set[int], n: int, sampling) -> dict[int, float]:
@@ -714,6 +750,12 @@ def summary_lines(record: dict) -> list[str]:
                      f"ceiling {fmt(r.get('ceiling'))}  step {fmt(r.get('step_ms'))} ms "
                      f"(beyond the forward {fmt(r.get('beyond_forward_ms'))})  peak {r['peak_memory_gib']:.2f} GiB"
                      + (f"  (commit {r['commit']})" if r.get("commit", commit) != commit else ""))
+    for r in s.get("timing", {}).get("rows", []):
+        p = r.get("step_profile")
+        if p:
+            lines.append(f"  profile {r['method']}: {p['kernels']:.0f} kernels/step, busy {p['busy_ms']:.3f} of "
+                         f"{p['wall_ms']:.3f} ms; top: " + ", ".join(f"{t['name'][:40]} {t['ms']:.3f} ms"
+                                                                    for t in p["top"][:3]))
     if "serve" in s and "service" in s["serve"]:
         v = s["serve"]
         lines.append(f"serve {v['clients']} clients {v['seconds']:.0f} s: {v['service']['images_per_s']:.2f} "
@@ -811,6 +853,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--model", help="the bundle `lantern serve` and `lantern generate` load (default: the embedded "
                                     "model)")
     ap.add_argument("--out", help="output stem (default results/gpu-<device>; --quick: a temporary folder)")
+    ap.add_argument("--no-step-profiles", dest="step_profiles", action="store_false",
+                    help="skip the profile of each fused method's step (one image, the bundle's sampling)")
     ap.add_argument("--resume", action="store_true",
                     help="keep what the results file at the output stem finished: sections of this commit, and "
                          "whole timing groups (their rows name their commit); run the rest")

@@ -197,6 +197,7 @@ def environment(check: Check) -> dict:
     prov = provenance()
     # the caller's LANTERN_COMMIT names what it sent: a lease's copy has no .git, or a stale one
     commit = os.environ.get("LANTERN_COMMIT") or prov["commit"] or "unknown"
+    check.record["provenance"] = {**prov, "commit": commit, "missing": [k for k in prov["missing"] if k != "commit"]}
     env = {"command": prov["command"], "commit": commit, "machine": prov["machine"], "torch": torch.__version__,
            "python": sys.version.split()[0], "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     if check.quick:

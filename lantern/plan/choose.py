@@ -28,6 +28,7 @@ from lantern.decoding.sampling import SamplingConfig
 from lantern.engine import run_batch
 from lantern.plan import calibration, acceptance_records as records
 from lantern.plan.candidates import AR, Plan, candidate_plans
+from lantern.plan.cost_model import predict_seconds
 from lantern.plan.validated import allowed_relaxations
 from lantern.files.user_cache import usable_root
 
@@ -145,11 +146,6 @@ def choosable(row: dict) -> bool:
     """Whether a candidate's prediction may choose it: not a lower bound (a plan too slow to be worth timing) and
     not unconfirmed (timed fewer than calibration.CONFIRMED times, which a noisy machine can flatter by 2x)."""
     return not row.get("lower_bound") and not row.get("unconfirmed")
-
-
-def predict_seconds(width: int, fixed_s: float, step_s: float, images: list[list[float]]) -> float:
-    """images: each requested image's steps (equally likely values), in request order: chunks of `width`."""
-    return sum(fixed_s + records.expected_max(images[i:i + width]) * step_s for i in range(0, len(images), width))
 
 
 def allowed_relaxation(allow_relaxed: bool, validated: dict, sampling: SamplingConfig,

@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
-from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from lantern.backends.registry import ENV_VAR, backend_class, get_backend, registered, resolve_name

@@ -47,6 +47,7 @@ from lantern.backends.environment import cpu_model
 from lantern.decoding.sampling import SamplingConfig
 from lantern.engine import run_batch
 from lantern.engine.fused import WARM_CALLS
+from lantern.models.family import neutral_conditions
 from lantern.plan.candidates import AR, Plan
 from lantern.plan.cost_model import bracket, dearest_no_wider, interpolate
 from lantern.files.user_cache import (cache_root, entry_folder, entry_lock, field_problem, is_number, read_entry,
@@ -235,7 +236,7 @@ def cached_or_measured(key: dict, width: int, names: Sequence[str], measure: Cal
 
 def conditions(config, n: int, prompts: torch.Tensor | None = None) -> torch.Tensor | list[int]:
     """n conditions to time or record with: classes 0, 1, ... (c2i), the request's prompt rows `prompts` (P, ...)
-    repeated in turn (a model-family target, whose conditions are token rows), or zero caption embeddings (t2i)."""
+    repeated in turn (a model-family target, whose conditions are token rows), or neutral captions (t2i)."""
     if config.model_type == "c2i":
         return [i % config.num_classes for i in range(n)]
     if config.model_type == "prompt":
@@ -243,7 +244,7 @@ def conditions(config, n: int, prompts: torch.Tensor | None = None) -> torch.Ten
             raise ValueError("a prompt-conditioned target is timed and recorded on the request's prompt rows; "
                              "none were given")
         return prompts[torch.arange(n) % prompts.shape[0]]
-    return torch.zeros(n, config.cls_token_num, config.caption_dim)
+    return neutral_conditions(config, n)
 
 
 def _short_run(pipe, dcfg, width: int, tokens: int, attended: float = 0.5,

@@ -1,14 +1,8 @@
-"""What a decode step and a generation cost: the one model under `--method auto` (lantern.plan.choose, from
-each plan's measured step) and `lantern profile tune` (lantern.profile.tune, from step curves over the width).
-
-- A wider step never costs less: a curve is read as its running maximum (`dearest_no_wider`), and calibration
-  floors a plan it never timed at the dearest narrower plan (lantern.plan.calibration).
-- Between measured widths a cost is linear, extended linearly past both ends and never below 0 (`interpolate`):
-  verify widths N, drafting widths W, and batch widths (calibration.at_width).
-- A static tree of N nodes, depth D and widest drafting level W costs verify(N) + draft(D + 1) + (D - 1) * draft(W)
-  + host_a + host_b * N per step (`CostModel`).
-- n images decoded `width` at a time cost, per chunk, fixed_s + E[max over its images of steps] * step_s
-  (`predict_seconds`).
+"""What a decode step and a generation cost: the one model under `--method auto` (lantern.plan.choose, from each
+plan's measured step) and `lantern profile tune` (lantern.profile.tune, from step curves over the width). A wider
+step never costs less (`dearest_no_wider`); between measured widths (verify N, drafting W, batch) a cost is linear
+(`interpolate`); a static tree's step is its verify, its drafting and the host's work (`CostModel`); a request's
+seconds are per chunk a fixed cost plus its slowest image's steps (`predict_seconds`).
 """
 from __future__ import annotations
 

@@ -117,16 +117,12 @@ def prune(paths: Paths, acc: AcceptanceRates, cost: CostModel) -> Paths:
 
 
 # -- from a results file -------------------------------------------------------------------------------------
-def step_curves(data: dict, batch: int) -> tuple[dict, dict]:
-    """{N: median seconds} of verify and {W: median seconds} of drafter steps at `batch` images."""
-    return tuple({size: lat["median_s"] for size, lat in step_latencies(data, kind, batch).items()}
-                 for kind in ("verify", "draft"))
-
-
 def cost_model(data: dict, batch: int) -> tuple[CostModel, list[dict]]:
-    """Curves at `batch` images plus host overhead fitted on the static-tree generations at that batch size (the
-    residual of each one's measured step time over the curves' prediction)."""
-    verify, draft = step_curves(data, batch)
+    """The curves at `batch` images ({N: median seconds} of verify, {W: median seconds} of drafter steps) plus host
+    overhead fitted on the static-tree generations at that batch size (the residual of each one's measured step
+    time over the curves' prediction)."""
+    verify, draft = ({size: lat["median_s"] for size, lat in step_latencies(data, kind, batch).items()}
+                     for kind in ("verify", "draft"))
     bare = CostModel.from_curves(verify, draft)
     points, used = [], []
     for cid, c in generations(data, batch).items():
@@ -157,11 +153,6 @@ def ar_seconds_per_token(data: dict, batch: int) -> Optional[float]:
     return sum(r["wall"]["samples_s"]) / (tokens_per_image * r["wall"]["repeats"])
 
 
-def tunable_batches(data: dict) -> list[int]:
-    """The batch sizes with both a verify and a drafter curve."""
-    return sorted(set(batch_sizes(data, "verify")) & set(batch_sizes(data, "draft")))
-
-
 def tune_batch(data: dict, batch: int, acc: AcceptanceRates, presets: dict, max_nodes: Optional[int] = None) -> dict:
     """The tree chosen for `batch` images per step and, under the same model, every preset (for comparison).
     Speed-ups are per image against AR at the same batch size. The model counts tau tokens per image and step;
@@ -181,7 +172,7 @@ def tune_batch(data: dict, batch: int, acc: AcceptanceRates, presets: dict, max_
 def tune_results(data: dict, presets: dict, max_nodes: Optional[int] = None) -> dict:
     """One tree per batch size with measured curves (the acceptance rates are the batch-1 probe's)."""
     acc = acceptance_model(data)
-    batches = tunable_batches(data)
+    batches = sorted(set(batch_sizes(data, "verify")) & set(batch_sizes(data, "draft")))  # with both curves
     if not batches:
         raise ValueError("tuning needs a measured verify curve and drafter curve at some batch size (run `lantern "
                          "profile run`)")

@@ -32,6 +32,7 @@ from torch import nn
 from lantern.backends.base import parse_dtype
 from lantern.models.kv_cache import slot_rows
 from lantern.models.checkpoint import model_hash
+from lantern.models.family import neutral_conditions
 from lantern.models.placement import placed_copy
 from lantern.files import atomic_io
 from lantern.files.reading import UnreadableFile, read_json_object
@@ -198,8 +199,8 @@ def _example(key: GraphKey, target, drafter, dtype: torch.dtype):
     tokens = torch.zeros(b, t, dtype=torch.long)
     if key.kind == "prefill":
         p = cfg.cls_token_num
-        cond = (torch.zeros(b, dtype=torch.long) if cfg.model_type == "c2i"
-                else torch.zeros(b, p, cfg.caption_dim, dtype=dtype))
+        cond = neutral_conditions(cfg, b)
+        cond = cond.to(dtype) if cond.is_floating_point() else cond  # a caption in the export's dtype
         pmask = (torch.arange(s)[None, None, :] <= torch.arange(p)[None, :, None]).expand(b, p, s).contiguous()
         return (PrefillGraph(target, b, s), (cond, pmask, *kv), ["cond", "mask", *kv_names],
                 ["logits", "hidden", *kv_out], None)

@@ -154,17 +154,6 @@ def per_image_steps(steps: Sequence[int], conds: Optional[Sequence], wanted: Seq
     return out
 
 
-def chunk_steps(record: Optional[dict], width: int) -> dict[str, float]:
-    """expected_max of every plan in a record: the loop steps of a chunk of `width` images drawn from all its
-    images."""
-    return {name: expected_max([e["steps"]] * width) for name, e in (record or {}).get("plans", {}).items()}
-
-
-def attended_fractions(record: Optional[dict], width: int) -> dict[str, float]:
-    """attended_fraction of every plan in a record, for chunks of `width` images drawn from all its images."""
-    return {name: attended_fraction([e["steps"]] * width) for name, e in (record or {}).get("plans", {}).items()}
-
-
 def measure_record(generate: Callable[[Plan], object], plans: Sequence[Plan], record: dict,
                    classes: Optional[list[int]] = None, progress: bool = True) -> dict:
     """Fill `record` with every plan it lacks or holds stale. generate(plan) -> a run of whole images with their
@@ -212,3 +201,11 @@ def attended_fraction(images: Sequence[Sequence[float]]) -> float:
     all of it (a done image pads at full length): 1 - E[min] / (2 E[max]). One image, or images in lockstep
     (AR): 1/2, the middle."""
     return 1.0 - expected_min(images) / (2.0 * expected_max(images))
+
+
+def chunk_timing(images: dict[str, Sequence[Sequence[float]]]) -> tuple[dict[str, float], dict[str, float]]:
+    """What calibration.measure_width sizes and times each plan's runs by, from the steps of a chunk's images
+    (plan name -> each image's steps): the chunk's loop steps (expected_max) and the fraction of an image its
+    steps attend (attended_fraction)."""
+    return ({name: expected_max(v) for name, v in images.items()},
+            {name: attended_fraction(v) for name, v in images.items()})

@@ -55,7 +55,7 @@ def verify_latency(backend: Backend, target, spec: StaticSpec, warmup: int, repe
     n = spec.verify_widths[0]
     inputs = dummy_step_inputs(spec, n, runner.device)
     latency = _time_calls(runner, "verify", lambda: runner.verify(*inputs), warmup, repeats)
-    return {"latency": latency, "warmup_s": runner.warmup_seconds, "memory": _memory(runner)}
+    return {"latency": latency, "warmup_s": runner.warmup_seconds, "memory": runner.memory().to_dict()}
 
 
 def draft_latency(backend: Backend, target, drafter, spec: StaticSpec, warmup: int, repeats: int) -> dict:
@@ -67,12 +67,7 @@ def draft_latency(backend: Backend, target, drafter, spec: StaticSpec, warmup: i
     features = torch.zeros(spec.batch, w, target.config.dim, device=runner.device, dtype=parse_dtype(spec.dtype))
     latency = _time_calls(runner, "draft", lambda: runner.draft(tokens, features, positions, slots, mask),
                           warmup, repeats)
-    return {"latency": latency, "warmup_s": runner.warmup_seconds, "memory": _memory(runner)}
-
-
-def _memory(runner) -> dict:
-    """The runner's true peak since it was prepared (warm-up and the timed calls) and its parts."""
-    return runner.memory().to_dict()
+    return {"latency": latency, "warmup_s": runner.warmup_seconds, "memory": runner.memory().to_dict()}
 
 
 def generation(pipe, dcfg: DecodeConfig, conditions: list, seed: int, warmup: int, repeats: int) -> dict:

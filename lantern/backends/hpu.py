@@ -48,13 +48,9 @@ def bridge_installed() -> bool:
 
 def gaudi_devices() -> list[str]:
     """Names of the Gaudi devices the habanalabs driver registered, from sysfs."""
-    found = []
-    for folder, pattern in SYSFS_DEVICES:
-        for dev in sorted(folder.glob("*")) if folder.is_dir() else []:
-            driver = dev / "device" / "driver"
-            if pattern.fullmatch(dev.name) and driver.exists() and driver.resolve().name == "habanalabs":
-                found.append(dev.name)
-    return found
+    return [dev.name for folder, pattern in SYSFS_DEVICES if folder.is_dir() for dev in sorted(folder.glob("*"))
+            if pattern.fullmatch(dev.name) and (driver := dev / "device" / "driver").exists()
+            and driver.resolve().name == "habanalabs"]
 
 
 def import_bridge(gaudi_config: Optional[GaudiSettings]) -> tuple[ModuleType, ModuleType]:

@@ -45,20 +45,16 @@ KINDS = ("prefill", "verify", "draft", "commit")
 GRAPH, MANIFEST = "model.onnx", "manifest.json"  # the files of one graph's folder
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ[CACHE_ENV]) if os.environ.get(CACHE_ENV) else cache_root() / "onnx"
-
-
 def usable_cache_dir(cache_dir: Optional[Path] = None) -> Path:
     """The graph cache (`cache_dir`, else $LANTERN_ONNX_CACHE, else the user cache's onnx/), created and checked
     writable (CacheUnusable naming where it comes from), with the temporaries of killed exports removed."""
     if cache_dir is not None:
-        source = "the cache_dir argument"
+        folder, source = Path(cache_dir), "the cache_dir argument"
     elif os.environ.get(CACHE_ENV):
-        source = CACHE_ENV
+        folder, source = Path(os.environ[CACHE_ENV]), CACHE_ENV
     else:
-        source = cache_source()
-    folder = check_location(Path(cache_dir) if cache_dir is not None else default_cache_dir(), source)
+        folder, source = cache_root() / "onnx", cache_source()
+    folder = check_location(folder, source)
     atomic_io.remove_stale(folder)
     return folder
 

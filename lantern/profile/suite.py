@@ -214,9 +214,8 @@ class Suite:
             if was != now_:
                 raise ValueError(f"{self.out} was measured with another {what} ({was!r}, now {now_!r}); pass "
                                  f"--fresh to start over or --out to write elsewhere")
-        old["environment"] = fresh["environment"]
-        old["provenance"] = fresh["provenance"]
-        old["profile"] = fresh["profile"]  # same settings; names and tuned tree may have changed
+        # this machine's environment and provenance; the same settings, whose names and tuned tree may have changed
+        old.update({key: fresh[key] for key in ("environment", "provenance", "profile")})
         return old
 
     def setup_backend(self) -> dict:

@@ -51,9 +51,7 @@ def check_model(config: ServeConfig) -> None:
 
 def load_model(config: ServeConfig):
     """The served model: a lantern.bundle.Bundle, or a FamilyModel for a family folder."""
-    if is_family_folder(config.model):
-        return FamilyModel.load(config)
-    return load_bundle(config.model)
+    return FamilyModel.load(config) if is_family_folder(config.model) else load_bundle(config.model)
 
 
 class FamilyModel:

@@ -98,9 +98,7 @@ def load_record(model: str, sampling: SamplingConfig, dtype: str, shipped: Optio
 
 def decode_settings(plan: Plan, sampling: SamplingConfig) -> dict:
     """What an entry of the plan was measured with: its decode config without the sampling (the record's key)."""
-    settings = plan.decode(sampling).to_dict()
-    del settings["sampling"]
-    return settings
+    return {key: value for key, value in plan.decode(sampling).to_dict().items() if key != "sampling"}
 
 
 def current(record: dict, plan: Plan) -> bool:
@@ -162,8 +160,7 @@ def measure_record(generate: Callable[[Plan], object], plans: Sequence[Plan], re
     sampling = SamplingConfig(**record["sampling"])
     todo = [p for p in plans if p != AR and not current(record, p)]
     for plan in tqdm(todo, desc="acceptance record", unit="plan", file=sys.stderr, disable=not progress or not todo):
-        result = generate(plan)
-        s = result.stats
+        s = generate(plan).stats
         record["plans"][plan.name] = {"steps": [img.target_forwards - 1 for img in s.images],
                                       "conditions": classes,
                                       "tau": s.mean_accepted_length, "step_compression": s.step_compression,

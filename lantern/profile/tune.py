@@ -7,6 +7,7 @@ leaves that do not pay for themselves (docs/profiles.md, "How `tune` chooses").
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -34,10 +35,7 @@ class AcceptanceRates:
         return self.rates[depth - 1][rank]
 
     def path_probability(self, path: Sequence[int]) -> float:
-        prob = 1.0
-        for d, j in enumerate(path, start=1):
-            prob *= self.rate(d, j)
-        return prob
+        return math.prod(self.rate(d, j) for d, j in enumerate(path, start=1))
 
 
 def evaluate(paths: Paths, acc: AcceptanceRates, cost: CostModel) -> dict:

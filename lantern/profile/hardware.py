@@ -182,11 +182,7 @@ def search_dirs() -> list[Path]:
 
 
 def profile_names() -> list[str]:
-    names = set()
-    for d in search_dirs():
-        if d.is_dir():
-            names.update(p.stem for p in d.glob("*.toml"))
-    return sorted(names)
+    return sorted({p.stem for d in search_dirs() if d.is_dir() for p in d.glob("*.toml")})
 
 
 def find_profile(spec: str) -> Path:

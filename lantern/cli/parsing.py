@@ -77,11 +77,16 @@ def stopped_by_signals():
         return
     names = {signal.SIGINT: "interrupted (Ctrl-C)", signal.SIGTERM: "terminated (SIGTERM)"}
 
+    received = []
+
     def stop(signum, frame):
+        received.append(signum)
         raise Stopped(f"{names[signum]}; stopped, nothing half-written", 128 + signum)
     previous = {sig: signal.signal(sig, stop) for sig in names}
     try:
         yield
+        if received:  # a library caught the Stopped the signal raised (a bare except): the command still stops
+            raise Stopped(f"{names[received[0]]}; stopped, nothing half-written", 128 + received[0])
     except KeyboardInterrupt:  # a SIGINT delivered before the handler was installed, or re-raised by a library
         raise Stopped(f"{names[signal.SIGINT]}; stopped, nothing half-written", 128 + signal.SIGINT) from None
     finally:

@@ -25,13 +25,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from lantern.files import atomic_io
 from lantern.api import Pipeline
+from lantern.backends.environment import provenance
 from lantern.bundle import DEFAULT_BUNDLE, load_bundle, weights_hash
 from lantern.decoding import SamplingConfig, method_preset
+from lantern.embedded.quality_gate import (MIN_AR_SEEDS, PARTITIONS, Z, Reference, failed_checks, gate,
+                                           heldout_features, measure, sample, score, token_tv_bound)
+from lantern.files import atomic_io
 from lantern.plan.validated import RELAXED_METHODS, bound_problems, same_sampling, sampling_record
-from lantern.embedded.quality_gate import (Measure, Reference, failed_checks, gate, heldout_features, measure, sample,
-                                  token_tv_bound)
 from results_io import utc_now, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,6 +44,7 @@ GRID = [  # (label, method, overrides): the cheapest method first
     *[(f"lantern k=64 delta={d}", "lantern", dict(k=64, delta=d, form="bounded")) for d in (0.1, 0.2, 0.4)],
 ]
 SHOWN = 10  # images per run in the image grid: one per class
+CANDIDATE_SEED = 1000  # every row's seed: none of AR's (0, 1, ...), so no row shares a draw with its reference
 
 
 def setting_name(sampling: SamplingConfig, vocab: int) -> str:
@@ -53,8 +55,8 @@ def setting_name(sampling: SamplingConfig, vocab: int) -> str:
     return name + (f"-temp{sampling.temperature:g}" if sampling.temperature != 1 else "")
 
 
-def run(pipe, bundle, dcfg, per_class: int, seed: int, batch: int, reference: np.ndarray):
-    """One run: (its measure, its figures, its first image of each class)."""
+def run(pipe, bundle, dcfg, per_class: int, seed: int, batch: int):
+    """One run: (its images scored, its figures but the gate's, its first image of each class)."""
     stats = []
 
     def generate(class_ids, s):
@@ -62,26 +64,45 @@ def run(pipe, bundle, dcfg, per_class: int, seed: int, batch: int, reference: np
         stats.append(res.stats)
         return res.tokens
 
-    codes, labels = sample(generate, range(bundle.target.config.num_classes), per_class, seed, chunk=batch)
-    m = measure(bundle, codes, labels, reference, seed=seed)
+    codes, labels = sample(generate, range(bundle.target.config.num_classes), per_class, seed)
+    scored = score(bundle, codes, labels)
     images = [i for s in stats for i in s.images]
     tv = [x for s in stats for x in s.token_tv]
     tokens, forwards = sum(i.tokens for i in images), sum(i.target_forwards for i in images)
     lengths = [x for i in images for x in i.accepted_lengths]
-    figures = {**m.to_dict(), "step_compression": tokens / forwards,
-               "tau": sum(lengths) / len(lengths) if lengths else 1.0,
+    figures = {"step_compression": tokens / forwards, "tau": sum(lengths) / len(lengths) if lengths else 1.0,
                "token_tv_mean": sum(tv) / len(tv) if tv else 0.0, "token_tv_max": max(tv, default=0.0)}
-    return m, figures, codes[::per_class][:SHOWN]
+    return scored, figures, codes[::per_class][:SHOWN]
+
+
+def ar_reference(pipe, bundle, sc: SamplingConfig, per_class: int, seeds: int, batch: int,
+                 heldout: np.ndarray) -> tuple[list[dict], dict]:
+    """AR over `seeds` seeds: each seed's figures and first images, and the gate's reference (its spread and
+    limits, plus each seed gated against a reference of the others where they are enough)."""
+    scored, ar_runs = [], []
+    for seed in tqdm(range(seeds), desc="AR seeds"):
+        runs, figures, first = run(pipe, bundle, method_preset("ar", sc), per_class, seed, batch)
+        scored.append(runs)
+        ar_runs.append({**measure(runs, heldout).to_dict(), **figures, "shown": first.tolist()})
+    ref = Reference.of(scored, heldout)
+    if seeds > MIN_AR_SEEDS:  # AR itself must pass: each seed against the others
+        for i, r in enumerate(ar_runs):
+            others = Reference.of(scored[:i] + scored[i + 1:], heldout)
+            verdict = gate(others, measure(scored[i], heldout))
+            r["gated_against_the_others"] = {"passed": verdict["passed"], "failed": failed_checks(verdict)}
+    return ar_runs, ref.to_dict()
 
 
 def reused_ar(path: Path, sampling: dict, per_class: int, seeds: int, target_hash: str):
-    """AR's runs from the results file at `path`, if it holds `seeds` of them at this sampling, image count and
-    target; else None."""
+    """AR's runs and reference from the results file at `path`, if it holds `seeds` of them at this sampling, image
+    count and target, gated as this gate does (same Z and partitions); else None."""
     if not path.exists():
         return None
     old = json.loads(path.read_text())
     same = (old.get("sampling"), old.get("per_class"), old.get("target_hash")) == (sampling, per_class, target_hash)
-    return old["ar"] if same and len(old.get("ar", [])) == seeds and "shown" in old["ar"][0] else None
+    spread = old.get("ar_spread", {})
+    same_gate = (spread.get("z"), spread.get("partitions"), spread.get("seeds")) == (Z, PARTITIONS, seeds)
+    return (old["ar"], spread) if same and same_gate else None
 
 
 def kept_rows(path: Path, rec: dict, rerun: list[str]) -> list[dict]:
@@ -90,7 +111,7 @@ def kept_rows(path: Path, rec: dict, rerun: list[str]) -> list[dict]:
     if not path.exists():
         return []
     old = json.loads(path.read_text())
-    same = all(old.get(k) == rec[k] for k in ("sampling", "per_class", "target_hash", "drafter_hash", "ar"))
+    same = all(old.get(k) == rec[k] for k in ("sampling", "per_class", "target_hash", "drafter_hash", "ar_spread"))
     return [r for r in old["rows"] if r["label"] not in rerun and r["label"] in {g[0] for g in GRID}] if same else []
 
 
@@ -137,9 +158,9 @@ def main() -> None:
     ap.add_argument("--top-p", type=float, help="default: the bundle's")
     ap.add_argument("--temperature", type=float, help="default: the bundle's")
     ap.add_argument("--cfg-scale", type=float, help="default: the bundle's")
-    ap.add_argument("--per-class", type=int, default=20, help="images per class per run")
-    ap.add_argument("--ar-seeds", type=int, default=3)
-    ap.add_argument("--batch", type=int, default=50, help="images per static step")
+    ap.add_argument("--per-class", type=int, default=10, help="images per class per run")
+    ap.add_argument("--ar-seeds", type=int, default=8, help="AR runs (seeds 0, 1, ...) the gate's limits come from")
+    ap.add_argument("--batch", type=int, default=100, help="images per static step")
     ap.add_argument("--only", nargs="*", metavar="LABEL",
                     help="run only these rows of the grid (default: all; none: AR alone), keeping the results file's "
                          "other rows gated against the same AR")
@@ -152,6 +173,8 @@ def main() -> None:
     unknown = set(args.only or ()) - {g[0] for g in GRID}
     if unknown:
         raise SystemExit(f"unknown grid rows {sorted(unknown)}; allowed: {[g[0] for g in GRID]}")
+    if args.ar_seeds >= CANDIDATE_SEED:
+        raise SystemExit(f"--ar-seeds {args.ar_seeds}: AR's seeds must stay below the rows' seed {CANDIDATE_SEED}")
     bundle = load_bundle()
     vocab = bundle.target.config.vocab_size
     given = {"top_k": args.top_k, "top_p": args.top_p, "temperature": args.temperature, "cfg_scale": args.cfg_scale}
@@ -159,34 +182,29 @@ def main() -> None:
     name = setting_name(sc, vocab)
     out = Path(args.out) if args.out else ROOT / "results" / f"frontier-{name}"
     pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend="cpu")
-    reference = heldout_features(bundle)
+    heldout = heldout_features(bundle)
     target_hash = weights_hash(bundle.target.state_dict())
-    ar_runs = reused_ar(out.with_suffix(".json"), sampling_record(sc), args.per_class, args.ar_seeds, target_hash) \
+    reused = reused_ar(out.with_suffix(".json"), sampling_record(sc), args.per_class, args.ar_seeds, target_hash) \
         if args.reuse_ar else None
-    if ar_runs is None:
-        ar_runs = []
-        for seed in tqdm(range(args.ar_seeds), desc="AR seeds"):
-            m, figures, first = run(pipe, bundle, method_preset("ar", sc), args.per_class, seed, args.batch,
-                                    reference)
-            ar_runs.append({**figures, "shown": first.tolist()})
-    ref = Reference(tuple(Measure(**{k: r[k] for k in ("class_accuracy", "frechet_distance", "n", "frechet_sd")})
-                          for r in ar_runs))
+    ar_runs, spread = reused or ar_reference(pipe, bundle, sc, args.per_class, args.ar_seeds, args.batch, heldout)
+    ref = Reference(spread)
     rows = []
     for label, method, overrides in tqdm([g for g in GRID if args.only is None or g[0] in args.only], desc="rows"):
         dcfg = method_preset(method, sc, **overrides)
         assert not bound_problems(dcfg, vocab), (label, bound_problems(dcfg, vocab))  # the grid bounds something
-        m, figures, first = run(pipe, bundle, dcfg, args.per_class, 0, args.batch, reference)
+        scored, figures, first = run(pipe, bundle, dcfg, args.per_class, CANDIDATE_SEED, args.batch)
+        m = measure(scored, heldout)
         verdict = gate(ref, m, figures["token_tv_mean"], token_tv_bound(dcfg.acceptance, dcfg.delta, dcfg.form))
         decode = {k: getattr(dcfg, k) for k in ("acceptance", "k", "delta", "lam", "form")
                   if k in ("k", "form") or k in overrides}
         rows.append({"label": label, "method": method, "overrides": overrides, "decode_overrides": decode,
-                     **figures, "gate": verdict, "failed": failed_checks(verdict), "shown": first.tolist()})
-    from lantern.backends.environment import provenance
+                     **m.to_dict(), **figures, "gate": verdict, "failed": failed_checks(verdict),
+                     "shown": first.tolist(), "provenance": provenance()})
     rec = {"date": utc_now(), "setting": name, "bundle": bundle.manifest.get("name"),
            "target_hash": target_hash,
            "drafter_hash": weights_hash(bundle.drafter.state_dict()) if bundle.drafter is not None else None,
-           "sampling": sampling_record(sc), "vocab": vocab, "per_class": args.per_class,
-           "ar": ar_runs, "ar_spread": ref.spread(), "z": ref.to_dict()["z"],
+           "sampling": sampling_record(sc), "vocab": vocab, "per_class": args.per_class, "row_seed": CANDIDATE_SEED,
+           "ar": ar_runs, "ar_spread": spread,
            "results": str(out.relative_to(ROOT)) if out.is_relative_to(ROOT) else str(out),
            "commit": provenance()["commit"]}
     if args.only is not None:  # read at the end, so rows of a run beside this one that finished meanwhile are kept too

@@ -161,6 +161,7 @@ def main() -> None:
     ap.add_argument("--per-class", type=int, default=10, help="images per class per run")
     ap.add_argument("--ar-seeds", type=int, default=8, help="AR runs (seeds 0, 1, ...) the gate's limits come from")
     ap.add_argument("--batch", type=int, default=100, help="images per static step")
+    ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's; 1 on a loaded machine)")
     ap.add_argument("--only", nargs="*", metavar="LABEL",
                     help="run only these rows of the grid (default: all; none: AR alone), keeping the results file's "
                          "other rows gated against the same AR")
@@ -175,6 +176,8 @@ def main() -> None:
         raise SystemExit(f"unknown grid rows {sorted(unknown)}; allowed: {[g[0] for g in GRID]}")
     if args.ar_seeds >= CANDIDATE_SEED:
         raise SystemExit(f"--ar-seeds {args.ar_seeds}: AR's seeds must stay below the rows' seed {CANDIDATE_SEED}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     bundle = load_bundle()
     vocab = bundle.target.config.vocab_size
     given = {"top_k": args.top_k, "top_p": args.top_p, "temperature": args.temperature, "cfg_scale": args.cfg_scale}
@@ -221,21 +224,27 @@ def main() -> None:
 
 def markdown(rec: dict) -> str:
     s = rec["ar_spread"]
+    acc, fd = s["accuracy_per_seed"], s["frechet_per_seed"]
     lines = [f"Embedded model (vocabulary {rec['vocab']}), torch eager cpu fp32, sampling {rec['sampling']}; "
              f"{s['images_per_run']} images per run; {rec['date']}.",
              "",
-             f"AR over {s['seeds']} seeds: class accuracy {s['accuracy_min']:.3f}-{s['accuracy_max']:.3f} (mean "
-             f"{s['accuracy_mean']:.3f}, sd {s['accuracy_sd']:.3f}; one run's binomial sd "
-             f"{s['accuracy_binomial_sd']:.3f}), Frechet distance {s['frechet_min']:.2f}-{s['frechet_max']:.2f} "
-             f"(mean {s['frechet_mean']:.2f}, sd {s['frechet_sd']:.2f}; one run's bootstrap sd "
-             f"{s['frechet_bootstrap_sd']:.2f}). Gate (lantern.embedded.quality_gate, Z = {rec['z']:g}): class accuracy >= "
-             f"{s['accuracy_limit']:.3f}, Frechet distance <= {s['frechet_limit']:.2f}, mean recorded token TV <= "
-             f"the setting's bound (delta, at most 0.4).",
+             f"AR over {s['seeds']} seeds (0-{s['seeds'] - 1}; every row runs at seed {rec['row_seed']}): class "
+             f"accuracy {min(acc):.3f}-{max(acc):.3f} (seed-to-seed sd {s['accuracy_seed_sd']:.3f}; pooled "
+             f"{s['accuracy_mean']:.3f}, one run's binomial sd {s['accuracy_sd']:.3f}), Frechet distance "
+             f"{min(fd):.2f}-{max(fd):.2f} (seed-to-seed sd {s['frechet_seed_sd']:.2f}; over {s['partitions']} random "
+             f"splits of AR's {s['seeds'] * s['images_per_run']} images into runs of {s['images_per_run']}: mean "
+             f"{s['frechet_mean']:.2f}, sd {s['frechet_sd']:.2f}). Gate (lantern.embedded.quality_gate, Z = "
+             f"{s['z']:g}, the mean's own error included: {s['margin_sds']:.2f} sd): class accuracy >= "
+             f"{s['accuracy_limit']:.3f}, Frechet distance <= {s['frechet_limit']:.2f}, mean recorded token TV <= the "
+             f"setting's bound (delta, at most 0.4).",
              "", "| run | step compression | tau | class acc. | Frechet dist. | mean token TV | max token TV | gate |",
              "|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(rec["ar"]):
+        own = r.get("gated_against_the_others")
+        check = "" if own is None else "; against the other seeds: " + (
+            "pass" if own["passed"] else "FAIL: " + "; ".join(own["failed"]))
         lines.append(f"| AR seed {i} | 1.00 | 1.00 | {r['class_accuracy']:.3f} | {r['frechet_distance']:.2f} | 0 | "
-                     f"0 | (reference) |")
+                     f"0 | (reference{check}) |")
     for r in rec["rows"]:
         verdict = "pass" if r["gate"]["passed"] else "FAIL: " + "; ".join(r["failed"])
         lines.append(f"| {r['label']} | {r['step_compression']:.2f} | {r['tau']:.2f} | {r['class_accuracy']:.3f} | "
@@ -246,6 +255,12 @@ def markdown(rec: dict) -> str:
     missing = [m for m in RELAXED_METHODS if m not in rec["chosen"]]
     if missing:
         lines.append(f"- {', '.join(missing)}: none passed (or none run): lossless at this setting")
+    runs = {}
+    for r in rec["rows"]:
+        runs.setdefault((r["provenance"]["commit"], r["provenance"]["command"]), []).append(r["label"])
+    if runs:
+        lines += ["", "Rows run by:", ""] + [f"- `{command}` (commit {commit}): {', '.join(labels)}"
+                                             for (commit, command), labels in runs.items()]
     return "\n".join(lines) + "\n"
 
 

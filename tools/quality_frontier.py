@@ -36,11 +36,11 @@ from lantern.plan.validated import RELAXED_METHODS, bound_problems, same_samplin
 from results_io import utc_now, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
-GRID = [  # (label, method, overrides): the cheapest method first
+GRID = [  # (label, method, overrides): the cheapest method first; delta and lambda around the papers' values
     *[(f"mc-sjd-relaxed lantern k=64 delta={d}", "mc-sjd-relaxed",
        dict(window=16, acceptance="lantern", k=64, delta=d, form="bounded")) for d in (0.1, 0.2, 0.4)],
     ("mc-sjd-relaxed lantern++ k=10 lam=2.0", "mc-sjd-relaxed", dict(window=16, k=10, lam=2.0, form="bounded")),
-    *[(f"lantern++ k=10 lam={lam}", "lantern++", dict(k=10, lam=lam, form="bounded")) for lam in (2.0, 3.0)],
+    *[(f"lantern++ k=10 lam={lam}", "lantern++", dict(k=10, lam=lam, form="bounded")) for lam in (1.5, 2.0, 3.0)],
     *[(f"lantern k=64 delta={d}", "lantern", dict(k=64, delta=d, form="bounded")) for d in (0.1, 0.2, 0.4)],
 ]
 SHOWN = 10  # images per run in the image grid: one per class

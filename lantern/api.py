@@ -7,7 +7,7 @@ import numbers
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Optional, Sequence
 
@@ -23,12 +23,13 @@ from lantern.decoding.acceptance import Acceptance
 from lantern.decoding.memory import PeakPrediction, predict_peak, refusal
 from lantern.decoding.sampling import SamplingConfig
 from lantern.decoding.stats import GenerationStats
-from lantern.engine import Engine, Request, derive_seed
+from lantern.engine import run_batch
 from lantern.engine.step import acceptance_rule, static_spec
 from lantern.models.checkpoint import model_hash, weights_hash
 from lantern.models.drafter import prefix_pairs
 from lantern.models.text import check_encoder_fits
-from lantern.plan.choose import MIN_SPEEDUP, choose
+from lantern.plan.backend_choice import pinned_backend, plan_request
+from lantern.plan.choose import Choice
 
 
 @dataclass
@@ -42,7 +43,7 @@ class GenerationResult:
     decode: DecodeConfig
     seed: int
     profile: dict = field(default_factory=dict)  # the runner's profile record (phases, memory, warm-up)
-    plan: Optional[object] = None  # with "auto": the lantern.plan.choose.Choice it ran
+    plan: Optional[Choice] = None  # with "auto": what auto chose and ran (its pipeline, mode and plan)
 
 
 def check_classes(classes: Sequence[int], num_classes: int) -> list[int]:
@@ -80,10 +81,13 @@ class Pipeline:
 
     def __init__(self, target, drafter=None, proximity: Optional[torch.Tensor] = None, backend: str | None = None,
                  dtype: str | None = None, defaults: Optional[ModelDefaults] = None, **backend_options):
-        """dtype None = the backend's preferred one (fp32 on CPU, bf16 on CUDA and HPU)."""
+        """dtype None = the backend's preferred one (fp32 on CPU, bf16 on CUDA and HPU). A backend named here or in
+        $LANTERN_BACKEND is `pinned`: auto plans on it alone; else auto weighs every mode of the machine (`plan`)."""
         self.target, self.drafter, self.proximity = target.eval(), drafter, proximity
         self.defaults = defaults or ModelDefaults()
         self.backend = get_backend(backend, **backend_options)
+        self.pinned = pinned_backend(backend) is not None
+        self._siblings: dict = {}  # (backend, dtype, options) -> the Pipeline of these models there (auto's modes)
         self.dtype = dtype or self.backend.capabilities().dtypes[0]
         self.backend.check_dtype(self.dtype)
         self.backend.check_family(self.config.family)
@@ -111,22 +115,30 @@ class Pipeline:
     def plan(self, n_images: int, sampling: Optional[SamplingConfig] = None, batch: Optional[int] = None,
              allow_relaxed: bool = False, profile=None, progress: bool = True,
              classes: Optional[Sequence[int]] = None, min_speedup: Optional[float] = None,
-             prompts: Optional[torch.Tensor] = None):
-        """`--method auto`: the plan predicted fastest for n_images on this backend and dtype
-        (lantern.plan.choose.Choice: decode config, batch width, predictions). sampling None: the bundle's.
-        profile: a hardware profile's calibration (lantern.plan.calibration.ProfileCosts), else this machine's
-        cached calibration, measured once where missing. classes: the images' class ids in order (c2i), so each
-        is predicted from its class's acceptance. min_speedup: the predicted speed-up over AR a plan needs to be
-        chosen (None: lantern.plan.choose.MIN_SPEEDUP). prompts: (n, P) prompt rows a prompt-conditioned target
-        (a model family's) measures its acceptance record and calibration on, where the cache lacks them."""
+             prompts: Optional[torch.Tensor] = None) -> Choice:
+        """`--method auto` (lantern.plan.backend_choice.plan_request): a lantern.plan.choose.Choice (the pipeline to
+        run on, its mode, decode config, batch width, predictions), over every mode (`sibling` pipelines) unless
+        this backend is pinned. sampling None: the bundle's. profile: a hardware profile's calibration
+        (lantern.plan.calibration.ProfileCosts), else this machine's, measured once where missing. classes: the
+        images' class ids in order (c2i). min_speedup: the speed-up over AR a plan needs (None: MIN_SPEEDUP).
+        prompts: (n, P) prompt rows a model family's target measures its acceptance and calibration on."""
         sampling = sampling or self.defaults.sampling
         if sampling is None:
             raise ValueError("auto needs sampling settings: pass sampling=, or build the pipeline with "
                              "Pipeline.from_bundle")
-        return choose(self, n_images, sampling, batch=batch, allow_relaxed=allow_relaxed,
-                      validated=self.defaults.relaxation, shipped_records=self.defaults.acceptance_records,
-                      profile=profile, progress=progress, classes=classes,
-                      min_speedup=MIN_SPEEDUP if min_speedup is None else min_speedup, prompts=prompts)
+        with self.lock:  # its timed runs use this pipeline's runners, as a generation does
+            return plan_request(self, n_images, sampling, self.sibling, batch=batch, allow_relaxed=allow_relaxed,
+                                profile=profile, progress=progress, classes=classes, min_speedup=min_speedup,
+                                prompts=prompts)
+
+    def sibling(self, backend: str, dtype: str, **backend_options) -> "Pipeline":
+        """The Pipeline of these models, defaults and text encoder on another backend: built once, then reused."""
+        key = (backend, dtype, tuple(sorted(backend_options.items())))
+        if key not in self._siblings:
+            self._siblings[key] = Pipeline(self.target, self.drafter, self.proximity, backend, dtype, self.defaults,
+                                           **backend_options)
+            self._siblings[key].text_encoder = self.text_encoder
+        return self._siblings[key]
 
     @property
     def config(self):
@@ -253,54 +265,27 @@ class Pipeline:
     def generate(self, conditions, dcfg: DecodeConfig | str, seed: int = 0, progress: bool = False,
                  batch: Optional[int] = None, tokens: Optional[int] = None) -> GenerationResult:
         """conditions: class ids (c2i), or caption embeddings (n, P, C) or prompts (with `text_encoder`) (t2i).
-        dcfg: a DecodeConfig, or "auto" (`plan()` with the bundle's sampling; the result's `plan` says what ran). Images run through the step
+        dcfg: a DecodeConfig, or "auto" (`plan()` with the bundle's sampling; it runs on the pipeline auto chose,
+        another mode's with no backend pinned, and the result's `plan` says which). Images run through the step
         engine `batch` slots wide (default 16): a slot whose image finishes takes the next image at the next
         step. Image i draws from its own seed `derive_seed(seed, i)` (image 0: `seed` itself), so its tokens
         do not depend on the other images, the width or the order; `generate([c_i], seed=derive_seed(seed, i))`
         reproduces it alone (same backend and dtype). With `progress`, a bar on stderr counts images.
-        tokens: stop each image after its first `tokens` tokens (default: the whole image; fewer only to time
-        steps, as `--method auto`'s calibration does).
+        tokens: stop each image after its first `tokens` tokens (default: the whole image; fewer to time steps).
         Concurrent calls on one Pipeline are serialised (see the class docstring)."""
         with self.lock:
-            return self._generate(conditions, dcfg, seed, progress, batch, tokens)
-
-    def _generate(self, conditions, dcfg, seed, progress, batch, tokens) -> GenerationResult:
-        cond = self._cond(conditions)
-        choice = None
-        if isinstance(dcfg, str):
-            if dcfg != "auto":
-                raise ValueError(f"decode {dcfg!r}: pass a DecodeConfig (method_preset) or 'auto'")
-            classes = cond.tolist() if self.config.model_type == "c2i" else None
-            choice = self.plan(cond.shape[0], batch=batch, progress=progress, classes=classes)
-            dcfg, batch = choice.decode, choice.width
-        width = self.check(dcfg, batch)
-        n, block = cond.shape[0], self.config.block_size
-        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int)
-                                   or not 1 <= tokens <= block):
-            raise ValueError(f"tokens {tokens!r} must be an integer in 1..{block}")
-        seeds = [derive_seed(seed, i) for i in range(n)]
-        self.check_fits(dcfg, min(width, n))
-        engine = Engine(self, dcfg, min(width, n))
-        runner = engine.runner
-        runner.reset_times()
-        runner.reset_peak_memory()
-        compiled_before = runner.fused_warmup_seconds
-        for i in range(n):
-            condition = int(cond[i]) if self.config.model_type == "c2i" else cond[i]
-            engine.submit(Request(condition, seeds[i], request_id=str(i), tokens=tokens))
-        t0 = time.perf_counter()
-        with tqdm(total=n, desc="images", unit="image", disable=not progress or n == 1, file=sys.stderr) as bar:
-            results = {int(r.request_id): r for r in engine.run(bar.update)}
-        stats = GenerationStats(batch=engine.width, wall_seconds=time.perf_counter() - t0,
-                                draft_forwards=engine.steps_run * engine.proposer.drafter_calls)
-        compiled = runner.fused_warmup_seconds - compiled_before
-        if compiled:  # the fused step compiled at this engine's first steps: part of preparing the runner
-            self.prepare_seconds[runner.spec] = self.prepare_seconds.get(runner.spec, 0.0) + compiled
-        for i in range(n):
-            stats.images += results[i].stats.images
-        stats.phase_seconds = {k: v["total_s"] for k, v in runner.profile()["phases"].items()}
-        caps = self.backend.capabilities()
-        conds = cond.tolist() if self.config.model_type == "c2i" else list(range(n))
-        return GenerationResult(tokens=torch.stack([results[i].tokens for i in range(n)]), conditions=conds,
-                                stats=stats, backend=self.backend.name, device=caps.device, dtype=self.dtype,
-                                decode=dcfg, seed=seed, profile=runner.profile(), plan=choice)
+            cond = self._cond(conditions)
+            if isinstance(dcfg, str):
+                if dcfg != "auto":
+                    raise ValueError(f"decode {dcfg!r}: pass a DecodeConfig (method_preset) or 'auto'")
+                classes = cond.tolist() if self.config.model_type == "c2i" else None
+                choice = self.plan(cond.shape[0], batch=batch, progress=progress, classes=classes)
+                return replace(choice.pipeline.generate(cond, choice.decode, seed, progress, choice.width, tokens),
+                               plan=choice)
+            width, n, c2i = self.check(dcfg, batch), cond.shape[0], self.config.model_type == "c2i"
+            with tqdm(total=n, desc="images", unit="image", disable=not progress or n == 1, file=sys.stderr) as bar:
+                run = run_batch(self, dcfg, min(width, n), cond.tolist() if c2i else cond, seed, tokens, bar.update)
+            return GenerationResult(tokens=torch.stack([r.tokens for r in run.results]),
+                                    conditions=cond.tolist() if c2i else list(range(n)), stats=run.stats,
+                                    backend=self.backend.name, device=self.backend.capabilities().device,
+                                    dtype=self.dtype, decode=dcfg, seed=seed, profile=run.profile)

@@ -65,13 +65,12 @@ SCREEN = 1.5  # after the first seed, only methods within this factor of the fas
 def setting(bundle, backend: str, dtype: str, n: int, seeds: list[int], repeats: int,
             baseline_modes: list[str] | None = None, tokens: int | None = None,
             calibrate_machine: bool = False, sampling_name: str = "bundle") -> dict:
-    pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend=backend, dtype=dtype)
+    pipe = Pipeline.from_bundle(bundle, backend=backend, dtype=dtype)  # the bundle's relaxations and records
     sampling = sampling_settings(bundle.default_sampling, [sampling_name])[sampling_name]
     classes = list(range(n))
     t0 = time.perf_counter()
     # `auto` last: a choice keeps the runner its plan was timed on and frees the others
-    choices = {name: choose(pipe, n, sampling, allow_relaxed=name != "auto", validated=bundle.validations,
-                            shipped_records=bundle.acceptance_records, progress=False, classes=classes)
+    choices = {name: choose(pipe, n, sampling, allow_relaxed=name != "auto", progress=False, classes=classes)
                for name in AUTOS[::-1]}
     planning = time.perf_counter() - t0
     validated = bundle.relaxation_at(sampling)  # the relaxations validated at this sampling
@@ -87,18 +86,14 @@ def setting(bundle, backend: str, dtype: str, n: int, seeds: list[int], repeats:
     # setting's backend is the machine's default one
     anywhere = None
     if backend == resolve_name("auto"):
-        def make(name, d, **options):
-            return pipe if (name, d, options) == (backend, dtype, {}) else Pipeline(
-                bundle.target, bundle.drafter, bundle.proximity, backend=name, dtype=d, **options)
-        common = dict(validated=bundle.validations, shipped_records=bundle.acceptance_records,
-                      progress=False, classes=classes, dtype=dtype)
+        common = dict(progress=False, classes=classes, dtype=dtype, default=pipe)
         machine_s = None
         if calibrate_machine:  # what `lantern profile calibrate --images n` does once per machine
             t1 = time.perf_counter()
-            choose_backend(make, n, sampling, calibrate_all=True, **common)
+            choose_backend(pipe.sibling, n, sampling, calibrate_all=True, **common)
             machine_s = time.perf_counter() - t1
-        anywhere = choose_backend(make, n, sampling, **common)
-        anywhere.pipeline.generate(classes, anywhere.choice.decode, batch=anywhere.choice.width, tokens=2)
+        anywhere = choose_backend(pipe.sibling, n, sampling, **common)
+        anywhere.pipeline.generate(classes, anywhere.decode, batch=anywhere.width, tokens=2)
     any_walls: dict[int, list[float]] = {}
 
     def run(names: list[str], seed: int) -> None:
@@ -108,8 +103,8 @@ def setting(bundle, backend: str, dtype: str, n: int, seeds: list[int], repeats:
             runs[m].setdefault(seed, []).append(wall)
         baseline.time(classes, seed, tokens=tokens)
         if anywhere is not None:
-            c = anywhere.choice
-            result = anywhere.pipeline.generate(classes, c.decode, seed=seed, batch=c.width, tokens=tokens)
+            result = anywhere.pipeline.generate(classes, anywhere.decode, seed=seed, batch=anywhere.width,
+                                                tokens=tokens)
             any_walls.setdefault(seed, []).append(result.stats.wall_seconds)
 
     run(list(configs), seeds[0])  # the screen: every method once

@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from pathlib import Path
 from typing import Callable, Optional
@@ -142,9 +143,11 @@ class Check:
         print(f"[gpu_check] skipped {what}: {why}", file=sys.stderr)
 
     def error(self, what: str, e: Exception) -> None:
-        """A unit that broke: recorded (the run fails), and the run goes on."""
+        """A unit that broke: recorded with where it broke (the run fails), and the run goes on."""
         self.record.setdefault("errors", []).append(f"{what}: {type(e).__name__}: {e}")
+        self.record.setdefault("tracebacks", {})[what] = where_it_broke(e)
         print(f"[gpu_check] {what} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        forget_cuda_graph_recordings()
 
     def save(self) -> None:
         self.record["elapsed_s"] = time.monotonic() - self.t0
@@ -188,7 +191,8 @@ def default_stem(quick: bool) -> Path:
 def environment(check: Check) -> dict:
     from lantern.backends.environment import provenance
     prov = provenance()
-    commit = prov["commit"] or os.environ.get("LANTERN_COMMIT") or "unknown"  # the lease's copy has no .git
+    # the caller's LANTERN_COMMIT names what it sent: a lease's copy has no .git, or a stale one
+    commit = os.environ.get("LANTERN_COMMIT") or prov["commit"] or "unknown"
     env = {"command": prov["command"], "commit": commit, "machine": prov["machine"], "torch": torch.__version__,
            "python": sys.version.split()[0], "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     if check.quick:
@@ -602,7 +606,8 @@ def write_all(stem: Path, record: dict) -> None:
     out = os.environ.get("OUT")
     if out:
         for p in paths:
-            shutil.copy(p, Path(out) / p.name)
+            if p.parent.resolve() != Path(out).resolve():  # --out under $OUT: written there already
+                shutil.copy(p, Path(out) / p.name)
 
 
 def fmt(x, spec: str = ".2f", suffix: str = "") -> str:
@@ -681,6 +686,28 @@ def plot(record: dict, path: Path) -> None:
 SECTIONS = ("conformance", "parity", "sync", "distribution", "timing", "serve")
 
 
+def section_shares(names: list[str]) -> dict[str, Optional[float]]:
+    """Each section's share of the budget among the sections that run (SHARES, the rest to the last one, which
+    has the whole remainder): a run of one section has the whole budget."""
+    rest = 1.0 - sum(SHARES.values())
+    total = sum(SHARES.get(n, rest) for n in names)
+    return {n: None if i == len(names) - 1 else SHARES.get(n, rest) / total for i, n in enumerate(names)}
+
+
+def where_it_broke(e: Exception, frames: int = 8) -> list[str]:
+    """The last frames of e's traceback, one line each: enough to find the bug from the results file alone."""
+    summary = traceback.extract_tb(e.__traceback__)[-frames:]
+    return [f"{f.filename.rsplit('/lantern/', 1)[-1]}:{f.lineno} {f.name}: {f.line}" for f in summary]
+
+
+def forget_cuda_graph_recordings() -> None:
+    """After a unit broke, possibly inside a CUDA graph recording: drop inductor's recorded graphs (they are
+    recorded again when next called), so that one failure does not fail every later unit with a corrupt pool."""
+    if torch.cuda.is_available():
+        from torch._inductor import cudagraph_trees  # here: only a real GPU run records graphs
+        cudagraph_trees.reset_cudagraph_trees()
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     from lantern.decoding import METHODS
     from lantern.models.inflate import INFLATE_SHAPES
@@ -732,16 +759,17 @@ def main(argv: Optional[list[str]] = None) -> int:
              ("timing-1", "timing", lambda: timing(check, [n for n in args.images if n == 1])),
              ("serve", "serve", lambda: serve(check)),
              ("timing-rest", "timing", lambda: timing(check, [n for n in args.images if n != 1]))]
+    steps = [step for step in steps if step[1] in wanted]
+    shares = section_shares([share for share, _, _ in steps])
     for share, section, run in steps:
-        if section not in wanted:
-            continue
-        check.budget.section(None if args.quick else SHARES.get(share))
+        check.budget.section(None if args.quick else shares[share])
         t0 = time.monotonic()
         try:
             result = run()
         except Exception as e:  # noqa: BLE001  one section's failure is a result; the others still run
-            result = {"error": f"{type(e).__name__}: {e}"}
+            result = {"error": f"{type(e).__name__}: {e}", "traceback": where_it_broke(e)}
             print(f"[gpu_check] {share} failed: {result['error']}", file=sys.stderr)
+            forget_cuda_graph_recordings()
         if section != "timing":
             check.record["sections"][section] = result
         elif "error" in result:  # timing's rows are in the record already, row by row

@@ -17,8 +17,8 @@ class TargetPrefill(nn.Module):
         super().__init__()
         self.target, self.cache = target, cache
         p = target.config.cls_token_num
-        self.register_buffer("positions", torch.arange(p)[None].expand(cache.batch, p).contiguous(),
-                             persistent=False)
+        positions = torch.arange(p, device=cache.device)[None].expand(cache.batch, p)
+        self.register_buffer("positions", positions.contiguous(), persistent=False)
 
     def forward(self, cond: torch.Tensor, mask: torch.Tensor):
         """cond (B,) or (B, P, C); mask (B, P, S) -> logits (B, 1, V) at position P-1, hidden (B, P, D)."""

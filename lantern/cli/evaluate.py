@@ -48,8 +48,7 @@ def cmd_eval(args) -> dict:
     if last_seed > SEED_RANGE[1]:
         raise UsageError(f"--seed {args.seed}: eval seeds its chunks {args.seed}..{last_seed}, past the generator's "
                          f"range; allowed: an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1] - (last_seed - args.seed)}]")
-    dcfg, batch, choice = decode_plan(args, bundle, pipe, min(n_classes * args.n_per_class, EVAL_CHUNK))
-    pipe = getattr(choice, "pipeline", pipe)  # auto may have chosen another backend
+    pipe, dcfg, batch, choice = decode_plan(args, bundle, pipe, min(n_classes * args.n_per_class, EVAL_CHUNK))
     stats = []
     bar = tqdm(total=n_classes * args.n_per_class, desc="eval", unit="image", file=sys.stderr)
 

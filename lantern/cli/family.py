@@ -2,7 +2,6 @@
 lantern.models.family). Every input is checked before weights are loaded."""
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -21,7 +20,6 @@ from lantern.models.chameleon import image_vocabulary, read_lantern_table
 from lantern.models.family import check_family, load_family
 from lantern.models.proximity import DEFAULT_K
 from lantern.models.text import read_prompts
-from lantern.plan.choose import MIN_SPEEDUP, choose
 
 RELAXED = ("lantern", "lantern++", "mc-sjd-relaxed")  # methods that read a proximity table of the VQ codebook
 
@@ -89,8 +87,12 @@ def cmd_generate_family(args) -> dict:
                                      **backend_options(args))
         return pipes[length]
     choice, batch = None, args.batch
-    if auto:
-        choice = choose_for_family(args, family, pipeline(rows[0].shape[1]), rows)
+    if auto:  # on the backend given, lossless plans only, measured on the first length's prompts; run by every prompt
+        same = torch.cat([r for r in rows if r.shape[1] == rows[0].shape[1]])  # (n, P): the first length's rows
+        choice = pipeline(same.shape[1]).plan(len(rows) * args.num_images, sampling_from_args(args, family),
+                                              batch=args.batch, progress=not args.json, prompts=same,
+                                              min_speedup=args.min_speedup)
+        print(f"lantern: {choice.summary()}", file=sys.stderr)
         dcfg, batch = choice.decode, choice.width
     tokens, stats, result = [], GenerationStats(), None
     for r in rows:
@@ -124,19 +126,3 @@ def read_family_table(args):
     the folder's vocabulary map before any weights are loaded."""
     cfg = read_json_object(Path(args.model) / "config.json")
     return read_lantern_table(args.proximity, image_vocabulary(cfg["vocabulary_map"]), DEFAULT_K)
-
-
-def choose_for_family(args, family, pipe, rows: list):
-    """`--method auto` on a family folder: lantern.plan.choose over AR, the Jacobi windows and (with --drafter)
-    the drafter trees, never a relaxed plan (none is validated for these models). The acceptance record is
-    measured on the prompts of the first prompt length (the pipeline given) where the cache lacks it, both
-    caches keyed by the folder's identity; the plan chosen runs every prompt."""
-    length = rows[0].shape[1]
-    same = torch.cat([r for r in rows if r.shape[1] == length])  # (n, P): the rows this pipeline takes
-    choice = choose(pipe, sum(r.shape[0] for r in rows), sampling_from_args(args, family), batch=args.batch,
-                    allow_relaxed=False, validated={}, progress=not args.json, prompts=same,
-                    min_speedup=MIN_SPEEDUP if args.min_speedup is None else args.min_speedup)
-    choice = dataclasses.replace(choice, relaxed=f"lossless plans only (no relaxation is validated for "
-                                                 f"{family.family} models)")
-    print(f"lantern: {choice.summary()}", file=sys.stderr)
-    return choice

@@ -74,8 +74,8 @@ def cmd_generate(args) -> dict:
         names = image_names(kind, args.classes if prompts is None else range(len(seeds)), seeds)
         check_outputs(Path(args.out), names, bundle.vq.config.image_size, args.scale)
     pipe = Pipeline.from_bundle(bundle, backend=args.backend, dtype=args.dtype, **options)
-    dcfg, batch, choice = decode_plan(args, bundle, pipe, len(conditions), None if prompts else list(args.classes))
-    pipe = getattr(choice, "pipeline", pipe)  # auto may have chosen another backend
+    pipe, dcfg, batch, choice = decode_plan(args, bundle, pipe, len(conditions),
+                                            None if prompts else list(args.classes))
     result = pipe.generate(conditions, dcfg, seed=args.seed, progress=not args.json, batch=batch)
     paths, grid = [], None
     if not args.no_images:

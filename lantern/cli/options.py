@@ -13,7 +13,6 @@ from lantern.decoding.acceptance import FORMS, KINDS
 from lantern.decoding.config import COUPLINGS, INITIAL_DRAFTS, METHODS, method_preset
 from lantern.decoding.sampling import SamplingConfig
 from lantern.models.text import T5Conditioner, check_encoder_fits, read_prompts, require_transformers, t5_folder
-from lantern.plan.backend_choice import choose_backend, pinned_backend
 from lantern.plan.candidates import RELAXED_METHODS
 from lantern.plan.choose import MIN_SPEEDUP
 from lantern.plan.validated import allowed_relaxations, named_config
@@ -155,28 +154,19 @@ def relaxation_account(args, bundle) -> Optional[dict]:
 
 
 def decode_plan(args, bundle, pipe, n_images: int, classes: Optional[list[int]] = None):
-    """(decode config, batch width, the auto choice or None) for this request (classes: its images' class ids in
-    order, when known)."""
+    """(the pipeline to run on, decode config, batch width, auto's choice or None) for this request (classes: its
+    images' class ids in order, when known); auto (Pipeline.plan) may choose another mode's pipeline."""
     if args.method != "auto":
         dcfg, relaxation = named_relaxation(args, bundle)
         for warning in (relaxation or {}).get("warnings", []):
             print(f"lantern: warning: this relaxation bounds nothing: {warning}", file=sys.stderr)
-        return dcfg, pipe.check(dcfg, args.batch), None
-    if pinned_backend(args.backend) is None and not getattr(args, "profile", None):  # auto weighs every mode too
-        choice = choose_backend(lambda name, dtype, **options: pipe
-                                if (name, dtype, options) == (pipe.backend.name, pipe.dtype, {}) else
-                                type(pipe).from_bundle(bundle, backend=name, dtype=dtype, **options), n_images,
-                                sampling_from_args(args, bundle), batch=args.batch, allow_relaxed=args.allow_relaxed,
-                                validated=bundle.validations, shipped_records=bundle.acceptance_records,
-                                classes=classes, min_speedup=args.min_speedup, dtype=args.dtype)
-        print(f"lantern: {choice.summary()}", file=sys.stderr)
-        return choice.choice.decode, choice.choice.width, choice
+        return pipe, dcfg, pipe.check(dcfg, args.batch), None
     profile = profile_costs(args.profile) if getattr(args, "profile", None) else None
     choice = pipe.plan(n_images, sampling_from_args(args, bundle), batch=args.batch,
                        allow_relaxed=args.allow_relaxed, profile=profile, classes=classes,
                        min_speedup=args.min_speedup)
     print(f"lantern: {choice.summary()}", file=sys.stderr)
-    return choice.decode, choice.width, choice
+    return choice.pipeline, choice.decode, choice.width, choice
 
 
 def add_prompt_options(p: argparse.ArgumentParser) -> None:

@@ -118,8 +118,7 @@ def cmd_calibrate(args) -> dict:
     choice = choose_backend(lambda name, dtype, **options: Pipeline.from_bundle(bundle, backend=name, dtype=dtype,
                                                                                 **options), args.images,
                             SamplingConfig(**bundle.default_sampling), batch=args.batch,
-                            allow_relaxed=args.allow_relaxed, validated=bundle.validations,
-                            shipped_records=bundle.acceptance_records, dtype=args.dtype, calibrate_all=True)
+                            allow_relaxed=args.allow_relaxed, dtype=args.dtype, calibrate_all=True)
     return {**choice.to_dict(), "exit_code": EXIT_OK}
 
 

@@ -24,7 +24,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from lantern.decoding.relaxation import bounded_target, paper_boost
+from lantern.decoding.relaxation import NeighbourLinks, bounded_target, paper_boost
 from lantern.decoding.sampling import Draws, Support, SupportLookup, draw, uniform
 
 KINDS = ("exact", "lantern", "lantern++")
@@ -53,6 +53,7 @@ class Acceptance:
     lam: float = 1.0
     form: str = "bounded"
     proximity: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)  # (V, K) any integer type
+    _links: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # device -> NeighbourLinks
 
     def __post_init__(self):
         check_rule(self.kind, self.k, self.delta, self.lam, self.form)
@@ -87,6 +88,13 @@ class Acceptance:
             raise ValueError(f"a proximity table holds integer code ids, not {self.proximity.dtype}")
         near = self.proximity[:, : self.k]
         return near if near.device == torch.device(device) else near.to(device)
+
+    def links(self, device) -> NeighbourLinks:
+        """The bounded relaxation's neighbour lists on `device`, kept with the rule (what they build, once)."""
+        key = torch.device(device)
+        if key not in self._links:
+            self._links[key] = NeighbourLinks(self.neighbours(device))
+        return self._links[key]
 
 
 @dataclass
@@ -210,10 +218,10 @@ def _rule(p: Support, cand: torch.Tensor, cvalid: torch.Tensor, q: Optional[Supp
     probabilities (B, M, C), the rule before each parent's last candidate (LastCandidate, on p's support), the
     papers' boosts (B, M, C) and TV(p_hat, p) (B, M), each None where the rule has none."""
     target, tv = p, None
-    q_at = q.lookup() if q is not None else None  # sorted once, read by the relaxation and the rule
+    q_at = q.lookup(vocab) if q is not None else None  # sorted once, read by the relaxation and the rule
     q_sup = q_at.prob(p.ids) if q_at is not None else None  # (B, M, K) q on p's support
     if rule.relaxed and not rule.paper:
-        near = rule.neighbours(cand.device)
+        near = rule.links(cand.device)
         if q_at is not None:
             p_hat, tv = bounded_target(p, q_sup, near, vocab, *rule.bounds)
         else:  # deterministic drafts: the fixed candidate set plays q, and only a candidate can receive

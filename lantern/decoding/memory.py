@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from lantern.decoding.config import method_preset
-from lantern.decoding.relaxation import WORKSPACE_BYTES
+from lantern.decoding.relaxation import WORKSPACE_BYTES, links_bytes, walks_the_codebook
 
 FP32, INT64, BOOL = 4, 8, 1
 # what a first generation adds beyond its tensors (allocator arenas, the engine's small state, lazily built library
@@ -41,8 +41,9 @@ def step_workspace_bytes(images: int, cfg_rows: int, nodes: int, support: int, v
       element; the exact test keeps about ten (B, N, K) fp32 per sibling besides;
     - MC-SJD keeps its fixed noise (B, N, V) fp32 + int64 for the image's life;
     - the bounded relaxation: about eight (B, N, K) fp32 per node, and its neighbour lists read in blocks of at
-      most lantern.decoding.relaxation.WORKSPACE_BYTES; the papers' form: a lookup and k neighbours' mass per
-      sibling;
+      most lantern.decoding.relaxation.WORKSPACE_BYTES, plus, where a wide support walks the codebook, the
+      rule's lists both ways (links_bytes, kept from the first step on); the papers' form: a lookup and k
+      neighbours' mass per sibling;
     - a drafter's tree: the drafter's logits (rows x W x V), their guidance and warp, and EAGLE-2's candidate
       test through a lookup."""
     b, n, k, v = images, nodes, support, vocab
@@ -64,6 +65,7 @@ def step_workspace_bytes(images: int, cfg_rows: int, nodes: int, support: int, v
             total += lookup + b * n * relax_k * (INT64 + 2 * FP32)
         else:
             total += 8 * b * n * k * FP32 + WORKSPACE_BYTES
+            total += links_bytes(v, relax_k) if walks_the_codebook(k, v, relax_k) else 0  # K: the most receivers
     return total
 
 

@@ -11,26 +11,78 @@ Paper (LANTERN / LANTERN++ as published, kept for comparison): per candidate x, 
 with C_m the mass of x's m nearest neighbours, m* the largest m <= k with C_m <= delta (or (lam-1) p(x)).
 Its output distortion is not bounded by delta (docs/algorithms.md says why); never boosts p(x) = 0.
 
-Memory: nothing here is quadratic in the support. The bounded target walks each receiver's neighbour list in
-blocks (rows x receivers x neighbours at most WORKSPACE_BYTES at a time) against one dense per-code vector
-per row, so a step's extra memory is O(rows * (K + V)) whatever K and k are; its time is O(rows * receivers * k).
+Memory and time: nothing here is quadratic in the support. A node's flows are three sums over neighbour lists
+(what each receiver's sources hold, how often each source is asked, what each receiver gets), walked one of two
+ways, chosen from the shapes alone (`walks_the_codebook`):
+- over the receivers, when a node has few (a deterministic draft's candidates, a narrow support): each
+  receiver's k-neighbour list is read against one dense per-code vector per row, in blocks of rows x receivers x
+  neighbours of at most WORKSPACE_BYTES; O(rows * R * k) time;
+- over the codebook, when the receivers are a sizeable share of it (R * CODEBOOK_SHARE >= V: sampled drafts over a
+  wide support) and its lists fit the workspace: every code's sum at once for all rows, the per-code values laid
+  out (V, rows) and summed through the proximity table's own lists and their transpose (`NeighbourLinks`, built
+  once per rule) by embedding_bag, one index shared by every row; O(rows * V * k) additions, far cheaper per pair
+  than the receiver walk's per-row gathers (16 images x 16 positions over 1024 codes, k = 64: ~10x).
+Either way a step's extra memory is O(rows * (K + V)), its temporaries and the lists each within WORKSPACE_BYTES,
+and every shape is fixed by the configuration, so nothing waits on the device.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
+import torch.nn.functional as F
 
 from lantern.decoding.sampling import Support
 
 WORKSPACE_BYTES = 64 * 2**20  # the most one block of neighbour-list temporaries may hold
-_BYTES_PER_PAIR = 16  # a (receiver, neighbour) pair in a block: its int64 id, its compact id, the value read
+CODEBOOK_SHARE = 16  # walk the codebook once a node's receivers times this reach its size (the walks tie near 16)
+_BYTES_PER_PAIR = 16  # a (receiver, neighbour) pair in a receiver-walk block: its int64 id, its compact id, the value
 _BYTES_PER_CODE = 12  # a row's dense per-code scratch: three float32 vectors over the vocabulary
+# NeighbourLinks' int32 lists and transpose (8 bytes a pair), and at most 12 more while one is built (the sort's
+# int32 keys and int64 order) or one embedding_bag keeps its per-pair bookkeeping
+_LINK_BYTES_PER_PAIR = 20
 
 
-def bounded_target(p: Support, q_on_support: torch.Tensor, neighbours: torch.Tensor, vocab: int,
+def walks_the_codebook(receivers: int, vocab: int, k: int) -> bool:
+    """Whether a node with `receivers` receiving slots is walked over the codebook (else over its receivers): when
+    they are a sizeable share of it and the lists fit the workspace (LlamaGen's k = 1000 of 16384 codes: 330 MB,
+    so the receiver walk)."""
+    return receivers * CODEBOOK_SHARE >= vocab and links_bytes(vocab, k) <= WORKSPACE_BYTES
+
+
+def links_bytes(vocab: int, k: int) -> int:
+    """The most a (vocab, k) table's NeighbourLinks hold at once, with a codebook walk's bookkeeping."""
+    return _LINK_BYTES_PER_PAIR * vocab * k
+
+
+class NeighbourLinks:
+    """A proximity table's first k lists (V, k), nearest first, as the bounded target reads them: the table itself
+    (the receiver walk gathers its rows), and, built on the codebook walk's first use, the lists as int32
+    embedding_bag indices with their transpose: for each code z the codes whose lists hold z, in code order
+    (`holders`, V * k), and where each code's run starts (`starts`, V). Kept per rule and device
+    (Acceptance.links), so the transpose's sort runs once, in the first step (which runs eagerly)."""
+
+    def __init__(self, table: torch.Tensor):
+        self.table = table  # (V, k) any integer type
+        self._codebook = None
+
+    def codebook(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(lists (V, k), holders (V * k,), starts (V,)), int32."""
+        if self._codebook is None:
+            v, k = self.table.shape
+            lists = self.table.to(torch.int32)
+            listed, order = lists.flatten().sort(stable=True)  # every (code, neighbour) pair, by neighbour
+            holders = order.div_(k, rounding_mode="floor").to(torch.int32)
+            codes = torch.arange(v, dtype=torch.int32, device=lists.device)
+            self._codebook = lists, holders, torch.searchsorted(listed, codes, out_int32=True)
+        return self._codebook
+
+
+def bounded_target(p: Support, q_on_support: torch.Tensor, links: NeighbourLinks, vocab: int,
                    delta: float | None, lam: float | None,
                    receivers: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """p (B, M, K) at M nodes; q_on_support (B, M, K) the draft distribution at p's support tokens (K distinct
-    tokens per node); neighbours (V, k) each code's nearest codes, nearest first, self excluded. Exactly one of
+    tokens per node); links: each code's k nearest codes, nearest first, self excluded. Exactly one of
     delta (LANTERN) / lam (LANTERN++). receivers (B, M, R): the only support slots that can receive (a
     deterministic draft's candidates; None: every slot); a slot listed twice receives once.
     Returns p_hat probs on p's support (B, M, K) and the moved mass TV(p_hat, p) (B, M)."""
@@ -39,23 +91,29 @@ def bounded_target(p: Support, q_on_support: torch.Tensor, neighbours: torch.Ten
     slots = None if receivers is None else receivers.reshape(b * m, -1)
     n_recv = k_sup if slots is None else slots.shape[1]
     p_hat, moved = torch.empty_like(ps), ps.new_empty(b * m)
-    rows, cols = _block_shape(n_recv, neighbours.shape[1], vocab)
+    if walks_the_codebook(n_recv, vocab, links.table.shape[1]):
+        rows = max(1, WORKSPACE_BYTES // (_BYTES_PER_CODE * vocab))
+        walk = partial(_CodebookWalk, links=links, vocab=vocab)
+    else:
+        rows, cols = _block_shape(n_recv, links.table.shape[1], vocab)
+        walk = partial(_ReceiverWalk, table=links.table, vocab=vocab, cols=cols)
     for start in range(0, b * m, rows):
         part = slice(start, start + rows)
         p_hat[part], moved[part] = _bounded_rows(ps[part], qs[part], ids[part], None if slots is None else slots[part],
-                                                 neighbours, vocab, delta, lam, cols)
+                                                 walk, delta, lam)
     return p_hat.view(b, m, k_sup), moved.view(b, m)
 
 
 def _block_shape(n_recv: int, k: int, vocab: int) -> tuple[int, int]:
-    """(rows per block, neighbours per block) keeping a block's temporaries within WORKSPACE_BYTES."""
+    """The receiver walk's (rows per block, neighbours per block), its temporaries within WORKSPACE_BYTES."""
     cols = max(1, min(k, WORKSPACE_BYTES // (_BYTES_PER_PAIR * max(n_recv, 1))))
     rows = max(1, WORKSPACE_BYTES // (_BYTES_PER_PAIR * max(n_recv, 1) * cols + _BYTES_PER_CODE * vocab))
     return rows, cols
 
 
-def _bounded_rows(ps, qs, ids, slots, neighbours, vocab, delta, lam, cols):
-    """bounded_target on r rows: ps, qs, ids (r, K), slots (r, R) or None."""
+def _bounded_rows(ps, qs, ids, slots, walk, delta, lam):
+    """bounded_target on r rows: ps, qs, ids (r, K), slots (r, R) or None; walk(ids, receivers' ids) reads the
+    neighbour lists."""
     excess = (ps - qs).clamp_min(0.0)  # sources
     want = (qs - ps).clamp_min(0.0) * (ps > 0)  # receivers, never a token AR cannot emit
     if lam is not None:
@@ -66,13 +124,13 @@ def _bounded_rows(ps, qs, ids, slots, neighbours, vocab, delta, lam, cols):
         recv_ids, want = ids.gather(1, slots), torch.where(first, want.gather(1, slots), 0.0)
     else:
         recv_ids = ids
-    lists = _NeighbourLists(recv_ids, neighbours, vocab, cols)
-    total = lists.sum_at(_per_code(ids, excess, vocab))  # what each receiver's neighbours could give
+    lists = walk(ids, recv_ids)
+    total = lists.sum_at(excess)  # what each receiver's neighbours could give
     take = torch.minimum(want, total)
     ratio = torch.where(total > 0, take / total.clamp_min(1e-30), 0.0)  # receiver y <- z: ratio(y) * excess(z)
-    asked = lists.spread(ratio).gather(1, ids)  # (r, K): each source's excess is asked asked(z) times over
+    asked = lists.spread(ratio)  # (r, K): each source's excess is asked asked(z) times over
     give = torch.where(asked > 1, excess / asked.clamp_min(1e-30), excess)  # no source gives more than its excess
-    inflow = ratio * lists.sum_at(_per_code(ids, give, vocab))
+    inflow = ratio * lists.sum_at(give)
     outflow = give * asked
     moved = outflow.sum(-1)
     if delta is not None:
@@ -83,22 +141,18 @@ def _bounded_rows(ps, qs, ids, slots, neighbours, vocab, delta, lam, cols):
     return (ps + inflow - outflow).clamp_min(0.0), moved
 
 
-def _per_code(ids: torch.Tensor, values: torch.Tensor, vocab: int) -> torch.Tensor:
-    """(r, K) values at distinct support ids -> (r, V), 0 off the support."""
-    return torch.zeros(ids.shape[0], vocab, dtype=values.dtype, device=values.device).scatter_(1, ids, values)
+class _ReceiverWalk:
+    """The receivers' neighbour lists, read `cols` neighbours at a time against a dense (r, V) per-code vector:
+    sum_at sums support values over each receiver's neighbours, spread is its transpose (each receiver's value
+    added to each of its neighbours). Lists read in one block are kept for every pass (the block fits
+    WORKSPACE_BYTES); more blocks are read anew. ids (r, K) the support, recv_ids (r, R) the receivers' tokens."""
 
-
-class _NeighbourLists:
-    """The receivers' neighbour lists, read `cols` neighbours at a time: sum_at reads a per-code vector at every
-    receiver's neighbours, spread is its transpose (each receiver's value added to each of its neighbours). Lists
-    read in one block are kept for every pass (the block fits WORKSPACE_BYTES); more blocks are read anew."""
-
-    def __init__(self, recv_ids: torch.Tensor, neighbours: torch.Tensor, vocab: int, cols: int):
-        self.recv_ids, self.neighbours, self.vocab, self.cols = recv_ids, neighbours, vocab, cols
-        self._whole = self._read(0) if cols >= neighbours.shape[1] else None
+    def __init__(self, ids: torch.Tensor, recv_ids: torch.Tensor, table: torch.Tensor, vocab: int, cols: int):
+        self.ids, self.recv_ids, self.table, self.vocab, self.cols = ids, recv_ids, table, vocab, cols
+        self._whole = self._read(0) if cols >= table.shape[1] else None
 
     def _read(self, start: int) -> torch.Tensor:
-        block = self.neighbours[:, start:start + self.cols]
+        block = self.table[:, start:start + self.cols]
         rows = torch.index_select(block, 0, self.recv_ids.flatten())  # (r * R, c): whole rows, copied at once
         return rows.long().view(self.recv_ids.shape[0], -1)  # (r, R * c)
 
@@ -106,23 +160,51 @@ class _NeighbourLists:
         if self._whole is not None:
             yield self._whole
             return
-        for start in range(0, self.neighbours.shape[1], self.cols):
+        for start in range(0, self.table.shape[1], self.cols):
             yield self._read(start)
 
-    def sum_at(self, per_code: torch.Tensor) -> torch.Tensor:
-        """(r, V) -> (r, R): the sum over each receiver's neighbours."""
-        out = per_code.new_zeros(self.recv_ids.shape)
+    def sum_at(self, values: torch.Tensor) -> torch.Tensor:
+        """(r, K) on the support -> (r, R): the sum over each receiver's neighbours (0 off the support)."""
+        per_code = values.new_zeros(values.shape[0], self.vocab).scatter_(1, self.ids, values)
+        out = values.new_zeros(self.recv_ids.shape)
         for nb in self._blocks():
             out = out + per_code.gather(1, nb).view(*self.recv_ids.shape, -1).sum(-1)
         return out
 
     def spread(self, values: torch.Tensor) -> torch.Tensor:
-        """(r, R) -> (r, V): each code's sum over the receivers it neighbours."""
+        """(r, R) -> (r, K): each support token's sum over the receivers it neighbours."""
         out = values.new_zeros(values.shape[0], self.vocab)
         for nb in self._blocks():
             c = nb.shape[1] // values.shape[1]
             out.scatter_add_(1, nb, values[..., None].expand(-1, -1, c).flatten(1))
-        return out
+        return out.gather(1, self.ids)
+
+
+class _CodebookWalk:
+    """Every code's sum over its list at once for all r rows: the per-code values, scattered (r, V) and laid out
+    (V, r) so that a code's r values sit side by side, summed through NeighbourLinks' lists (sum_at) or their
+    transpose (spread) by embedding_bag, then read at the receivers or the support. ids (r, K) the support,
+    recv_ids (r, R) the receivers' tokens."""
+
+    def __init__(self, ids: torch.Tensor, recv_ids: torch.Tensor, links: NeighbourLinks, vocab: int):
+        self.ids, self.recv_ids, self.vocab = ids, recv_ids, vocab
+        self.lists, self.holders, self.starts = links.codebook()
+
+    def _by_code(self, at: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """(r, n) ids and values -> (V, r), summed where an id repeats in a row, 0 elsewhere."""
+        per_code = values.new_zeros(values.shape[0], self.vocab).scatter_add_(1, at, values)
+        return per_code.t().contiguous()
+
+    def sum_at(self, values: torch.Tensor) -> torch.Tensor:
+        """(r, K) on the support -> (r, R): the sum over each receiver's neighbours (0 off the support)."""
+        sums = F.embedding_bag(self.lists, self._by_code(self.ids, values), mode="sum")  # (V, r)
+        return sums.t().gather(1, self.recv_ids)
+
+    def spread(self, values: torch.Tensor) -> torch.Tensor:
+        """(r, R) -> (r, K): each support token's sum over the receivers it neighbours."""
+        per_code = self._by_code(self.recv_ids, values)
+        sums = F.embedding_bag(self.holders, per_code, self.starts, mode="sum")  # (V, r): over the codes holding each
+        return sums.t().gather(1, self.ids)
 
 
 def paper_boost(residual: Support, original_px: torch.Tensor, x: torch.Tensor, neighbours: torch.Tensor,

@@ -68,9 +68,10 @@ class Support(NamedTuple):
             out = self.lookup().prob(t)
         return out[..., 0] if squeeze else out
 
-    def lookup(self) -> "SupportLookup":
-        """The support sorted by token id, to find many tokens in it at O(log K) each."""
-        return SupportLookup(self)
+    def lookup(self, vocab: int | None = None) -> "SupportLookup":
+        """To find many tokens in the support: by token id sorted (O(log K) each), or given the vocabulary's size
+        and a support at least half of it, through a per-code table (O(1) each)."""
+        return SupportLookup(self, vocab)
 
     def dense(self, vocab: int) -> torch.Tensor:
         """(..., V) probabilities."""
@@ -85,16 +86,31 @@ class Support(NamedTuple):
 
 
 class SupportLookup:
-    """Where tokens sit in a Support: its ids sorted once (..., K), then a binary search per token, so finding C
-    tokens costs O((K + C) log K) time and O(K + C) memory, never a (..., C, K) comparison."""
+    """Where tokens sit in a Support, never by a (..., C, K) comparison: its ids sorted once (..., K), then a
+    binary search per token, so finding C tokens costs O((K + C) log K) time and O(K + C) memory; or, given the
+    vocabulary's size V <= DENSE_SHARE * K (a wide support), each code's index in the support (..., V) int32,
+    written once, then one read per token: O(V + C) time, and no more memory than the sort."""
 
-    def __init__(self, support: Support):
+    DENSE_SHARE = 2
+
+    def __init__(self, support: Support, vocab: int | None = None):
         self.support = support
-        self.sorted_ids, self.order = support.ids.sort(-1)
+        ids = support.ids
+        if vocab is not None and vocab <= self.DENSE_SHARE * ids.shape[-1]:
+            index = torch.arange(ids.shape[-1], dtype=torch.int32, device=ids.device).expand(ids.shape)
+            self.index_of = torch.full((*ids.shape[:-1], vocab), -1, dtype=torch.int32, device=ids.device)
+            self.index_of.scatter_(-1, ids, index)  # -1: a code off the support
+        else:
+            self.index_of = None
+            self.sorted_ids, self.order = ids.sort(-1)
 
     def position(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(..., C) token ids -> (their index in the support (..., C), found (..., C) bool); index 0 where not
         found."""
+        if self.index_of is not None:
+            at = self.index_of.gather(-1, tokens)
+            found = at >= 0
+            return at.clamp_min_(0).long(), found
         at = torch.searchsorted(self.sorted_ids, tokens.contiguous()).clamp(max=self.sorted_ids.shape[-1] - 1)
         found = self.sorted_ids.gather(-1, at) == tokens
         return torch.where(found, self.order.gather(-1, at), 0), found

@@ -16,7 +16,7 @@ from lantern.decoding.drafting import PrefixPairs
 from lantern.decoding.sampling import SamplingConfig
 from lantern.decoding.stats import GenerationStats
 from lantern.engine.caption_mask import CaptionMaskedRunner, caption_slots_visible, drafter_caption_mask
-from lantern.engine.draws import SlotDraws, check_seed
+from lantern.engine.draws import SlotDraws, check_seed, derive_seed
 from lantern.engine.fused import WARM_CALLS, FusedStep
 from lantern.engine.proposers import make_proposer
 from lantern.engine.slot_sampling import SamplingOverrides, SlotSampling, request_sampling
@@ -291,3 +291,35 @@ class Engine:
             self._held[slot] = None
             self._known.discard(t.request_id)
         return out
+
+
+@dataclass
+class BatchRun:
+    results: list[RequestResult]  # in the order of the conditions
+    stats: GenerationStats  # width, the steps' wall seconds, drafter forwards, phases, every image in order
+    profile: dict  # the runner's profile record (phases, memory, warm-up)
+
+
+def run_batch(pipeline, decode: DecodeConfig, width: int, conditions, seed: int = 0, tokens: Optional[int] = None,
+              progress=None) -> BatchRun:
+    """An image of each condition (image i from derive_seed(seed, i), its first `tokens` tokens; None: all) on a fresh
+    engine `width` slots wide, refused first where it would not fit: Pipeline.generate's images and auto's timed runs.
+    Wall seconds are the steps'; a fused step's compile at the engine's first steps counts as preparing the runner."""
+    pipeline.check_fits(decode, width)
+    engine = Engine(pipeline, decode, width)
+    runner = engine.runner
+    runner.reset_times()
+    runner.reset_peak_memory()
+    compiled_before = runner.fused_warmup_seconds
+    ids = [engine.submit(Request(c, derive_seed(seed, i), tokens=tokens)) for i, c in enumerate(conditions)]
+    t0 = time.perf_counter()
+    finished = {r.request_id: r for r in engine.run(progress)}
+    wall = time.perf_counter() - t0
+    compiled = runner.fused_warmup_seconds - compiled_before
+    if compiled:
+        pipeline.prepare_seconds[runner.spec] = pipeline.prepare_seconds.get(runner.spec, 0.0) + compiled
+    results, profile = [finished[i] for i in ids], runner.profile()
+    stats = GenerationStats([image for r in results for image in r.stats.images],
+                            engine.steps_run * engine.proposer.drafter_calls, engine.width,
+                            {k: v["total_s"] for k, v in profile["phases"].items()}, wall)
+    return BatchRun(results, stats, profile)

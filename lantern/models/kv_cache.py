@@ -62,5 +62,9 @@ class StaticKVCache(nn.Module):
         return self.k0.dtype
 
     @property
+    def device(self) -> torch.device:
+        return self.k0.device
+
+    @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers() if b.is_floating_point())

@@ -32,6 +32,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from tqdm import tqdm
+
 from lantern.decoding.sampling import SamplingConfig
 from lantern.plan.candidates import AR, Plan
 from lantern.files.user_cache import cache_root, entry_folder, entry_lock, field_problem, read_entry, write_entry
@@ -165,10 +167,9 @@ def attended_fractions(record: Optional[dict], width: int) -> dict[str, float]:
 
 def measure_record(generate: Callable[[Plan], object], plans: Sequence[Plan], record: dict,
                    classes: Optional[list[int]] = None, progress: bool = True) -> dict:
-    """Fill `record` with every plan it lacks or holds stale. generate(plan) -> a GenerationResult of whole images
-    (the same conditions and seed for every plan); classes: their class ids (c2i; None: t2i), kept with the
-    steps. Returns the record (saved to the cache by the caller)."""
-    from tqdm import tqdm
+    """Fill `record` with every plan it lacks or holds stale. generate(plan) -> a run of whole images with their
+    `stats` (lantern.engine.BatchRun; the same conditions and seeds for every plan); classes: their class ids
+    (c2i; None: t2i), kept with the steps. Returns the record (saved to the cache by the caller)."""
     sampling = SamplingConfig(**record["sampling"])
     todo = [p for p in plans if p != AR and not current(record, p)]
     for plan in tqdm(todo, desc="acceptance record", unit="plan", file=sys.stderr, disable=not progress or not todo):

@@ -1,7 +1,7 @@
-"""`--method auto` over backends and modes. When the user pins no backend (no --backend, no $LANTERN_BACKEND),
-auto weighs every mode this machine runs -- eager, compiled (`cpu-graph`: one graph per static step), fused
-(`cpu-graph` with `fused_step=True`: the engine's whole step as one graph), ONNX Runtime -- with the same measured
-cost model, and counts a mode's one-time cost against the request:
+"""`--method auto` for the command line, the service and Pipeline (plan_request). When the user pins no backend (no
+--backend, no $LANTERN_BACKEND, no Pipeline backend), auto weighs every mode this machine runs -- eager, compiled
+(`cpu-graph`: one graph per static step), fused (`cpu-graph` with `fused_step=True`: the engine's whole step as one
+graph), ONNX Runtime -- with the same measured cost model, and counts a mode's one-time cost against the request:
 
     T(backend, plan) = prepare(backend, plan) + the plan's predicted generation seconds there (choose.py)
 
@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from lantern.backends.registry import ENV_VAR, backend_class, get_backend, registered, resolve_name
+from lantern.backends.torch_graph import fusable
 from lantern.decoding.sampling import SamplingConfig
 from lantern.plan import calibration, acceptance_records as records
 from lantern.plan.calibration import FUSED  # a candidate name's suffix: the backend with fused_step=True
@@ -152,55 +153,25 @@ def prepare_cost(pipe, ledger: dict, plan: Plan, sampling: SamplingConfig, width
     return PRIOR_PREPARE_S.get(mode, PRIOR_PREPARE_S["compiled"]), "prior: never prepared here"
 
 
-@dataclass
-class BackendChoice:
-    pipeline: object  # the Pipeline on the chosen backend (the runner calibration prepared is kept)
-    choice: Choice  # the plan on that backend
-    mode: str  # eager, compiled, fused (compiled, the whole step as one graph), onnx, graphs
-    prepare_s: float  # one-time cost counted against the request
-    prepare_source: str
-    baseline: dict  # the fastest AR: backend, mode, predicted_seconds (prepare included)
-    backends: list = field(default_factory=list)  # every mode: predictions, or why it was not weighed
-    calibrated_s: float = 0.0  # seconds spent calibrating (every mode) for this choice
-
-    @property
-    def backend(self) -> str:
-        return self.pipeline.backend.name
-
-    @property
-    def fused_step(self) -> bool:
-        return self.mode == "fused"
-
-    @property
-    def predicted_s(self) -> float:
-        return self.prepare_s + self.choice.predicted_s
-
-    @property
-    def speedup_over_fastest_ar(self) -> float:
-        return self.baseline["predicted_seconds"] / self.predicted_s if self.predicted_s else 1.0
-
-    @property
-    def why(self) -> str:
-        b = self.baseline
-        out = (f"{self.choice.plan.name} on {self.backend} ({self.mode}): predicted {self.predicted_s:.2f} s "
-               f"({self.prepare_s:.1f} s of it preparing: {self.prepare_source}), "
-               f"{self.speedup_over_fastest_ar:.2f}x the fastest AR, {b['backend']} ({b['mode']}) at "
-               f"{b['predicted_seconds']:.2f} s")
-        unweighed = [r for r in self.backends if r.get("status") != "weighed"]
-        if unweighed:
-            out += "; not weighed: " + "; ".join(f"{r['backend']} ({r['mode']}: {r['status']})" for r in unweighed)
-        return out
-
-    def to_dict(self) -> dict:
-        return {**self.choice.to_dict(), "backend": self.backend, "mode": self.mode, "fused_step": self.fused_step,
-                "why": self.why,
-                "predicted_total_seconds": self.predicted_s, "prepare_seconds": self.prepare_s,
-                "prepare_source": self.prepare_source, "fastest_ar": self.baseline,
-                "speedup_over_fastest_ar": self.speedup_over_fastest_ar, "backends": self.backends,
-                "calibration_seconds": self.calibrated_s}
-
-    def summary(self) -> str:
-        return f"auto chose {self.why} ({self.choice.cost_source}; {self.choice.relaxed})"
+def plan_request(pipe, n_images: int, sampling: SamplingConfig, make_pipe: Callable[..., object],
+                 batch: Optional[int] = None, allow_relaxed: bool = False,
+                 profile: Optional[calibration.ProfileCosts] = None, progress: bool = True,
+                 classes: Optional[Sequence[int]] = None, min_speedup: Optional[float] = None, prompts=None) -> Choice:
+    """What `--method auto` means for the command line, the service and Pipeline alike: the plan for n_images on
+    `pipe` (a Pipeline), on its backend alone (choose) where pinned (`pipe.pinned`), given a hardware profile's
+    calibration or a model family's target (prompt rows, no relaxation validated); else over every mode
+    (choose_backend), pipe the default mode's pipeline and make_pipe(backend, dtype, **options) the others'."""
+    common = dict(batch=batch, allow_relaxed=allow_relaxed, progress=progress, classes=classes,
+                  min_speedup=MIN_SPEEDUP if min_speedup is None else min_speedup)
+    family = pipe.config.family if pipe.config.model_type == "prompt" else None
+    if family is None and profile is None and not pipe.pinned:
+        return choose_backend(make_pipe, n_images, sampling, dtype=pipe.dtype, default=pipe, **common)
+    choice = choose(pipe, n_images, sampling, profile=profile, prompts=prompts, **common)
+    choice.mode = mode_of(calibration.costs_name(pipe))
+    if family is not None:
+        choice.scope = f"a {family} folder: the backend given, lossless plans only"
+        choice.relaxed = f"lossless plans only (no relaxation is validated for {family} models)"
+    return choice
 
 
 def _weighable(choice: Choice) -> list[dict]:
@@ -283,26 +254,25 @@ def _other_mode(pipe, mode: str, key: dict, ledger: dict, cross: list[Plan], sam
 
 
 def choose_backend(make_pipe: Callable[..., object], n_images: int, sampling: SamplingConfig,
-                   batch: Optional[int] = None, allow_relaxed: bool = False, validated: Optional[dict] = None,
-                   shipped_records: Optional[dict] = None, progress: bool = True,
+                   batch: Optional[int] = None, allow_relaxed: bool = False, progress: bool = True,
                    classes: Optional[Sequence[int]] = None, min_speedup: Optional[float] = None,
-                   dtype: Optional[str] = None, calibrate_all: bool = False) -> BackendChoice:
-    """The backend, mode and plan for the request. make_pipe(backend name, dtype, **backend options) -> a
-    Pipeline of the same models on that backend in that dtype (`dtype` None: the default backend's preferred;
-    options: {"fused_step": True} for the fused mode, none otherwise); calibrate_all:
-    calibrate every mode whatever the request (ahead of time) instead of only those the request can pay for."""
+                   dtype: Optional[str] = None, calibrate_all: bool = False, default=None) -> Choice:
+    """The backend, mode and plan for the request. make_pipe(backend name, dtype, **backend options) -> a Pipeline
+    of the same models and defaults there (`dtype` None: the default backend's preferred; options: {"fused_step":
+    True} for the fused mode), the default mode's `default` where given; calibrate_all: calibrate every mode
+    whatever the request (ahead of time) instead of only those the request can pay for."""
     min_speedup = MIN_SPEEDUP if min_speedup is None else min_speedup
     names, left_out, dtype = candidate_backends(dtype)
     if not names:
         raise ValueError(f"no backend of this machine runs {dtype}: " + "; ".join(r["status"] for r in left_out))
-    pipes = {names[0]: make_pipe(names[0], dtype)}  # the default backend: eager
+    pipes = {names[0]: make_pipe(names[0], dtype) if default is None else default}  # the default backend: eager
     base_pipe = pipes[names[0]]
-    common = dict(allow_relaxed=allow_relaxed, validated=validated, shipped_records=shipped_records,
-                  classes=classes, min_speedup=min_speedup)
+    common = dict(allow_relaxed=allow_relaxed, classes=classes, min_speedup=min_speedup)
     choices = {names[0]: choose(base_pipe, n_images, sampling, batch=batch, progress=progress, **common)}
     base, key = choices[names[0]], base_pipe.model_key
     width = base.width
-    allowed, _ = allowed_relaxation(allow_relaxed, validated or {}, sampling, base_pipe.config.vocab_size)
+    allowed, _ = allowed_relaxation(allow_relaxed, base_pipe.defaults.relaxation, sampling,
+                                    base_pipe.config.vocab_size)
     by_name = {p.name: p for p in candidate_plans(base_pipe.drafter is not None, base_pipe.proximity is not None,
                                                   allowed)}
     ledgers = {names[0]: record_prepared(base_pipe, calibration.calibration_key(names[0], base_pipe.dtype, key),
@@ -315,7 +285,6 @@ def choose_backend(make_pipe: Callable[..., object], n_images: int, sampling: Sa
     anchor = calibration.ar_step_timer(base_pipe, sampling, width)
     anchor_ar_step_s = next(r["step_ms"] for r in base.candidates if r["plan"] == AR.name) / 1e3
     rows, spent = list(left_out), base.calibrated_s
-    from lantern.backends.torch_graph import fusable
     for name in names[1:]:
         backend, backend_options = backend_of(name)
         not_fusable = backend_options.get("fused_step") and fusable(None, base_pipe.target)
@@ -328,8 +297,8 @@ def choose_backend(make_pipe: Callable[..., object], n_images: int, sampling: Sa
         ledgers[name] = load_ledger(key_c)
         entry, status, seconds = _other_mode(pipe, mode_of(name), key_c, ledgers[name], cross, sampling, width,
                                              request_s, calibrate_all, progress,
-                                             lambda plans, p=pipe: steps_by_plan(p, plans, sampling, key,
-                                                                                 shipped_records, False, wanted)[0],
+                                             lambda plans, p=pipe: steps_by_plan(p, plans, sampling, key, False,
+                                                                                 wanted)[0],
                                              anchor)
         spent += seconds
         if entry is None:
@@ -364,7 +333,11 @@ def choose_backend(make_pipe: Callable[..., object], n_images: int, sampling: Sa
     total, name, row, prep, source = best
     plan = by_name[row["plan"]]
     chosen = dataclasses.replace(choices[name], plan=plan, decode=plan.decode(sampling),
-                                 predicted_s=row["predicted_seconds"])
+                                 predicted_s=row["predicted_seconds"], pipeline=pipes[name], mode=mode_of(name),
+                                 baseline=mode_row(fastest_ar[1], predicted_seconds=fastest_ar[0],
+                                                   prepare_seconds=fastest_ar[3]),
+                                 prepare_s=prep, prepare_source=source, calibrated_s=spent,
+                                 backends=sorted(rows, key=lambda r: r["status"].startswith("unavailable")))
     for other, pipe in pipes.items():
         if other != name:
             pipe.release()
@@ -372,6 +345,4 @@ def choose_backend(make_pipe: Callable[..., object], n_images: int, sampling: Sa
     # prepared here (a fused step compiled too), so the ledger learns what this preparation cost
     calibration.compile_fused_step(pipes[name], chosen.decode, width)
     record_prepared(pipes[name], calibration.calibration_key(name, pipes[name].dtype, key), width, [plan], sampling)
-    return BackendChoice(pipes[name], chosen, mode_of(name), prep, source,
-                         mode_row(fastest_ar[1], predicted_seconds=fastest_ar[0], prepare_seconds=fastest_ar[3]),
-                         sorted(rows, key=lambda r: r["status"].startswith("unavailable")), spent)
+    return chosen

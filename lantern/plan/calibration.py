@@ -41,8 +41,12 @@ from pathlib import Path
 from typing import Callable, ContextManager, Sequence
 
 import torch
+from tqdm import tqdm
 
+from lantern.backends.environment import cpu_model
 from lantern.decoding.sampling import SamplingConfig
+from lantern.engine import run_batch
+from lantern.engine.fused import WARM_CALLS
 from lantern.plan.candidates import AR, Plan
 from lantern.files.user_cache import (cache_root, entry_folder, entry_lock, field_problem, is_number, read_entry,
                                       write_entry)
@@ -94,7 +98,6 @@ def _turn() -> ContextManager:
 
 
 def machine_id() -> dict:
-    from lantern.backends.environment import cpu_model
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"host": socket.gethostname(), "cpu": cpu_model(), "cores": os.cpu_count(), "gpu": gpu,
             "platform": platform.platform()}
@@ -244,14 +247,13 @@ def conditions(config, n: int, prompts: torch.Tensor | None = None) -> torch.Ten
 
 def _short_run(pipe, dcfg, width: int, tokens: int, attended: float = 0.5,
                prompts: torch.Tensor | None = None) -> tuple[float, int]:
-    """(wall seconds, loop steps) of one chunk of `width` images generating `tokens` tokens each, every step
-    attending over as many cache slots as the plan's steps do on average (`attended` of an image)."""
+    """(wall seconds, loop steps) of one chunk of `width` images generating `tokens` tokens each on the engine, every
+    step attending over as many cache slots as the plan's steps do on average (`attended` of an image)."""
     runner = pipe.runner(dcfg, width)
     average = runner.spec.prefix_len + round(pipe.config.block_size * attended) + dcfg.verify_width
     with runner.attend_at_least(average):
-        result = pipe.generate(conditions(pipe.config, width, prompts), dcfg, seed=0, batch=width, tokens=tokens)
-    steps = max(img.target_forwards - 1 for img in result.stats.images)
-    return result.stats.wall_seconds, steps
+        stats = run_batch(pipe, dcfg, width, conditions(pipe.config, width, prompts), tokens=tokens).stats
+    return stats.wall_seconds, max(img.target_forwards - 1 for img in stats.images)
 
 
 def _step_seconds(pipe, dcfg, width: int, fixed_s: float, tokens: int, attended: float,
@@ -285,7 +287,6 @@ def compile_fused_step(pipe, dcfg, width: int, prompts: torch.Tensor | None = No
     first steps (lantern.engine.fused), not in the runner's warm-up, and a timed run must not pay it. Each run
     generates enough tokens for more than WARM_CALLS steps (a step emits at most its depth plus one). Other
     runners: prepared, nothing more."""
-    from lantern.engine.fused import WARM_CALLS
     runner = pipe.runner(dcfg, width)
     per_step = 1 if dcfg.strategy is None else dcfg.strategy.depth + 1
     tokens = min(pipe.config.block_size, (WARM_CALLS + 1) * per_step + 1)
@@ -336,7 +337,6 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
     every later run reuses what it made. The runners stay prepared, so the plan chosen runs on the very runner
     that was timed (on a 2-core EPYC VM the same plan's step has differed by 10-20% between runners and
     processes); the caller frees the others. Returns the width's entry."""
-    from tqdm import tqdm
     block = pipe.config.block_size
     entry = entry or {"plans": {}}
     t0 = clock()

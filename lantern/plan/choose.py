@@ -25,6 +25,7 @@ import torch
 
 from lantern.decoding.config import DecodeConfig
 from lantern.decoding.sampling import SamplingConfig
+from lantern.engine import run_batch
 from lantern.plan import calibration, acceptance_records as records
 from lantern.plan.candidates import AR, Plan, candidate_plans
 from lantern.plan.validated import allowed_relaxations
@@ -49,32 +50,80 @@ def probe_rounds() -> dict:
 
 @dataclass
 class Choice:
+    """What `--method auto` chose: the pipeline it runs on, the plan there, its predictions; with the modes weighed
+    (lantern.plan.backend_choice) the fastest AR, the one-time cost and every mode's row, else `scope` says why not."""
     plan: Plan
     decode: DecodeConfig
     width: int  # images per static step
-    predicted_s: float
+    predicted_s: float  # the plan's generation seconds (prepare_s apart)
     predicted_ar_s: float
     candidates: list = field(default_factory=list)  # every plan's prediction
     cost_source: str = ""
     relaxed: str = ""  # which relaxed methods were allowed, and why
     min_speedup: float = MIN_SPEEDUP  # what a plan had to be predicted at to be chosen over AR
-    calibrated_s: float = 0.0  # seconds spent measuring for this choice (0 when everything was cached)
+    calibrated_s: float = 0.0  # seconds spent measuring for this choice, every mode's (0 when everything was cached)
     prepared_s: float = 0.0  # seconds preparing runners (exporting graphs) to calibrate: later runs reuse them
     disturbed: str = ""  # why the calibration's timing was disturbed (then AR alone is trusted), or ''
+    pipeline: object = None  # the Pipeline it runs on (the runner calibration prepared is kept)
+    mode: str = ""  # eager, compiled, fused (compiled, the whole step as one graph), onnx, graphs
+    scope: str = "pinned"  # planned on one backend: why (pinned, a hardware profile's calibration, a model family)
+    baseline: Optional[dict] = None  # modes weighed: the fastest AR (backend, mode, predicted_seconds, prepare in)
+    prepare_s: float = 0.0  # modes weighed: the one-time cost counted against the request, and its source
+    prepare_source: str = ""
+    backends: list = field(default_factory=list)  # modes weighed: every mode's predictions, or why not weighed
 
     @property
     def predicted_speedup(self) -> float:
         return self.predicted_ar_s / self.predicted_s if self.predicted_s else 1.0
 
+    @property
+    def backend(self) -> str:
+        return self.pipeline.backend.name
+
+    @property
+    def fused_step(self) -> bool:
+        return self.mode == "fused"
+
+    @property
+    def predicted_total_s(self) -> float:
+        return self.prepare_s + self.predicted_s
+
+    @property
+    def speedup_over_fastest_ar(self) -> float:
+        return self.baseline["predicted_seconds"] / self.predicted_total_s if self.predicted_total_s else 1.0
+
+    @property
+    def why(self) -> str:
+        if self.baseline is None:
+            return f"{self.plan.name} on {self.backend} ({self.scope})"
+        b = self.baseline
+        out = (f"{self.plan.name} on {self.backend} ({self.mode}): predicted {self.predicted_total_s:.2f} s "
+               f"({self.prepare_s:.1f} s of it preparing: {self.prepare_source}), "
+               f"{self.speedup_over_fastest_ar:.2f}x the fastest AR, {b['backend']} ({b['mode']}) at "
+               f"{b['predicted_seconds']:.2f} s")
+        unweighed = [r for r in self.backends if r.get("status") != "weighed"]
+        if unweighed:
+            out += "; not weighed: " + "; ".join(f"{r['backend']} ({r['mode']}: {r['status']})" for r in unweighed)
+        return out
+
     def to_dict(self) -> dict:
-        return {"method": self.plan.method, "plan": self.plan.name, **{k: v for k, v in self.plan.describe().items()
-                                                                        if k not in ("name", "method")},
-                "batch": self.width, "predicted_seconds": self.predicted_s, "predicted_ar_seconds":
-                self.predicted_ar_s, "predicted_speedup": self.predicted_speedup, "cost_source": self.cost_source,
-                "relaxation": self.relaxed, "min_speedup": self.min_speedup, "calibration_seconds": self.calibrated_s,
-                "calibration_prepare_seconds": self.prepared_s, "candidates": self.candidates}
+        """The --json plan; with the modes weighed also which backend and mode, and why."""
+        out = {"method": self.plan.method, "plan": self.plan.name, **{k: v for k, v in self.plan.describe().items()
+                                                                       if k not in ("name", "method")},
+               "batch": self.width, "predicted_seconds": self.predicted_s, "predicted_ar_seconds":
+               self.predicted_ar_s, "predicted_speedup": self.predicted_speedup, "cost_source": self.cost_source,
+               "relaxation": self.relaxed, "min_speedup": self.min_speedup, "calibration_seconds": self.calibrated_s,
+               "calibration_prepare_seconds": self.prepared_s, "candidates": self.candidates}
+        if self.baseline is None:
+            return out
+        return {**out, "backend": self.backend, "mode": self.mode, "fused_step": self.fused_step, "why": self.why,
+                "predicted_total_seconds": self.predicted_total_s, "prepare_seconds": self.prepare_s,
+                "prepare_source": self.prepare_source, "fastest_ar": self.baseline,
+                "speedup_over_fastest_ar": self.speedup_over_fastest_ar, "backends": self.backends}
 
     def summary(self) -> str:
+        if self.baseline is not None:
+            return f"auto chose {self.why} ({self.cost_source}; {self.relaxed})"
         return (f"auto chose {self.plan.name} at {self.width} image(s) per step: predicted {self.predicted_s:.2f} s, "
                 f"{self.predicted_speedup:.2f}x AR{self.why_ar()} ({self.cost_source}; {self.relaxed})")
 
@@ -139,17 +188,15 @@ def check_min_speedup(value) -> None:
 
 
 def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] = None, allow_relaxed: bool = False,
-           validated: Optional[dict] = None, shipped_records: Optional[dict] = None,
            profile: Optional[calibration.ProfileCosts] = None, progress: bool = True,
            classes: Optional[Sequence[int]] = None, min_speedup: float = MIN_SPEEDUP,
            prompts: Optional[torch.Tensor] = None) -> Choice:
-    """The plan for `n_images` on this pipeline. validated: the bundle's quality-validated relaxation settings
-    per method; shipped_records: the bundle's acceptance records by dtype; profile: a hardware profile's
-    calibration (else this machine's cached one, measured where missing); classes: the request's class ids in
-    order (c2i), to predict each image from its class's steps (None: every image from all the record's);
-    min_speedup: the predicted speed-up over AR a plan needs to be chosen; prompts: the request's prompt rows
-    (n, P) for a prompt-conditioned target (a model family's), which its acceptance record and calibration are
-    measured on where missing."""
+    """The plan for `n_images` on this pipeline, with its bundle's validated relaxations and acceptance records
+    (`pipe.defaults`). profile: a hardware profile's calibration (else this machine's cached one, measured where
+    missing); classes: the request's class ids in order (c2i), to predict each image from its class's steps
+    (None: every image from all the record's); min_speedup: the predicted speed-up over AR a plan needs to be
+    chosen; prompts: the request's prompt rows (n, P) for a prompt-conditioned target (a model family's), which
+    its acceptance record and calibration are measured on where missing."""
     check_min_speedup(min_speedup)
     if isinstance(n_images, bool) or not isinstance(n_images, numbers.Integral) or n_images < 1:
         raise ValueError(f"n_images {n_images!r} is not allowed; allowed: an integer >= 1 (the images to plan for)")
@@ -158,13 +205,12 @@ def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] =
     usable_root()  # a cache folder that cannot be used, are refused before anything is measured
     if classes is not None and len(classes) != n_images:
         raise ValueError(f"{len(classes)} class ids given for {n_images} images")
-    validated = validated or {}
     width = min(pipe.check(AR.decode(sampling), batch), n_images)
-    allowed, why = allowed_relaxation(allow_relaxed, validated, sampling, pipe.config.vocab_size)
+    allowed, why = allowed_relaxation(allow_relaxed, pipe.defaults.relaxation, sampling, pipe.config.vocab_size)
     plans, skipped = runnable(pipe, candidate_plans(pipe.drafter is not None, pipe.proximity is not None, allowed),
                               sampling)
     key = pipe.model_key
-    steps, spent = steps_by_plan(pipe, plans, sampling, key, shipped_records, progress,
+    steps, spent = steps_by_plan(pipe, plans, sampling, key, progress,
                                  list(classes) if classes is not None else [None] * n_images, prompts)
     mean_steps = {p.name: statistics.fmean(statistics.fmean(v) for v in steps[p.name]) for p in plans}
     if profile is not None and any(e.get("model") != key for e in profile.widths.values()):
@@ -204,21 +250,22 @@ def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] =
     return Choice(plan=plan, decode=plan.decode(sampling), width=width,
                   predicted_s=best["predicted_seconds"], predicted_ar_s=ar_s, candidates=rows + skipped,
                   cost_source=source, relaxed=why, min_speedup=min_speedup, calibrated_s=spent,
-                  prepared_s=prepared if profile is None else 0.0, disturbed=costs.get("disturbed", ""))
+                  prepared_s=prepared if profile is None else 0.0, disturbed=costs.get("disturbed", ""), pipeline=pipe,
+                  scope="pinned" if profile is None else f"hardware profile {profile.name}")
 
 
-def steps_by_plan(pipe, plans: list[Plan], sampling: SamplingConfig, key: str, shipped_records: Optional[dict],
-                  progress: bool, wanted: list, prompts: Optional[torch.Tensor] = None
+def steps_by_plan(pipe, plans: list[Plan], sampling: SamplingConfig, key: str, progress: bool, wanted: list,
+                  prompts: Optional[torch.Tensor] = None
                   ) -> tuple[dict[str, list[list[float]]], float]:
     """Every plan's steps for each requested image (wanted: its class id, or None), from the acceptance record;
     plans it lacks are measured here, once. Returns them and the seconds spent measuring."""
     block = pipe.config.block_size
-    record = records.load_record(key, sampling, pipe.dtype, shipped_records)
+    record = records.load_record(key, sampling, pipe.dtype, pipe.defaults.acceptance_records)
     missing = [p for p in plans if records.plan_steps(record, p, block) is None]
     t0 = time.perf_counter()
     with records.locked(key, sampling, pipe.dtype) if missing else contextlib.nullcontext():
         if missing:  # read again: another process may have measured them while this one waited
-            record = records.load_record(key, sampling, pipe.dtype, shipped_records)
+            record = records.load_record(key, sampling, pipe.dtype, pipe.defaults.acceptance_records)
             missing = [p for p in plans if records.plan_steps(record, p, block) is None]
         if missing:
             _measure_record(pipe, missing, record, sampling, key, progress, prompts)
@@ -233,7 +280,7 @@ def _measure_record(pipe, missing: list[Plan], record: dict, sampling: SamplingC
           f"once ({RECORD_IMAGES} images each; cached in {records.record_path(key, sampling, pipe.dtype)})",
           file=sys.stderr)
     cond = calibration.conditions(pipe.config, RECORD_IMAGES, prompts)
-    records.measure_record(lambda p: pipe.generate(cond, p.decode(sampling), seed=0, batch=RECORD_IMAGES),
+    records.measure_record(lambda p: run_batch(pipe, p.decode(sampling), RECORD_IMAGES, cond),
                            missing, record, cond if isinstance(cond, list) else None, progress)
     pipe.release()
     records.save_record(record)

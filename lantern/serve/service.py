@@ -34,7 +34,7 @@ from lantern.decoding.sampling import SamplingConfig
 from lantern.engine import Request, SamplingOverrides, derive_seed
 from lantern.engine.slot_sampling import PER_REQUEST
 from lantern.models.text import T5Conditioner, check_encoder_fits
-from lantern.plan.backend_choice import choose_backend, pinned_backend
+from lantern.plan.backend_choice import plan_request
 from lantern.plan.validated import named_config
 from lantern.serve.config import ServeConfig
 from lantern.serve.families import FamilyModel, check_model, load_model
@@ -127,27 +127,16 @@ class Service:
         return self.pipe
 
     def _plan(self) -> tuple[Pipeline, ServingPlan]:
-        """The planner's thread: auto's plan for a full batch at the model's sampling, weighed over `plan_images`
-        images, on pipelines of its own (the serving one is the worker's); with no backend pinned, for a bundle
-        also the backend (the pipeline on it is returned; the others are released). A family folder plans on the
-        backend given, lossless plans only, its acceptance measured on CALIBRATION_PROMPTS where the cache lacks
-        it (lantern.serve.families)."""
+        """The planner's thread: auto's plan (lantern.plan.backend_choice.plan_request, as `lantern generate`'s) for
+        a full batch at the model's sampling, weighed over `plan_images` images, on pipelines of its own (the serving
+        one is the worker's); a family folder's acceptance measured on CALIBRATION_PROMPTS (lantern.serve.families)."""
         cfg = self.config
-        common = dict(batch=cfg.batch, allow_relaxed=cfg.allow_relaxed, progress=False)
-        if pinned_backend(cfg.backend) is None and self.family is None:
-            choice = choose_backend(lambda name, dtype, **options: self._pipeline(name, dtype, **options),
-                                    cfg.plan_images, self.sampling, validated=self.model.validations,
-                                    shipped_records=self.model.acceptance_records, dtype=cfg.dtype, **common)
-            pipe, plan, why = choice.pipeline, choice.choice, choice.why
-        else:
-            pipe = self._pipeline(cfg.backend, cfg.dtype)
-            plan = pipe.plan(cfg.plan_images, self.sampling, prompts=self.calibration_rows, **common)
-            why = (f"{plan.plan.name} on {pipe.backend.name} (pinned)" if self.family is None else
-                   f"{plan.plan.name} on {pipe.backend.name} (a {self.family.name} folder: the backend given, "
-                   f"lossless plans only)")
-        return pipe, ServingPlan(plan.plan.name, plan.decode, f"{why}; weighed over {cfg.plan_images} images, "
-                                                              f"calibrated and prepared in the background at widths "
-                                                              f"{', '.join(map(str, cfg.ladder))}")
+        choice = plan_request(self._pipeline(cfg.backend, cfg.dtype), cfg.plan_images, self.sampling, self._pipeline,
+                              batch=cfg.batch, allow_relaxed=cfg.allow_relaxed, progress=False,
+                              prompts=self.calibration_rows)
+        return choice.pipeline, ServingPlan(choice.plan.name, choice.decode,
+                                            f"{choice.why}; weighed over {cfg.plan_images} images, calibrated and "
+                                            f"prepared in the background at widths {', '.join(map(str, cfg.ladder))}")
 
     def _switched(self, pipe: Pipeline, plan: ServingPlan) -> None:
         """Worker thread, at the step boundary of the switch: the chosen plan serves from now on."""

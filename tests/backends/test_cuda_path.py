@@ -262,3 +262,15 @@ def test_onnx_step_tensors_live_on_the_providers_gpu_where_torch_has_cuda():
     assert io_device(("cuda", 1), torch_has_cuda=True) == torch.device("cuda", 1)
     assert io_device(("cuda", 1), torch_has_cuda=False) == torch.device("cpu")
     assert io_device(("cpu", 0), torch_has_cuda=True) == torch.device("cpu")
+
+
+def test_every_tensor_a_step_holds_lives_on_the_runners_device(small):
+    """A step module's buffer made without a device lands on the host; on a GPU, its first step then fails
+    (index on cpu, cache on cuda:0). Built here on the meta device, where a host tensor stands out."""
+    target, drafter, _ = small
+    meta = torch.device("meta")
+    spec = torch_eager.StaticSpec(batch=2, max_len=12, prefix_len=1, verify_widths=(1, 3), draft_widths=(1, 3))
+    runner = torch_eager.TorchRunner(target.to(meta), drafter.to(meta), spec, meta)
+    held = {f"{step}.{name}": t for step, module in runner.modules.items()
+            for name, t in itertools.chain(module.named_parameters(), module.named_buffers())}
+    assert held and {name: t.device for name, t in held.items() if t.device != meta} == {}

@@ -122,7 +122,7 @@ def seed_acceptance_record(bundle_dir: Path, caches: list[Path], monkeypatch) ->
     pipe = Pipeline.from_bundle(load_bundle(bundle_dir), backend="cpu")
     sampling = pipe.defaults.sampling
     plans, _ = runnable(pipe, candidate_plans(False, False), sampling)
-    steps_by_plan(pipe, plans, sampling, pipe.model_key, None, False, [None])
+    steps_by_plan(pipe, plans, sampling, pipe.model_key, False, [None])
     for cache in caches[1:]:
         shutil.copytree(first / "records", cache / "records")
 

@@ -77,7 +77,7 @@ def test_bounded_relaxation_outputs_exactly_p_hat_and_not_p(rule, deterministic)
         q_sup = torch.zeros(64).scatter_(0, torch.topk(q, 3).indices, 1.0)
     else:
         q_sup = q
-    p_hat, tv = bounded_target(full_support(p[None, None]), q_sup[None, None], rule.neighbours("cpu"), 64,
+    p_hat, tv = bounded_target(full_support(p[None, None]), q_sup[None, None], rule.links("cpu"), 64,
                                *rule.bounds)
     p_hat, tv = p_hat[0, 0], float(tv[0, 0])
     counts = counts_of(first, 64)
@@ -150,12 +150,20 @@ def reference_bounded_target(p: torch.Tensor, q: torch.Tensor, neighbours: torch
     return p + flow.sum(1) - flow.sum(0), float(flow.sum())
 
 
+@pytest.fixture(params=["receivers", "codebook"])
+def walk(request, monkeypatch):
+    """The bounded target's lists walked over the receivers, or over the codebook, whatever the shapes."""
+    monkeypatch.setattr(relaxation, "walks_the_codebook", lambda *shape: request.param == "codebook")
+    return request.param
+
+
 @pytest.mark.parametrize("kw", [dict(kind="lantern", delta=0.3), dict(kind="lantern++", lam=3.0)])
 @pytest.mark.parametrize("k", [3, 8, 63])
 @pytest.mark.parametrize("support", [5, 40])
-def test_bounded_target_matches_the_dense_reference_in_any_blocking(kw, k, support, monkeypatch):
-    """The neighbour lists read in blocks (as at LlamaGen's sizes) give every node the dense V x V reference's
-    p_hat and moved mass, whether a block holds every row and neighbour or one neighbour of one row."""
+def test_bounded_target_matches_the_dense_reference_in_any_blocking(kw, k, support, walk, monkeypatch):
+    """Either walk over the neighbour lists, read in blocks (as at LlamaGen's sizes), gives every node the dense
+    V x V reference's p_hat and moved mass, whether a block holds every row and neighbour or one neighbour of
+    one row."""
     rule = codebook_rule(v=64, k=k, **kw)
     torch.manual_seed(7)
     ids = torch.rand(3, 9, 64).argsort(-1)[..., :support]  # (B, M, K) distinct tokens per node
@@ -163,9 +171,9 @@ def test_bounded_target_matches_the_dense_reference_in_any_blocking(kw, k, suppo
     probs[0, 0, 4] = 0.0  # a token the target cannot emit never receives
     q_sup = torch.distributions.Dirichlet(torch.full((support,), 0.5)).sample((3, 9)) * 0.9
     p = Support(probs, ids)
-    whole = bounded_target(p, q_sup, rule.neighbours("cpu"), 64, *rule.bounds)
+    whole = bounded_target(p, q_sup, rule.links("cpu"), 64, *rule.bounds)
     monkeypatch.setattr(relaxation, "WORKSPACE_BYTES", 1)  # one row, one neighbour at a time
-    blocked = bounded_target(p, q_sup, rule.neighbours("cpu"), 64, *rule.bounds)
+    blocked = bounded_target(p, q_sup, rule.links("cpu"), 64, *rule.bounds)
     assert float(whole[1].max()) > 0.05  # mass really moved
     for a, b in zip(whole, blocked):
         assert torch.allclose(a, b, atol=1e-6)
@@ -178,9 +186,9 @@ def test_bounded_target_matches_the_dense_reference_in_any_blocking(kw, k, suppo
         assert float(whole[1][b_, m_]) == pytest.approx(want_moved, abs=1e-5)
 
 
-def test_receivers_restricted_to_the_candidates_give_the_same_target():
+def test_receivers_restricted_to_the_candidates_give_the_same_target(walk):
     """Deterministic drafts: only candidates can receive; naming them as receivers (duplicates and slots that
-    receive nothing included) gives the target of the whole support."""
+    receive nothing included) gives the target of the whole support, on either walk."""
     rule = codebook_rule("lantern", v=64, k=8, delta=0.4)
     torch.manual_seed(3)
     ids = torch.rand(2, 5, 64).argsort(-1)[..., :30]
@@ -189,8 +197,8 @@ def test_receivers_restricted_to_the_candidates_give_the_same_target():
     slots[:, :, 3] = slots[:, :, 0]  # a candidate named twice receives once
     q_sup = torch.zeros(2, 5, 30).scatter_(2, slots, 1.0)
     p = Support(probs, ids)
-    whole = bounded_target(p, q_sup, rule.neighbours("cpu"), 64, *rule.bounds)
-    named = bounded_target(p, q_sup, rule.neighbours("cpu"), 64, *rule.bounds, receivers=slots)
+    whole = bounded_target(p, q_sup, rule.links("cpu"), 64, *rule.bounds)
+    named = bounded_target(p, q_sup, rule.links("cpu"), 64, *rule.bounds, receivers=slots)
     assert float(whole[1].max()) > 0.05
     for a, b in zip(whole, named):
         assert torch.allclose(a, b, atol=1e-6)

@@ -13,7 +13,7 @@ from lantern.api import Pipeline
 from lantern.bundle import DEFAULT_BUNDLE
 from lantern.models.config import GPTConfig
 from lantern.decoding import DecodeConfig, SamplingConfig, method_preset
-from lantern.decoding.relaxation import bounded_target
+from lantern.decoding.relaxation import NeighbourLinks, bounded_target
 from lantern.decoding.sampling import Support, warp
 from lantern.models.gpt import GPT
 from lantern.models.proximity import build_proximity_table
@@ -181,7 +181,8 @@ def first_pair_targets(target, proximity, cls: int, sc: SamplingConfig, rule: di
         lu, _ = target.forward_full(x0, torch.full((v,), target.config.num_classes))
     dist = warp(lu + sc.cfg_scale * (lc - lu), sc)  # (6, 2, K): token 0, token 1 given x0
     p0, p1 = dist.dense(v)[0, 0], Support(dist.probs[:, 1:], dist.ids[:, 1:])  # (V,), (6, 1, K)
-    p_hat, moved = bounded_target(p1, p0[p1.ids], proximity[:, :rule["k"]], v, rule.get("delta"), rule.get("lam"))
+    p_hat, moved = bounded_target(p1, p0[p1.ids], NeighbourLinks(proximity[:, :rule["k"]]), v, rule.get("delta"),
+                                  rule.get("lam"))
     relaxed = Support(p_hat, p1.ids).dense(v)[:, 0]  # (6, V)
     return p0[:, None] * p1.dense(v)[:, 0], p0[:, None] * relaxed, moved[:, 0]
 

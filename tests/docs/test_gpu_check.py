@@ -89,3 +89,22 @@ def test_cuda_syncs_are_counted_from_the_sync_debug_mode_warnings(monkeypatch):
             warnings.warn("called a synchronizing CUDA operation", UserWarning)
         warnings.warn("something else", UserWarning)
     assert gpu_check.count_syncs(False, run) == 3 and modes == ["warn", "default"]
+
+
+def test_the_budget_is_shared_among_the_sections_that_run_only():
+    """A rerun of one section has the whole budget (a lease's last minutes went to waste when it had the share
+    it has among all seven); the last section to run has whatever is left."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import gpu_check
+    assert gpu_check.section_shares(["timing-1"]) == {"timing-1": None}
+    shares = gpu_check.section_shares(["parity", "timing-1", "serve"])
+    assert shares["serve"] is None and shares["parity"] == pytest.approx(0.18 / (0.18 + 0.25 + 0.2))
+    assert gpu_check.section_shares(list(gpu_check.SHARES) + ["timing-rest"])["conformance"] == 0.12
+
+
+def test_results_written_under_out_are_not_copied_onto_themselves(tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "tools"))
+    import gpu_check
+    monkeypatch.setenv("OUT", str(tmp_path))
+    gpu_check.write_all(tmp_path / "gpu-timing", {"quick": False, "sections": {}, "skipped": [], "budget_s": 1.0})
+    assert (tmp_path / "gpu-timing.json").exists() and (tmp_path / "gpu-timing.md").exists()

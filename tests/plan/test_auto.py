@@ -197,9 +197,20 @@ def test_choice_follows_the_cost_model(pipe):
     assert allowed.plan.name == chain and allowed.decode.acceptance == "lantern++" and allowed.decode.k == 4
 
 
+def run_on_fakes(monkeypatch) -> None:
+    """Calibration's timed runs (lantern.engine.run_batch) on the fake pipelines below: each fake's run_batch."""
+    monkeypatch.setattr(calibration, "run_batch",
+                        lambda pipe, dcfg, width, conditions, tokens: pipe.run_batch(dcfg, width, tokens))
+
+
+@pytest.fixture
+def fake_engine(monkeypatch):
+    run_on_fakes(monkeypatch)
+
+
 class CostCurvePipe:
-    """A fake pipeline (made by this test, no model): a loop step costs step_ms(verify width, drafts?)
-    milliseconds and speculation halves the steps. Records which verify widths ran."""
+    """A fake pipeline (made by this test, no model) with a fake engine (run_on_fakes): a loop step costs
+    step_ms(verify width, drafts?) milliseconds and speculation halves the steps. Records which verify widths ran."""
 
     def __init__(self, step_ms, block: int = 64):
         self.config = SimpleNamespace(block_size=block, model_type="c2i", num_classes=10)
@@ -216,7 +227,7 @@ class CostCurvePipe:
         return SimpleNamespace(spec=SimpleNamespace(prefix_len=1), attend_at_least=attend_at_least,
                                fused_steps=lambda: None)  # a runner without a fused step
 
-    def generate(self, cond, dcfg, seed, batch, tokens):
+    def run_batch(self, dcfg, batch, tokens):
         w = 1 if dcfg.strategy is None else dcfg.strategy.verify_width
         self.ran[w] += 1
         steps = tokens if w == 1 else max(1, tokens // 2)
@@ -234,7 +245,7 @@ def calibrate(pipe):
     return plans, entry, widths, {name for name, v in entry["plans"].items() if v.get("lower_bound")}
 
 
-def test_each_plan_is_timed_at_the_width_its_chunk_attends():
+def test_each_plan_is_timed_at_the_width_its_chunk_attends(fake_engine):
     pipe = CostCurvePipe(lambda width, drafts: 1.0)
     plans = [AR, next(p for p in candidate_plans(True, False) if p.name == "mc-sjd/L4")]
     calibration.measure_width(pipe, plans, SAMPLING, 4, {"ar": 63.0, "mc-sjd/L4": 31.5}, progress=False,
@@ -243,7 +254,7 @@ def test_each_plan_is_timed_at_the_width_its_chunk_attends():
     assert pipe.floors == {1: {1 + 32 + 1}, 5: {1 + 48 + 5}}
 
 
-def test_calibration_stays_inside_its_budget(monkeypatch):
+def test_calibration_stays_inside_its_budget(monkeypatch, fake_engine):
     """Steps of a quarter of a second (a slow machine): every run must be expected to fit before it starts,
     so the timing ends inside BUDGET_S, where unbounded it takes more than five times as long; round 1 keeps
     the wide plans that no longer fit as floors, and the rounds stop early."""
@@ -266,7 +277,7 @@ def test_calibration_stays_inside_its_budget(monkeypatch):
     assert max(runs.values()) < max(unbounded_runs.values()) == calibration.MAX_ROUNDS
 
 
-def test_plans_that_cannot_contend_are_bounded_not_timed():
+def test_plans_that_cannot_contend_are_bounded_not_timed(fake_engine):
     pipe = CostCurvePipe(lambda width, drafts: float(width))  # a steep verify curve
     plans, entry, widths, bounded = calibrate(pipe)
     # at AR's step cost halving the steps would win, so the narrowest plan (width 5) is timed; its step cost
@@ -278,7 +289,7 @@ def test_plans_that_cannot_contend_are_bounded_not_timed():
     assert entry["prepare_s"] >= 0 and entry["seconds"] > 0
 
 
-def test_extra_rounds_go_to_the_close_race():
+def test_extra_rounds_go_to_the_close_race(fake_engine):
     """L4 and L8 within 5% of each other, every other plan 30% behind: rounds past ROUNDS time only L4 and L8;
     with L8 30% behind too, only L4."""
     costs = {1: 1.0, 5: 1.0, 9: 1.05}
@@ -294,7 +305,7 @@ def test_extra_rounds_go_to_the_close_race():
     assert rounds["mc-sjd/L8"] == rounds["exact/chain-5"] == calibration.ROUNDS
 
 
-def test_a_costly_drafter_bounds_no_plan_that_drafts_nothing():
+def test_a_costly_drafter_bounds_no_plan_that_drafts_nothing(fake_engine):
     pipe = CostCurvePipe(lambda width, drafts: 1 + 0.02 * width + (50.0 if drafts else 0.0))  # drafting dominates
     plans, entry, widths, bounded = calibrate(pipe)
     assert not any(name.startswith("mc-sjd") for name in bounded)
@@ -309,9 +320,9 @@ class FlatteringPipe(CostCurvePipe):
         super().__init__(step_ms)
         self.flattered = dict(flattered)
 
-    def generate(self, cond, dcfg, seed, batch, tokens):
+    def run_batch(self, dcfg, batch, tokens):
         w = 1 if dcfg.strategy is None else dcfg.strategy.verify_width
-        out = super().generate(cond, dcfg, seed, batch, tokens)
+        out = super().run_batch(dcfg, batch, tokens)
         if tokens > 2 and w in self.flattered:  # a timed run, not a warm-up
             wall = out.stats.wall_seconds
             out.stats.wall_seconds = wall / self.flattered.pop(w)
@@ -340,7 +351,7 @@ def test_a_plan_timed_too_few_times_is_never_chosen(pipe):
     assert f"from fewer than {calibration.CONFIRMED} timed runs" in c.summary()
 
 
-def test_a_probe_out_of_budget_leaves_its_flattered_leader_unconfirmed():
+def test_a_probe_out_of_budget_leaves_its_flattered_leader_unconfirmed(fake_engine):
     """L4's step truly costs 2.2 AR steps (0.9x AR at half the steps); its one run in round 1 reads 2x too fast.
     With no budget left to time it again it must not be taken at its word."""
     plans = [AR, next(p for p in candidate_plans(True, False) if p.name == "mc-sjd/L4")]
@@ -356,7 +367,7 @@ def test_a_probe_out_of_budget_leaves_its_flattered_leader_unconfirmed():
     assert l4["step_s"] / confirmed["plans"]["ar"]["step_s"] == pytest.approx(2.2, rel=0.1)
 
 
-def test_round_one_leaves_the_budget_to_confirm_its_leader():
+def test_round_one_leaves_the_budget_to_confirm_its_leader(fake_engine):
     """Every plan's first run fits the budget, and then nothing more would: round 1 stops timing new plans
     (kept as floors) while confirming the leader still fits, so the plan the choice hinges on is timed
     CONFIRMED times."""
@@ -375,22 +386,22 @@ def test_round_one_leaves_the_budget_to_confirm_its_leader():
     assert timed[leader] == calibration.CONFIRMED and len(timed) < len(plans)
 
 
-def test_ar_costs_the_median_of_every_ar_run_not_its_own_ratio():
+def test_ar_costs_the_median_of_every_ar_run_not_its_own_ratio(fake_engine):
     """AR is its own reference: its one run as a plan reading 1.5x slow must not move its cost (a probe once
     put AR at 1.41x its own reference, which made a plan timed against it look faster than it is)."""
     plans = [AR, next(p for p in candidate_plans(True, False) if p.name == "mc-sjd/L4")]
     pipe = CostCurvePipe(lambda w, drafts: 1.0 + 0.2 * (w > 1))
     timed_ar = []
 
-    def generate(cond, dcfg, seed, batch, tokens, base=pipe.generate):
-        out = base(cond, dcfg, seed, batch, tokens)
+    def run_batch(dcfg, batch, tokens, base=pipe.run_batch):
+        out = base(dcfg, batch, tokens)
         if dcfg.strategy is None and tokens > 2:
             timed_ar.append(tokens)
             if len(timed_ar) == 2:  # AR's own run as a plan (the first is its reference)
                 pipe.now += out.stats.wall_seconds / 2
                 out.stats.wall_seconds *= 1.5
         return out
-    pipe.generate = generate
+    pipe.run_batch = run_batch
     entry = probe(pipe, plans, budget=math.inf)
     assert max(entry["plans"]["ar"]["ratio_to_ar"]) > 1.4  # the slow run was AR's own
     assert entry["plans"]["ar"]["step_s"] == pytest.approx(statistics.median(entry["ar_reference_s"]), rel=0.05)
@@ -436,6 +447,18 @@ def test_calibration_is_measured_once_and_cached(pipe, tmp_path, monkeypatch):
     assert entry["fixed_s"] > 0 and all(v["step_s"] > 0 for v in entry["plans"].values())
     result = pipe.generate([0, 1, 2], first.decode, batch=first.width)
     assert result.tokens.shape == (3, pipe.config.block_size)
+
+
+def test_the_planner_times_the_engine_not_the_public_api(pipe, tmp_path, monkeypatch):
+    """Acceptance records and calibration runs go to the engine (lantern.engine.run_batch), never back through
+    Pipeline.generate: on a cold cache a plan is chosen with generate out of order."""
+    monkeypatch.setenv("LANTERN_CACHE_DIR", str(tmp_path))
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the planner called Pipeline.generate")
+    monkeypatch.setattr(Pipeline, "generate", refused)
+    measured = choose(pipe, 1, SAMPLING, batch=1, progress=False)
+    assert measured.calibrated_s > 0 and records.load_record(pipe.model_key, SAMPLING, pipe.dtype)["plans"]
 
 
 def test_a_corrupt_cache_entry_is_measured_again(pipe, tmp_path, monkeypatch):

@@ -7,6 +7,7 @@ import pytest
 import torch._dynamo
 
 from conftest import make_models
+from lantern.backends import registry
 from lantern.backends.torch_eager import CPUBackend
 from lantern.models.config import GPTConfig
 
@@ -108,7 +109,7 @@ def test_compile_cost_decides_between_eager_and_compiled(cache, tiny, two_modes)
     slow_compile = choose_backend(make, 1, SAMPLING, batch=1, progress=False)
     # 100 s of compile swamps any step saving: eager, and the fastest AR is eager's (prepare counted)
     assert slow_compile.backend == "cpu" and slow_compile.mode == "eager"
-    assert slow_compile.choice.plan.name == "mc-sjd/L4"
+    assert slow_compile.plan.name == "mc-sjd/L4"
     assert slow_compile.baseline["backend"] == "cpu" and slow_compile.baseline["mode"] == "eager"
     rows = {r["backend"]: r for r in slow_compile.backends}
     assert rows[TwinBackend.name]["ar_prepare_seconds"] == 100.0 and rows["onnx"]["status"].startswith("unavailable")
@@ -116,7 +117,7 @@ def test_compile_cost_decides_between_eager_and_compiled(cache, tiny, two_modes)
     cached = choose_backend(make, 1, SAMPLING, batch=1, progress=False)
     # a cached compile costs next to nothing: compiled wins, and the baseline is the compiled AR
     assert cached.backend == TwinBackend.name and cached.mode == "compiled" and cached.pipeline is compiled
-    assert cached.choice.plan.name == "mc-sjd/L4" and cached.baseline["backend"] == TwinBackend.name
+    assert cached.plan.name == "mc-sjd/L4" and cached.baseline["backend"] == TwinBackend.name
     out = cached.to_dict()
     assert out["backend"] == TwinBackend.name and out["mode"] == "compiled"
     assert f"fastest AR, {TwinBackend.name} (compiled)" in out["why"]
@@ -140,7 +141,7 @@ def test_a_plan_must_beat_the_fastest_ar_not_its_own_backends(cache, tiny, two_m
     ar_ms = 1e3 * steps["mc-sjd/L4"] * 0.5e-3 / steps["ar"] * 0.95
     seed(compiled, 1, {"ar": ar_ms, "mc-sjd/L4": 1e3}, prepare_s={"ar": 0.0, "mc-sjd/L4": 0.0})
     c = choose_backend(make, 1, SAMPLING, batch=1, progress=False)
-    assert c.choice.plan == AR and c.backend == TwinBackend.name and c.baseline["backend"] == TwinBackend.name
+    assert c.plan == AR and c.backend == TwinBackend.name and c.baseline["backend"] == TwinBackend.name
 
 
 def test_modes_timed_at_different_moments_are_compared_on_the_default_modes_time_scale(cache, tiny, two_modes):
@@ -158,7 +159,7 @@ def test_modes_timed_at_different_moments_are_compared_on_the_default_modes_time
     data["widths"]["1"]["ar_to_anchor"] = [0.55, 0.5, 0.45]
     calibration.save_calibration(data)
     paired = choose_backend(make, 1, SAMPLING, batch=1, progress=False)
-    assert paired.backend == TwinBackend.name and paired.choice.plan == AR
+    assert paired.backend == TwinBackend.name and paired.plan == AR
     row = {r["backend"]: r for r in paired.backends}[TwinBackend.name]
     assert "x0.25 onto cpu's time scale" in row["cost_source"]
     assert row["ar_seconds"] == pytest.approx(0.5 * {r["backend"]: r for r in paired.backends}["cpu"]["ar_seconds"])
@@ -184,6 +185,44 @@ def test_an_uncalibrated_mode_is_calibrated_only_when_the_request_pays_for_it(ca
     assert row["status"].startswith("not calibrated") and "lantern profile calibrate" in row["status"]
     assert f"{3 * PRIOR_PREPARE_S['compiled']:.0f} s" in row["status"]
     assert not compiled.prepare_seconds and c.backend == "cpu" and f"not weighed: {TwinBackend.name}" in c.why
+
+
+def test_the_cli_the_service_and_an_unpinned_pipeline_make_one_choice(cache, two_modes, tmp_path, monkeypatch,
+                                                                       capsys):
+    """One meaning of auto: on the same calibrations (the compiled mode's steps a fifth of eager's and its runners
+    cheap to prepare), `lantern generate`, the service's background planner and Pipeline.generate(..., "auto")
+    with no backend pinned all weigh the modes and run MC-SJD L=4 on the compiled mode; a pinned pipeline plans on
+    its own backend."""
+    pytest.importorskip("prometheus_client")  # the serve extra
+    from lantern.bundle import load_bundle
+    from lantern.cli import main
+    from lantern.serve.config import ServeConfig
+    from lantern.serve.service import Service
+    from tiny_bundle import write_tiny_bundle
+    monkeypatch.delenv("LANTERN_BACKEND", raising=False)
+    monkeypatch.setitem(registry.BUILTIN, TwinBackend.name, f"{__name__}:TwinBackend")  # a backend by name
+    folder = write_tiny_bundle(tmp_path / "tiny")
+    bundle = load_bundle(str(folder))
+    eager = Pipeline.from_bundle(bundle, backend="cpu")
+    # steps of tenths of a second: preparing the tiny model's runners (milliseconds, then in the ledger) counts little
+    seed(eager, 1, {**everything(1e5), "ar": 1000.0, "mc-sjd/L4": 500.0}, prepare_s=FREE)
+    seed(eager, 1, {"ar": 200.0, "mc-sjd/L4": 100.0}, prepare_s=FREE, candidate=TwinBackend.name)
+    assert main(["generate", "--model", str(folder), "--classes", "1", "--batch", "1", "--no-images", "--json"]) == 0
+    cli = json.loads(capsys.readouterr().out)
+    service = Service(ServeConfig(model=str(folder), batch=1, plan_images=1, threads=1))  # built, not started
+    served_by, serving = service._plan()
+    unpinned = Pipeline.from_bundle(bundle)
+    result = unpinned.generate([1], "auto", batch=1)
+    assert (cli["plan"]["plan"], cli["backend"], cli["plan"]["mode"]) == ("mc-sjd/L4", TwinBackend.name, "compiled")
+    assert (serving.name, served_by.backend.name) == ("mc-sjd/L4", TwinBackend.name)
+    assert serving.why.startswith(f"mc-sjd/L4 on {TwinBackend.name} (compiled)")
+    assert (result.backend, result.decode.drafting, result.decode.window) == (TwinBackend.name, "jacobi", 4)
+    assert (result.plan.plan.name, result.plan.mode) == ("mc-sjd/L4", "compiled")
+    assert not unpinned.pinned and unpinned.backend.name == "cpu" and result.decode == result.plan.decode
+    assert result.plan.pipeline is unpinned.sibling(TwinBackend.name, "fp32")
+    pinned = eager.plan(1, batch=1, progress=False)
+    assert pinned.pipeline is eager and pinned.backend == "cpu" and pinned.plan.name == "mc-sjd/L4"
+    assert pinned.why == "mc-sjd/L4 on cpu (pinned)" and "backend" not in pinned.to_dict()  # as before
 
 
 def test_pinned_backend_wins_over_auto(monkeypatch):
@@ -366,7 +405,7 @@ def test_the_fused_mode_wins_when_its_costs_do_and_its_compile_counts_until_cach
     warm = choose_backend(make, 1, SAMPLING, batch=1, progress=False)
     assert warm.pipeline is fused and warm.pipeline.backend.fused_step
     assert warm.backend == TwinBackend.name and warm.mode == "fused" and warm.fused_step
-    assert warm.choice.plan.name == "mc-sjd/L4" and warm.prepare_source == "its last preparation here"
+    assert warm.plan.name == "mc-sjd/L4" and warm.prepare_source == "its last preparation here"
     out = json.loads(json.dumps(warm.to_dict()))  # the --json plan: plain data naming backend, mode and why
     assert (out["backend"], out["mode"], out["fused_step"]) == (TwinBackend.name, "fused", True)
     assert out["why"].startswith(f"mc-sjd/L4 on {TwinBackend.name} (fused)")

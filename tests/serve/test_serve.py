@@ -589,10 +589,10 @@ def test_bad_serve_flags_exit_2_before_serving(bundle_dir, capsys, args, message
 
 def test_auto_serves_ar_at_once_then_switches_to_its_background_choice_between_steps(bundle_dir, monkeypatch):
     """With auto and no backend pinned the service is ready on AR at once; the background planner hands
-    lantern.plan.backend_choice the service's horizon (plan_images) and width, and the engines switch to the
-    pipeline and plan it returns at a step boundary. An image in flight at the switch finishes on the plan it
-    started on, with that plan's tokens for its seed; the next request runs the new plan, with the new plan's
-    tokens for the same seed."""
+    lantern.plan.backend_choice.plan_request an unpinned pipeline, the service's horizon (plan_images) and width,
+    and the engines switch to the pipeline and plan it returns at a step boundary. An image in flight at the switch
+    finishes on the plan it started on, with that plan's tokens for its seed; the next request runs the new plan,
+    with the new plan's tokens for the same seed."""
     from types import SimpleNamespace
 
     from lantern.decoding.config import method_preset
@@ -600,13 +600,13 @@ def test_auto_serves_ar_at_once_then_switches_to_its_background_choice_between_s
     monkeypatch.delenv("LANTERN_BACKEND", raising=False)
     asked, go = {}, threading.Event()
 
-    def choose_backend(make_pipe, n_images, sampling, batch, **kwargs):
-        asked.update(n_images=n_images, batch=batch)
+    def plan_request(pipe, n_images, sampling, make_pipe, batch, **kwargs):
+        asked.update(n_images=n_images, batch=batch, pinned=pipe.pinned)
         assert go.wait(WAIT_S)  # the test says when calibration ends
         chosen = make_pipe("cpu", None)  # stands for the pipeline on the faster mode
-        plan = SimpleNamespace(plan=SimpleNamespace(name="eagle2"), decode=method_preset("eagle2", sampling))
-        return SimpleNamespace(pipeline=chosen, choice=plan, why="eagle2 on cpu (eager): the stand-in's reason")
-    monkeypatch.setattr(service_module, "choose_backend", choose_backend)
+        return SimpleNamespace(pipeline=chosen, plan=SimpleNamespace(name="eagle2"), decode=method_preset(
+            "eagle2", sampling), why="eagle2 on cpu (eager): the stand-in's reason")
+    monkeypatch.setattr(service_module, "plan_request", plan_request)
     service = Service(ServeConfig(model=str(bundle_dir), method="auto", methods=("ar", "eagle2"), batch=BATCH,
                                   threads=1, plan_images=64, timeout_s=WAIT_S))
     before = service.pipe
@@ -641,7 +641,7 @@ def test_auto_serves_ar_at_once_then_switches_to_its_background_choice_between_s
         after = generate(server.url, class_id=2, seed=7, return_tokens=True).json()["data"][0]
         assert after["stats"]["method"] == "auto: eagle2" and after["tokens"] == eagle_alone[0]["tokens"]
 
-        assert asked == {"n_images": 64, "batch": BATCH}
+        assert asked == {"n_images": 64, "batch": BATCH, "pinned": False}
         chosen = service.pipe
         assert chosen is not before and worker.pipeline is chosen and chosen.backend.threads == 1
         assert {e.pipeline for e in worker._engines[worker.default].values()} == {chosen}

@@ -266,15 +266,16 @@ def test_a_quiet_turn_waits_for_the_images_in_flight_and_holds_the_steps_off(mak
             pass
 
 
-def test_calibration_does_not_count_the_seconds_it_waits_for_a_turn():
+def test_calibration_does_not_count_the_seconds_it_waits_for_a_turn(monkeypatch):
     """measure_width under sharing_cores: the waits (here 1000 s of a fake clock per turn) count neither against
     the timing budget nor in the entry's seconds, so the same plans are timed as many times as without waits."""
     import contextlib
 
-    from test_auto import SAMPLING, CostCurvePipe
+    from test_auto import SAMPLING, CostCurvePipe, run_on_fakes
 
     from lantern.plan import calibration
     from lantern.plan.candidates import AR, candidate_plans
+    run_on_fakes(monkeypatch)
     plans = candidate_plans(True, False)
     per_chunk = {p.name: (63.0 if p == AR else 31.5) for p in plans}
 

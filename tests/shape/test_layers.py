@@ -19,8 +19,6 @@ REPO = PACKAGE.parent
 HEAVY = ("transformers", "onnxruntime", "onnx", "habana_frameworks", "optimum", "ray", "starlette", "uvicorn",
          "prometheus_client", "matplotlib", "sklearn", "yaml", "torch._dynamo",
          "lantern.serve.app", "lantern.serve.service")  # lantern.serve's modules that import the serve extra
-# lantern/plan is being rewritten for one meaning of `auto` (issue 47, item 3); its imports move with that rewrite
-PLAN_REWRITE = {"plan/backend_choice.py": 1, "plan/calibration.py": 3, "plan/acceptance_records.py": 1}
 
 
 def lint_imports(root: Path) -> subprocess.CompletedProcess:
@@ -104,9 +102,6 @@ def test_imports_are_at_module_level_but_the_marked_optional_extras():
         rel = path.relative_to(PACKAGE).as_posix()
         lines = path.read_text().splitlines()
         nodes = local_imports(path)
-        if rel in PLAN_REWRITE:
-            assert len(nodes) <= PLAN_REWRITE[rel], f"{rel}: new function-local imports"
-            continue
         for node in nodes:
             line = lines[node.lineno - 1]
             if not is_heavy(node) or "#" not in line:

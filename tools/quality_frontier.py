@@ -18,7 +18,9 @@ other work. Writes results/frontier-<setting>.{json,md,png} and a grid of each r
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -29,21 +31,28 @@ from lantern.api import Pipeline
 from lantern.backends.environment import provenance
 from lantern.bundle import DEFAULT_BUNDLE, load_bundle, weights_hash
 from lantern.decoding import SamplingConfig, method_preset
-from lantern.embedded.quality_gate import (MIN_AR_SEEDS, PARTITIONS, Z, Reference, failed_checks, gate,
-                                           heldout_features, measure, sample, score, token_tv_bound)
+from lantern.embedded.quality_gate import (MIN_AR_SEEDS, Reference, Scored, failed_checks, gate, heldout_features,
+                                           measure, sample, score, token_tv_bound)
 from lantern.files import atomic_io
 from lantern.plan.validated import RELAXED_METHODS, bound_problems, same_sampling, sampling_record
 from results_io import utc_now, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
-GRID = [  # (label, method, overrides): the cheapest method first; delta and lambda around the papers' values
-    *[(f"mc-sjd-relaxed lantern k=64 delta={d}", "mc-sjd-relaxed",
-       dict(window=16, acceptance="lantern", k=64, delta=d, form="bounded")) for d in (0.1, 0.2, 0.4)],
-    ("mc-sjd-relaxed lantern++ k=10 lam=2.0", "mc-sjd-relaxed", dict(window=16, k=10, lam=2.0, form="bounded")),
-    *[(f"lantern++ k=10 lam={lam}", "lantern++", dict(k=10, lam=lam, form="bounded")) for lam in (1.5, 2.0, 3.0)],
-    *[(f"lantern k=64 delta={d}", "lantern", dict(k=64, delta=d, form="bounded")) for d in (0.1, 0.2, 0.4)],
+GRID = [  # (label, method, overrides) around the papers' values, in the order a run takes them: each method's most
+    # promising row (the loosest bound the papers use) first, then tighter ones
+    ("mc-sjd-relaxed lantern k=64 delta=0.4", "mc-sjd-relaxed",
+     dict(window=16, acceptance="lantern", k=64, delta=0.4, form="bounded")),
+    ("lantern++ k=10 lam=2.0", "lantern++", dict(k=10, lam=2.0, form="bounded")),
+    ("lantern k=64 delta=0.4", "lantern", dict(k=64, delta=0.4, form="bounded")),
+    ("mc-sjd-relaxed lantern k=64 delta=0.2", "mc-sjd-relaxed",
+     dict(window=16, acceptance="lantern", k=64, delta=0.2, form="bounded")),
+    ("lantern k=64 delta=0.2", "lantern", dict(k=64, delta=0.2, form="bounded")),
+    ("mc-sjd-relaxed lantern k=64 delta=0.1", "mc-sjd-relaxed",
+     dict(window=16, acceptance="lantern", k=64, delta=0.1, form="bounded")),
+    ("lantern++ k=10 lam=1.5", "lantern++", dict(k=10, lam=1.5, form="bounded")),
 ]
 SHOWN = 10  # images per run in the image grid: one per class
+AR_CACHE = ROOT / ".cache" / "quality_frontier"  # AR's runs, one file per seed (ignored by git)
 CANDIDATE_SEED = 1000  # every row's seed: none of AR's (0, 1, ...), so no row shares a draw with its reference
 
 
@@ -75,13 +84,36 @@ def run(pipe, bundle, dcfg, per_class: int, seed: int, batch: int):
     return scored, figures, codes[::per_class][:SHOWN]
 
 
-def ar_reference(pipe, bundle, sc: SamplingConfig, per_class: int, seeds: int, batch: int,
-                 heldout: np.ndarray) -> tuple[list[dict], dict]:
-    """AR over `seeds` seeds: each seed's figures and first images, and the gate's reference (its spread and
-    limits, plus each seed gated against a reference of the others where they are enough)."""
+def ar_seed_path(cache: Path, key: dict, seed: int) -> Path:
+    """Where AR's run at `seed` is kept: one file per seed and key (sampling, image count, target), so a killed run
+    resumes at its first missing seed and a changed setting never reads another's runs."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    return cache / f"ar-{digest}-seed{seed}.npz"
+
+
+def ar_seed_run(pipe, bundle, sc: SamplingConfig, per_class: int, seed: int, batch: int, path: Path):
+    """AR's run at `seed`: (its images scored, its figures, its first images), read from `path` if an earlier run
+    left it there, else run and saved there as soon as it finishes."""
+    if path.exists():
+        kept = np.load(path)
+        scored = Scored(kept["features"], kept["predicted"], kept["labels"])
+        return scored, json.loads(str(kept["figures"])), torch.from_numpy(kept["shown"])
+    scored, figures, first = run(pipe, bundle, method_preset("ar", sc), per_class, seed, batch)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial.npz")
+    np.savez(partial, features=scored.features, predicted=scored.predicted, labels=scored.labels,
+             figures=json.dumps(figures), shown=first.numpy())
+    partial.replace(path)
+    return scored, figures, first
+
+
+def ar_reference(pipe, bundle, sc: SamplingConfig, per_class: int, seeds: int, batch: int, heldout: np.ndarray,
+                 cache: Path, key: dict) -> tuple[list[dict], dict]:
+    """AR over `seeds` seeds (each kept in `cache` as it finishes): each seed's figures and first images, and the
+    gate's reference (its spread and limits, plus each seed gated against a reference of the others)."""
     scored, ar_runs = [], []
     for seed in tqdm(range(seeds), desc="AR seeds"):
-        runs, figures, first = run(pipe, bundle, method_preset("ar", sc), per_class, seed, batch)
+        runs, figures, first = ar_seed_run(pipe, bundle, sc, per_class, seed, batch, ar_seed_path(cache, key, seed))
         scored.append(runs)
         ar_runs.append({**measure(runs, heldout).to_dict(), **figures, "shown": first.tolist()})
     ref = Reference.of(scored, heldout)
@@ -93,26 +125,17 @@ def ar_reference(pipe, bundle, sc: SamplingConfig, per_class: int, seeds: int, b
     return ar_runs, ref.to_dict()
 
 
-def reused_ar(path: Path, sampling: dict, per_class: int, seeds: int, target_hash: str):
-    """AR's runs and reference from the results file at `path`, if it holds `seeds` of them at this sampling, image
-    count and target, gated as this gate does (same Z and partitions); else None."""
-    if not path.exists():
-        return None
-    old = json.loads(path.read_text())
-    same = (old.get("sampling"), old.get("per_class"), old.get("target_hash")) == (sampling, per_class, target_hash)
-    spread = old.get("ar_spread", {})
-    same_gate = (spread.get("z"), spread.get("partitions"), spread.get("seeds")) == (Z, PARTITIONS, seeds)
-    return (old["ar"], spread) if same and same_gate else None
+REFERENCE_KEYS = ("sampling", "per_class", "target_hash", "drafter_hash", "ar_spread")
 
 
-def kept_rows(path: Path, rec: dict, rerun: list[str]) -> list[dict]:
-    """The rows of the results at `path` that this run did not rerun and that were gated against the same AR
-    reference: same sampling, image count, target and drafter, and the same AR figures."""
+def finished_rows(path: Path, rec: dict) -> list[dict]:
+    """The rows of the results at `path` gated against the same AR reference as `rec` (same sampling, image count,
+    target and drafter, and the same AR figures) that are still in the grid: what a resumed run keeps."""
     if not path.exists():
         return []
     old = json.loads(path.read_text())
-    same = all(old.get(k) == rec[k] for k in ("sampling", "per_class", "target_hash", "drafter_hash", "ar_spread"))
-    return [r for r in old["rows"] if r["label"] not in rerun and r["label"] in {g[0] for g in GRID}] if same else []
+    same = all(old.get(k) == rec[k] for k in REFERENCE_KEYS)
+    return [r for r in old["rows"] if r["label"] in {g[0] for g in GRID}] if same else []
 
 
 def choose(rows: list[dict]) -> dict:
@@ -159,21 +182,22 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, help="default: the bundle's")
     ap.add_argument("--cfg-scale", type=float, help="default: the bundle's")
     ap.add_argument("--per-class", type=int, default=10, help="images per class per run")
-    ap.add_argument("--ar-seeds", type=int, default=8, help="AR runs (seeds 0, 1, ...) the gate's limits come from")
-    ap.add_argument("--batch", type=int, default=100, help="images per static step")
+    ap.add_argument("--ar-seeds", type=int, default=6, help="AR runs (seeds 0, 1, ...) the gate's limits come from")
+    ap.add_argument("--ar-batch", type=int, default=100, help="AR's images per static step")
+    ap.add_argument("--batch", type=int, default=20, help="a row's images per static step")
     ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's; 1 on a loaded machine)")
     ap.add_argument("--only", nargs="*", metavar="LABEL",
-                    help="run only these rows of the grid (default: all; none: AR alone), keeping the results file's "
-                         "other rows gated against the same AR")
-    ap.add_argument("--reuse-ar", action="store_true",
-                    help="take AR's runs from the results file where it holds them at this sampling, image count, "
-                         "seeds and target (rows can then be added without rerunning AR)")
+                    help="run only these rows of the grid, in this order (default: all; none: AR alone)")
+    ap.add_argument("--rerun", action="store_true",
+                    help="rerun rows the results file already holds against the same AR (default: keep them)")
+    ap.add_argument("--stop-at", metavar="HH:MM", help="start no row after this UTC time")
     ap.add_argument("--write-defaults", action="store_true", help="record the chosen defaults in the bundle")
     ap.add_argument("--out", help="output stem (default results/frontier-<setting>)")
     args = ap.parse_args()
-    unknown = set(args.only or ()) - {g[0] for g in GRID}
+    labels = [g[0] for g in GRID]
+    unknown = set(args.only or ()) - set(labels)
     if unknown:
-        raise SystemExit(f"unknown grid rows {sorted(unknown)}; allowed: {[g[0] for g in GRID]}")
+        raise SystemExit(f"unknown grid rows {sorted(unknown)}; allowed: {labels}")
     if args.ar_seeds >= CANDIDATE_SEED:
         raise SystemExit(f"--ar-seeds {args.ar_seeds}: AR's seeds must stay below the rows' seed {CANDIDATE_SEED}")
     if args.threads:
@@ -187,12 +211,26 @@ def main() -> None:
     pipe = Pipeline(bundle.target, bundle.drafter, bundle.proximity, backend="cpu")
     heldout = heldout_features(bundle)
     target_hash = weights_hash(bundle.target.state_dict())
-    reused = reused_ar(out.with_suffix(".json"), sampling_record(sc), args.per_class, args.ar_seeds, target_hash) \
-        if args.reuse_ar else None
-    ar_runs, spread = reused or ar_reference(pipe, bundle, sc, args.per_class, args.ar_seeds, args.batch, heldout)
+    key = {"sampling": sampling_record(sc), "per_class": args.per_class, "target_hash": target_hash}
+    ar_runs, spread = ar_reference(pipe, bundle, sc, args.per_class, args.ar_seeds, args.ar_batch, heldout,
+                                   AR_CACHE, key)
     ref = Reference(spread)
-    rows = []
-    for label, method, overrides in tqdm([g for g in GRID if args.only is None or g[0] in args.only], desc="rows"):
+    rec = {"date": utc_now(), "setting": name, "bundle": bundle.manifest.get("name"), "target_hash": target_hash,
+           "drafter_hash": weights_hash(bundle.drafter.state_dict()) if bundle.drafter is not None else None,
+           "sampling": sampling_record(sc), "vocab": vocab, "per_class": args.per_class, "row_seed": CANDIDATE_SEED,
+           "ar": ar_runs, "ar_spread": spread,
+           "results": str(out.relative_to(ROOT)) if out.is_relative_to(ROOT) else str(out),
+           "commit": provenance()["commit"]}
+    done = {} if args.rerun else {r["label"]: r for r in finished_rows(out.with_suffix(".json"), rec)}
+    todo = [next(g for g in GRID if g[0] == label) for label in (labels if args.only is None else args.only)]
+    todo = [g for g in todo if g[0] not in done]
+    print(f"{len(done)} rows kept from {out.with_suffix('.json')}; to run: {[g[0] for g in todo]}", flush=True)
+    ran = []
+    publish(bundle, rec, ran, out)  # AR's reference as soon as it stands
+    for label, method, overrides in tqdm(todo, desc="rows"):
+        if args.stop_at and time.strftime("%H:%M", time.gmtime()) >= args.stop_at:
+            print(f"{utc_now()}: past --stop-at {args.stop_at}; not started: {label} and after", flush=True)
+            break
         dcfg = method_preset(method, sc, **overrides)
         assert not bound_problems(dcfg, vocab), (label, bound_problems(dcfg, vocab))  # the grid bounds something
         scored, figures, first = run(pipe, bundle, dcfg, args.per_class, CANDIDATE_SEED, args.batch)
@@ -200,26 +238,27 @@ def main() -> None:
         verdict = gate(ref, m, figures["token_tv_mean"], token_tv_bound(dcfg.acceptance, dcfg.delta, dcfg.form))
         decode = {k: getattr(dcfg, k) for k in ("acceptance", "k", "delta", "lam", "form")
                   if k in ("k", "form") or k in overrides}
-        rows.append({"label": label, "method": method, "overrides": overrides, "decode_overrides": decode,
-                     **m.to_dict(), **figures, "gate": verdict, "failed": failed_checks(verdict),
-                     "shown": first.tolist(), "provenance": provenance()})
-    rec = {"date": utc_now(), "setting": name, "bundle": bundle.manifest.get("name"),
-           "target_hash": target_hash,
-           "drafter_hash": weights_hash(bundle.drafter.state_dict()) if bundle.drafter is not None else None,
-           "sampling": sampling_record(sc), "vocab": vocab, "per_class": args.per_class, "row_seed": CANDIDATE_SEED,
-           "ar": ar_runs, "ar_spread": spread,
-           "results": str(out.relative_to(ROOT)) if out.is_relative_to(ROOT) else str(out),
-           "commit": provenance()["commit"]}
-    if args.only is not None:  # read at the end, so rows of a run beside this one that finished meanwhile are kept too
-        rows += kept_rows(out.with_suffix(".json"), rec, args.only)
+        ran.append({"label": label, "method": method, "overrides": overrides, "decode_overrides": decode,
+                    **m.to_dict(), **figures, "gate": verdict, "failed": failed_checks(verdict),
+                    "shown": first.tolist(), "provenance": provenance()})
+        print(f"{utc_now()}: {label}: {'pass' if verdict['passed'] else 'FAIL ' + str(failed_checks(verdict))}",
+              flush=True)
+        publish(bundle, rec, ran, out)
+    if args.write_defaults:
+        write_defaults({m: next(r for r in rec["rows"] if r["label"] == label) for m, label in rec["chosen"].items()},
+                       sc, vocab, rec)
+
+
+def publish(bundle, rec: dict, ran: list[dict], out: Path) -> None:
+    """Write the results with every row gated against this AR reference: the rows run here and those the file
+    holds (a resumed run's, or a run's beside this one), in the grid's order; updates rec's rows and choice."""
+    ours = {r["label"] for r in ran}
+    rows = ran + [r for r in finished_rows(out.with_suffix(".json"), rec) if r["label"] not in ours]
     rows.sort(key=lambda r: [g[0] for g in GRID].index(r["label"]))
-    chosen = choose(rows)
-    rec.update(rows=rows, chosen={m: r["label"] for m, r in chosen.items()})
+    rec.update(rows=rows, chosen={m: r["label"] for m, r in choose(rows).items()})
     write_results(out, rec, markdown, plot)
-    image_grid(bundle, {**{f"AR seed {i}": r["shown"] for i, r in enumerate(ar_runs)},
+    image_grid(bundle, {**{f"AR seed {i}": r["shown"] for i, r in enumerate(rec["ar"])},
                         **{r["label"]: r["shown"] for r in rows}}, Path(f"{out}-images.png"))
-    if args.write_defaults and rows:
-        write_defaults(chosen, sc, vocab, rec)
 
 
 def markdown(rec: dict) -> str:

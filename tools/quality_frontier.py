@@ -4,16 +4,20 @@ gate (lantern.embedded.quality_gate), and the bundle's relaxation defaults valid
 At the sampling given (default: the bundle's own; `--top-k 0 --cfg-scale 4.0` is LANTERN's class-to-image
 setting, the whole vocabulary), AR runs over `--ar-seeds` seeds of `--per-class` images per class: its spread
 sets the gate's limits. Each row of the grid (bounded forms only, every setting within the bounds of
-lantern.plan.validated: delta <= 0.4, k <= 1/16 of the codebook) runs once at the same image count and is
-gated on class accuracy, Frechet distance and its recorded mean token TV. Per method the row with the largest
-step compression that passes is chosen; `--write-defaults` records it in the bundle's manifest
-("relaxation_defaults") with the sampling it was validated at and the gate's verdict as evidence (a method
-that passes nothing at this setting loses its entry there). Quality only, never a timing: it can run beside
-other work. Writes results/frontier-<setting>.{json,md,png} and a grid of each run's first images
-(<stem>-images.png).
+lantern.plan.validated: delta <= 0.4, k <= 1/16 of the codebook) runs once at the same image count, at a seed
+none of AR's, and is gated on class accuracy, Frechet distance and its recorded mean token TV. Per method the
+row with the largest step compression that passes is chosen; `--write-defaults` records it in the bundle's
+manifest ("relaxation_defaults") with the sampling it was validated at and the gate's verdict as evidence (a
+method that passes nothing at this setting loses its entry there). Quality only, never a timing: it can run
+beside other work.
 
-    python tools/quality_frontier.py [--top-k 0 --cfg-scale 4.0] [--per-class 20] [--ar-seeds 3]
-                                     [--only LABEL ...] [--write-defaults]
+Nothing finished is lost: each AR seed is kept in .cache/quality_frontier/ as it finishes, and the results
+(results/frontier-<setting>.{json,md,png} and a grid of each run's first images, <stem>-images.png) are written
+once AR's reference stands and again after every row. Rerun the same command to resume: AR's seeds are read back,
+rows the results file holds against the same AR reference are kept (`--rerun` runs them again).
+
+    python tools/quality_frontier.py [--top-k 0 --cfg-scale 4.0] [--per-class 10] [--ar-seeds 6] [--threads 1]
+                                     [--only LABEL ...] [--stop-at HH:MM] [--write-defaults]
 """
 from __future__ import annotations
 
@@ -187,7 +191,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=20, help="a row's images per static step")
     ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's; 1 on a loaded machine)")
     ap.add_argument("--only", nargs="*", metavar="LABEL",
-                    help="run only these rows of the grid, in this order (default: all; none: AR alone)")
+                    help="run only these rows of the grid, in this order (default: all; none: AR alone, e.g. to "
+                         "--write-defaults from the rows the results file holds)")
     ap.add_argument("--rerun", action="store_true",
                     help="rerun rows the results file already holds against the same AR (default: keep them)")
     ap.add_argument("--stop-at", metavar="HH:MM", help="start no row after this UTC time")
@@ -244,7 +249,7 @@ def main() -> None:
         print(f"{utc_now()}: {label}: {'pass' if verdict['passed'] else 'FAIL ' + str(failed_checks(verdict))}",
               flush=True)
         publish(bundle, rec, ran, out)
-    if args.write_defaults:
+    if args.write_defaults and rec["rows"]:  # AR alone chose nothing: the bundle's entries stay
         write_defaults({m: next(r for r in rec["rows"] if r["label"] == label) for m, label in rec["chosen"].items()},
                        sc, vocab, rec)
 

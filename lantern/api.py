@@ -255,6 +255,25 @@ class Pipeline:
         if needed(dcfg, width) > available:
             raise refusal(dcfg, width, needed, available, source, self.predict_peak(dcfg, width))
 
+    def check_ladder_fits(self, dcfg: DecodeConfig, widths: Sequence[int]) -> None:
+        """Refuse, before any work, a service whose engines cannot all fit: one runner per width held at once
+        (weights once, the KV caches of every width), steps run one at a time (the widest step's logits,
+        activations and workspace). The refusal names the widest --batch whose ladder would fit."""
+        free = available_bytes(self.backend.capabilities().device)
+        if free is None:
+            return
+        available, source = free
+
+        def ladder(d: DecodeConfig, widest: int) -> PeakPrediction:
+            each = [self.predict_peak(d, w) for w in sorted({*(w for w in widths if w < widest), widest})]
+            step = max(each, key=lambda p: p.logits_bytes + p.activation_bytes + p.workspace_bytes)
+            return replace(step, kv_cache_bytes=sum(p.kv_cache_bytes for p in each))
+
+        widest = max(widths)
+        if ladder(dcfg, widest).total_bytes > available:
+            raise refusal(dcfg, widest, lambda d, w: ladder(d, w).total_bytes, available, source,
+                          ladder(dcfg, widest), what=f"the service's engines at widths {sorted(widths)}")
+
     def release(self, keep: Optional[DecodeConfig] = None, batch: int = 0) -> None:
         """Free every prepared runner (its KV cache and workspaces) but the one for (keep, batch), if given; the
         next generate prepares what it needs."""

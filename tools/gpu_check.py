@@ -57,6 +57,8 @@ SPEED_METHODS = ("mc-sjd", "mc-sjd-relaxed", "eagle2", "lantern", "lantern++")
 RELAXED = ("lantern", "lantern++", "mc-sjd-relaxed")  # the methods that read the proximity table (k neighbours)
 TINY_NEIGHBOURS = 8  # --quick's proximity table: few enough to fit the inflated vocabulary's padded codes
 PARITY_ORDER = ("ar", "mc-sjd", "lantern++", "mc-sjd-relaxed", "eagle2", "lantern", "sjd")
+COLD_COMPILE_S = 40.0  # the longest cold compile of one timing row seen on an H100 at GPT-B (37 s): a row starts
+# only with that much budget left
 BASELINE_S = 20.0  # seconds of one-process-per-image load: each process pays torch's import and CUDA's start
 # each section's share of the budget (what it may start within); the timing rows of 4 and 16 images take the rest
 SHARES = {"conformance": 0.12, "parity": 0.18, "sync": 0.05, "distribution": 0.05, "timing-1": 0.25, "serve": 0.2}
@@ -125,6 +127,8 @@ class Check:
                        if args.quick else None, "budget_s": args.budget_s, "sections": {}, "skipped": []}
         self._pipes: dict = {}
         self.t0 = time.monotonic()
+        earlier = self.stem.with_suffix(".json")
+        self.earlier = json.loads(earlier.read_text()) if args.resume and earlier.exists() else None
 
     def pipe(self, mode: str, models, dtype: str, **extra):
         """One pipeline per (mode, models, dtype, options), so runners and compiled steps are reused across
@@ -193,6 +197,7 @@ def environment(check: Check) -> dict:
     prov = provenance()
     # the caller's LANTERN_COMMIT names what it sent: a lease's copy has no .git, or a stale one
     commit = os.environ.get("LANTERN_COMMIT") or prov["commit"] or "unknown"
+    check.record["provenance"] = {**prov, "commit": commit, "missing": [k for k in prov["missing"] if k != "commit"]}
     env = {"command": prov["command"], "commit": commit, "machine": prov["machine"], "torch": torch.__version__,
            "python": sys.version.split()[0], "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     if check.quick:
@@ -202,7 +207,23 @@ def environment(check: Check) -> dict:
                              text=True).stdout.strip() if smi else None)
     props = torch.cuda.get_device_properties(0)
     return {**env, "device": torch.cuda.get_device_name(), "driver": driver, "cuda": torch.version.cuda,
-            "gpu_memory_gib": props.total_memory / 2 ** 30, "multiprocessors": props.multi_processor_count}
+            "gpu_memory_gib": props.total_memory / 2 ** 30, "multiprocessors": props.multi_processor_count,
+            "backends": backends_here()}
+
+
+def backends_here() -> dict[str, str]:
+    """Every registered backend: "available", or "unavailable: why" (onnx-cuda needs onnxruntime-gpu, which an
+    image with plain onnxruntime lacks; the check runs none it cannot)."""
+    from lantern.backends.registry import backend_class, registered
+    here = {}
+    for name in sorted(registered()):
+        try:
+            a = backend_class(name).availability()
+        except Exception as e:  # noqa: BLE001  a backend whose SDK breaks on import is a finding, not a crash
+            here[name] = f"unavailable: {type(e).__name__}: {e}"
+            continue
+        here[name] = "available" if a.ok else f"unavailable: {a.reason}"
+    return here
 
 
 # ---- conformance ----------------------------------------------------------------------------------------------
@@ -218,10 +239,15 @@ def conformance(check: Check) -> dict:
             check.skip(f"conformance {name}", "budget")
             continue
         options = {k: v for k, v in m.options.items() if k != "fused_step"}
-        report = check_backend(m.backend, dtypes=dtypes, **options).to_dict()
-        out[name] = {"passed": report["passed"], "failures": [c for c in report["checks"] if c["status"] == "fail"],
-                     "checks": len(report["checks"])}
+        out[name] = conformance_result(check_backend(m.backend, dtypes=dtypes, **options))
+    if not check.quick and backends_here()["onnx-cuda"] == "available" and check.budget.allows(60):
+        out["onnx-cuda fp32"] = conformance_result(check_backend("onnx-cuda", dtypes=["fp32"]))  # exports: a minute
     return out
+
+
+def conformance_result(report) -> dict:
+    checks = report.to_dict()["checks"]
+    return {"passed": report.passed, "failures": [c for c in checks if c["status"] == "fail"], "checks": len(checks)}
 
 
 # ---- parity ---------------------------------------------------------------------------------------------------
@@ -378,8 +404,18 @@ def samplings(check: Check) -> dict:
 
 
 def timing(check: Check, images: list[int]) -> list[dict]:
+    check.drop_pipes(check.models)  # the correctness sections' runners (1024 images' caches): not in any row's peak
     rows = check.record["sections"].setdefault("timing", {"rows": []})["rows"]
     for shape, make in shapes(check).items():
+        groups = [(n, name) for n in images for name in samplings(check)]
+        kept = {group: earlier_group(check, shape, *group) for group in groups}
+        for (n, name), earlier_rows in kept.items():
+            if earlier_rows:
+                rows.extend(earlier_rows)
+                print(f"[gpu_check] timing {shape} {name} B={n}: kept from commit {earlier_rows[0]['commit']}",
+                      file=sys.stderr)
+        if all(kept.values()):
+            continue
         if not check.budget.allows(30):
             check.skip(f"timing {shape} {images}", "budget")
             continue
@@ -387,8 +423,9 @@ def timing(check: Check, images: list[int]) -> list[dict]:
         check.record["sections"]["timing"].setdefault("shapes", {})[shape] = describe_shape(models)
         for n in images:
             for name, sampling in samplings(check).items():
-                timing_rows(check, models, shape, name, sampling, n, rows)
-                check.save()
+                if not kept[(n, name)]:
+                    timing_rows(check, models, shape, name, sampling, n, rows)
+                    check.save()
         check.drop_pipes(models)
         del models
     return rows
@@ -403,13 +440,14 @@ def describe_shape(models) -> dict:
 def timing_rows(check: Check, models, shape: str, sampling_name: str, sampling, n: int, rows: list) -> None:
     """AR on every mode, then each method on --method-mode, then auto: one generation each after its prepare."""
     classes = [i % models.target.config.num_classes for i in range(n)]
-    base = dict(shape=shape, sampling=sampling_name, images=n, dtype=check.args.dtype)
-    ar = {}
+    base = dict(shape=shape, sampling=sampling_name, images=n, dtype=check.args.dtype,
+                commit=check.record["sections"]["env"]["commit"])
+    ar, ar_step_ms = {}, {}
     plan = [(mode, "ar") for mode in ("fused", "graph", "eager")]
-    plan += [(check.args.method_mode, m) for m in SPEED_METHODS]
+    plan += [(check.args.method_mode, m) for m in SPEED_METHODS]  # planned_rows, in this order
     for mode, method in plan:
         what = f"timing {shape} {sampling_name} B={n} {method} on {mode}"
-        if not check.budget.allows(15):
+        if not check.budget.allows(10 if mode == "eager" else COLD_COMPILE_S):
             check.skip(what, "budget")
             continue
         try:
@@ -419,7 +457,7 @@ def timing_rows(check: Check, models, shape: str, sampling_name: str, sampling, 
             continue
         row = {**base, **row}
         if method == "ar":
-            ar[mode] = row["wall_s"]
+            ar[mode], ar_step_ms[mode] = row["wall_s"], row["step_ms"]
         rows.append(row)
     if ar:
         fastest = min(ar, key=ar.get)
@@ -427,12 +465,46 @@ def timing_rows(check: Check, models, shape: str, sampling_name: str, sampling, 
                 and "verify_width" in r]
         ratios = verify_cost_ratios(check, models, {r["verify_width"] for r in mine}, n, sampling)
         for row in mine:
-            finish_row(row, fastest, ar[fastest], ratios)
+            finish_row(row, fastest, ar[fastest], ratios, ar_step_ms[fastest])
+        check.save()  # the group's timings first: a profile that breaks the device must not cost them
+        if n == 1 and sampling_name == "bundle" and check.args.step_profiles:
+            profile_fused_rows(check, models, sampling, classes, [r for r in mine if r["mode"] == "fused"])
     if sampling_name == "bundle":
         try:
             auto_row(check, models, base, classes, rows, ar, sampling)
         except Exception as e:  # noqa: BLE001
             check.error(f"timing {shape} B={n} auto", e)
+
+
+def planned_rows(check: Check) -> set[tuple[str, str]]:
+    """(mode, method) of every row a timing group times: AR on every mode, each method on --method-mode."""
+    return {(mode, "ar") for mode in ("fused", "graph", "eager")} | {
+        (check.args.method_mode, m) for m in SPEED_METHODS}
+
+
+def earlier_group(check: Check, shape: str, n: int, sampling_name: str) -> list[dict]:
+    """With --resume: a timing group (shape, images, sampling) an earlier run completed (every planned row, each
+    against the fastest AR of that same run), its rows as they were (each names its commit); else []. A group
+    is kept or timed whole, so a ratio never mixes runs."""
+    if check.earlier is None:
+        return []
+    group = [r for r in check.earlier["sections"].get("timing", {}).get("rows", [])
+             if (r["shape"], r["images"], r["sampling"]) == (shape, n, sampling_name)]
+    complete = planned_rows(check) <= {(r["mode"], r["method"]) for r in group if r.get("fastest_ar")}
+    commit = check.earlier["sections"]["env"]["commit"]
+    return [{"commit": commit, **r} for r in group] if complete else []
+
+
+def earlier_section(check: Check, section: str) -> Optional[dict]:
+    """With --resume: a section an earlier run of this same commit finished (no error, nothing skipped), else
+    None."""
+    e = check.earlier
+    if e is None or e["sections"].get("env", {}).get("commit") != check.record["sections"]["env"]["commit"]:
+        return None
+    result = e["sections"].get(section)
+    finished = isinstance(result, dict) and "error" not in result and not any(
+        x.startswith(f"{section} ") for x in e.get("skipped", []))
+    return result if finished else None
 
 
 def timing_row(check: Check, models, mode: str, method: str, sampling, classes: list) -> dict:
@@ -450,7 +522,41 @@ def timing_row(check: Check, models, mode: str, method: str, sampling, classes: 
     return {"mode": mode, "backend": check.modes[mode].backend, "method": method, "wall_s": s["wall_seconds"],
             "tokens_per_forward": s["step_compression"], "prepare_s": prepare_s,
             "peak_memory_gib": result.profile["memory"]["peak_bytes"] / 2 ** 30,
-            "verify_width": pipe.spec(dcfg, n).verify_widths[0]}
+            "verify_width": pipe.spec(dcfg, n).verify_widths[0],
+            "step_ms": 1000 * s["wall_seconds"] * n / max(s["verify_steps"], 1)}  # the images step together
+
+
+def profile_fused_rows(check: Check, models, sampling, classes: list, rows: list[dict]) -> None:
+    for row in rows:
+        what = f"step profile {row['shape']} B={row['images']} {row['method']}"
+        if not check.budget.allows(10):
+            check.skip(what, "budget")
+            continue
+        try:
+            row["step_profile"] = step_profile(check, check.pipe("fused", models, check.args.dtype),
+                                               method_config(check, row["method"], sampling), classes)
+        except Exception as e:  # noqa: BLE001  the row's timing stands without its profile
+            check.error(what, e)
+
+
+def step_profile(check: Check, pipe, dcfg, classes: list, tokens: int = 32) -> dict:
+    """Where one engine step's time goes, from torch.profiler over a short generation on the prepared runner: the
+    device's kernels per step (inside the recorded graph), their busy time against the step's wall time (the rest
+    is the gaps between kernels), and the costliest kernels. --quick: the host's ops instead."""
+    from torch.profiler import ProfilerActivity, profile
+    activity = ProfilerActivity.CPU if check.quick else ProfilerActivity.CUDA
+    with profile(activities=[activity]) as prof:
+        result = pipe.generate(classes, dcfg, seed=0, batch=len(classes), tokens=tokens)
+    s = result.stats.summary()
+    steps = max(s["verify_steps"] // len(classes), 1)
+    kind = "cpu" if check.quick else "cuda"
+    events = [(e.key, e.count, getattr(e, f"self_{'cpu' if check.quick else 'device'}_time_total"))
+              for e in prof.key_averages() if str(e.device_type).lower().endswith(kind)]
+    events = [e for e in events if e[2] > 0]
+    top = sorted(events, key=lambda e: -e[2])[:8]
+    return {"steps": steps, "wall_ms": 1000 * s["wall_seconds"] / steps,
+            "busy_ms": sum(e[2] for e in events) / 1000 / steps, "kernels": sum(e[1] for e in events) / steps,
+            "top": [{"name": name[:90], "per_step": count / steps, "ms": us / 1000 / steps} for name, count, us in top]}
 
 
 def verify_cost_ratios(check: Check, models, widths: set[int], n: int, sampling) -> dict[int, float]:
@@ -468,12 +574,16 @@ def verify_cost_ratios(check: Check, models, widths: set[int], n: int, sampling)
     return {w: median[w] / median[1] for w in widths}
 
 
-def finish_row(row: dict, fastest: str, fastest_s: float, ratios: dict[int, float]) -> None:
+def finish_row(row: dict, fastest: str, fastest_s: float, ratios: dict[int, float], ar_step_ms: float) -> None:
+    """The row against the fastest AR of its group: speed-up, ceiling, and where a step's time goes: its target
+    forward (the verify cost ratio times the fastest AR's step) and the rest (drafting, sampling, acceptance)."""
     ratio = ratios.get(row["verify_width"])
     ceiling = row["tokens_per_forward"] / ratio if ratio else None
     speedup = fastest_s / row["wall_s"]
+    forward_ms = ratio * ar_step_ms if ratio else None
     row.update(fastest_ar=fastest, speedup_vs_fastest_ar=speedup, verify_cost_ratio=ratio, ceiling=ceiling,
-               of_ceiling=speedup / ceiling if ceiling else None)
+               of_ceiling=speedup / ceiling if ceiling else None, forward_ms=forward_ms,
+               beyond_forward_ms=row["step_ms"] - forward_ms if ratio else None)
 
 
 def auto_row(check: Check, models, base: dict, classes: list, rows: list, ar: dict, sampling) -> None:
@@ -618,6 +728,8 @@ def summary_lines(record: dict) -> list[str]:
     """The short table: one line per check, one per timing row."""
     s = {k: v for k, v in record["sections"].items() if not (isinstance(v, dict) and "error" in v)}
     lines = [f"{k}: ERROR {v['error']}" for k, v in record["sections"].items() if isinstance(v, dict) and "error" in v]
+    lines += [f"backend {name}: {state}" for name, state in s.get("env", {}).get("backends", {}).items()
+              if name.startswith("onnx")]
     for name, r in s.get("conformance", {}).items():
         lines.append(f"conformance {name}: {'pass' if r['passed'] else 'FAIL ' + str(r['failures'][:2])}")
     for method, by_mode in s.get("parity", {}).get("methods", {}).items():
@@ -631,11 +743,20 @@ def summary_lines(record: dict) -> list[str]:
         d = s["distribution"]
         lines.append(f"distribution {d['method']} vs {d['against']}: p = {d['p_value']:.3g} "
                      f"({'pass' if d['passed'] else 'FAIL'})")
+    commit = s.get("env", {}).get("commit")
     for r in record["sections"].get("timing", {}).get("rows", []):
         lines.append(f"{r['shape']} {r['sampling']} B={r['images']} {r['method']:<16} {r['mode']:<6} "
                      f"{r['wall_s']:.3f} s  x{fmt(r.get('speedup_vs_fastest_ar'))} vs {r.get('fastest_ar')} AR  "
                      f"tok/fwd {r['tokens_per_forward']:.2f}  ratio {fmt(r.get('verify_cost_ratio'))}  "
-                     f"ceiling {fmt(r.get('ceiling'))}  peak {r['peak_memory_gib']:.2f} GiB")
+                     f"ceiling {fmt(r.get('ceiling'))}  step {fmt(r.get('step_ms'))} ms "
+                     f"(beyond the forward {fmt(r.get('beyond_forward_ms'))})  peak {r['peak_memory_gib']:.2f} GiB"
+                     + (f"  (commit {r['commit']})" if r.get("commit", commit) != commit else ""))
+    for r in s.get("timing", {}).get("rows", []):
+        p = r.get("step_profile")
+        if p:
+            lines.append(f"  profile {r['method']}: {p['kernels']:.0f} kernels/step, busy {p['busy_ms']:.3f} of "
+                         f"{p['wall_ms']:.3f} ms; top: " + ", ".join(f"{t['name'][:40]} {t['ms']:.3f} ms"
+                                                                    for t in p["top"][:3]))
     if "serve" in s and "service" in s["serve"]:
         v = s["serve"]
         lines.append(f"serve {v['clients']} clients {v['seconds']:.0f} s: {v['service']['images_per_s']:.2f} "
@@ -733,6 +854,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--model", help="the bundle `lantern serve` and `lantern generate` load (default: the embedded "
                                     "model)")
     ap.add_argument("--out", help="output stem (default results/gpu-<device>; --quick: a temporary folder)")
+    ap.add_argument("--no-step-profiles", dest="step_profiles", action="store_false",
+                    help="skip the profile of each fused method's step (one image, the bundle's sampling)")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep what the results file at the output stem finished: sections of this commit, and "
+                         "whole timing groups (their rows name their commit); run the rest")
     args = ap.parse_args(argv)
     if args.budget_s is None:
         args.budget_s = 300.0 if args.quick else 420.0
@@ -750,6 +876,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         ap.error(f"no CUDA device (torch {torch.__version__}); --quick runs the check on CPU stand-ins")
     check = Check(args)
     check.record["sections"]["env"] = environment(check)
+    if check.earlier is not None:
+        check.record["earlier_runs"] = [*check.earlier.get("earlier_runs", []), check.earlier["sections"]["env"]]
     check.save()
     wanted = set(args.sections)
     steps = [("conformance", "conformance", lambda: conformance(check)),
@@ -762,6 +890,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     steps = [step for step in steps if step[1] in wanted]
     shares = section_shares([share for share, _, _ in steps])
     for share, section, run in steps:
+        if section != "timing" and earlier_section(check, section) is not None:
+            check.record["sections"][section] = earlier_section(check, section)
+            print(f"[gpu_check] {section}: kept from the earlier run of this commit", file=sys.stderr)
+            continue
         check.budget.section(None if args.quick else shares[share])
         t0 = time.monotonic()
         try:

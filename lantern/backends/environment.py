@@ -1,6 +1,7 @@
 """What machine and software a results file was measured on."""
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import shlex
@@ -27,12 +28,10 @@ def _version(dist: str) -> Optional[str]:
 
 
 def cpu_model() -> str:
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     return platform.processor() or platform.machine()
 
 

@@ -23,11 +23,11 @@ from typing import Optional
 
 import torch
 
-from lantern.backends.base import (Availability, Backend, BackendUnavailable, Capabilities, Runner, StaticSpec,
+from lantern.backends.base import (Availability, BackendUnavailable, Capabilities, Runner, StaticSpec,
                                    StepOutput, parse_dtype)
 from lantern.backends.memory import AllocatorPeak
 from lantern.backends.gaudi_config import GaudiSettings, load_gaudi_config
-from lantern.backends.torch_eager import SharedWeights
+from lantern.backends.torch_eager import CPUBackend
 from lantern.backends.torch_graph import CapturedRunner, fusable
 
 INSTALL_HINT = "install Habana's PyTorch bridge, then pip install 'lantern-decoding[hpu]'"
@@ -48,13 +48,9 @@ def bridge_installed() -> bool:
 
 def gaudi_devices() -> list[str]:
     """Names of the Gaudi devices the habanalabs driver registered, from sysfs."""
-    found = []
-    for folder, pattern in SYSFS_DEVICES:
-        for dev in sorted(folder.glob("*")) if folder.is_dir() else []:
-            driver = dev / "device" / "driver"
-            if pattern.fullmatch(dev.name) and driver.exists() and driver.resolve().name == "habanalabs":
-                found.append(dev.name)
-    return found
+    return [dev.name for folder, pattern in SYSFS_DEVICES if folder.is_dir() for dev in sorted(folder.glob("*"))
+            if pattern.fullmatch(dev.name) and (driver := dev / "device" / "driver").exists()
+            and driver.resolve().name == "habanalabs"]
 
 
 def import_bridge(gaudi_config: Optional[GaudiSettings]) -> tuple[ModuleType, ModuleType]:
@@ -134,7 +130,7 @@ class HPURunner(CapturedRunner):
         return {**super().profile(), "memory_stats": dict(self.hpu.memory_stats())}
 
 
-class HPUBackend(SharedWeights, Backend):
+class HPUBackend(CPUBackend):
     """gaudi_config: a gaudi_config.json (or its folder) whose autocast op lists the steps run under; default
     $LANTERN_GAUDI_CONFIG, else none (see gaudi_config.py)."""
 
@@ -142,6 +138,7 @@ class HPUBackend(SharedWeights, Backend):
 
     def __init__(self, device_index: int = 0, gaudi_config: Optional[str] = None, fused_step: bool = False):
         """fused_step: the engine's whole decode step as one HPU graph per engine (lantern.engine.fused)."""
+        super().__init__()
         self.device_index, self.fused_step = device_index, fused_step
         self.gaudi_config = load_gaudi_config(gaudi_config)
 
@@ -172,18 +169,17 @@ class HPUBackend(SharedWeights, Backend):
                             timer="habana_frameworks.torch.hpu.synchronize + time.perf_counter",
                             memory_source="habana_frameworks.torch.hpu.max_memory_allocated")
 
-    def prepare(self, target, drafter, spec: StaticSpec) -> Runner:
+    def device(self) -> torch.device:
+        """The Gaudi, once the bridge is imported in lazy mode (import_bridge) and sees it."""
         avail = self.availability()
         if not avail.ok:
             raise BackendUnavailable(f"hpu: {avail.reason}")
-        self.check_dtype(spec.dtype)
-        core, hpu = import_bridge(self.gaudi_config)
-        if not hpu.is_available():
+        self.bridge = import_bridge(self.gaudi_config)
+        if not self.bridge[1].is_available():
             raise BackendUnavailable("hpu: no Gaudi device is visible (habana_frameworks.torch.hpu.is_available() "
                                      "is False)")
+        return torch.device(DEVICE_TYPE, self.device_index)
+
+    def make_runner(self, target, drafter, spec: StaticSpec, device: torch.device) -> Runner:
         autocast = self.gaudi_config is not None and self.gaudi_config.use_torch_autocast
-        device = torch.device(DEVICE_TYPE, self.device_index)
-        runner = HPURunner(*self.placed(target, drafter if spec.draft_widths else None, device, spec.dtype), spec,
-                           device, core, hpu, autocast, fused=self.fused_step)
-        runner.backend_name = self.name
-        return runner
+        return HPURunner(target, drafter, spec, device, *self.bridge, autocast, fused=self.fused_step)

@@ -32,6 +32,7 @@ from torch import nn
 from lantern.backends.base import parse_dtype
 from lantern.models.kv_cache import slot_rows
 from lantern.models.checkpoint import model_hash
+from lantern.models.family import neutral_conditions
 from lantern.models.placement import placed_copy
 from lantern.files import atomic_io
 from lantern.files.reading import UnreadableFile, read_json_object
@@ -44,20 +45,16 @@ KINDS = ("prefill", "verify", "draft", "commit")
 GRAPH, MANIFEST = "model.onnx", "manifest.json"  # the files of one graph's folder
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ[CACHE_ENV]) if os.environ.get(CACHE_ENV) else cache_root() / "onnx"
-
-
 def usable_cache_dir(cache_dir: Optional[Path] = None) -> Path:
     """The graph cache (`cache_dir`, else $LANTERN_ONNX_CACHE, else the user cache's onnx/), created and checked
     writable (CacheUnusable naming where it comes from), with the temporaries of killed exports removed."""
     if cache_dir is not None:
-        source = "the cache_dir argument"
+        folder, source = Path(cache_dir), "the cache_dir argument"
     elif os.environ.get(CACHE_ENV):
-        source = CACHE_ENV
+        folder, source = Path(os.environ[CACHE_ENV]), CACHE_ENV
     else:
-        source = cache_source()
-    folder = check_location(Path(cache_dir) if cache_dir is not None else default_cache_dir(), source)
+        folder, source = cache_root() / "onnx", cache_source()
+    folder = check_location(folder, source)
     atomic_io.remove_stale(folder)
     return folder
 
@@ -198,8 +195,8 @@ def _example(key: GraphKey, target, drafter, dtype: torch.dtype):
     tokens = torch.zeros(b, t, dtype=torch.long)
     if key.kind == "prefill":
         p = cfg.cls_token_num
-        cond = (torch.zeros(b, dtype=torch.long) if cfg.model_type == "c2i"
-                else torch.zeros(b, p, cfg.caption_dim, dtype=dtype))
+        cond = neutral_conditions(cfg, b)
+        cond = cond.to(dtype) if cond.is_floating_point() else cond  # a caption in the export's dtype
         pmask = (torch.arange(s)[None, None, :] <= torch.arange(p)[None, :, None]).expand(b, p, s).contiguous()
         return (PrefillGraph(target, b, s), (cond, pmask, *kv), ["cond", "mask", *kv_names],
                 ["logits", "hidden", *kv_out], None)

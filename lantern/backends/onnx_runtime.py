@@ -104,9 +104,8 @@ class ORTRunner(Runner):
         """settings: session_options keywords (threads, opt_level, spin)."""
         self.ort, self.paths, self.providers, self.settings = ort, paths, providers, settings
         self.options = session_options(ort, profile_prefix=profile_prefix, **settings)
-        self.sessions, self.fallback_reason = {}, ""
-        for name, path in paths.items():
-            self.sessions[name] = self._session(path)
+        self.fallback_reason = ""
+        self.sessions = {name: self._session(path) for name, path in paths.items()}
         self.provider = next(iter(self.sessions.values())).get_providers()[0]
         name, options = _provider_pair(self.providers[0])  # after any fallback, the provider that started
         self.ort_device = ("cuda", options.get("device_id", 0)) if name == "CUDAExecutionProvider" else ("cpu", 0)

@@ -137,9 +137,7 @@ class CapturedRunner(TorchRunner, FusedSteps):
         the cache). A bound holds for one step only, so a later caller (a profile, another engine) never
         inherits it."""
         end, self._attend_end = self._attend_end, None
-        if end is None:
-            return self.spec.max_len
-        return min(self.spec.max_len, max(end, self.attention_floor))
+        return self.spec.max_len if end is None else min(self.spec.max_len, max(end, self.attention_floor))
 
     def fused_steps(self) -> Optional[FusedSteps]:
         return self if self.fused else None

@@ -33,8 +33,6 @@ from lantern.models.drafter import Drafter, DrafterOptions
 from lantern.models.proximity import (CODEBOOK_PROXIMITIES, DEFAULT_K, build_proximity_table, compact_table,
                                proximity_vectors, read_npy_table)
 
-LINKABLE = ("target", "vq")
-
 
 @dataclass
 class ImportRequest:

@@ -36,6 +36,4 @@ def read_linked(entry: dict, name: str) -> dict[str, torch.Tensor]:
     if entry.get("format") != "llamagen":
         raise ValueError(f"linked {name} weights have format {entry.get('format')!r}; allowed: 'llamagen'")
     state = read_llamagen_state(entry["path"], entry.get("weights", "model"), what=f"linked {name} checkpoint")
-    if name == "vq":
-        return vq_state(state)[0]
-    return {k: v for k, v in state.items() if k not in GPT_IGNORED}
+    return vq_state(state)[0] if name == "vq" else {k: v for k, v in state.items() if k not in GPT_IGNORED}

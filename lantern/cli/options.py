@@ -138,18 +138,13 @@ def named_relaxation(args, bundle):
                         bundle.target.config.vocab_size, bool(getattr(args, "allow_relaxed", False)))
 
 
-def auto_relaxation(args, bundle, sampling) -> dict:
-    """Per relaxed method, whether auto could run it relaxed at this sampling and why (the JSON's account)."""
-    return {m: r.to_dict() for m, r in allowed_relaxations(bundle.validations, sampling,
-                                                           bundle.target.config.vocab_size,
-                                                           args.allow_relaxed).items()}
-
-
 def relaxation_account(args, bundle) -> Optional[dict]:
     """The JSON's "relaxation": for a named relaxed method, what applied and why; for auto, per relaxed method
     whether it could run relaxed at this sampling and why; None for a lossless method."""
     if args.method == "auto":
-        return auto_relaxation(args, bundle, sampling_from_args(args, bundle))
+        relaxations = allowed_relaxations(bundle.validations, sampling_from_args(args, bundle),
+                                          bundle.target.config.vocab_size, args.allow_relaxed)
+        return {m: r.to_dict() for m, r in relaxations.items()}
     return named_relaxation(args, bundle)[1]
 
 

@@ -36,9 +36,7 @@ def describe_range(kind: type, low, high, low_open: bool) -> str:
         return f"{what} in {'(' if low_open else '['}{low}, {high}]"
     if low is not None:
         return f"{what} {'>' if low_open else '>='} {low}"
-    if high is not None:
-        return f"{what} <= {high}"
-    return what
+    return f"{what} <= {high}" if high is not None else what
 
 
 def number(kind: type = float, low=None, high=None, low_open: bool = False) -> Callable[[str], float]:

@@ -83,9 +83,7 @@ def add_arguments(s) -> None:
 
 
 def config_from_args(args):
-    methods = None
-    if args.methods is not None:
-        methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    methods = None if args.methods is None else tuple(m.strip() for m in args.methods.split(",") if m.strip())
     return ServeConfig(model=args.model, backend=args.backend, dtype=args.dtype, method=args.method,
                        methods=methods, allow_relaxed=args.allow_relaxed, batch=args.batch,
                        widths=None if args.widths is None else parse_widths(args.widths), threads=args.threads,

@@ -68,9 +68,7 @@ class Acceptance:
     def relaxed(self) -> bool:
         if self.kind == "lantern":
             return self.k > 0 and self.delta > 0
-        if self.kind == "lantern++":
-            return self.k > 0 and self.lam > 1
-        return False
+        return self.kind == "lantern++" and self.k > 0 and self.lam > 1
 
     @property
     def paper(self) -> bool:

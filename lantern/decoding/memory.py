@@ -134,10 +134,11 @@ def size(nbytes: int) -> str:
     return f"{nbytes / 2 ** 30:.2f} GiB" if nbytes >= 2 ** 30 else f"{nbytes / 2 ** 20:.1f} MiB"
 
 
-def refusal(dcfg, width: int, needed, available: int, source: str, prediction: PeakPrediction) -> MemoryRefused:
+def refusal(dcfg, width: int, needed, available: int, source: str, prediction: PeakPrediction,
+            what: str = "this request") -> MemoryRefused:
     """The refusal of `dcfg` at `width` images per step, naming what would fit: the widest smaller --batch, the
     widest smaller --top-k (powers of two), and AR where a speculative method was asked for. needed(dcfg, width):
-    the bytes such a request still has to allocate."""
+    the bytes such a request still has to allocate; what: what is refused."""
     fits = []
     batch = next((w for w in range(width - 1, 0, -1) if needed(dcfg, w) <= available), None)
     if batch is not None:
@@ -156,6 +157,6 @@ def refusal(dcfg, width: int, needed, available: int, source: str, prediction: P
                       for name, value in prediction.to_dict().items() if name != "total_bytes")
     advice = ("it would fit with " + ", or ".join(fits) if fits else
               "no smaller batch, top-k or AR fits either: free memory or use a machine with more")
-    return MemoryRefused(f"this request cannot fit: its predicted peak at {width} image(s) per step is "
+    return MemoryRefused(f"{what} cannot fit: its predicted peak at {width} image(s) per step is "
                          f"{size(prediction.total_bytes)} ({parts}), {size(needed(dcfg, width))} of it still to be "
                          f"allocated, and {size(available)} is available ({source}); {advice}")

@@ -40,6 +40,11 @@ def _by_depth(s) -> dict:
     return {d: s.depth_accepted[d] / s.depth_tried[d] for d in sorted(s.depth_tried)}
 
 
+def _over_images(name: str) -> property:
+    """An ImageStats list field over every image of a GenerationStats, in order."""
+    return property(lambda self: [x for image in self.images for x in getattr(image, name)])
+
+
 @dataclass
 class GenerationStats:
     images: list[ImageStats] = field(default_factory=list)
@@ -66,21 +71,10 @@ class GenerationStats:
         """Summed over images: each image counts every forward it took part in."""
         return sum(i.target_forwards for i in self.images)
 
-    @property
-    def accepted_lengths(self) -> list[int]:
-        return [x for i in self.images for x in i.accepted_lengths]
-
-    @property
-    def accepted_ranks(self) -> list[tuple[int, ...]]:
-        return [x for i in self.images for x in i.accepted_ranks]
-
-    @property
-    def token_tv(self) -> list[float]:
-        return [x for i in self.images for x in i.token_tv]
-
-    @property
-    def boost(self) -> list[float]:
-        return [x for i in self.images for x in i.boost]
+    accepted_lengths = _over_images("accepted_lengths")
+    accepted_ranks = _over_images("accepted_ranks")
+    token_tv = _over_images("token_tv")
+    boost = _over_images("boost")
 
     @property
     def depth_tried(self) -> Counter:

@@ -58,12 +58,9 @@ class CaptionMaskedRunner:
     def __getattr__(self, name):
         return getattr(self._runner, name)
 
-    def _hide(self, mask: torch.Tensor) -> torch.Tensor:
-        return (mask & self._keys[:, None, : mask.shape[-1]]).contiguous()
-
     def prefill(self, cond: torch.Tensor, mask: torch.Tensor) -> StepOutput:
         keys = self._keys[:, : mask.shape[-1]]
         return self._runner.prefill(cond, prefill_caption_mask(mask, keys, self._convention).contiguous())
 
     def verify(self, tokens, positions, slots, mask) -> StepOutput:
-        return self._runner.verify(tokens, positions, slots, self._hide(mask))
+        return self._runner.verify(tokens, positions, slots, (mask & self._keys[:, None, :mask.shape[-1]]).contiguous())

@@ -166,10 +166,7 @@ class Engine:
         if cancelled:
             self.slots.busy[torch.tensor(cancelled, device=self.runner.device)] = False
         self.runner.attend_until(self._attention_bound(busy))
-        if self._fused is not None:
-            report = self._fused()
-        else:
-            report = decode_step(self._run, self.proposer, self.slots)
+        report = self._fused() if self._fused is not None else decode_step(self._run, self.proposer, self.slots)
         self.steps_run += 1
         complete = self.slots.busy & (self.slots.emitted >= self.slots.limit)
         read = torch.cat([report, complete.long(), self.slots.root]).tolist()  # the step's one host transfer

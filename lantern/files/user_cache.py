@@ -47,9 +47,7 @@ def cache_source() -> str:
     """Which variable the cache folder comes from, to name in a message."""
     if os.environ.get(CACHE_ENV):
         return CACHE_ENV
-    if os.environ.get("XDG_CACHE_HOME"):
-        return "XDG_CACHE_HOME"
-    return f"HOME ({os.environ.get('HOME', 'unset')})"
+    return "XDG_CACHE_HOME" if os.environ.get("XDG_CACHE_HOME") else f"HOME ({os.environ.get('HOME', 'unset')})"
 
 
 def check_location(folder: Path, variable: str) -> Path:

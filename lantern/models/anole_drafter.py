@@ -17,9 +17,8 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from lantern.files.reading import read_json_object
 from lantern.models.kv_cache import StaticKVCache
-from lantern.models.checkpoint import load_tensors_file
+from lantern.models.checkpoint import check_drafter_folder, load_tensors_file
 from lantern.models.chameleon import ChameleonTarget
 from lantern.models.language_model import attention
 from lantern.models.gpt import attention_bias
@@ -69,23 +68,13 @@ def check_anole_drafter(folder: Path, tcfg) -> tuple[dict, Path]:
     if not where.is_file():
         raise ValueError(f"drafter {folder}: expected LANTERN's Anole drafter folder (config.json + "
                          f"{' or '.join(WEIGHT_FILES)})")
-    conf = read_json_object(where, "drafter config")
-    files = [folder / n for n in WEIGHT_FILES if (folder / n).is_file()]
-    if not files:
-        raise ValueError(f"drafter folder {folder} has a config.json but none of {', '.join(WEIGHT_FILES)}")
     expect = {"model_type": "chameleon", "num_hidden_layers": 1, "hidden_size": tcfg.hidden_size,
               "num_attention_heads": tcfg.num_attention_heads, "vocab_size": tcfg.vocab_size}
-    for key, want in expect.items():
-        if conf.get(key) != want:
-            raise ValueError(f"drafter {where}: {key} is {conf.get(key)!r}, but the target needs {want!r} (a drafter "
-                             f"for another target)")
-    if conf.get("num_key_value_heads", conf["num_attention_heads"]) != tcfg.num_key_value_heads:
-        raise ValueError(f"drafter {where}: num_key_value_heads {conf.get('num_key_value_heads')} differs from the "
-                         f"target's {tcfg.num_key_value_heads}")
+    conf, weights = check_drafter_folder(folder, WEIGHT_FILES, expect, tcfg.num_key_value_heads)
     if conf.get("swin_norm") or conf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"drafter {where}: swin_norm / hidden_act {conf.get('hidden_act')!r}: lantern loads "
                          f"LANTERN's Anole drafters (standard layer order, silu)")
-    return conf, files[0]
+    return conf, weights
 
 
 def read_anole_drafter(folder: Path, target_model) -> AnoleDrafter:

@@ -229,11 +229,6 @@ class ChameleonFamily:
                    _vq=vq_model)
 
     @property
-    def identity(self) -> str:
-        """The folder's digest (lantern.models.folders.folder_identity): what auto's caches are keyed by."""
-        return folder_identity(self.path)
-
-    @property
     def image_vocab(self) -> int:
         return len(self.bpe_of_code)
 
@@ -265,7 +260,7 @@ class ChameleonFamily:
         rows (`prompt_rows(prompt, length)`) run on it as they are."""
         if prompt_len not in self._targets:
             target = chameleon_target(self.model, prompt_len, self.bpe_of_code, self.ids)
-            target.identity = self.identity  # the caches of --method auto are keyed by the folder
+            target.identity = folder_identity(self.path)  # the caches of --method auto are keyed by the folder
             self._targets[prompt_len] = target
         return self._targets[prompt_len]
 

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from lantern.files.atomic_io import atomic_path
+from lantern.files.reading import read_json_object
 
 WRAPPER_KEYS = ("model", "module", "state_dict")
 STRIP_PREFIXES = ("module.", "_orig_mod.")
@@ -101,6 +102,25 @@ def load_into(model: nn.Module, state: dict[str, torch.Tensor], what: str) -> No
 def short_list(items: list[str], n: int = 6) -> str:
     """The first n items and how many more: what a refusal names of a long list of keys."""
     return str(items[:n]) + (f" (+{len(items) - n} more)" if len(items) > n else "")
+
+
+def check_drafter_folder(folder: Path, weight_files: tuple[str, ...], expect: dict,
+                         kv_heads: int) -> tuple[dict, Path]:
+    """A LANTERN drafter folder's config.json against what its target needs (`expect`: key -> value, and `kv_heads`),
+    before any weights are read: (its config, its first of `weight_files`); ValueError naming what differs."""
+    where = folder / "config.json"
+    conf = read_json_object(where, "drafter config")
+    files = [folder / n for n in weight_files if (folder / n).is_file()]
+    if not files:
+        raise ValueError(f"drafter folder {folder} has a config.json but none of {', '.join(weight_files)}")
+    for key, want in expect.items():
+        if conf.get(key) != want:
+            raise ValueError(f"drafter {where}: {key} is {conf.get(key)!r}, but the target needs {want!r} (a drafter "
+                             f"for another target)")
+    if conf.get("num_key_value_heads", conf["num_attention_heads"]) != kv_heads:
+        raise ValueError(f"drafter {where}: num_key_value_heads {conf.get('num_key_value_heads')} differs from the "
+                         f"target's {kv_heads}")
+    return conf, files[0]
 
 
 def load_checkpoint(model: nn.Module, path: str | Path) -> nn.Module:

@@ -62,10 +62,7 @@ class Drafter(nn.Module):
         self.fc = nn.Linear(2 * cfg.dim, cfg.dim, bias=True)
         self.layer = TransformerBlock(cfg, layer_id=0)
         eps = cfg.norm_eps if options.norm_eps is None else options.norm_eps
-        if not options.input_norm:
-            self.layer.attention_norm = nn.Identity()
-        else:
-            self.layer.attention_norm = RMSNorm(cfg.dim, eps)
+        self.layer.attention_norm = RMSNorm(cfg.dim, eps) if options.input_norm else nn.Identity()
         self.layer.ffn_norm = RMSNorm(cfg.dim, eps)
         if options.ffn_hidden is not None:
             self.layer.feed_forward = FeedForward(cfg, options.ffn_hidden)

@@ -166,8 +166,6 @@ def check_family(path: str | Path, vq: str | None = None, need_vq: bool = False)
 def load_family(path: str | Path, vq: str | None = None, need_vq: bool = False):
     """A family folder's loaded model (lantern.models.janus.JanusFamily, lantern.models.chameleon.ChameleonFamily)."""
     info = check_family(path, vq, need_vq)
-    if info.family == "chameleon":
-        return ChameleonFamily.load(info, vq, need_vq)
-    return JanusFamily.load(info)
+    return ChameleonFamily.load(info, vq, need_vq) if info.family == "chameleon" else JanusFamily.load(info)
 
 

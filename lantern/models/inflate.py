@@ -91,12 +91,6 @@ def _blank(cls, cfg: GPTConfig):
     return module.to_empty(device="cpu").float().eval()
 
 
-def _zero_block(block: TransformerBlock) -> None:
-    """A block that adds exactly zero to the residual stream."""
-    for p in block.parameters():
-        p.zero_()
-
-
 @torch.no_grad()
 def inflate_target(target: GPT, big: GPTConfig) -> GPT:
     """`target` at the config `big` (from `inflated_config`), in float32, computing the same logits over the
@@ -105,25 +99,25 @@ def inflate_target(target: GPT, big: GPTConfig) -> GPT:
     d0, d1, v0 = small.dim, big.dim, small.vocab_size
     out = _blank(GPT, big)
     out.rope.copy_(target.rope)  # the same head_dim, grid and prefix: the same table
-    src = target
     table = out.cls_embedding.embedding_table.weight
     table.zero_()
-    table[:, :d0] = src.cls_embedding.embedding_table.weight
+    table[:, :d0] = target.cls_embedding.embedding_table.weight
     table[:, d0] = CONSTANT
     emb = out.tok_embeddings.weight
     emb.zero_()
-    emb[:v0, :d0] = src.tok_embeddings.weight
+    emb[:v0, :d0] = target.tok_embeddings.weight
     emb[:, d0] = CONSTANT
     for i, layer in enumerate(out.layers):
         if i < small.n_layer:
-            _block(layer, src.layers[i], small, big)
-        else:
-            _zero_block(layer)
-    _norm(out.norm, src.norm, d0, d1)
+            _block(layer, target.layers[i], small, big)
+        else:  # a block that adds exactly zero to the residual stream
+            for p in layer.parameters():
+                p.zero_()
+    _norm(out.norm, target.norm, d0, d1)
     out.norm.weight[d0] = 1.0  # the constant reaches the head
     head = out.output.weight
     head.zero_()
-    head[:v0, :d0] = src.output.weight
+    head[:v0, :d0] = target.output.weight
     head[v0:, d0] = -PAD_LOGIT / CONSTANT
     return out
 

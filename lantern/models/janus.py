@@ -129,11 +129,6 @@ class JanusFamily:
         return cls(root, model, tokenizer, default_sampling=sampling, **ids)
 
     @property
-    def identity(self) -> str:
-        """The folder's digest (lantern.models.folders.folder_identity): what auto's caches are keyed by."""
-        return folder_identity(self.path)
-
-    @property
     def image_tokens(self) -> int:
         return self.model.config.vision_config.num_image_tokens
 
@@ -165,7 +160,7 @@ class JanusFamily:
         padded: for left-padded rows (PaddedJanusTarget)."""
         if (prompt_len, padded) not in self._targets:
             target = janus_target(self.model, prompt_len, self.bos, self.boi, self.pad, padded)
-            target.identity = self.identity  # the caches of --method auto are keyed by the folder
+            target.identity = folder_identity(self.path)  # the caches of --method auto are keyed by the folder
             self._targets[prompt_len, padded] = target
         return self._targets[prompt_len, padded]
 

@@ -15,8 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from lantern.models.config import GPTConfig
-from lantern.files.reading import read_json_object
-from lantern.models.checkpoint import WRAPPER_KEYS, load_into, load_tensors_file, stripped
+from lantern.models.checkpoint import WRAPPER_KEYS, check_drafter_folder, load_into, load_tensors_file, stripped
 from lantern.models.drafter import Drafter, DrafterOptions
 from lantern.models.gpt import GPT
 from lantern.models.vq import VQConfig, VQModel
@@ -182,20 +181,10 @@ def is_lantern_drafter(path: Path) -> bool:
 def read_lantern_drafter(folder: Path, target_cfg: GPTConfig) -> Drafter:
     """LANTERN's published drafter folder -> a lantern Drafter with the same weights, checked against the
     target: width, heads, vocabulary, condition type and image grid; it records LANTERN's caption mask."""
-    conf = read_json_object(folder / "config.json", "drafter config")
-    files = [folder / n for n in LANTERN_WEIGHT_FILES if (folder / n).is_file()]
-    if not files:
-        raise ValueError(f"drafter folder {folder} has a config.json but none of {', '.join(LANTERN_WEIGHT_FILES)}")
-    where = folder / "config.json"
     expect = {"hidden_size": target_cfg.dim, "vocab_size": target_cfg.vocab_size, "num_hidden_layers": 1,
               "num_attention_heads": target_cfg.n_head}
-    for key, want in expect.items():
-        if conf.get(key) != want:
-            raise ValueError(f"drafter {where}: {key} is {conf.get(key)!r}, but the target needs {want} (a drafter "
-                             f"for another target)")
-    if conf.get("num_key_value_heads", target_cfg.n_head) != target_cfg.kv_heads:
-        raise ValueError(f"drafter {where}: num_key_value_heads {conf.get('num_key_value_heads')} differs from the "
-                         f"target's {target_cfg.kv_heads}")
+    conf, weights = check_drafter_folder(folder, LANTERN_WEIGHT_FILES, expect, target_cfg.kv_heads)
+    where = folder / "config.json"
     if conf.get("hidden_act", "silu") != "silu" or conf.get("qkv_bias") or conf.get("rope_scaling"):
         raise ValueError(f"drafter {where}: hidden_act {conf.get('hidden_act')!r}, qkv_bias, rope_scaling: lantern "
                          f"loads LANTERN's LlamaGen drafters (silu, no qkv bias, no RoPE scaling)")
@@ -207,14 +196,14 @@ def read_lantern_drafter(folder: Path, target_cfg: GPTConfig) -> Drafter:
         raise ValueError(f"drafter {where}: input_type {kind!r} is for {model_type} models of {block} image tokens; "
                          f"the target is {target_cfg.model_type} with {target_cfg.block_size} (a drafter for another "
                          f"target)")
-    state = read_llamagen_state(files[0], what="drafter weights")
+    state = read_llamagen_state(weights, what="drafter weights")
     options = DrafterOptions(input_norm="layers.0.input_layernorm.weight" in state, own_embedding=True,
                              ffn_hidden=int(conf.get("intermediate_size", target_cfg.ffn_hidden)),
                              norm_eps=float(conf.get("rms_norm_eps", 1e-6)), reads_prefix=True,
                              caption_mask="lantern")  # fed as LANTERN feeds it (lantern.engine.caption_mask)
     drafter = Drafter(target_cfg, options)
     load_into(drafter, lantern_drafter_keys(state, bias=conf.get("bias", True), dim=target_cfg.dim),
-              f"drafter weights {files[0]}")
+              f"drafter weights {weights}")
     return drafter.eval()
 
 

@@ -213,14 +213,11 @@ class VQModel(nn.Module):
         self.quant_conv = nn.Conv2d(cfg.z_channels, cfg.codebook_embed_dim, 1)
         self.post_quant_conv = nn.Conv2d(cfg.codebook_embed_dim, cfg.z_channels, 1)
 
-    def _check_images(self, images: torch.Tensor) -> None:
+    def encode_latent(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, 3, H, W) in [-1, 1] -> unnormalised latents (B, d, h, w)."""
         s = self.config.image_size
         if images.ndim != 4 or tuple(images.shape[1:]) != (3, s, s):
             raise ValueError(f"images of shape {tuple(images.shape)}; expected (B, 3, {s}, {s})")
-
-    def encode_latent(self, images: torch.Tensor) -> torch.Tensor:
-        """(B, 3, H, W) in [-1, 1] -> unnormalised latents (B, d, h, w)."""
-        self._check_images(images)
         return self.quant_conv(self.encoder(images))
 
     def quantize_latent(self, z: torch.Tensor):

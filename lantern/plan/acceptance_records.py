@@ -98,9 +98,7 @@ def load_record(model: str, sampling: SamplingConfig, dtype: str, shipped: Optio
 
 def decode_settings(plan: Plan, sampling: SamplingConfig) -> dict:
     """What an entry of the plan was measured with: its decode config without the sampling (the record's key)."""
-    settings = plan.decode(sampling).to_dict()
-    del settings["sampling"]
-    return settings
+    return {key: value for key, value in plan.decode(sampling).to_dict().items() if key != "sampling"}
 
 
 def current(record: dict, plan: Plan) -> bool:
@@ -154,17 +152,6 @@ def per_image_steps(steps: Sequence[int], conds: Optional[Sequence], wanted: Seq
     return out
 
 
-def chunk_steps(record: Optional[dict], width: int) -> dict[str, float]:
-    """expected_max of every plan in a record: the loop steps of a chunk of `width` images drawn from all its
-    images."""
-    return {name: expected_max([e["steps"]] * width) for name, e in (record or {}).get("plans", {}).items()}
-
-
-def attended_fractions(record: Optional[dict], width: int) -> dict[str, float]:
-    """attended_fraction of every plan in a record, for chunks of `width` images drawn from all its images."""
-    return {name: attended_fraction([e["steps"]] * width) for name, e in (record or {}).get("plans", {}).items()}
-
-
 def measure_record(generate: Callable[[Plan], object], plans: Sequence[Plan], record: dict,
                    classes: Optional[list[int]] = None, progress: bool = True) -> dict:
     """Fill `record` with every plan it lacks or holds stale. generate(plan) -> a run of whole images with their
@@ -173,8 +160,7 @@ def measure_record(generate: Callable[[Plan], object], plans: Sequence[Plan], re
     sampling = SamplingConfig(**record["sampling"])
     todo = [p for p in plans if p != AR and not current(record, p)]
     for plan in tqdm(todo, desc="acceptance record", unit="plan", file=sys.stderr, disable=not progress or not todo):
-        result = generate(plan)
-        s = result.stats
+        s = generate(plan).stats
         record["plans"][plan.name] = {"steps": [img.target_forwards - 1 for img in s.images],
                                       "conditions": classes,
                                       "tau": s.mean_accepted_length, "step_compression": s.step_compression,
@@ -212,3 +198,11 @@ def attended_fraction(images: Sequence[Sequence[float]]) -> float:
     all of it (a done image pads at full length): 1 - E[min] / (2 E[max]). One image, or images in lockstep
     (AR): 1/2, the middle."""
     return 1.0 - expected_min(images) / (2.0 * expected_max(images))
+
+
+def chunk_timing(images: dict[str, Sequence[Sequence[float]]]) -> tuple[dict[str, float], dict[str, float]]:
+    """What calibration.measure_width sizes and times each plan's runs by, from the steps of a chunk's images
+    (plan name -> each image's steps): the chunk's loop steps (expected_max) and the fraction of an image its
+    steps attend (attended_fraction)."""
+    return ({name: expected_max(v) for name, v in images.items()},
+            {name: attended_fraction(v) for name, v in images.items()})

@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
-from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from lantern.backends.registry import ENV_VAR, backend_class, get_backend, registered, resolve_name
@@ -229,9 +228,8 @@ def _other_mode(pipe, mode: str, key: dict, ledger: dict, cross: list[Plan], sam
             todo, entry = cross, None
         steps = steps_of(todo)
         first = {p.name: steps[p.name][:width] for p in todo}  # the first chunk's images
-        entry = calibration.measure_width(pipe, todo, sampling, width,
-                                          {n: records.expected_max(v) for n, v in first.items()}, entry, progress,
-                                          {n: records.attended_fraction(v) for n, v in first.items()},
+        per_chunk, attended = records.chunk_timing(first)
+        entry = calibration.measure_width(pipe, todo, sampling, width, per_chunk, entry, progress, attended,
                                           anchor=anchor, **({} if full else probe_rounds()))
         if not full:  # (a full measurement over a probe's entry keeps its flag: its other plans were probed)
             entry["provisional"] = True

@@ -47,7 +47,9 @@ from lantern.backends.environment import cpu_model
 from lantern.decoding.sampling import SamplingConfig
 from lantern.engine import run_batch
 from lantern.engine.fused import WARM_CALLS
+from lantern.models.family import neutral_conditions
 from lantern.plan.candidates import AR, Plan
+from lantern.plan.cost_model import bracket, dearest_no_wider, interpolate
 from lantern.files.user_cache import (cache_root, entry_folder, entry_lock, field_problem, is_number, read_entry,
                                       write_entry)
 
@@ -234,7 +236,7 @@ def cached_or_measured(key: dict, width: int, names: Sequence[str], measure: Cal
 
 def conditions(config, n: int, prompts: torch.Tensor | None = None) -> torch.Tensor | list[int]:
     """n conditions to time or record with: classes 0, 1, ... (c2i), the request's prompt rows `prompts` (P, ...)
-    repeated in turn (a model-family target, whose conditions are token rows), or zero caption embeddings (t2i)."""
+    repeated in turn (a model-family target, whose conditions are token rows), or neutral captions (t2i)."""
     if config.model_type == "c2i":
         return [i % config.num_classes for i in range(n)]
     if config.model_type == "prompt":
@@ -242,7 +244,7 @@ def conditions(config, n: int, prompts: torch.Tensor | None = None) -> torch.Ten
             raise ValueError("a prompt-conditioned target is timed and recorded on the request's prompt rows; "
                              "none were given")
         return prompts[torch.arange(n) % prompts.shape[0]]
-    return torch.zeros(n, config.cls_token_num, config.caption_dim)
+    return neutral_conditions(config, n)
 
 
 def _short_run(pipe, dcfg, width: int, tokens: int, attended: float = 0.5,
@@ -450,8 +452,8 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
         for plan in todo:  # round 1, narrowest verify first
             bar.set_postfix_str(plan.name)
             timed = [p for p in todo if ratios[p.name]]
-            floor = WIDER_SLACK * max((ratios[p.name][0] for p in timed if not decoded[p.name].needs_drafter
-                                       and width_of[p.name] <= width_of[plan.name]), default=0.0)
+            floor = WIDER_SLACK * dearest_no_wider(((width_of[p.name], ratios[p.name][0]) for p in timed
+                                                    if not decoded[p.name].needs_drafter), width_of[plan.name])
             best = min([per_chunk_s(p.name, ratios[p.name][0]) for p in timed] + known, default=math.inf)
             if plan != AR and timed and (per_chunk_s(plan.name, floor) > CONTENDER * best
                                          or not fits(first_run + confirming_s())):
@@ -518,7 +520,7 @@ def refresh_cache(backend: str, dtype: str, model: str, width: int, entry: dict)
 
 def at_width(widths: dict, width: int) -> dict:
     """The entry for `width` from entries measured at other widths (keys are str(width)): exact if measured,
-    else per plan linear in the width between the two nearest measured ones (extended past the ends)."""
+    else per plan linear in the width between the two nearest measured ones (cost_model.interpolate)."""
     if str(width) in widths:
         return widths[str(width)]
     have = sorted(int(w) for w in widths)
@@ -526,15 +528,11 @@ def at_width(widths: dict, width: int) -> dict:
         raise ValueError("no calibration at any batch width")
     if len(have) == 1:
         return widths[str(have[0])]
-    lo = max([w for w in have if w < width] or have[:1])
-    hi = min([w for w in have if w > width] or have[-1:])
-    if lo == hi:
-        lo, hi = (have[-2], have[-1]) if width > have[-1] else (have[0], have[1])
+    lo, hi = (have[i] for i in bracket(have, width))
     a, b = widths[str(lo)], widths[str(hi)]
-    f = (width - lo) / (hi - lo)
 
     def lerp(x: float, y: float) -> float:
-        return max(x + (y - x) * f, 0.0)
+        return interpolate(((lo, x), (hi, y)), width)
 
     plans = {name: {"step_s": lerp(a["plans"][name]["step_s"], b["plans"][name]["step_s"]),
                     **{flag: True for flag in ("lower_bound", "unconfirmed")

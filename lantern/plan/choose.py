@@ -1,14 +1,11 @@
 """`--method auto`: predict each candidate plan's wall time for the request, pick the fastest.
 
-For n images decoded `width` at a time (chunks of `width`, the last one padded):
-
-    T(plan) = sum over chunks of  fixed_s + E[max over the chunk's real images of steps] * step_s(plan)
-
-fixed_s and step_s come from the latency calibration at that width (calibration.py, or a hardware profile's
-results), the steps per image from the model's acceptance record (records.py; AR: block - 1), each image's
-from its own class's where the request names classes. A speculative plan must be predicted at least
-min_speedup (MIN_SPEEDUP unless the caller says) times faster than AR, or AR is chosen: a default slower than AR
-is a bug.
+For n images decoded `width` at a time, T(plan) = sum over chunks of fixed_s + E[max over the chunk's real images of
+steps] * step_s(plan) (cost_model.predict_seconds): fixed_s and step_s from the latency calibration at that width
+(calibration.py, or a hardware profile's results), the steps per image from the model's acceptance record
+(acceptance_records.py; AR: block - 1), each image's from its own class's where the request names classes. A
+speculative plan must be predicted at least min_speedup (MIN_SPEEDUP unless the caller says) times faster than AR,
+or AR is chosen: a default slower than AR is a bug.
 """
 from __future__ import annotations
 
@@ -28,6 +25,7 @@ from lantern.decoding.sampling import SamplingConfig
 from lantern.engine import run_batch
 from lantern.plan import calibration, acceptance_records as records
 from lantern.plan.candidates import AR, Plan, candidate_plans
+from lantern.plan.cost_model import predict_seconds
 from lantern.plan.validated import allowed_relaxations
 from lantern.files.user_cache import usable_root
 
@@ -145,11 +143,6 @@ def choosable(row: dict) -> bool:
     """Whether a candidate's prediction may choose it: not a lower bound (a plan too slow to be worth timing) and
     not unconfirmed (timed fewer than calibration.CONFIRMED times, which a noisy machine can flatter by 2x)."""
     return not row.get("lower_bound") and not row.get("unconfirmed")
-
-
-def predict_seconds(width: int, fixed_s: float, step_s: float, images: list[list[float]]) -> float:
-    """images: each requested image's steps (equally likely values), in request order: chunks of `width`."""
-    return sum(fixed_s + records.expected_max(images[i:i + width]) * step_s for i in range(0, len(images), width))
 
 
 def allowed_relaxation(allow_relaxed: bool, validated: dict, sampling: SamplingConfig,
@@ -319,8 +312,7 @@ def machine_costs(pipe, plans: list[Plan], sampling: SamplingConfig, key: str, w
               f"`lantern profile run` refreshes it)", file=sys.stderr)
         before.extend(((entry or {}).get("seconds", 0.0), (entry or {}).get("prepare_s", 0.0)))
         first = {p.name: steps[p.name][:width] for p in lacking}  # the first chunk's images
-        per_chunk = {name: records.expected_max(images) for name, images in first.items()}
-        attended = {name: records.attended_fraction(images) for name, images in first.items()}
+        per_chunk, attended = records.chunk_timing(first)
         entry = calibration.measure_width(pipe, lacking, sampling, width, per_chunk, entry, progress, attended,
                                           prompts=prompts, **(probe_rounds() if probe else {}))
         if probe:

@@ -182,11 +182,7 @@ def search_dirs() -> list[Path]:
 
 
 def profile_names() -> list[str]:
-    names = set()
-    for d in search_dirs():
-        if d.is_dir():
-            names.update(p.stem for p in d.glob("*.toml"))
-    return sorted(names)
+    return sorted({p.stem for d in search_dirs() if d.is_dir() for p in d.glob("*.toml")})
 
 
 def find_profile(spec: str) -> Path:
@@ -243,10 +239,8 @@ def profile_from_dict(data: dict, path: Optional[Path] = None) -> HardwareProfil
     return HardwareProfile(**data, path=path)
 
 
-def _sizes_by_batch(table, where: str) -> dict[int, tuple]:
-    """A TOML table {"4" = [sizes]} as {4: (sizes)}."""
-    if not isinstance(table, dict):
-        raise ValueError(f"{where}: verify_sizes_by_batch must be a table of batch size = [N, ...], got {table!r}")
+def _sizes_by_batch(table: dict, where: str) -> dict[int, tuple]:
+    """A TOML table {"4" = [sizes]} as {4: (sizes)} (a table: FIELD_TYPES is checked first)."""
     out = {}
     for key, sizes in table.items():
         if not key.isdigit():

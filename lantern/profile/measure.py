@@ -39,13 +39,15 @@ def step_spec(model_config, rows: int, dtype: str, verify: int, draft: int = 0) 
 
 
 def _time_calls(runner, name: str, call: Callable[[], object], warmup: int, repeats: int) -> dict:
+    """A step case's result: latency over `repeats` calls after `warmup` untimed ones, warm-up and memory."""
     for _ in range(warmup):
         call()
     runner.reset_times()
     for _ in range(repeats):
         with runner.phase(name):
             call()
-    return summarize(runner.times[name].seconds)
+    return {"latency": summarize(runner.times[name].seconds), "warmup_s": runner.warmup_seconds,
+            "memory": runner.memory().to_dict()}
 
 
 def verify_latency(backend: Backend, target, spec: StaticSpec, warmup: int, repeats: int) -> dict:
@@ -54,8 +56,7 @@ def verify_latency(backend: Backend, target, spec: StaticSpec, warmup: int, repe
     runner.warmup()
     n = spec.verify_widths[0]
     inputs = dummy_step_inputs(spec, n, runner.device)
-    latency = _time_calls(runner, "verify", lambda: runner.verify(*inputs), warmup, repeats)
-    return {"latency": latency, "warmup_s": runner.warmup_seconds, "memory": _memory(runner)}
+    return _time_calls(runner, "verify", lambda: runner.verify(*inputs), warmup, repeats)
 
 
 def draft_latency(backend: Backend, target, drafter, spec: StaticSpec, warmup: int, repeats: int) -> dict:
@@ -65,14 +66,8 @@ def draft_latency(backend: Backend, target, drafter, spec: StaticSpec, warmup: i
     w = spec.draft_widths[0]
     tokens, positions, slots, mask = dummy_step_inputs(spec, w, runner.device)
     features = torch.zeros(spec.batch, w, target.config.dim, device=runner.device, dtype=parse_dtype(spec.dtype))
-    latency = _time_calls(runner, "draft", lambda: runner.draft(tokens, features, positions, slots, mask),
-                          warmup, repeats)
-    return {"latency": latency, "warmup_s": runner.warmup_seconds, "memory": _memory(runner)}
-
-
-def _memory(runner) -> dict:
-    """The runner's true peak since it was prepared (warm-up and the timed calls) and its parts."""
-    return runner.memory().to_dict()
+    return _time_calls(runner, "draft", lambda: runner.draft(tokens, features, positions, slots, mask), warmup,
+                       repeats)
 
 
 def generation(pipe, dcfg: DecodeConfig, conditions: list, seed: int, warmup: int, repeats: int) -> dict:
@@ -152,10 +147,8 @@ def count_acceptance(paths: Paths, ranks_per_image: list[list[tuple[int, ...]]],
     depth 1). The walk tried a node's children unless it was a leaf or the image's token budget capped the
     path (max_accept = tokens left - 1, replayed here), so such steps add no rejection count."""
     tree = compile_tree(paths)
-    depth = tree.depth
-    fanout = tree.max_children
-    offered = [[0] * fanout for _ in range(depth)]
-    accepted = [[0] * fanout for _ in range(depth)]
+    offered = [[0] * tree.max_children for _ in range(tree.depth)]
+    accepted = [[0] * tree.max_children for _ in range(tree.depth)]
     for steps in ranks_per_image:
         produced = 1  # the prefill's token
         for ranks in steps:

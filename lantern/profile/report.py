@@ -235,6 +235,7 @@ def plot(files: list[tuple[str, dict]], out_dir: Path) -> dict:
         fig = make(plt, measured)
         if fig is not None:
             plots[name] = out_dir / file_name
+            fig.tight_layout()
             fig.savefig(plots[name], dpi=110)
             plt.close(fig)
     return plots
@@ -263,7 +264,6 @@ def plot_latency(plt, measured: list[tuple[str, dict]]):
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
     return fig
 
 
@@ -286,7 +286,6 @@ def plot_speedup(plt, measured: list[tuple[str, dict]]):
     ax.set(ylabel="speed-up over AR (wall time)", title="Whole-generation speed-up per method and tree (B = 1)")
     ax.legend(fontsize=7)
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
     return fig
 
 
@@ -309,7 +308,6 @@ def plot_speedup_vs_batch(plt, measured: list[tuple[str, dict]]):
         ax.legend(fontsize=7)
     axes[0][0].set_ylabel("speed-up over AR at the same B")
     fig.suptitle("Whole-generation speed-up vs batch size", fontsize=10)
-    fig.tight_layout()
     return fig
 
 
@@ -339,7 +337,6 @@ def plot_memory(plt, measured: list[tuple[str, dict]]):
         ax.tick_params(axis="x", labelsize=7)
         ax.legend(fontsize=7)
     fig.suptitle("Memory of the widest generation of each run", fontsize=10)
-    fig.tight_layout()
     return fig
 
 

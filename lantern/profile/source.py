@@ -10,7 +10,6 @@
 """
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -38,15 +37,9 @@ class ModelSource:
     acceptance_records: dict = field(default_factory=dict)  # by dtype (lantern.plan.acceptance_records)
 
 
-def has_embedded_bundle() -> bool:
-    if importlib.util.find_spec("lantern.bundle") is None:
-        return False
-    return (DEFAULT_BUNDLE / "config.json").is_file()
-
-
 def load_source(spec: str = "auto") -> ModelSource:
     if spec == "auto":
-        spec = "bundle" if has_embedded_bundle() else f"random:{DEFAULT_RANDOM}"
+        spec = "bundle" if (DEFAULT_BUNDLE / "config.json").is_file() else f"random:{DEFAULT_RANDOM}"
     kind, _, arg = spec.partition(":")
     if kind == "bundle":
         return _bundle_source(arg or None)
@@ -56,8 +49,6 @@ def load_source(spec: str = "auto") -> ModelSource:
 
 
 def _bundle_source(path: Optional[str]) -> ModelSource:
-    if importlib.util.find_spec("lantern.bundle") is None:
-        raise ValueError("this lantern has no lantern.bundle module; use model = \"random:GPT-small\"")
     b = load_bundle(path)
     # the name is a valid source spec, so `tune --measure` reloads exactly this bundle; the embedded one is named
     # "bundle", never by the folder it happens to be installed in (its files' hashes say which model it was)

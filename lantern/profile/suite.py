@@ -162,9 +162,12 @@ class Suite:
         plans, _ = runnable(pipe, candidate_plans(src.drafter is not None, src.proximity is not None, relaxation),
                             self.sampling)
         record = records.shipped_for(src.acceptance_records, pipe.dtype)
-        per_chunk = {AR.name: src.target.config.block_size - 1, **records.chunk_steps(record, width)}
-        entry = calibration.measure_width(pipe, plans, self.sampling, width, per_chunk, progress=False,
-                                          attended=records.attended_fractions(record, width))
+        # a chunk of `width` images, each drawn from all the record's images of a plan
+        per_chunk, attended = records.chunk_timing({name: [e["steps"]] * width
+                                                    for name, e in (record or {}).get("plans", {}).items()})
+        entry = calibration.measure_width(pipe, plans, self.sampling, width,
+                                          {AR.name: src.target.config.block_size - 1, **per_chunk}, progress=False,
+                                          attended=attended)
         model = pipe.model_key
         cached = calibration.refresh_cache(calibration.costs_name(pipe), pipe.dtype, model, width, entry)
         return {**entry, "model": model, "cache": str(cached)}
@@ -211,9 +214,8 @@ class Suite:
             if was != now_:
                 raise ValueError(f"{self.out} was measured with another {what} ({was!r}, now {now_!r}); pass "
                                  f"--fresh to start over or --out to write elsewhere")
-        old["environment"] = fresh["environment"]
-        old["provenance"] = fresh["provenance"]
-        old["profile"] = fresh["profile"]  # same settings; names and tuned tree may have changed
+        # this machine's environment and provenance; the same settings, whose names and tuned tree may have changed
+        old.update({key: fresh[key] for key in ("environment", "provenance", "profile")})
         return old
 
     def setup_backend(self) -> dict:

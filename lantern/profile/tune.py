@@ -1,62 +1,20 @@
 """Choose the static tree for one device from its measurements, one tree per batch size B (images decoded
-together: one batched step advances all of them). A tree T of N nodes, depth D and widest drafting level W costs
-verify(N) + draft(D + 1) + (D - 1) * draft(W) + host_a + host_b * N per step (the curves measured at B, the host
-work fitted on the whole generations at B) and yields E(T) = 1 + sum over nodes of the product of the batch-1
-probe's acceptance rates a[d][j] along its path; a greedy search grows the tree from (0,) by the node that gives
-the highest E / cost, up to the largest N measured at B, and prunes the leaves that do not pay for themselves
-(docs/profiles.md, "How `tune` chooses").
+together: one batched step advances all of them). A tree T's step costs what lantern.plan.cost_model's CostModel
+says (the curves measured at B, the host work fitted on the whole generations at B), and it yields E(T) = 1 + sum
+over nodes of the product of the batch-1 probe's acceptance rates a[d][j] along its path; a greedy search grows
+the tree from (0,) by the node that gives the highest E / cost, up to the largest N measured at B, and prunes the
+leaves that do not pay for themselves (docs/profiles.md, "How `tune` chooses").
 """
 from __future__ import annotations
 
-from bisect import bisect_left
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from lantern.decoding.trees import Paths, validate_paths
+from lantern.plan.cost_model import CostModel, fit_host_overhead, tree_shape
 from lantern.profile.schema import (batch_sizes, generation_case_id, generations, ok_result, seconds_per_step,
                                     step_latencies)
-
-
-def interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
-    """Piecewise-linear through sorted (x, y) points, extended linearly past both ends."""
-    xs = [p[0] for p in points]
-    if len(points) == 1:
-        return points[0][1]
-    i = min(max(bisect_left(xs, x), 1), len(points) - 1)
-    (x0, y0), (x1, y1) = points[i - 1], points[i]
-    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0)
-
-
-def monotone(points: dict) -> list[tuple[float, float]]:
-    """Sorted points with y made non-decreasing (a running max): a wider step is never cheaper, and noise
-    that says otherwise would make the search chase it."""
-    out, top = [], 0.0
-    for x in sorted(points):
-        top = max(top, points[x])
-        out.append((float(x), top))
-    return out
-
-
-@dataclass(frozen=True)
-class CostModel:
-    verify: tuple[tuple[float, float], ...]  # (N, seconds), non-decreasing
-    draft: tuple[tuple[float, float], ...]  # (W, seconds), non-decreasing
-    host_a: float = 0.0  # seconds per step
-    host_b: float = 0.0  # seconds per node per step
-
-    @classmethod
-    def from_curves(cls, verify: dict, draft: dict, host_a: float = 0.0, host_b: float = 0.0) -> "CostModel":
-        if not verify or not draft:
-            raise ValueError("tuning needs a measured verify curve and drafter curve (run `lantern profile run`)")
-        return cls(tuple(monotone(verify)), tuple(monotone(draft)), host_a, host_b)
-
-    @property
-    def max_nodes(self) -> int:
-        return int(self.verify[-1][0])
-
-    def step_seconds(self, n: int, depth: int, width: int) -> float:
-        drafting = interpolate(self.draft, depth + 1) + (depth - 1) * interpolate(self.draft, max(width, 1))
-        return interpolate(self.verify, n) + drafting + self.host_a + self.host_b * n
 
 
 @dataclass(frozen=True)
@@ -77,19 +35,7 @@ class AcceptanceRates:
         return self.rates[depth - 1][rank]
 
     def path_probability(self, path: Sequence[int]) -> float:
-        prob = 1.0
-        for d, j in enumerate(path, start=1):
-            prob *= self.rate(d, j)
-        return prob
-
-
-def tree_shape(paths: Paths) -> tuple[int, int, int]:
-    """(N with the root, depth, widest drafting level: nodes with children at one depth >= 1)."""
-    parents = {p[:-1] for p in paths if len(p) > 1}
-    levels: dict[int, int] = {}
-    for p in parents:
-        levels[len(p)] = levels.get(len(p), 0) + 1
-    return len(paths) + 1, max(len(p) for p in paths), max(levels.values(), default=0)
+        return math.prod(self.rate(d, j) for d, j in enumerate(path, start=1))
 
 
 def evaluate(paths: Paths, acc: AcceptanceRates, cost: CostModel) -> dict:
@@ -168,33 +114,13 @@ def prune(paths: Paths, acc: AcceptanceRates, cost: CostModel) -> Paths:
     return paths
 
 
-def fit_host_overhead(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """Least squares residual = a + b * N over (N, residual seconds per step); b >= 0, a >= 0."""
-    if not points:
-        return 0.0, 0.0
-    ns = {n for n, _ in points}
-    mean_r = sum(r for _, r in points) / len(points)
-    if len(ns) < 2:
-        return max(mean_r, 0.0), 0.0
-    mean_n = sum(n for n, _ in points) / len(points)
-    sxx = sum((n - mean_n) ** 2 for n, _ in points)
-    b = sum((n - mean_n) * (r - mean_r) for n, r in points) / sxx
-    if b < 0:
-        return max(mean_r, 0.0), 0.0
-    return max(mean_r - b * mean_n, 0.0), b
-
-
 # -- from a results file -------------------------------------------------------------------------------------
-def step_curves(data: dict, batch: int) -> tuple[dict, dict]:
-    """{N: median seconds} of verify and {W: median seconds} of drafter steps at `batch` images."""
-    return tuple({size: lat["median_s"] for size, lat in step_latencies(data, kind, batch).items()}
-                 for kind in ("verify", "draft"))
-
-
 def cost_model(data: dict, batch: int) -> tuple[CostModel, list[dict]]:
-    """Curves at `batch` images plus host overhead fitted on the static-tree generations at that batch size (the
-    residual of each one's measured step time over the curves' prediction)."""
-    verify, draft = step_curves(data, batch)
+    """The curves at `batch` images ({N: median seconds} of verify, {W: median seconds} of drafter steps) plus host
+    overhead fitted on the static-tree generations at that batch size (the residual of each one's measured step
+    time over the curves' prediction)."""
+    verify, draft = ({size: lat["median_s"] for size, lat in step_latencies(data, kind, batch).items()}
+                     for kind in ("verify", "draft"))
     bare = CostModel.from_curves(verify, draft)
     points, used = [], []
     for cid, c in generations(data, batch).items():
@@ -225,11 +151,6 @@ def ar_seconds_per_token(data: dict, batch: int) -> Optional[float]:
     return sum(r["wall"]["samples_s"]) / (tokens_per_image * r["wall"]["repeats"])
 
 
-def tunable_batches(data: dict) -> list[int]:
-    """The batch sizes with both a verify and a drafter curve."""
-    return sorted(set(batch_sizes(data, "verify")) & set(batch_sizes(data, "draft")))
-
-
 def tune_batch(data: dict, batch: int, acc: AcceptanceRates, presets: dict, max_nodes: Optional[int] = None) -> dict:
     """The tree chosen for `batch` images per step and, under the same model, every preset (for comparison).
     Speed-ups are per image against AR at the same batch size. The model counts tau tokens per image and step;
@@ -249,7 +170,7 @@ def tune_batch(data: dict, batch: int, acc: AcceptanceRates, presets: dict, max_
 def tune_results(data: dict, presets: dict, max_nodes: Optional[int] = None) -> dict:
     """One tree per batch size with measured curves (the acceptance rates are the batch-1 probe's)."""
     acc = acceptance_model(data)
-    batches = tunable_batches(data)
+    batches = sorted(set(batch_sizes(data, "verify")) & set(batch_sizes(data, "draft")))  # with both curves
     if not batches:
         raise ValueError("tuning needs a measured verify curve and drafter curve at some batch size (run `lantern "
                          "profile run`)")

@@ -10,6 +10,7 @@ longer is refused (HTTP 422, lantern.serve.schema).
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -52,7 +53,7 @@ def check_model(config: ServeConfig) -> None:
 def load_model(config: ServeConfig):
     """The served model: a lantern.bundle.Bundle, or a FamilyModel for a family folder."""
     if is_family_folder(config.model):
-        return FamilyModel.load(config)
+        return FamilyModel(load_family(config.model, config.vq, need_vq=True), config.max_prompt_tokens)
     return load_bundle(config.model)
 
 
@@ -76,10 +77,6 @@ class FamilyModel:
                              f"{shortest} tokens with the model's own around it; allowed: an integer >= {shortest}")
         self.family, self.prompt_len = family, prompt_len
         self.target = family.target(prompt_len, padded=True)
-
-    @classmethod
-    def load(cls, config: ServeConfig) -> "FamilyModel":
-        return cls(load_family(config.model, config.vq, need_vq=True), config.max_prompt_tokens)
 
     @property
     def path(self) -> Path:
@@ -117,10 +114,8 @@ class FamilyModel:
         """(n, prompt_len) rows of CALIBRATION_PROMPTS (those that fit), for auto's acceptance record."""
         rows = []
         for prompt in CALIBRATION_PROMPTS:
-            try:
+            with contextlib.suppress(ValueError):  # longer than this service's limit
                 rows.append(self.condition(self.prompt_row(prompt)))
-            except ValueError:  # longer than this service's limit
-                continue
         if not rows:
             rows.append(self.condition(self.prompt_row("a")))
         return torch.stack(rows)

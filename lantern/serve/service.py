@@ -101,6 +101,7 @@ class Service:
         self.metrics.watch_peak_memory(self.worker.peak_memory_bytes)
         self.draining = False
         self.serving: ServingPlan = safe_plan(self.pipe.backend.name, self.sampling)  # what auto serves now
+        self.pipe.check_ladder_fits(self._decode(EngineKey(config.method))[0], config.ladder)
         self.planner = (BackgroundPlanner(self._plan, self.worker, config.ladder, self.threads, self._switched,
                                           lambda state: self._report_plan())
                         if config.method == "auto" else None)

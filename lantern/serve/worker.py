@@ -353,10 +353,8 @@ class EngineWorker:
         self._recent.pop(key, None)
         for width in self._engines.pop(key, {}):
             for gauge in (self.metrics.slots, self.metrics.slots_busy):
-                try:
+                with contextlib.suppress(KeyError):  # never set
                     gauge.remove(str(key), str(width))
-                except KeyError:  # never set
-                    pass
 
     def _runner(self, dcfg, width: int):
         """The pipeline's runner for this shape (prepared and warmed up once), unless another engine uses it:

@@ -57,6 +57,11 @@ def test_quick_runs_every_section_on_labelled_stand_ins(tmp_path):
     assert "stand-ins" in (tmp_path / "gpu-quick.md").read_text()
     assert done.stdout.splitlines()[-1].startswith("[gpu_check] results:")
     assert "greedy parity lantern++: eager =, fused =, graph =" in done.stdout
+    again = run_tool("--quick", "--model", str(bundle), "--out", str(tmp_path / "gpu-quick"), "--resume")
+    assert again.returncode == 0, again.stderr[-3000:]
+    kept = json.loads((tmp_path / "gpu-quick.json").read_text())
+    assert kept["sections"]["timing"]["rows"] == rows and kept["sections"]["serve"] == sections["serve"]
+    assert "timing tiny llamagen-c2i B=1: kept from commit" in again.stderr and len(kept["earlier_runs"]) == 1
 
 
 @pytest.mark.parametrize("args, message", [(["--quick", "--budget-s", "0"], "--budget-s 0.0 must be > 0"),
@@ -108,3 +113,29 @@ def test_results_written_under_out_are_not_copied_onto_themselves(tmp_path, monk
     monkeypatch.setenv("OUT", str(tmp_path))
     gpu_check.write_all(tmp_path / "gpu-timing", {"quick": False, "sections": {}, "skipped": [], "budget_s": 1.0})
     assert (tmp_path / "gpu-timing.json").exists() and (tmp_path / "gpu-timing.md").exists()
+
+
+def test_resume_keeps_finished_sections_of_the_same_commit_and_whole_timing_groups_only():
+    """A lease too short for the whole check: --resume keeps what an earlier run finished. Sections only at the
+    same commit and with nothing skipped; timing only as whole groups (every planned row timed against the AR of
+    its own run), so a speed-up never divides one run's time by another's."""
+    from types import SimpleNamespace
+    sys.path.insert(0, str(ROOT / "tools"))
+    import gpu_check
+    args = SimpleNamespace(method_mode="fused")
+    planned = gpu_check.planned_rows(SimpleNamespace(args=args))
+    whole = [{"shape": "GPT-B", "images": 1, "sampling": "bundle", "mode": mode, "method": method,
+              "fastest_ar": "fused"} for mode, method in planned]
+    partial = [dict(r, images=16) for r in whole[:-1]]
+    earlier = {"sections": {"env": {"commit": "abc"}, "timing": {"rows": whole + partial},
+                            "parity": {"methods": {}}, "sync": {"ar": {}}},
+               "skipped": ["sync lantern++: budget"]}
+    check = SimpleNamespace(args=args, earlier=earlier, record={"sections": {"env": {"commit": "abc"}}})
+    kept = gpu_check.earlier_group(check, "GPT-B", 1, "bundle")
+    assert len(kept) == len(planned) and all(r["commit"] == "abc" for r in kept)
+    assert gpu_check.earlier_group(check, "GPT-B", 16, "bundle") == []
+    assert gpu_check.earlier_section(check, "parity") == {"methods": {}}
+    assert gpu_check.earlier_section(check, "sync") is None  # a unit of it was skipped
+    check.record["sections"]["env"]["commit"] = "def"
+    assert gpu_check.earlier_section(check, "parity") is None
+    assert len(gpu_check.earlier_group(check, "GPT-B", 1, "bundle")) == len(planned)

@@ -19,7 +19,8 @@ from lantern.decoding.config import method_preset
 from lantern.decoding.sampling import SamplingConfig
 from lantern.plan import calibration, acceptance_records as records
 from lantern.plan.candidates import AR, RELAXED_METHODS, candidate_plans
-from lantern.plan.choose import MIN_SPEEDUP, allowed_relaxation, choose, predict_seconds
+from lantern.plan.choose import MIN_SPEEDUP, allowed_relaxation, choose
+from lantern.plan.cost_model import predict_seconds
 
 SAMPLING = SamplingConfig(temperature=1.0, top_k=5, cfg_scale=2.0)
 

@@ -14,7 +14,8 @@ from lantern.profile.hardware import load_profile
 from lantern.profile.report import compare
 from lantern.profile.schema import SCHEMA_VERSION, SchemaError, load_results, save_results
 from lantern.profile.suite import Suite
-from lantern.profile.tune import AcceptanceRates, CostModel, choose_tree, evaluate
+from lantern.plan.cost_model import CostModel
+from lantern.profile.tune import AcceptanceRates, choose_tree, evaluate
 
 TINY_PROFILE = """\
 # a tiny profile: every kind of case, in seconds

@@ -716,3 +716,28 @@ def test_sigterm_while_auto_calibrates_in_the_background_exits_0(bundle_dir, tmp
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_ladder_that_cannot_fit_exits_2_before_serving_naming_a_batch_that_would(bundle_dir, capsys, monkeypatch):
+    """Every width's engine is held at once, so their KV caches add up: with memory for one engine of 16 images
+    but not for the ladder 1, 4, 16 the service refuses at start (exit 2), names the widths and a --batch whose
+    ladder fits; with memory for the ladder it is built."""
+    import lantern.api
+    from lantern.bundle import load_bundle
+    from lantern.cli import main
+    from lantern.decoding.config import method_preset
+    from lantern.decoding.sampling import SamplingConfig
+    bundle = load_bundle(str(bundle_dir))
+    pipe = lantern.api.Pipeline.from_bundle(bundle, backend="cpu")
+    ar = method_preset("ar", SamplingConfig(**bundle.default_sampling))
+    one_engine = pipe.predict_peak(ar, 16).total_bytes
+    ladder = one_engine + sum(pipe.predict_peak(ar, w).kv_cache_bytes for w in (1, 4))
+    monkeypatch.setattr(lantern.api, "available_bytes", lambda device: (one_engine, "a test's figure"))
+    assert main(["serve", "--model", str(bundle_dir), "--port", "0", "--method", "ar", "--batch", "16"]) == 2
+    error = capsys.readouterr().err
+    assert "the service's engines at widths [1, 4, 16] cannot fit" in error
+    batch = int(re.search(r"it would fit with --batch (\d+)", error).group(1))
+    assert batch < 16 and one_engine >= pipe.predict_peak(ar, batch).total_bytes + sum(
+        pipe.predict_peak(ar, w).kv_cache_bytes for w in (1, 4) if w < batch)
+    monkeypatch.setattr(lantern.api, "available_bytes", lambda device: (ladder, "a test's figure"))
+    Service(ServeConfig(model=str(bundle_dir), method="ar", batch=16))  # built, not started

@@ -270,9 +270,10 @@ class Pipeline:
             return replace(step, kv_cache_bytes=sum(p.kv_cache_bytes for p in each))
 
         widest = max(widths)
-        if ladder(dcfg, widest).total_bytes > available:
-            raise refusal(dcfg, widest, lambda d, w: ladder(d, w).total_bytes, available, source,
-                          ladder(dcfg, widest), what=f"the service's engines at widths {sorted(widths)}")
+        predicted = ladder(dcfg, widest)
+        if predicted.total_bytes > available:
+            raise refusal(dcfg, widest, lambda d, w: ladder(d, w).total_bytes, available, source, predicted,
+                          what=f"the service's engines at widths {sorted(widths)}")
 
     def release(self, keep: Optional[DecodeConfig] = None, batch: int = 0) -> None:
         """Free every prepared runner (its KV cache and workspaces) but the one for (keep, batch), if given; the

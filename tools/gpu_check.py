@@ -890,8 +890,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     steps = [step for step in steps if step[1] in wanted]
     shares = section_shares([share for share, _, _ in steps])
     for share, section, run in steps:
-        if section != "timing" and earlier_section(check, section) is not None:
-            check.record["sections"][section] = earlier_section(check, section)
+        kept = earlier_section(check, section) if section != "timing" else None
+        if kept is not None:
+            check.record["sections"][section] = kept
             print(f"[gpu_check] {section}: kept from the earlier run of this commit", file=sys.stderr)
             continue
         check.budget.section(None if args.quick else shares[share])

@@ -2,6 +2,7 @@
 compile costs counted; and the first-run probe that bounds a cold machine's deciding work (lantern.plan.choose)."""
 import json
 import statistics
+from types import SimpleNamespace
 
 import pytest
 import torch._dynamo
@@ -17,7 +18,7 @@ from lantern.decoding.sampling import SamplingConfig
 from lantern.plan import backend_choice, calibration, choose as choose_mod
 from lantern.decoding import method_preset
 from lantern.plan.backend_choice import (FUSED, PRIOR_PREPARE_S, backend_of, candidate_backends, choose_backend,
-                                         ledger_path, pinned_backend, prepare_cost, record_prepared)
+                                         ledger_path, mode_row, pinned_backend, prepare_cost, record_prepared)
 from lantern.plan.candidates import AR, RELAXED_METHODS, candidate_plans
 from lantern.plan.choose import choose
 
@@ -244,6 +245,25 @@ def test_candidate_modes_start_with_the_default_and_say_why_others_are_out(monke
     bf16, out16, _ = candidate_backends("bf16")
     assert "onnx" not in bf16 and "cpu-graph" in bf16
     assert any(r["backend"] == "onnx" and r["status"].startswith("unavailable") for r in out16)
+
+
+def test_on_cuda_auto_weighs_the_fused_step_too(monkeypatch):
+    """A machine whose default backend is cuda: the fused CUDA-graph step is one of auto's modes, labelled fused."""
+    class Available:
+        @staticmethod
+        def availability():
+            return SimpleNamespace(ok=True, reason="")
+
+    def backend(name, **options):
+        dtypes = ("fp32",) if name.startswith("onnx") else ("bf16", "fp32")
+        return SimpleNamespace(capabilities=lambda: SimpleNamespace(dtypes=dtypes))
+    monkeypatch.setattr(backend_choice, "resolve_name", lambda name: "cuda")
+    monkeypatch.setattr(backend_choice, "backend_class", lambda name: Available)
+    monkeypatch.setattr(backend_choice, "get_backend", backend)
+    names, left_out, dtype = candidate_backends(None)
+    assert names == ["cuda", "cuda-graph", "cuda-graph" + FUSED] and dtype == "bf16"
+    assert [(r["backend"], r["status"]) for r in left_out] == [("onnx-cuda", "unavailable: no bf16")]
+    assert mode_row("cuda-graph" + FUSED)["mode"] == "fused" and mode_row("cuda-graph")["mode"] == "compiled"
 
 
 # --- the first-run probe: a cold machine's deciding work is bounded by counting it -------------------------------

@@ -79,11 +79,12 @@ def setting(bundle, backend: str, dtype: str, n: int, seeds: list[int], repeats:
     configs.update({name: (c.decode, c.width) for name, c in choices.items()})
     for dcfg, width in configs.values():  # prepare and warm every runner before timing
         pipe.generate(classes, dcfg, batch=width, tokens=2)
+    modes, left_out = runnable_modes(dtype, baseline_modes)
+    baseline = ARBaseline(bundle.target, bundle.drafter, bundle.proximity, dtype, sampling, modes, width=n)
     runs = {m: {} for m in configs}  # method -> seed -> the walls of its repeats
     # auto with no backend pinned (what `lantern generate` runs): it may choose another mode; only where this
-    # setting's backend is the machine's default one. Its setup (deciding, then preparing the chosen runner) is
-    # timed as one command pays it, after the machine's one-time calibration where asked
-    anywhere, setup_s = None, None
+    # setting's backend is the machine's default one
+    anywhere = None
     if backend == resolve_name("auto"):
         common = dict(progress=False, classes=classes, dtype=dtype, default=pipe)
         machine_s = None
@@ -91,13 +92,8 @@ def setting(bundle, backend: str, dtype: str, n: int, seeds: list[int], repeats:
             t1 = time.perf_counter()
             choose_backend(pipe.sibling, n, sampling, calibrate_all=True, **common)
             machine_s = time.perf_counter() - t1
-        t1 = time.perf_counter()
         anywhere = choose_backend(pipe.sibling, n, sampling, **common)
         anywhere.pipeline.generate(classes, anywhere.decode, batch=anywhere.width, tokens=2)
-        setup_s = time.perf_counter() - t1
-    # after the machine's calibration, so that every mode's AR is prepared with the same compile caches auto had
-    modes, left_out = runnable_modes(dtype, baseline_modes)
-    baseline = ARBaseline(bundle.target, bundle.drafter, bundle.proximity, dtype, sampling, modes, width=n)
     any_walls: dict[int, list[float]] = {}
 
     def run(names: list[str], seed: int) -> None:
@@ -137,22 +133,9 @@ def setting(bundle, backend: str, dtype: str, n: int, seeds: list[int], repeats:
         any_median = statistics.median(statistics.median(w) for w in any_walls.values())
         out["auto_any_mode"] = {"choice": anywhere.to_dict(), "walls": any_walls, "median_s": any_median,
                                 "speedup_vs_fastest_ar": by_mode[fastest] / any_median,
-                                "machine_calibrated": calibrate_machine, "machine_calibration_s": machine_s,
-                                "one_command": one_command(setup_s, any_median, baseline.setup_s, by_mode)}
+                                "machine_calibrated": calibrate_machine, "machine_calibration_s": machine_s}
     out["auto_vs_fastest"] = versus_fastest(out, configs, {"auto": allowed, "auto --allow-relaxed": list(METHODS)})
     return out
-
-
-def one_command(setup_s: float, decode_s: float, ar_setup_s: dict[str, float],
-                ar_decode_s: dict[str, float]) -> dict:
-    """What one `lantern generate` pays beyond loading the models: setting up (deciding and preparing its runner)
-    and decoding, for auto and for AR on each mode; the fastest AR here is the mode with the least of both."""
-    ar_total = {m: ar_setup_s[m] + ar_decode_s[m] for m in ar_decode_s}
-    fastest = min(ar_total, key=ar_total.get)
-    total = setup_s + decode_s
-    return {"setup_s": setup_s, "total_s": total, "ar_total_by_mode": ar_total, "ar_setup_by_mode": ar_setup_s,
-            "fastest_ar_mode": fastest, "fastest_ar_total_s": ar_total[fastest],
-            "speedup_vs_fastest_ar": ar_total[fastest] / total}
 
 
 def versus_fastest(row: dict, configs: dict, pools: dict) -> dict:
@@ -239,10 +222,7 @@ def markdown(rec: dict) -> str:
              "that method's configuration (same plan, same runner), where any gap is noise. "
              "Calibration: seconds timing plans, + seconds preparing runners (exporting graphs), both once per "
              "machine, backend, dtype and B. Fastest AR: AR on every mode that runs the dtype here, on the same "
-             "images in the same run (median over seeds and repeats); x fastest AR: its wall / the entry's. "
-             "One command: what one `lantern generate` pays beyond loading the models, setting up (auto: deciding and preparing "
-             "its runner; AR: preparing the mode's runner, compiles with the same caches) plus decoding; the fastest "
-             "AR there is the mode with the least of both.", ""]
+             "images in the same run (median over seeds and repeats); x fastest AR: its wall / the entry's.", ""]
     if rec.get("commit"):
         lines[-1:-1] = [f"Commit {rec['commit']}; `{rec['command']}`." + (
             " **--quick: a check that the tool runs; the numbers mean nothing.**" if rec.get("quick") else "")]
@@ -250,8 +230,7 @@ def markdown(rec: dict) -> str:
     lines += ["| backend | sampling | B | " + " | ".join(methods) + " | noise floor | auto chose | auto / fastest | predicted vs "
               "measured speed-up (auto) | auto --allow-relaxed chose | its / fastest | predicted vs measured | "
               "calibration (s) | fastest AR (mode) | auto x fastest AR | auto, no backend pinned: chose | its x "
-              "fastest AR (predicted) | one command, auto: setup + decode (s) | one command, fastest AR: setup + "
-              "decode (s, mode) | its x |", "|---|---|---|" + "---|" * (len(methods) + 15)]
+              "fastest AR (predicted) |", "|---|---|---|" + "---|" * (len(methods) + 12)]
     for r in rec["rows"]:
         cells = [f"{r['median_s'][m]:.2f} s ({r['speedup_vs_ar'][m]:.2f}x){'*' if len(r['walls'][m]) == 1 else ''}"
                  for m in methods]
@@ -272,13 +251,6 @@ def markdown(rec: dict) -> str:
         versus += (f" | {a['choice']['plan']} on {a['choice']['backend']} ({a['choice']['mode']}){setup} | "
                    f"{a['speedup_vs_fastest_ar']:.2f}x ({a['choice']['speedup_over_fastest_ar']:.2f}x)" if a
                    else " | - | -")
-        once = a.get("one_command") if a else None
-        if once:
-            mode = once["fastest_ar_mode"]
-            versus += (f" | {once['setup_s']:.1f} + {a['median_s']:.2f} | {once['ar_setup_by_mode'][mode]:.1f} + "
-                       f"{r['fastest_ar']['median_by_mode'][mode]:.2f} ({mode}) | {once['speedup_vs_fastest_ar']:.2f}x")
-        else:
-            versus += " | - | - | -"
         lines.append(f"| {r['backend']} {r['dtype']} | {r.get('sampling', 'bundle')} | {r['images']} | "
                      + " | ".join(cells) +
                      f" | {timing:.0f} + {prepare:.0f}{versus} |")

@@ -5,8 +5,6 @@ seeds. Preparing a mode's runner (compiling, exporting) is done before timing an
 decode wall time, as every method's is."""
 from __future__ import annotations
 
-import time
-
 from lantern.api import Pipeline
 from lantern.backends import backend_class, get_backend
 from lantern.decoding import method_preset
@@ -54,11 +52,9 @@ class ARBaseline:
         self.dcfg, self.width = method_preset("ar", sampling), width
         self.pipes = {m: mode_pipeline(m, target, drafter, proximity, dtype) for m in modes}
         self.walls: dict[str, list[float]] = {m: [] for m in modes}
-        self.prepare_s, self.setup_s = {}, {}  # the runners' own preparation; all a first call pays before decoding
+        self.prepare_s = {}
         for m, pipe in self.pipes.items():  # compile / export before any timing
-            start = time.perf_counter()
             prepare(pipe, self.dcfg, [0] * width, width)
-            self.setup_s[m] = time.perf_counter() - start
             self.prepare_s[m] = sum(pipe.prepare_seconds.values())
 
     def time(self, classes: list[int], seed: int, tokens: int | None = None) -> None:

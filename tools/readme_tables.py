@@ -15,7 +15,6 @@ import json
 import statistics
 import sys
 from pathlib import Path
-from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
@@ -78,13 +77,9 @@ def default_table(record: dict, source: str) -> list[str]:
     prov = record["provenance"]
     out = [f"The default (`lantern generate`: `--method auto`, no backend pinned), measured by `{prov['command']}` "
            f"([{Path(source).name}]({source}); {prov['machine']}, {record['threads']} threads, embedded model); "
-           f"median over seeds {record['seeds']}. Its wall is decoding alone, as a service that keeps its runners "
-           "pays it; one command adds what a `lantern generate` pays before decoding (auto: deciding and preparing "
-           "its runner; AR: compiling or exporting its mode's runner, with the same caches), so the fastest AR there "
-           "can be another mode:", "",
-           "| sampling | images | the default ran | its wall (s) | fastest AR (s, mode) | speed-up over the fastest AR "
-           "| one command: setup + decode (s) | fastest AR there (s, mode) | speed-up |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           f"median over seeds {record['seeds']}:", "",
+           "| sampling | images | the default ran | its wall (s) | fastest AR (s, mode) | speed-up over the fastest AR |",
+           "|---|---|---|---|---|---|"]
     for r in record["rows"]:
         a, fa = r.get("auto_any_mode"), r["fastest_ar"]
         if a is None:
@@ -93,18 +88,8 @@ def default_table(record: dict, source: str) -> list[str]:
         setup = " after `lantern profile calibrate`" if a.get("machine_calibrated") else ""
         out.append(f"| {sampling_text(r)} | {r['images']} | {plan_name(c)} on {c['backend']} "
                    f"({MODES.get(c['mode'], c['mode'])}){setup} | {a['median_s']:.2f} | {fa['median_s']:.2f} "
-                   f"({MODES.get(fa['mode'], fa['mode'])}) | {a['speedup_vs_fastest_ar']:.2f}x | "
-                   + one_command_cells(a.get("one_command")) + " |")
+                   f"({MODES.get(fa['mode'], fa['mode'])}) | {a['speedup_vs_fastest_ar']:.2f}x |")
     return out
-
-
-def one_command_cells(once: Optional[dict]) -> str:
-    """One `lantern generate`'s setup + decode, the default's and the fastest AR's there (records without: -)."""
-    if once is None:
-        return "- | - | -"
-    mode = once["fastest_ar_mode"]
-    return (f"{once['setup_s']:.1f} + {once['total_s'] - once['setup_s']:.2f} | {once['fastest_ar_total_s']:.2f} "
-            f"({MODES.get(mode, mode)}) | {once['speedup_vs_fastest_ar']:.2f}x")
 
 
 def block(root: Path = ROOT) -> str:

@@ -3,11 +3,11 @@ import pytest
 import torch
 
 from lantern.files.user_cache import CACHE_ENV
-
 from lantern.models.config import GPTConfig, gpt_preset
 from lantern.models.drafter import Drafter
 from lantern.models.gpt import GPT
 from lantern.models.proximity import build_proximity_table
+from lantern.plan.deciding import SHARE_ENV
 
 # Tiny models: one thread avoids OpenMP hand-offs that cost more than the maths (and fights over 2 cores).
 torch.set_num_threads(1)
@@ -40,9 +40,12 @@ def micro():
 
 @pytest.fixture(autouse=True, scope="session")
 def private_cache(tmp_path_factory):
-    """Calibrations, acceptance records and ONNX graphs go to a folder of this test session, never the user's."""
+    """Calibrations, acceptance records and ONNX graphs go to a folder of this test session, never the user's. Auto
+    measures whatever it lacks, as it did before deciding had a share (a tiny model's requests are too short to pay
+    for measuring anything): tests/plan/test_deciding.py tests the share itself."""
     mp = pytest.MonkeyPatch()
     mp.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("lantern-cache")))
+    mp.setenv(SHARE_ENV, "inf")
     yield
     mp.undo()
 

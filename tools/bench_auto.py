@@ -69,9 +69,10 @@ def setting(bundle, backend: str, dtype: str, n: int, seeds: list[int], repeats:
     sampling = sampling_settings(bundle.default_sampling, [sampling_name])[sampling_name]
     classes = list(range(n))
     t0 = time.perf_counter()
-    # `auto` last: a choice keeps the runner its plan was timed on and frees the others
-    choices = {name: choose(pipe, n, sampling, allow_relaxed=name != "auto", progress=False, classes=classes)
-               for name in AUTOS[::-1]}
+    # `auto` last: a choice keeps the runner its plan was timed on and frees the others. Each measures whatever it
+    # lacks (measure_all), as auto decides once a machine has learned (lantern.plan.deciding)
+    choices = {name: choose(pipe, n, sampling, allow_relaxed=name != "auto", progress=False, classes=classes,
+                            measure_all=True) for name in AUTOS[::-1]}
     planning = time.perf_counter() - t0
     validated = bundle.relaxation_at(sampling)  # the relaxations validated at this sampling
     configs = {m: (method_preset(m, sampling, **validated.get(m, {})), n) for m in METHODS}

@@ -64,6 +64,14 @@ def dynamic_length(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def forget_compiled() -> None:
+    """Drop what dynamo compiled in this process, as a new process starts without it: the next compile traces
+    again and reads the compile caches on disk, paying what a later process pays (how `lantern profile calibrate`
+    measures the preparation the prepare ledger keeps)."""
+    import torch._dynamo  # here, not at the top: importing dynamo costs seconds
+    torch._dynamo.reset()
+
+
 def fusable(spec: Optional[StaticSpec], target) -> Optional[str]:
     """Why the engine's step cannot run as one graph on a runner of this shape and target (None: it can)."""
     if target.config.model_type == "t2i":

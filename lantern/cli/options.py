@@ -9,9 +9,9 @@ from typing import Optional
 from lantern.backends import resolve_name
 from lantern.cli.parsing import UsageError, number
 from lantern.cli.profile import profile_costs
+from lantern.cli.sampling_flags import add_sampling_options, sampling_from_args
 from lantern.decoding.acceptance import FORMS, KINDS
 from lantern.decoding.config import COUPLINGS, INITIAL_DRAFTS, METHODS, method_preset
-from lantern.decoding.sampling import SamplingConfig
 from lantern.models.text import T5Conditioner, check_encoder_fits, read_prompts, require_transformers, t5_folder
 from lantern.plan.candidates import RELAXED_METHODS
 from lantern.plan.choose import MIN_SPEEDUP
@@ -53,12 +53,7 @@ def add_decode_options(p: argparse.ArgumentParser) -> None:
                         "target) | paper (the published per-candidate rules, distortion not bounded by delta)")
     g.add_argument("--batch", type=number(int, 1), help="images per static step (default 16): the engine's slots; "
                                                         "a finished image's slot takes the next image")
-    g.add_argument("--greedy", action="store_true", help="argmax decoding (default: sampling)")
-    g.add_argument("--temperature", type=number(float, 0, low_open=True), help="> 0 (default: the model's)")
-    g.add_argument("--top-k", type=number(int, 0), help="0 = off (default: the model's)")
-    g.add_argument("--top-p", type=number(float, 0, 1, low_open=True), help="in (0, 1], 1 = off (default: the model's)")
-    g.add_argument("--cfg-scale", type=number(float, 1),
-                   help="classifier-free guidance scale, >= 1, 1 = off (default: the model's)")
+    add_sampling_options(g)
 
 
 FUSING_BACKENDS = ("cpu-graph", "cuda-graph", "hpu")  # backends that take fused_step
@@ -94,13 +89,6 @@ def backend_options(args) -> dict:
 
 AUTO_CHOOSES = ("drafting", "acceptance", "k", "delta", "lam", "form", "window", "coupling",
                 "initial")  # flags auto decides
-
-
-def sampling_from_args(args, bundle):
-    """Sampling flags left out take the bundle's validated defaults."""
-    model_defaults = bundle.default_sampling
-    chosen = {k: getattr(args, k) for k in ("cfg_scale", "temperature", "top_k", "top_p")}
-    return SamplingConfig(greedy=args.greedy, **{k: model_defaults[k] if v is None else v for k, v in chosen.items()})
 
 
 def check_method_flags(args) -> None:

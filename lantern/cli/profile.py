@@ -17,8 +17,8 @@ import torch
 
 from lantern.api import DEFAULT_BATCH, Pipeline
 from lantern.cli.parsing import number
+from lantern.cli.sampling_flags import add_sampling_options, sampling_from_args
 from lantern.decoding.config import method_preset
-from lantern.decoding.sampling import SamplingConfig
 from lantern.decoding.trees import TREE_PRESETS
 from lantern.exit_codes import EXIT_FAILED_CASES, EXIT_OK, EXIT_UNAVAILABLE
 from lantern.extras import available, install_hint, require
@@ -68,6 +68,7 @@ def add_arguments(prof) -> None:
                                                                   "(default 1)")
     k.add_argument("--batch", type=number(int, 1), help="images per step (default: as auto chooses)")
     k.add_argument("--allow-relaxed", action="store_true", help="calibrate relaxed plans too")
+    add_sampling_options(k.add_argument_group("the sampling to measure at (acceptance records, step costs)"))
     k.add_argument("--json", action="store_true")
     k.set_defaults(func=cmd_calibrate, show=print_calibrate)
 
@@ -117,7 +118,7 @@ def cmd_calibrate(args) -> dict:
     bundle = load_bundle(args.model)
     choice = choose_backend(lambda name, dtype, **options: Pipeline.from_bundle(bundle, backend=name, dtype=dtype,
                                                                                 **options), args.images,
-                            SamplingConfig(**bundle.default_sampling), batch=args.batch,
+                            sampling_from_args(args, bundle), batch=args.batch,
                             allow_relaxed=args.allow_relaxed, dtype=args.dtype, calibrate_all=True)
     return {**choice.to_dict(), "exit_code": EXIT_OK}
 

@@ -276,12 +276,47 @@ def ar_step_timer(pipe, sampling: SamplingConfig, width: int,
 
     def timer(steps: int) -> float:
         if not fixed:
-            compile_fused_step(pipe, ar, width, prompts)
-            _short_run(pipe, ar, width, 1, prompts=prompts)
-            fixed.append(statistics.median(_short_run(pipe, ar, width, 1, prompts=prompts)[0]
-                                           for _ in range(FIXED_REPEATS)))
+            fixed.append(_ar_fixed_s(pipe, ar, width, prompts))
         return _step_seconds(pipe, ar, width, fixed[0], tokens_for(steps, float(block - 1), block), 0.5, prompts)
     return timer
+
+
+def _ar_fixed_s(pipe, ar, width: int, prompts: torch.Tensor | None) -> float:
+    """AR's runner prepared and warmed, then the fixed cost of a chunk (the median of one-token runs)."""
+    compile_fused_step(pipe, ar, width, prompts)
+    _short_run(pipe, ar, width, 1, prompts=prompts)
+    return statistics.median(_short_run(pipe, ar, width, 1, prompts=prompts)[0] for _ in range(FIXED_REPEATS))
+
+
+QUICK_AR = "quick_ar"  # a calibration file's AR estimates, per width, for requests made before any probe
+
+
+def ar_estimate(pipe, sampling: SamplingConfig, width: int,
+                prompts: torch.Tensor | None = None) -> tuple[dict, float]:
+    """AR's costs at `width` as a calibration entry holding AR alone ({"fixed_s", "plans": {"ar": {"step_s"}}}),
+    and the seconds it took to know them: this machine's calibration (at `width`, else between the widths it
+    has), else the quick estimate cached with it, else timed now (a few one-token runs and one of FIRST_STEPS
+    steps: a fraction of a second where a probe takes seconds) and cached. What a request's deciding credit
+    (lantern.plan.deciding) is sized by before anything else is measured."""
+    key = calibration_key(costs_name(pipe), pipe.dtype, pipe.model_key)
+    data = load_calibration(key)
+    if data["widths"]:
+        costs = at_width(data["widths"], width)
+        return {"fixed_s": costs["fixed_s"], "plans": {AR.name: costs["plans"][AR.name]}}, 0.0
+    quick = data.get(QUICK_AR, {}).get(str(width))
+    if isinstance(quick, dict) and is_number(quick.get("fixed_s")) and is_number(quick.get("step_s")):
+        return {"fixed_s": quick["fixed_s"], "plans": {AR.name: {"step_s": quick["step_s"]}}}, 0.0
+    t0 = time.perf_counter()
+    ar, block = AR.decode(sampling), pipe.config.block_size
+    fixed = _ar_fixed_s(pipe, ar, width, prompts)
+    step = _step_seconds(pipe, ar, width, fixed, tokens_for(FIRST_STEPS, float(block - 1), block), 0.5, prompts)
+    path = calibration_path(key)
+    entry_folder(path.parent.name)
+    with entry_lock(path, "the calibration"):
+        data = load_calibration(key)
+        data.setdefault(QUICK_AR, {})[str(width)] = {"fixed_s": fixed, "step_s": step}
+        save_calibration(data)
+    return {"fixed_s": fixed, "plans": {AR.name: {"step_s": step}}}, time.perf_counter() - t0
 
 
 def compile_fused_step(pipe, dcfg, width: int, prompts: torch.Tensor | None = None) -> None:

@@ -9,7 +9,6 @@ or AR is chosen: a default slower than AR is a bug.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import numbers
 import statistics
@@ -23,7 +22,7 @@ import torch
 from lantern.decoding.config import DecodeConfig
 from lantern.decoding.sampling import SamplingConfig
 from lantern.engine import run_batch
-from lantern.plan import calibration, acceptance_records as records
+from lantern.plan import calibration, deciding, acceptance_records as records
 from lantern.plan.candidates import AR, Plan, candidate_plans
 from lantern.plan.cost_model import predict_seconds
 from lantern.plan.validated import allowed_relaxations
@@ -33,6 +32,9 @@ MIN_SPEEDUP = 1.25  # a speculative plan must be predicted this much faster than
 # the measured speed-up (what auto is held to; on a 2-core VM whose wide steps have two speeds, misses reach 24%)
 # then still measures at least 1.0x, as 1.25 * (1 - 0.2) = 1. Hardware that times steadily can ask for less.
 RECORD_IMAGES = 4  # images per plan when an acceptance record must be measured here
+WAITING = ("waits: not yet measured here at this sampling (acceptance or step cost); later requests measure it "
+           "with their share of deciding, `lantern profile calibrate` now")
+PLAN_STEP = 2.0  # a plan's step in AR steps, to expect what timing it costs (a wide verify costs more on a CPU)
 # The first-run probe: every plan timed once (measure_width's round 1), then the leader and any plan within
 # calibration.CLOSE of it twice more (one run per plan made the plan its noise flattered most the winner: an Intel
 # Xeon VM's probe timed a relaxed 57-node tree's step at 0.58x its exact twin's, predicted 2.28x and measured
@@ -69,6 +71,7 @@ class Choice:
     prepare_s: float = 0.0  # modes weighed: the one-time cost counted against the request, and its source
     prepare_source: str = ""
     backends: list = field(default_factory=list)  # modes weighed: every mode's predictions, or why not weighed
+    deciding: dict = field(default_factory=dict)  # the request's deciding credit (lantern.plan.deciding.Credit)
 
     @property
     def predicted_speedup(self) -> float:
@@ -111,7 +114,8 @@ class Choice:
                "batch": self.width, "predicted_seconds": self.predicted_s, "predicted_ar_seconds":
                self.predicted_ar_s, "predicted_speedup": self.predicted_speedup, "cost_source": self.cost_source,
                "relaxation": self.relaxed, "min_speedup": self.min_speedup, "calibration_seconds": self.calibrated_s,
-               "calibration_prepare_seconds": self.prepared_s, "candidates": self.candidates}
+               "calibration_prepare_seconds": self.prepared_s, "deciding": self.deciding,
+               "candidates": self.candidates}
         if self.baseline is None:
             return out
         return {**out, "backend": self.backend, "mode": self.mode, "fused_step": self.fused_step, "why": self.why,
@@ -121,9 +125,16 @@ class Choice:
 
     def summary(self) -> str:
         if self.baseline is not None:
-            return f"auto chose {self.why} ({self.cost_source}; {self.relaxed})"
+            return f"auto chose {self.why}{self.waiting()} ({self.cost_source}; {self.relaxed})"
         return (f"auto chose {self.plan.name} at {self.width} image(s) per step: predicted {self.predicted_s:.2f} s, "
-                f"{self.predicted_speedup:.2f}x AR{self.why_ar()} ({self.cost_source}; {self.relaxed})")
+                f"{self.predicted_speedup:.2f}x AR{self.why_ar()}{self.waiting()} ({self.cost_source}; "
+                f"{self.relaxed})")
+
+    def waiting(self) -> str:
+        """How many plans were not weighed because they are not measured here yet, or ''."""
+        n = sum(r.get("skipped") == WAITING for r in self.candidates)
+        return (f"; {n} plan(s) not measured here yet wait: later requests measure them with their share of "
+                f"deciding, `lantern profile calibrate` now" if n else "")
 
     def why_ar(self) -> str:
         """When AR was kept though a plan was predicted faster: which, and the bar it missed."""
@@ -183,18 +194,21 @@ def check_min_speedup(value) -> None:
 def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] = None, allow_relaxed: bool = False,
            profile: Optional[calibration.ProfileCosts] = None, progress: bool = True,
            classes: Optional[Sequence[int]] = None, min_speedup: float = MIN_SPEEDUP,
-           prompts: Optional[torch.Tensor] = None) -> Choice:
+           prompts: Optional[torch.Tensor] = None, measure_all: bool = False) -> Choice:
     """The plan for `n_images` on this pipeline, with its bundle's validated relaxations and acceptance records
     (`pipe.defaults`). profile: a hardware profile's calibration (else this machine's cached one, measured where
     missing); classes: the request's class ids in order (c2i), to predict each image from its class's steps
     (None: every image from all the record's); min_speedup: the predicted speed-up over AR a plan needs to be
     chosen; prompts: the request's prompt rows (n, P) for a prompt-conditioned target (a model family's), which
-    its acceptance record and calibration are measured on where missing."""
+    its acceptance record and calibration are measured on where missing. What is missing is measured as far as
+    the request's share of deciding covers (lantern.plan.deciding), or all of it with measure_all (`lantern
+    profile calibrate`); plans still unmeasured wait, listed among the candidates (WAITING)."""
     check_min_speedup(min_speedup)
     if isinstance(n_images, bool) or not isinstance(n_images, numbers.Integral) or n_images < 1:
         raise ValueError(f"n_images {n_images!r} is not allowed; allowed: an integer >= 1 (the images to plan for)")
     n_images = int(n_images)
-    calibration.budget_s()  # a bad $LANTERN_CALIBRATION_BUDGET, and
+    calibration.budget_s()  # a bad $LANTERN_CALIBRATION_BUDGET or $LANTERN_DECIDING_SHARE, and
+    deciding.share()
     usable_root()  # a cache folder that cannot be used, are refused before anything is measured
     if classes is not None and len(classes) != n_images:
         raise ValueError(f"{len(classes)} class ids given for {n_images} images")
@@ -203,27 +217,47 @@ def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] =
     plans, skipped = runnable(pipe, candidate_plans(pipe.drafter is not None, pipe.proximity is not None, allowed),
                               sampling)
     key = pipe.model_key
-    steps, spent = steps_by_plan(pipe, plans, sampling, key, progress,
-                                 list(classes) if classes is not None else [None] * n_images, prompts)
-    mean_steps = {p.name: statistics.fmean(statistics.fmean(v) for v in steps[p.name]) for p in plans}
     if profile is not None and any(e.get("model") != key for e in profile.widths.values()):
         print(f"lantern: hardware profile {profile.name} was calibrated with another model; auto uses this "
               f"machine's calibration", file=sys.stderr)
         profile = None
+    wanted = list(classes) if classes is not None else [None] * n_images
+    # what deciding may spend (lantern.plan.deciding): a share of the request's predicted AR seconds
     if profile is not None:
-        costs = calibration.at_width(profile.widths, width)
+        ar_costs, spent = calibration.at_width(profile.widths, width), 0.0
+        if AR.name not in ar_costs["plans"]:
+            raise ValueError(f"hardware profile {profile.name} has no calibration of AR; rerun `lantern profile run`")
+    else:
+        ar_costs, spent = calibration.ar_estimate(pipe, sampling, width, prompts)
+    ar_steps = steps_by_plan(pipe, [AR], sampling, key, False, wanted, prompts)[0][AR.name]
+    block = pipe.config.block_size
+    per_chunk_s = ar_costs["fixed_s"] + (block - 1) * ar_costs["plans"][AR.name]["step_s"]
+    credit = deciding.Credit(calibration.calibration_key(calibration.costs_name(pipe), pipe.dtype, key),
+                             predict_seconds(width, ar_costs["fixed_s"], ar_costs["plans"][AR.name]["step_s"],
+                                             ar_steps), unlimited=measure_all)
+    credit.spend(spent)
+    steps, recording = steps_by_plan(pipe, plans, sampling, key, progress, wanted, prompts, credit,
+                                     record_s=per_chunk_s * max(1.0, RECORD_IMAGES / width))
+    spent += recording
+    waiting = [p for p in plans if p.name not in steps]
+    if profile is not None:
+        costs = ar_costs
         source = f"hardware profile {profile.name}" + (f" (interpolated between batch widths "
                                                        f"{costs['interpolated_from']})" if "interpolated_from" in costs
                                                        else "")
-        missing = [p.name for p in plans if p.name not in costs["plans"]]
-        if AR.name in missing:
-            raise ValueError(f"hardware profile {profile.name} has no calibration of AR; rerun `lantern profile run`")
+        missing = [p.name for p in plans if p.name not in costs["plans"] and p not in waiting]
         skipped += [{"plan": name, "skipped": f"not calibrated in profile {profile.name}"} for name in missing]
         plans = [p for p in plans if p.name not in missing]
     else:
-        costs, source, calibrating, prepared = machine_costs(pipe, plans, sampling, key, width, steps, progress,
-                                                             prompts)
+        costs, source, calibrating, prepared = machine_costs(pipe, [p for p in plans if p not in waiting],
+                                                             sampling, key, width, steps, progress, prompts, credit,
+                                                             ar_costs)
         spent += calibrating
+    credit.bank()
+    waiting += [p for p in plans if p not in waiting and p.name not in costs["plans"]]
+    skipped += [{"plan": p.name, "skipped": WAITING} for p in waiting]
+    plans = [p for p in plans if p not in waiting]
+    mean_steps = {p.name: statistics.fmean(statistics.fmean(v) for v in steps[p.name]) for p in plans}
 
     rows = []
     for p in plans:
@@ -240,7 +274,7 @@ def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] =
         best = rows[0]
     plan = next(p for p in plans if p.name == best["plan"])
     pipe.release(keep=plan.decode(sampling), batch=width)  # the chosen plan keeps the runner it was timed on
-    return Choice(plan=plan, decode=plan.decode(sampling), width=width,
+    return Choice(plan=plan, decode=plan.decode(sampling), width=width, deciding=credit.to_dict(),
                   predicted_s=best["predicted_seconds"], predicted_ar_s=ar_s, candidates=rows + skipped,
                   cost_source=source, relaxed=why, min_speedup=min_speedup, calibrated_s=spent,
                   prepared_s=prepared if profile is None else 0.0, disturbed=costs.get("disturbed", ""), pipeline=pipe,
@@ -248,59 +282,99 @@ def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] =
 
 
 def steps_by_plan(pipe, plans: list[Plan], sampling: SamplingConfig, key: str, progress: bool, wanted: list,
-                  prompts: Optional[torch.Tensor] = None
-                  ) -> tuple[dict[str, list[list[float]]], float]:
+                  prompts: Optional[torch.Tensor] = None, credit: Optional[deciding.Credit] = None,
+                  record_s: float = 0.0) -> tuple[dict[str, list[list[float]]], float]:
     """Every plan's steps for each requested image (wanted: its class id, or None), from the acceptance record;
-    plans it lacks are measured here, once. Returns them and the seconds spent measuring."""
+    plans it lacks are measured here, once, each while `credit` covers what one is expected to take (record_s,
+    then the longest one measured; None: all of them). Returns the steps of the plans that have them (the
+    others wait for a later request) and the seconds spent measuring."""
     block = pipe.config.block_size
+    credit = credit or deciding.Credit(None, unlimited=True)
     record = records.load_record(key, sampling, pipe.dtype, pipe.defaults.acceptance_records)
     missing = [p for p in plans if records.plan_steps(record, p, block) is None]
     t0 = time.perf_counter()
-    with records.locked(key, sampling, pipe.dtype) if missing else contextlib.nullcontext():
-        if missing:  # read again: another process may have measured them while this one waited
+    if missing and credit.covers(record_s):
+        with records.locked(key, sampling, pipe.dtype):  # read again: another process may have measured them
             record = records.load_record(key, sampling, pipe.dtype, pipe.defaults.acceptance_records)
             missing = [p for p in plans if records.plan_steps(record, p, block) is None]
-        if missing:
-            _measure_record(pipe, missing, record, sampling, key, progress, prompts)
+            if missing:
+                _measure_record(pipe, missing, record, sampling, key, progress, prompts, credit, record_s)
+    spent = time.perf_counter() - t0 if missing else 0.0
     per_image = {p.name: records.per_image_steps(records.plan_steps(record, p, block),
-                                                 records.plan_conditions(record, p), wanted) for p in plans}
-    return per_image, time.perf_counter() - t0 if missing else 0.0
+                                                 records.plan_conditions(record, p), wanted)
+                 for p in plans if records.plan_steps(record, p, block) is not None}
+    return per_image, spent
 
 
-def _measure_record(pipe, missing: list[Plan], record: dict, sampling: SamplingConfig, key: str,
-                    progress: bool, prompts: Optional[torch.Tensor] = None) -> None:
-    print(f"lantern: measuring the acceptance of {len(missing)} plan(s) for this model, sampling and dtype, "
-          f"once ({RECORD_IMAGES} images each; cached in {records.record_path(key, sampling, pipe.dtype)})",
-          file=sys.stderr)
+def _measure_record(pipe, missing: list[Plan], record: dict, sampling: SamplingConfig, key: str, progress: bool,
+                    prompts: Optional[torch.Tensor], credit: deciding.Credit, record_s: float) -> None:
+    """The missing plans' acceptance, in their order, each while the credit covers the longest one so far."""
+    print(f"lantern: measuring the acceptance of {len(missing)} plan(s) for this model, sampling and dtype, once "
+          f"({RECORD_IMAGES} images each; cached in {records.record_path(key, sampling, pipe.dtype)})"
+          + ("" if credit.covers(record_s * len(missing)) else
+             f"; as many as this request's share of deciding covers (about {record_s:.1f} s each, "
+             f"{max(credit.left, 0.0):.1f} s left): the rest in later requests, or now by `lantern profile "
+             f"calibrate`"), file=sys.stderr)
     cond = calibration.conditions(pipe.config, RECORD_IMAGES, prompts)
-    records.measure_record(lambda p: run_batch(pipe, p.decode(sampling), RECORD_IMAGES, cond),
-                           missing, record, cond if isinstance(cond, list) else None, progress)
+    for plan in missing:
+        if not credit.covers(record_s):
+            break
+        t0 = time.perf_counter()
+        records.measure_record(lambda p: run_batch(pipe, p.decode(sampling), RECORD_IMAGES, cond),
+                               [plan], record, cond if isinstance(cond, list) else None, progress)
+        took = time.perf_counter() - t0
+        credit.spend(took)
+        record_s = max(record_s, took)
+        records.save_record(record)  # each as it is measured: a stopped request keeps what it paid for
     pipe.release()
-    records.save_record(record)
+
+
+def probe_cost_s(costs: dict, n_plans: int) -> float:
+    """What a first-run probe of n_plans is expected to take (preparing runners apart), at most its budget: per
+    plan a warm-up, an AR reference and a run of its own of FIRST_STEPS steps, then the leader and a plan close to
+    it confirmed in pairs of TIMED_STEPS-step runs, and a closing reference; costs: an entry holding AR's."""
+    fixed, step = costs["fixed_s"], costs["plans"][AR.name]["step_s"]
+
+    def run(steps: int) -> float:
+        return fixed + steps * step * PLAN_STEP
+    confirming = 2 * (PROBE_ROUNDS["max_rounds"] - PROBE_ROUNDS["rounds"])
+    total = (n_plans * (run(2) + 2 * run(calibration.FIRST_STEPS)) + confirming * 2 * run(calibration.TIMED_STEPS)
+             + run(calibration.TIMED_STEPS))
+    return min(total, probe_rounds()["budget"])
 
 
 def machine_costs(pipe, plans: list[Plan], sampling: SamplingConfig, key: str, width: int,
-                  steps: dict[str, list[list[float]]], progress: bool,
-                  prompts: Optional[torch.Tensor] = None) -> tuple[dict, str, float, float]:
+                  steps: dict[str, list[list[float]]], progress: bool, prompts: Optional[torch.Tensor] = None,
+                  credit: Optional[deciding.Credit] = None,
+                  ar_costs: Optional[dict] = None) -> tuple[dict, str, float, float]:
     """This machine's calibration at `width` (plans it lacks measured here, once; steps: each requested image's
     steps per plan: a plan is timed over the steps and at the attention width of the request's first chunk),
     where it is kept, and the seconds spent timing and preparing runners for it (0, 0 when it was cached).
 
-    Deciding must not cost more than the generation it decides for. A width never calibrated (or plans new to
-    a first-run entry) gets the first-run probe (PROBE_ROUNDS): every plan timed once, a bounded amount of
-    work, kept as a `provisional` entry. A provisional entry is refined (timed again in full, up to
-    calibration.budget_s()) by the first request whose predicted AR time is at least that budget, the probing
-    request itself included (a service weighing thousands of images probes, then times in full). Either is
-    measured under the calibration's lock and not stored when disturbed (calibration.cached_or_measured)."""
+    Deciding must not cost more than a share of the generation it decides for: a measurement runs only when the
+    request's `credit` (lantern.plan.deciding; None: unlimited) covers it. A width never calibrated (or plans new
+    to a first-run entry) gets the first-run probe (PROBE_ROUNDS): every plan timed once, a bounded amount of
+    work (probe_cost_s), kept as a `provisional` entry. Until the credit covers it, the request weighs what is
+    cached (AR alone, from `ar_costs`, its quick estimate, when nothing is) and the plans not timed wait. A
+    provisional entry is refined (timed again in full, up to calibration.budget_s()) once the credit covers that
+    budget, the probing request itself included (a service weighing thousands of images probes, then times in
+    full). Either is measured under the calibration's lock and not stored when disturbed
+    (calibration.cached_or_measured)."""
+    credit = credit or deciding.Credit(None, unlimited=True)
     key_c = calibration.calibration_key(calibration.costs_name(pipe), pipe.dtype, key)
     path = calibration.calibration_path(key_c)
+    cached = calibration.load_calibration(key_c)["widths"].get(str(width))
+    untimed = [p for p in plans if not cached or p.name not in cached["plans"]]
+    if untimed and (cached or ar_costs) and not credit.covers(probe_cost_s(cached or ar_costs, len(untimed))):
+        kind = "first-run probe " if cached and cached.get("provisional") else ""
+        source = (f"{kind}calibration cached in {path}" if cached else "AR's quick estimate, not calibrated yet")
+        return cached or ar_costs, (f"{source}; {len(untimed)} plan(s) wait to be timed until requests have "
+                                    f"banked the {probe_cost_s(cached or ar_costs, len(untimed)):.1f} s it takes "
+                                    f"(`lantern profile calibrate` times them now)"), 0.0, 0.0
     before: list[float] = []  # (seconds, prepare_s) of the entry before measuring; empty when nothing was
 
-    def ar_seconds(entry: dict) -> float:
-        return predict_seconds(width, entry["fixed_s"], entry["plans"][AR.name]["step_s"], steps[AR.name])
-
-    def refines(entry: dict) -> bool:  # a provisional entry this request pays for timing in full
-        return bool(entry.get("provisional")) and ar_seconds(entry) >= calibration.budget_s()
+    def refines(entry: dict) -> bool:  # a provisional entry the credit pays timing in full
+        return bool(entry.get("provisional")) and credit.covers(calibration.budget_s())
 
     def measure(entry: Optional[dict]) -> dict:
         lacking = [p for p in plans if not entry or p.name not in entry["plans"]]
@@ -327,11 +401,13 @@ def machine_costs(pipe, plans: list[Plan], sampling: SamplingConfig, key: str, w
         entry, where, disturbed = calibration.cached_or_measured(key_c, width, [p.name for p in plans], measure,
                                                                  stale=refines)
         if before:
-            spent[0] += entry["seconds"] - before[0]
-            spent[1] += entry["prepare_s"] - before[1]
+            timing, preparing = entry["seconds"] - before[0], entry["prepare_s"] - before[1]
+            spent[0] += timing
+            spent[1] += preparing
+            credit.spend(timing + preparing)
         return entry, where, disturbed
     entry, where, disturbed = measured()
-    if before and not disturbed and refines(entry):  # this request probed, and its AR pays for the full rounds
+    if before and not disturbed and refines(entry):  # this request probed, and its credit pays for full rounds
         entry, where, disturbed = measured()
     kind = "first-run probe " if entry.get("provisional") else ""
     source = (f"{kind}calibration disturbed ({disturbed}), not cached" if disturbed

@@ -96,7 +96,9 @@ def test_bad_flags_of_other_commands_exit_2_in_process(tmp_path, capsys):
              (["export-onnx", "--out", str(tmp_path / "g"), "--batch", "0", "--json"],
               "argument --batch: 0 is not allowed; allowed: an integer >= 1"),
              (["profile", "tune", "--profile", "cpu", "--max-nodes", "1", "--json"],
-              "argument --max-nodes: 1 is not allowed; allowed: an integer >= 2")]
+              "argument --max-nodes: 1 is not allowed; allowed: an integer >= 2"),
+             (["profile", "calibrate", "--top-k", "-1", "--json"],
+              "argument --top-k: -1 is not allowed; allowed: an integer >= 0")]
     for argv, message in cases:
         assert main(argv) == 2, argv
         out = json.loads(capsys.readouterr().out)

@@ -15,7 +15,7 @@ from lantern.models.config import GPTConfig
 from lantern.api import ModelDefaults, Pipeline
 from lantern.files.atomic_io import write_json
 from lantern.decoding.sampling import SamplingConfig
-from lantern.plan import backend_choice, calibration, choose as choose_mod
+from lantern.plan import backend_choice, calibration, choose as choose_mod, deciding
 from lantern.decoding import method_preset
 from lantern.plan.backend_choice import (FUSED, PRIOR_PREPARE_S, backend_of, candidate_backends, choose_backend,
                                          ledger_path, mode_row, pinned_backend, prepare_cost, record_prepared)
@@ -291,6 +291,7 @@ def test_a_cold_cache_decides_with_a_bounded_probe(cache, tiny, monkeypatch):
     choose(pipe, 1, SAMPLING, batch=1, progress=False)  # the acceptance record (a model property) and a probe
     cold(cache)
     work = counting_runs(monkeypatch)
+    monkeypatch.setenv(deciding.SHARE_ENV, "1e9")  # a credit for the probe, never for full rounds of an infinite budget
     monkeypatch.setattr(calibration, "BUDGET_S", float("inf"))  # no time budget: only the work bound stops it
     monkeypatch.setitem(choose_mod.PROBE_ROUNDS, "budget", float("inf"))
     probe = choose(pipe, 1, SAMPLING, batch=1, progress=False)
@@ -328,6 +329,7 @@ def test_the_full_calibration_does_more_work_than_the_probe(cache, tiny, monkeyp
     target, drafter, proximity = tiny
     pipe = Pipeline(target, drafter, proximity, backend="cpu", defaults=ModelDefaults(sampling=SAMPLING))
     choose(pipe, 1, SAMPLING, batch=1, progress=False)
+    monkeypatch.setenv(deciding.SHARE_ENV, "1e9")  # a credit for the probe, never for full rounds of an infinite budget
     monkeypatch.setattr(calibration, "BUDGET_S", float("inf"))
     key = calibration.calibration_key("cpu", "fp32", pipe.model_key)
     ar_runs = []
@@ -351,8 +353,12 @@ def test_another_mode_is_calibrated_when_the_request_pays_or_when_asked(cache, t
     skipped = choose_backend(make, 1, SAMPLING, batch=1, progress=False)
     assert {r["backend"]: r for r in skipped.backends}["cpu-twin"]["status"].startswith("not calibrated")
     assert not twin.prepare_seconds and not calibration.load_calibration(key)["widths"]
-    # asked to (lantern profile calibrate): AR and the two best plans, in full rounds, then weighed
+    # asked to (lantern profile calibrate): AR and the two best plans, in full rounds, then weighed; the preparation
+    # the ledger keeps is measured after this process's compiled graphs are dropped, as a new process pays it
+    forgotten = []
+    monkeypatch.setattr(backend_choice, "forget_compiled", lambda: forgotten.append(dict(twin.prepare_seconds)))
     asked = choose_backend(make, 1, SAMPLING, batch=1, progress=False, calibrate_all=True)
+    assert len(forgotten) == 1
     entry = calibration.load_calibration(key)["widths"]["1"]
     ranked = sorted((r for r in choose(eager, 1, SAMPLING, batch=1, progress=False).candidates
                      if "predicted_seconds" in r and not r.get("lower_bound") and r["plan"] != "ar"),

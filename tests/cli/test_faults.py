@@ -465,7 +465,9 @@ def test_a_run_whose_calibration_was_disturbed_keeps_ar(tiny, tmp_path, monkeypa
     monkeypatch.setattr(calibration, "measure_width", disturbed)
     choice = choose(pipe, 1, SamplingConfig(top_k=5), progress=False)
     assert choice.plan.name == "ar" and "calibration disturbed (its AR reference steps" in choice.cost_source
-    assert not list((tmp_path / "calibration").glob("*.json"))
+    # no width's timing is stored (the file keeps AR's quick estimate, what deciding was sized by, and nothing else)
+    key = calibration.calibration_key("cpu", pipe.dtype, pipe.model_key)
+    assert calibration.load_calibration(key)["widths"] == {}
 
 
 # -- model-family folders: weights that all come from the files, or a refusal naming the file ---------------------

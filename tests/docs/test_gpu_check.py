@@ -33,7 +33,7 @@ def test_quick_runs_every_section_on_labelled_stand_ins(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads((tmp_path / "gpu-quick.json").read_text())
     sections = record["sections"]
-    assert set(sections) == {"env", "conformance", "parity", "sync", "distribution", "timing", "serve"}
+    assert set(sections) == {"env", "conformance", "parity", "sync", "cold", "distribution", "timing", "serve"}
     assert not record.get("errors") and not any("error" in v for v in sections.values() if isinstance(v, dict))
     assert record["quick"] and record["stand_ins"] == {"eager": "cpu", "graph": "cpu-graph", "fused": "cpu-graph"}
     assert "stand-in" in sections["env"]["device"]
@@ -43,6 +43,12 @@ def test_quick_runs_every_section_on_labelled_stand_ins(tmp_path):
     assert all(v["equal"] for by_mode in parity.values() for v in by_mode.values())
     assert set(parity["lantern++"]) == {"eager", "fused", "graph"}
     assert all(r["syncs"] >= r["steps"] > 0 for r in sections["sync"].values())
+    cold = sections["cold"]["runs"]  # new processes: with empty compile caches, again with warm ones, the default
+    assert list(cold) == ["cold_machine", "warm_caches", "default"]
+    assert all(r["exit_code"] == 0 and 0 < r["first_image_s"] <= r["wall_s"] for r in cold.values())
+    assert cold["warm_caches"]["backend"] == "cpu-graph" and cold["default"]["plan"]["plan"]
+    assert ("cold tiny --backend cpu-graph --fused-step --method ar --dtype bf16, empty caches: first image "
+            in done.stdout)
     assert sections["distribution"]["passed"]
     rows = sections["timing"]["rows"]
     assert {(r["sampling"], r["method"]) for r in rows} >= {
@@ -61,6 +67,7 @@ def test_quick_runs_every_section_on_labelled_stand_ins(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     kept = json.loads((tmp_path / "gpu-quick.json").read_text())
     assert kept["sections"]["timing"]["rows"] == rows and kept["sections"]["serve"] == sections["serve"]
+    assert kept["sections"]["cold"] == sections["cold"]
     assert "timing tiny llamagen-c2i B=1: kept from commit" in again.stderr and len(kept["earlier_runs"]) == 1
 
 
@@ -103,8 +110,32 @@ def test_the_budget_is_shared_among_the_sections_that_run_only():
     import gpu_check
     assert gpu_check.section_shares(["timing-1"]) == {"timing-1": None}
     shares = gpu_check.section_shares(["parity", "timing-1", "serve"])
-    assert shares["serve"] is None and shares["parity"] == pytest.approx(0.18 / (0.18 + 0.25 + 0.2))
+    assert shares["serve"] is None and shares["parity"] == pytest.approx(0.18 / (0.18 + 0.2 + 0.12))
     assert gpu_check.section_shares(list(gpu_check.SHARES) + ["timing-rest"])["conformance"] == 0.12
+
+
+def test_a_cold_process_that_fails_or_hangs_is_reported_with_what_it_said():
+    """The cold section's processes: one that exits with an error fails the check, its line naming the error it
+    printed (`--json` prints it on stdout); one that outlives its time is killed and reported as timed out, which
+    misses the goal but fails nothing."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import gpu_check
+    env = dict(os.environ)
+    error = gpu_check.generate_process(
+        [sys.executable, "-c", "import sys; print('{\"error\": \"no bundle here\"}'); sys.exit(2)"], env, 60)
+    hung = gpu_check.generate_process([sys.executable, "-c", "import time; time.sleep(60)"], env, 0.5)
+    assert error["exit_code"] == 2 and hung["timed_out"] and hung["wall_s"] < 30
+    cold = {"shape": "GPT-B", "goal_first_image_s": 30.0,
+            "runs": {"cold_machine": {"flags": "--method ar", "caches": "empty caches", **error},
+                     "warm_caches": {"flags": "--method ar", "caches": "warm caches", **hung}}}
+    broke, timed_out = gpu_check.cold_lines(cold)
+    assert broke.startswith("cold GPT-B --method ar, empty caches: exit 2 after ") and broke.endswith(
+        '(goal 30 s: FAIL): {"error": "no bundle here"}')
+    assert timed_out.startswith("cold GPT-B --method ar, warm caches: timed out after ")
+    record = {"sections": {"cold": cold}}
+    assert gpu_check.failed(record)
+    del cold["runs"]["cold_machine"]
+    assert not gpu_check.failed(record)
 
 
 def test_results_written_under_out_are_not_copied_onto_themselves(tmp_path, monkeypatch):

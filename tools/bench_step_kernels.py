@@ -9,11 +9,13 @@ forward alone at the method's verify width (the runner's verify step, compiled a
 each counted as
 - kernels: calls of the kernels inductor generated (one launch each; a kernel called twice counts twice);
 - extern calls: calls the generated code makes to a library (matmuls, topk, sort, ...), by name;
-and the difference, what the step launches beyond its forward. The embedded bundle (or `--shape`: it inflated to
-LlamaGen's compute shapes), one image, at the bundle's sampling and LlamaGen's class-to-image one
-(tools/samplings.py), each relaxed method at the settings the bundle validated at that sampling. `--before FILE`
-puts an earlier record's counts beside these (the same rows, matched by method and sampling). Writes
-results/step-kernels-cpu. Any load on the machine is fine: nothing is timed.
+and the difference, what the step launches beyond its forward. Inductor generates each graph's code exactly as
+`torch.compile` does, but the code is never built (no C++ compile): the steps that compile the fused step run the
+graph as dynamo traced it. The embedded bundle (or `--shape`: it inflated to LlamaGen's compute shapes), one image,
+at the bundle's sampling and LlamaGen's class-to-image one (tools/samplings.py), each relaxed method at the
+settings the bundle validated at that sampling. `--before FILE` puts an earlier record's counts beside these (the
+same rows, matched by method and sampling). Writes results/step-kernels-cpu. Any load on the machine is fine:
+nothing is timed.
 
     python tools/bench_step_kernels.py [--methods ar mc-sjd ...] [--sampling bundle llamagen-c2i] [--dtype bf16]
                                        [--shape GPT-B] [--before results/step-kernels-cpu.json]
@@ -21,7 +23,7 @@ results/step-kernels-cpu. Any load on the machine is fine: nothing is timed.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import copy
 import json
 import re
 import sys
@@ -30,6 +32,11 @@ from pathlib import Path
 from unittest import mock
 
 import torch
+import torch._dynamo
+import torch._functorch.config as functorch_config
+import torch._inductor.config as inductor_config
+from torch._inductor.compile_fx import compile_fx
+from torch._inductor.graph import GraphLowering
 
 from lantern.api import Pipeline
 from lantern.backends.base import dummy_step_inputs
@@ -48,14 +55,33 @@ KERNEL = re.compile(r"^(\w+) = async_compile\.\w+\(", re.M)  # a generated kerne
 EXTERN = re.compile(r"\b(?:extern_kernels|torch\.ops\.\w+|aten)\.(\w+)")  # a library call from the wrapper
 
 
-@contextlib.contextmanager
-def generated_code():
-    """Within the block, the wrapper code of every graph inductor compiles (or reads from its cache) is appended to
-    the list it yields."""
-    from torch._inductor.graph import GraphLowering  # here, not at the top: importing inductor costs seconds
-    codes: list[str] = []
-    with mock.patch.object(GraphLowering, "save_output_code", codes.append):
-        yield codes
+class GeneratedCode:
+    """A torch.compile backend that has inductor generate each graph's code, keeps its wrapper code in `codes`
+    (never built), and runs the graph as dynamo traced it."""
+
+    __name__ = "inductor, code only"
+
+    def __init__(self):
+        self.codes: list[str] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        def codegen_only(graph: GraphLowering):
+            wrapper, _ = graph.codegen_with_cpp_wrapper() if graph.cpp_wrapper else graph.codegen()
+            self.codes.append(wrapper.value)
+            return NotBuilt()
+        # no cache: a cached graph would be read back whole instead of generated (and a graph never built has
+        # nothing to store)
+        with mock.patch.object(GraphLowering, "compile_to_module", codegen_only), \
+                inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+            compile_fx(copy.deepcopy(gm), example_inputs)  # inductor's passes may rewrite the graph they are given
+        return gm.forward
+
+
+class NotBuilt:
+    """What stands for the compiled module of a graph whose code was only generated."""
+
+    def call(self, *args):
+        raise RuntimeError("generated code was counted, never built: it cannot run")
 
 
 def launches(code: str) -> dict:
@@ -84,28 +110,34 @@ def counted(codes: list[str], what: str) -> dict:
     return launches(codes[0])
 
 
-def step_launches(pipe: Pipeline, dcfg) -> dict:
-    """The fused step's launches (its runner prepared first, so only the step compiles inside the block)."""
+def step_launches(pipe: Pipeline, dcfg, code: GeneratedCode) -> dict:
+    """The fused step's launches (its runner prepared first, so only the step compiles meanwhile)."""
     pipe.runner(dcfg, 1)
-    with generated_code() as codes:
-        compile_fused_step(pipe, dcfg, 1)
-    return counted(codes, "the fused step")
+    start = len(code.codes)
+    compile_fused_step(pipe, dcfg, 1)
+    return counted(code.codes[start:], "the fused step")
 
 
-def forward_launches(pipe: Pipeline, dcfg) -> dict:
+def forward_launches(pipe: Pipeline, dcfg, code: GeneratedCode) -> dict:
     """The target's forward alone at the verify width: the runner's verify step compiled by itself."""
     runner = pipe.runner(dcfg, 1)
-    with generated_code() as codes, recompile_limit_at_least(MIN_RECOMPILE_LIMIT):
+    start = len(code.codes)
+    with recompile_limit_at_least(MIN_RECOMPILE_LIMIT):
         runner.verify(*dummy_step_inputs(runner.spec, dcfg.verify_width, runner.device))
-    return counted(codes, "the verify step")
+    return counted(code.codes[start:], "the verify step")
 
 
 def calls(count: dict) -> int:
     return count["kernels"] + sum(count["extern"].values())
 
 
-def row(pipe: Pipeline, method: str, sampling_name: str, dcfg) -> dict:
-    step, forward = step_launches(pipe, dcfg), forward_launches(pipe, dcfg)
+def row(models, dtype: str, method: str, sampling_name: str, dcfg) -> dict:
+    """One method's counts, on a pipeline of its own (dynamo starts afresh: nothing compiled before is reused)."""
+    torch._dynamo.reset()
+    code = GeneratedCode()
+    pipe = Pipeline(*models, backend="cpu-graph", dtype=dtype, fused_step=True, compiler=code)
+    step, forward = step_launches(pipe, dcfg, code), forward_launches(pipe, dcfg, code)
+    pipe.release()
     extern_beyond = Counter(step["extern"])
     extern_beyond.subtract(forward["extern"])
     return {"method": method, "sampling": sampling_name, "verify_width": dcfg.verify_width,
@@ -144,9 +176,8 @@ def main() -> None:
     for name, sampling in settings.items():
         relaxation = bundle.relaxation_at(sampling)
         for method in args.methods:
-            pipe = Pipeline(target, drafter, proximity, backend="cpu-graph", dtype=args.dtype, fused_step=True)
-            rows.append(row(pipe, method, name, method_preset(method, sampling, **relaxation.get(method, {}))))
-            pipe.release()
+            dcfg = method_preset(method, sampling, **relaxation.get(method, {}))
+            rows.append(row((target, drafter, proximity), args.dtype, method, name, dcfg))
             print(f"{name} {method}: {rows[-1]['step']['kernels']} kernels, "
                   f"{calls(rows[-1]['step'])} calls per step", file=sys.stderr, flush=True)
     record = {"date": utc_now(), "dtype": args.dtype, "shape": args.shape, "torch": torch.__version__,

@@ -52,7 +52,9 @@ from samplings import NAMES as SAMPLING_NAMES, describe, sampling_settings
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = [m for m in PRESETS if m != "sjd"]  # SJD runs MC-SJD's step code with fresh draws: mc-sjd stands for both
 KERNEL = re.compile(r"^(\w+) = async_compile\.\w+\(", re.M)  # a generated kernel's definition
-EXTERN = re.compile(r"\b(?:extern_kernels|torch\.ops\.\w+|aten)\.(\w+)")  # a library call from the wrapper
+CALL = re.compile(r"\s*def call\(")  # the wrapper's function that runs the graph
+# a library call from the wrapper: a statement that calls it, its results possibly assigned
+EXTERN = re.compile(r"(?:[\w, ]+ = )?(?:extern_kernels|torch\.ops\.\w+|aten)\.(\w+)")
 
 
 class GeneratedCode:
@@ -86,20 +88,21 @@ class NotBuilt:
 
 def launches(code: str) -> dict:
     """One graph's wrapper code -> {"kernels": generated kernels called, "extern": {library call: count}}, read from
-    its `call` function (kernel definitions and the benchmark harness after it are not calls)."""
+    the body of its `call` function (not the kernel definitions, the checks of sizes, nor the benchmark harness)."""
     names = set(KERNEL.findall(code))
-    start = code.index("\ndef call(")
-    end = code.find("\ndef benchmark_compiled_module", start)
+    lines = code.splitlines()
+    at = next(i for i, line in enumerate(lines) if CALL.match(line))
+    indent = len(lines[at]) - len(lines[at].lstrip())
     kernels, extern = 0, Counter()
-    for line in code[start:end if end >= 0 else len(code)].splitlines():
+    for line in lines[at + 1:]:
+        if line.strip() and len(line) - len(line.lstrip()) <= indent:
+            break  # the end of `call`
         text = line.strip()
-        if text.startswith("#"):
-            continue
         called = re.match(r"(\w+)(?:\.run)?\(", text)
         if called and called.group(1) in names:
             kernels += 1
-            continue
-        extern.update(EXTERN.findall(text))
+        elif EXTERN.match(text):
+            extern[EXTERN.match(text).group(1)] += 1
     return {"kernels": kernels, "extern": dict(sorted(extern.items()))}
 
 

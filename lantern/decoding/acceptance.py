@@ -159,8 +159,7 @@ def _acceptance_sampling(target: Support, p_orig: Support, cand, cvalid, q_at: O
     each parent's last candidate; q_at: where the draft distribution holds each token, q_sup (B, M, K): it on
     the target's support (both None: deterministic drafts)."""
     r, ids = target.probs, target.ids
-    acc = torch.zeros(cand.shape, device=r.device)
-    boost = torch.zeros(cand.shape, device=r.device) if rule.paper else None
+    acc, boost = [], []  # per candidate (B, M), stacked once at the end: no buffer written per candidate
     removed = earlier = None  # the q mass (B, M) and the support tokens (B, M, K) of the candidates tried
     last = LastCandidate(target)
     for j in range(cand.shape[-1]):
@@ -179,15 +178,15 @@ def _acceptance_sampling(target: Support, p_orig: Support, cand, cvalid, q_at: O
                 q_j = draft_distribution(q_sup, earlier, removed)
         if rule.paper:
             p_tilde, b = paper_boost(Support(r, ids), p_orig.prob_of(x), x, rule.neighbours(r.device), *rule.bounds)
-            boost[..., j] = torch.where(v, b, 0.0)
+            boost.append(torch.where(v, b, 0.0))
         else:
             p_tilde = (r * hit).sum(-1)
-        acc[..., j] = torch.where(v, (p_tilde / q_x.clamp_min(1e-30)).clamp(max=1.0), 0.0)  # min(1, p~/q_i)
+        acc.append(torch.where(v, (p_tilde / q_x.clamp_min(1e-30)).clamp(max=1.0), 0.0))  # min(1, p~/q_i)
         last = LastCandidate(Support(r, ids), q_j, v)
         if q_at is not None and j + 1 < cand.shape[-1]:  # the next candidate was drawn without this one
             mass, drawn = torch.where(v, q_drawn, 0.0), hit & v[..., None]
             removed, earlier = (mass, drawn) if earlier is None else (removed + mass, earlier | drawn)
-    return acc, boost, last
+    return torch.stack(acc, -1), torch.stack(boost, -1) if rule.paper else None, last
 
 
 def _acceptance_greedy(target: Support, cand, cvalid, rule: Acceptance):
@@ -198,14 +197,14 @@ def _acceptance_greedy(target: Support, cand, cvalid, rule: Acceptance):
         top = torch.topk(target.probs, min(2, target.probs.shape[-1]), dim=-1)  # (B, M, 2) on the support
         first = target.ids.gather(-1, top.indices[..., :1])[..., 0]
         second = top.values[..., 1] if top.values.shape[-1] > 1 else torch.zeros_like(top.values[..., 0])
-        acc, boost = torch.zeros(cand.shape, device=cand.device), torch.zeros(cand.shape, device=cand.device)
+        acc, boost = [], []
         for j in range(cand.shape[-1]):
             x = cand[..., j]
             p_tilde, b = paper_boost(target, target.prob_of(x), x, rule.neighbours(cand.device), *rule.bounds)
             other = torch.where(first == x, second, top.values[..., 0])
-            acc[..., j] = (p_tilde >= other).float()
-            boost[..., j] = b
-        return acc * cvalid, boost * cvalid
+            acc.append((p_tilde >= other).float())
+            boost.append(b)
+        return torch.stack(acc, -1) * cvalid, torch.stack(boost, -1) * cvalid
     return (cand == draw(target, True, None)[..., None]).float() * cvalid, None
 
 

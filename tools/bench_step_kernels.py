@@ -168,6 +168,8 @@ def main() -> None:
                     help="the embedded model, or it inflated to a LlamaGen compute shape")
     ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--before", help="an earlier record of this tool, shown beside this one")
+    ap.add_argument("--counted", help="an earlier record of this tool whose rows are taken as counted there (its "
+                    "provenance kept), instead of counting again: e.g. to show it beside --before")
     ap.add_argument("--out", help="output stem (default results/step-kernels-cpu)")
     args = ap.parse_args()
     if args.threads:
@@ -175,19 +177,22 @@ def main() -> None:
     before = json.loads(Path(args.before).read_text()) if args.before else None
     bundle, (target, drafter, proximity) = models(args.shape)
     settings = sampling_settings(bundle.default_sampling, args.sampling)
-    rows = []
+    record = {"date": utc_now(), "dtype": args.dtype, "shape": args.shape, "torch": torch.__version__,
+              "samplings": {n: describe(s) for n, s in settings.items()}, "rows": []}
+    if before is not None:
+        record["before"] = {"commit": before["provenance"]["commit"], "rows": before["rows"]}
+    if args.counted:
+        counted = json.loads(Path(args.counted).read_text())
+        record.update({key: counted[key] for key in ("date", "dtype", "shape", "torch", "samplings", "rows")},
+                      counted=counted["provenance"])
+        write_results(args.out or ROOT / "results" / "step-kernels-cpu", record, markdown)
+        return
     for name, sampling in settings.items():
         relaxation = bundle.relaxation_at(sampling)
         for method in args.methods:
             dcfg = method_preset(method, sampling, **relaxation.get(method, {}))
-            rows.append(row((target, drafter, proximity), args.dtype, method, name, dcfg))
-            print(f"{name} {method}: {rows[-1]['step']['kernels']} kernels, "
-                  f"{calls(rows[-1]['step'])} calls per step", file=sys.stderr, flush=True)
-    record = {"date": utc_now(), "dtype": args.dtype, "shape": args.shape, "torch": torch.__version__,
-              "samplings": {n: describe(s) for n, s in settings.items()}, "rows": rows}
-    if before is not None:
-        record["before"] = {"commit": before["provenance"]["commit"], "rows": before["rows"]}
-    write_results(args.out or ROOT / "results" / "step-kernels-cpu", record, markdown)
+            record["rows"].append(row((target, drafter, proximity), args.dtype, method, name, dcfg))
+            write_results(args.out or ROOT / "results" / "step-kernels-cpu", record, markdown)  # after every row
 
 
 def extern_text(extern: dict) -> str:
@@ -201,6 +206,8 @@ def markdown(rec: dict) -> str:
              f"Samplings: " + "; ".join(f"{n}: {d}" for n, d in rec["samplings"].items()) + ". Kernels: generated "
              "kernels called; calls: kernels and library (extern) calls together; forward: the target's forward "
              "alone at the verify width; beyond: the step's launches less the forward's."]
+    if "counted" in rec:
+        lines[0] += f" Counted at commit {rec['counted']['commit']} (`{rec['counted']['command']}`)."
     if before:
         lines[0] += f" Before: commit {rec['before']['commit']}; after: this record's (x -> y where they differ)."
     lines += ["", "| sampling | method | verify width | step kernels | step calls | forward kernels | forward calls "

@@ -159,8 +159,7 @@ def _acceptance_sampling(target: Support, p_orig: Support, cand, cvalid, q_at: O
     each parent's last candidate; q_at: where the draft distribution holds each token, q_sup (B, M, K): it on
     the target's support (both None: deterministic drafts)."""
     r, ids = target.probs, target.ids
-    acc = torch.zeros(cand.shape, device=r.device)
-    boost = torch.zeros(cand.shape, device=r.device) if rule.paper else None
+    acc, boost = [], []  # per candidate (B, M), stacked once at the end: no buffer written per candidate
     removed = earlier = None  # the q mass (B, M) and the support tokens (B, M, K) of the candidates tried
     last = LastCandidate(target)
     for j in range(cand.shape[-1]):
@@ -179,15 +178,15 @@ def _acceptance_sampling(target: Support, p_orig: Support, cand, cvalid, q_at: O
                 q_j = draft_distribution(q_sup, earlier, removed)
         if rule.paper:
             p_tilde, b = paper_boost(Support(r, ids), p_orig.prob_of(x), x, rule.neighbours(r.device), *rule.bounds)
-            boost[..., j] = torch.where(v, b, 0.0)
+            boost.append(torch.where(v, b, 0.0))
         else:
             p_tilde = (r * hit).sum(-1)
-        acc[..., j] = torch.where(v, (p_tilde / q_x.clamp_min(1e-30)).clamp(max=1.0), 0.0)  # min(1, p~/q_i)
+        acc.append(torch.where(v, (p_tilde / q_x.clamp_min(1e-30)).clamp(max=1.0), 0.0))  # min(1, p~/q_i)
         last = LastCandidate(Support(r, ids), q_j, v)
         if q_at is not None and j + 1 < cand.shape[-1]:  # the next candidate was drawn without this one
             mass, drawn = torch.where(v, q_drawn, 0.0), hit & v[..., None]
             removed, earlier = (mass, drawn) if earlier is None else (removed + mass, earlier | drawn)
-    return acc, boost, last
+    return torch.stack(acc, -1), torch.stack(boost, -1) if rule.paper else None, last
 
 
 def _acceptance_greedy(target: Support, cand, cvalid, rule: Acceptance):
@@ -198,14 +197,14 @@ def _acceptance_greedy(target: Support, cand, cvalid, rule: Acceptance):
         top = torch.topk(target.probs, min(2, target.probs.shape[-1]), dim=-1)  # (B, M, 2) on the support
         first = target.ids.gather(-1, top.indices[..., :1])[..., 0]
         second = top.values[..., 1] if top.values.shape[-1] > 1 else torch.zeros_like(top.values[..., 0])
-        acc, boost = torch.zeros(cand.shape, device=cand.device), torch.zeros(cand.shape, device=cand.device)
+        acc, boost = [], []
         for j in range(cand.shape[-1]):
             x = cand[..., j]
             p_tilde, b = paper_boost(target, target.prob_of(x), x, rule.neighbours(cand.device), *rule.bounds)
             other = torch.where(first == x, second, top.values[..., 0])
-            acc[..., j] = (p_tilde >= other).float()
-            boost[..., j] = b
-        return acc * cvalid, boost * cvalid
+            acc.append((p_tilde >= other).float())
+            boost.append(b)
+        return torch.stack(acc, -1) * cvalid, torch.stack(boost, -1) * cvalid
     return (cand == draw(target, True, None)[..., None]).float() * cvalid, None
 
 
@@ -216,7 +215,7 @@ def _rule(p: Support, cand: torch.Tensor, cvalid: torch.Tensor, q: Optional[Supp
     probabilities (B, M, C), the rule before each parent's last candidate (LastCandidate, on p's support), the
     papers' boosts (B, M, C) and TV(p_hat, p) (B, M), each None where the rule has none."""
     target, tv = p, None
-    q_at = q.lookup(vocab) if q is not None else None  # sorted once, read by the relaxation and the rule
+    q_at = q.lookup(vocab) if q is not None else None  # built once, read by the relaxation and the rule
     q_sup = q_at.prob(p.ids) if q_at is not None else None  # (B, M, K) q on p's support
     if rule.relaxed and not rule.paper:
         near = rule.links(cand.device)
@@ -255,23 +254,21 @@ def accept(p_nodes, tree: DraftedTree, rule: Acceptance, greedy: bool, generator
     max_depth = tree.max_depth
     final = path.gather(1, accepted[:, None])  # (B, 1) the last accepted node
     rows = torch.arange(m_rows, device=dev).expand(b, m_rows)
-    final_row = _per_node(parents, rows, n, -1).gather(1, final)  # its parent row, -1 if it has no children
+    final_row = _at_nodes(parents, rows, final, -1)  # its parent row, -1 if it has no children
     end, at_final = last.rejected(final_row.clamp_min(0)), p_nodes.index(final)
     has_row = (final_row >= 0)[..., None]
     bonus_dist = Support(torch.where(has_row, end.probs, at_final.probs), torch.where(has_row, end.ids, at_final.ids))
     bonus = draw(bonus_dist, greedy, generator)[:, 0]
 
-    has_kids = _per_node(parents, cvalid.any(-1), n, False)
     depths = torch.arange(max_depth, device=dev)
-    tried = (depths[None] <= accepted[:, None]) & has_kids.gather(1, path[:, :max_depth])
+    tried = (depths[None] <= accepted[:, None]) & _at_nodes(parents, cvalid.any(-1), path[:, :max_depth], False)
     emitted = torch.arange(max_depth + 1, device=dev)[None] <= accepted[:, None]
     token_tv = torch.zeros(b, max_depth + 1, device=dev)
     if tv is not None:
-        token_tv = torch.where(emitted, _per_node(parents, tv, n, 0.0).gather(1, path), 0.0)
+        token_tv = torch.where(emitted, _at_nodes(parents, tv, path, 0.0), 0.0)
     boost_path = torch.zeros(b, max_depth, device=dev)
     if boost is not None:
-        boost_node = _per_node(kids.flatten(1), boost.flatten(1), n, 0.0)
-        boost_path = torch.where(emitted[:, 1:], boost_node.gather(1, path[:, 1:]), 0.0)
+        boost_path = torch.where(emitted[:, 1:], _at_nodes(kids.flatten(1), boost.flatten(1), path[:, 1:], 0.0), 0.0)
     return StepAcceptance(path=path, accepted=accepted, bonus=bonus, tried=tried, token_tv=token_tv,
                           boost=boost_path)
 
@@ -283,23 +280,26 @@ def _accepted_path(tree: DraftedTree, ok: torch.Tensor, kids: torch.Tensor) -> t
     up to the first failure."""
     b, n = tree.tokens.shape
     dev = ok.device
+    nodes = torch.arange(n, device=dev)
     if tree.chain:
-        accepted = ok[..., 0].int().cumprod(-1).sum(-1)
-        nodes = torch.arange(n, device=dev)[None]
-        return torch.where(nodes <= accepted[:, None], nodes, 0), accepted
+        leading = ok[..., 0]  # (B, L): the first failure's index, L if none, is the accepted prefix's length
+        accepted = torch.where(leading, leading.shape[-1], nodes[:leading.shape[-1]]).amin(-1)
+        return torch.where(nodes[None] <= accepted[:, None], nodes[None], 0), accepted
     first = ok.int().argmax(-1)  # first accepted sibling (rank order)
     taken_kid = torch.where(ok.any(-1), kids.gather(2, first[..., None])[..., 0], -1)  # (B, M)
-    taken = _per_node(taken_kid, torch.ones_like(taken_kid, dtype=torch.bool), n, False)
-    taken[:, 0] = True
+    taken = _at_nodes(taken_kid, torch.ones_like(taken_kid, dtype=torch.bool), nodes.expand(b, n), False) | (nodes == 0)
     on_path = ~(tree.ancestors & ~taken[:, None, :]).any(-1)  # (B, N): every ancestor taken
-    depth = tree.depth.expand(b, -1)
-    path = torch.zeros(b, tree.max_depth + 2, dtype=torch.long, device=dev)
-    path.scatter_(1, torch.where(on_path, depth, tree.max_depth + 1), torch.arange(n, device=dev).expand(b, n))
-    return path[:, : tree.max_depth + 1], torch.where(on_path, depth, 0).max(-1).values
+    at_depth = on_path[:, None, :] & (tree.depth[:, None, :] == torch.arange(tree.max_depth + 1, device=dev)[:, None])
+    path = torch.where(at_depth, nodes, 0).sum(-1)  # (B, D+1): the one node on the path at each depth, 0 past its end
+    return path, torch.where(on_path, tree.depth, 0).amax(-1)
 
 
-def _per_node(nodes: torch.Tensor, values: torch.Tensor, n: int, fill) -> torch.Tensor:
-    """(B, M) values at node ids (-1: none) -> (B, N) per node (`fill` for nodes given no value)."""
-    b = nodes.shape[0]
-    out = torch.full((b, n + 1), fill, dtype=values.dtype, device=values.device)
-    return out.scatter_(1, torch.where(nodes >= 0, nodes, n), values)[:, :n]
+def _at_nodes(nodes: torch.Tensor, values: torch.Tensor, at: torch.Tensor, fill) -> torch.Tensor:
+    """(B, M) values at node ids `nodes` (-1: none; an id at most once a row) -> (B, A) the value at each node id
+    of `at` (B, A), `fill` where `nodes` holds none. One masked reduction over M: no scatter, nothing per node."""
+    hit = nodes[:, None, :] == at[..., None]  # (B, A, M)
+    if values.dtype == torch.bool:
+        found = (hit & values[:, None, :]).any(-1)
+    else:
+        found = torch.where(hit, values[:, None, :], 0).sum(-1, dtype=values.dtype)  # the one match, or 0
+    return torch.where(hit.any(-1), found, fill)

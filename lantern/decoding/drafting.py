@@ -126,83 +126,78 @@ class DraftRunner:
 def draft_static(d: DraftRunner, strategy: StaticTree, root_token, root: torch.Tensor, q_root: Support,
                  root_feat: torch.Tensor) -> DraftedTree:
     """Child j of a node is its j-th candidate (top-j, or the j-th draw without replacement), whatever the
-    drafter's confidence (LANTERN++). root (B,) is the root's position."""
+    drafter's confidence (LANTERN++). root (B,) is the root's position. Each level's candidates, flags, draft
+    distributions and predicted features are kept as made and joined once (the plan's static columns): no
+    buffer written per level."""
     greedy, gen = d.sampling.greedy, d.generator
-    b, n, dev = root.shape[0], strategy.tree.size, root.device
+    b, dev = root.shape[0], root.device
     placed = strategy.on_device(dev)
-    table = placed.children  # (M, C)
-    tokens = torch.zeros(b, n, dtype=torch.long, device=dev)
-    valid = torch.zeros(b, n, dtype=torch.bool, device=dev)
-    tokens[:, 0], valid[:, 0] = root_token, True
-    feats = root_feat[:, None].repeat(1, n, 1)  # (R*B, N, D) predicted feature after each node
-    k = q_root.probs.shape[-1]
-    q_probs = torch.zeros(b, table.shape[0], k, device=dev)
-    q_ids = torch.zeros(b, table.shape[0], k, dtype=torch.long, device=dev)
+    fan_out = placed.children.shape[1]
+    tokens, valid = [root_token[:, None]], [torch.ones(b, 1, dtype=torch.bool, device=dev)]  # drafting order
+    feats = [root_feat[:, None]]  # (R*B, w, D) predicted features after the root, then each level's nodes
+    q_probs, q_ids = [], []  # (B, w, K) each level's draft distributions, by the level's table rows
 
     def assign(level: LevelPlan, q: Support) -> None:
         """The level's nodes (rows of q (B, w, K)) get their children's candidates."""
-        q_probs[:, level.rows], q_ids[:, level.rows] = q.probs, q.ids
-        cand, ok = candidates(q, table.shape[1], greedy, gen)  # (B, w, C)
-        parent_ok = valid[:, level.nodes][..., None]
-        tokens[:, level.kids] = cand.flatten(1)[:, level.kid_cols]
-        valid[:, level.kids] = (ok & parent_ok).flatten(1)[:, level.kid_cols]
+        q_probs.append(q.probs)
+        q_ids.append(q.ids)
+        cand, ok = candidates(q, fan_out, greedy, gen)  # (B, w, C)
+        parent_ok = torch.cat(valid, 1)[:, level.node_cols][..., None]
+        tokens.append(cand.flatten(1)[:, level.kid_cols])
+        valid.append((ok & parent_ok).flatten(1)[:, level.kid_cols])
 
     plans = placed.levels
     assign(plans[0], Support(q_root.probs[:, None], q_root.ids[:, None]))
     committed = d.committed(root)
     for level in plans[1:]:
         w, width = level.nodes.shape[0], level.rel.shape[0]
-        step_tokens = torch.cat([tokens[:, level.nodes], tokens.new_zeros(b, width - w)], 1)
-        step_feats = torch.cat([feats[:, level.parents], root_feat[:, None].expand(-1, width - w, -1)], 1)
+        step_tokens = torch.cat([torch.cat(tokens, 1)[:, level.node_cols], root_token.new_zeros(b, width - w)], 1)
+        step_feats = torch.cat([torch.cat(feats, 1)[:, level.parent_cols],
+                                root_feat[:, None].expand(-1, width - w, -1)], 1)
         positions = (root + level.depth)[:, None].expand(b, width).contiguous()
         slots = root[:, None] + level.offsets
         q, out_feats = d.step(step_tokens, step_feats, positions, slots, window_mask(level.rel[None], root, committed))
-        feats[:, level.nodes] = out_feats[:, :w]
+        feats.append(out_feats[:, :w])
         assign(level, Support(q.probs[:, :w], q.ids[:, :w]))
-    q = None if greedy else Support(q_probs, q_ids)
+    none = [root_token.new_zeros(b, 1)], [torch.zeros(b, 1, dtype=torch.bool, device=dev)]  # padding nodes' column
+    tokens, valid = (torch.cat(x + pad, 1)[:, placed.node_order] for x, pad in zip((tokens, valid), none))
+    q = None if greedy else Support(*(torch.cat(x, 1)[:, placed.row_order] for x in (q_probs, q_ids)))
     return DraftedTree(tokens=tokens, valid=valid, depth=placed.depth, ancestors=placed.ancestors,
-                       parents=placed.parents, children=table[None], q=q, max_depth=strategy.depth,
+                       parents=placed.parents, children=placed.children[None], q=q, max_depth=strategy.depth,
                        rank=placed.rank, chain=placed.chain)
 
 
 def draft_dynamic(d: DraftRunner, strategy: DynamicTree, root_token, root: torch.Tensor, q_root: Support,
                   root_feat: torch.Tensor) -> DraftedTree:
     """EAGLE-2 per image: beams by cumulative draft log-probability, then the `total` best nodes (drafts are
-    deterministic top-k, so q is a point mass on each candidate)."""
+    deterministic top-k, so q is a point mass on each candidate). Records (the root, the root's top_k, then top_k
+    children of each beam per level) are made level by level and joined once: no buffer written per level."""
     k, depth, gen = strategy.top_k, strategy.max_depth, d.generator
     b, dev = root.shape[0], root.device
-    n_rec = strategy.records
-    tok = torch.zeros(b, n_rec, dtype=torch.long, device=dev)
-    par = torch.zeros(b, n_rec, dtype=torch.long, device=dev)
-    score = torch.full((b, n_rec), float("-inf"), device=dev)
-    rec_depth = torch.zeros(n_rec, dtype=torch.long, device=dev)
-    expanded = torch.zeros(b, strategy.expanded, dtype=torch.long, device=dev)  # record ids, root first
-    tok[:, 0], score[:, 0] = root_token, 0.0
+    # each level's records (B, w * k): token, parent record, cumulative log-probability; the root is record 0
+    tok, par, score = [root_token[:, None]], [root.new_zeros(b, 1)], [torch.zeros(b, 1, device=dev)]
+    expanded = [root.new_zeros(b, 1)]  # record ids that get children, root first
 
-    def add_children(base: int, parent_recs: torch.Tensor, q: Support, level: int) -> None:
-        """Records base .. base + w*k - 1: the top-k candidates of each parent (B, w)."""
+    def add_children(parent_recs: torch.Tensor, parent_scores: torch.Tensor, q: Support) -> None:
+        """The next level's records: the top-k candidates of each parent (B, w)."""
         cand, ok = candidates(q, k, True, gen)  # (B, w, k)
         logq = torch.where(ok, q.prob_of(cand).log(), float("-inf"))
-        w = parent_recs.shape[1]
-        span = slice(base, base + w * k)
-        tok[:, span] = cand.flatten(1)
-        par[:, span] = parent_recs[..., None].expand(-1, -1, k).flatten(1)
-        score[:, span] = (score.gather(1, parent_recs)[..., None] + logq).flatten(1)
-        rec_depth[span] = level
+        tok.append(cand.flatten(1))
+        par.append(parent_recs[..., None].expand(-1, -1, k).flatten(1))
+        score.append((parent_scores[..., None] + logq).flatten(1))
 
     root_support = Support(q_root.probs[:, None], q_root.ids[:, None])
-    add_children(1, torch.zeros(b, 1, dtype=torch.long, device=dev), root_support, 1)
+    add_children(par[0], score[0], root_support)
     committed = d.committed(root)
     frontier_mask = committed[:, None].expand(b, k, -1)  # slots each frontier node's ancestors occupy
     parent_feats = root_feat[:, None].expand(-1, k, -1)
     prev_feats = parent_feats  # (R*B, k, D) the previous level's predicted features
-    base, first_of_level = 1 + k, 1
+    first_of_level = 1
     for level in range(1, depth):
-        span = k if level == 1 else k * k
-        level_scores = score[:, first_of_level:first_of_level + span]
-        pick = torch.topk(level_scores, k, dim=-1).indices  # (B, k) best beams of this level
+        best = torch.topk(score[-1], k, dim=-1)  # (B, k) best beams of this level
+        pick = best.indices
         recs = first_of_level + pick
-        expanded[:, 1 + (level - 1) * k: 1 + level * k] = recs
+        expanded.append(recs)
         if level > 1:  # the beam's parent is a frontier node of the previous level
             from_beam = pick // k
             frontier_mask = frontier_mask.gather(1, from_beam[..., None].expand(-1, -1, frontier_mask.shape[-1]))
@@ -212,13 +207,13 @@ def draft_dynamic(d: DraftRunner, strategy: DynamicTree, root_token, root: torch
         own = torch.zeros_like(frontier_mask).scatter_(2, slots[..., None], True)
         frontier_mask = frontier_mask | own
         positions = (root + level)[:, None].expand(b, k).contiguous()
-        q, prev_feats = d.step(tok.gather(1, recs), parent_feats, positions, slots, frontier_mask)
-        add_children(base, recs, q, level + 1)
-        first_of_level, base = base, base + k * k
-    return _rerank(strategy, tok, par, score, rec_depth, expanded)
+        q, prev_feats = d.step(tok[-1].gather(1, pick), parent_feats, positions, slots, frontier_mask)
+        first_of_level += score[-1].shape[1]
+        add_children(recs, best.values, q)
+    return _rerank(strategy, *(torch.cat(x, 1) for x in (tok, par, score, expanded)))
 
 
-def _rerank(strategy: DynamicTree, tok, par, score, rec_depth, expanded) -> DraftedTree:
+def _rerank(strategy: DynamicTree, tok, par, score, expanded) -> DraftedTree:
     """Keep the total - 1 best records (a child never outscores its parent and ties go to the earlier record,
     i.e. the shallower: the kept set is a tree), number them as nodes 1.. in score order."""
     b, n_rec = tok.shape
@@ -230,20 +225,22 @@ def _rerank(strategy: DynamicTree, tok, par, score, rec_depth, expanded) -> Draf
     parent = node_of.gather(1, par.gather(1, chosen))  # (B, N); the root's parent is itself
     valid = torch.isfinite(score.gather(1, chosen)) & (parent >= 0)
     parent = parent.clamp_min(0)
-    ancestors = torch.eye(n, dtype=torch.bool, device=dev).expand(b, n, n).clone()
+    # j is an ancestor of i (or i) iff it is i's parent taken l times, l = 0 .. max_depth (the root is its own)
+    up = [torch.arange(n, device=dev).expand(b, n)]
     for _ in range(strategy.max_depth):
-        ancestors = ancestors | ancestors.gather(1, parent[..., None].expand(b, n, n))
+        up.append(parent.gather(1, up[-1]))
+    ancestors = (torch.stack(up, -1)[:, :, None, :] == torch.arange(n, device=dev)[:, None]).any(-1)  # (B, N, N)
     # children of every expanded record: the root's are records 1..k, beam e's a block of k after them
     blocks = torch.cat([torch.arange(1, 1 + k, device=dev)[None].expand(b, k)[:, None],
                         _child_blocks(strategy, expanded[:, 1:])], 1)  # (B, M, k) record ids
     children = node_of.gather(1, blocks.flatten(1)).view(b, -1, k)
     parents = node_of.gather(1, expanded)
-    depth = rec_depth[chosen]
-    rank = torch.zeros(b, n_rec, dtype=torch.long, device=dev)
-    rank[:, 1:] = (torch.arange(1, n_rec, device=dev) - 1) % k
-    return DraftedTree(tokens=tok.gather(1, chosen), valid=valid, depth=depth, ancestors=ancestors,
+    record = torch.arange(n_rec, device=dev)  # the root, its k children (depth 1), then k * k per deeper level
+    rec_depth = torch.where(record <= k, (record > 0).long(), 2 + (record - 1 - k).div(k * k, rounding_mode="floor"))
+    rank = torch.where(record > 0, (record - 1) % k, 0)
+    return DraftedTree(tokens=tok.gather(1, chosen), valid=valid, depth=rec_depth[chosen], ancestors=ancestors,
                        parents=parents, children=children, q=None, max_depth=strategy.max_depth,
-                       rank=rank.gather(1, chosen))
+                       rank=rank[chosen])
 
 
 def _child_blocks(strategy: DynamicTree, beams: torch.Tensor) -> torch.Tensor:

@@ -68,7 +68,7 @@ def spatial_prior(q: Support, fresh: torch.Tensor, decided: torch.Tensor, emitte
     use = (fresh & (above >= 0) & (above < emitted[:, None]))[..., None]
     token = decided.gather(1, above.clamp(min=0))  # (B, L)
     # a support holds K distinct tokens in descending order: the token, then K - 1 others at probability 0
-    ids = (token[..., None] + torch.arange(k, device=q.ids.device)) % vocab
-    point = torch.zeros_like(q.probs)
-    point[..., 0] = 1.0
+    rank = torch.arange(k, device=q.ids.device)
+    ids = (token[..., None] + rank) % vocab
+    point = (rank == 0).to(q.probs.dtype)  # (K,) all the mass on the first
     return Support(torch.where(use, point, q.probs), torch.where(use, ids, q.ids))

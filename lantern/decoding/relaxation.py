@@ -32,12 +32,13 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from lantern.decoding.sampling import Support
+from lantern.decoding.sampling import Support, SupportLookup
 
 WORKSPACE_BYTES = 64 * 2**20  # the most one block of neighbour-list temporaries may hold
 CODEBOOK_SHARE = 16  # walk the codebook once a node's receivers times this reach its size (the walks tie near 16)
 _BYTES_PER_PAIR = 16  # a (receiver, neighbour) pair in a receiver-walk block: its int64 id, its compact id, the value
 _BYTES_PER_CODE = 12  # a row's dense per-code scratch: three float32 vectors over the vocabulary
+_BYTES_PER_MATCH = 5  # a narrow support's pair compared with one support token: the flag and the value it selects
 # NeighbourLinks' int32 lists and transpose (8 bytes a pair), and at most 12 more while one is built (the sort's
 # int32 keys and int64 order) or one embedding_bag keeps its per-pair bookkeeping
 _LINK_BYTES_PER_PAIR = 20
@@ -90,24 +91,26 @@ def bounded_target(p: Support, q_on_support: torch.Tensor, links: NeighbourLinks
     ps, qs, ids = (x.reshape(b * m, k_sup) for x in (p.probs, q_on_support, p.ids))
     slots = None if receivers is None else receivers.reshape(b * m, -1)
     n_recv = k_sup if slots is None else slots.shape[1]
-    p_hat, moved = torch.empty_like(ps), ps.new_empty(b * m)
     if walks_the_codebook(n_recv, vocab, links.table.shape[1]):
         rows = max(1, WORKSPACE_BYTES // (_BYTES_PER_CODE * vocab))
         walk = partial(_CodebookWalk, links=links, vocab=vocab)
     else:
-        rows, cols = _block_shape(n_recv, links.table.shape[1], vocab)
+        rows, cols = _block_shape(n_recv, links.table.shape[1], vocab, k_sup)
         walk = partial(_ReceiverWalk, table=links.table, vocab=vocab, cols=cols)
-    for start in range(0, b * m, rows):
-        part = slice(start, start + rows)
-        p_hat[part], moved[part] = _bounded_rows(ps[part], qs[part], ids[part], None if slots is None else slots[part],
-                                                 walk, delta, lam)
+    blocks = [_bounded_rows(ps[part], qs[part], ids[part], None if slots is None else slots[part], walk, delta, lam)
+              for part in (slice(start, start + rows) for start in range(0, b * m, rows))]
+    p_hat, moved = blocks[0] if len(blocks) == 1 else (torch.cat(x) for x in zip(*blocks))
     return p_hat.view(b, m, k_sup), moved.view(b, m)
 
 
-def _block_shape(n_recv: int, k: int, vocab: int) -> tuple[int, int]:
-    """The receiver walk's (rows per block, neighbours per block), its temporaries within WORKSPACE_BYTES."""
-    cols = max(1, min(k, WORKSPACE_BYTES // (_BYTES_PER_PAIR * max(n_recv, 1))))
-    rows = max(1, WORKSPACE_BYTES // (_BYTES_PER_PAIR * max(n_recv, 1) * cols + _BYTES_PER_CODE * vocab))
+def _block_shape(n_recv: int, k: int, vocab: int, support: int) -> tuple[int, int]:
+    """The receiver walk's (rows per block, neighbours per block), its temporaries within WORKSPACE_BYTES: a
+    narrow support compares each pair with its K tokens (a flag and a value per token) instead of keeping a
+    per-code vector a row."""
+    narrow = support <= SupportLookup.NARROW
+    pair = _BYTES_PER_PAIR + (_BYTES_PER_MATCH * support if narrow else 0)
+    cols = max(1, min(k, WORKSPACE_BYTES // (pair * max(n_recv, 1))))
+    rows = max(1, WORKSPACE_BYTES // (pair * max(n_recv, 1) * cols + (0 if narrow else _BYTES_PER_CODE * vocab)))
     return rows, cols
 
 
@@ -142,13 +145,16 @@ def _bounded_rows(ps, qs, ids, slots, walk, delta, lam):
 
 
 class _ReceiverWalk:
-    """The receivers' neighbour lists, read `cols` neighbours at a time against a dense (r, V) per-code vector:
-    sum_at sums support values over each receiver's neighbours, spread is its transpose (each receiver's value
-    added to each of its neighbours). Lists read in one block are kept for every pass (the block fits
-    WORKSPACE_BYTES); more blocks are read anew. ids (r, K) the support, recv_ids (r, R) the receivers' tokens."""
+    """The receivers' neighbour lists, read `cols` neighbours at a time: sum_at sums support values over each
+    receiver's neighbours, spread is its transpose (each receiver's value added to each of its neighbours). Each
+    listed code is found in the support by a dense (r, V) per-code vector, or, on a narrow support (K <=
+    SupportLookup.NARROW), by comparing it with the K support tokens (no scatter: a compiled step fuses it with its
+    neighbours). Lists read in one block are kept for every pass (the block fits WORKSPACE_BYTES); more blocks are
+    read anew. ids (r, K) the support, recv_ids (r, R) the receivers' tokens."""
 
     def __init__(self, ids: torch.Tensor, recv_ids: torch.Tensor, table: torch.Tensor, vocab: int, cols: int):
         self.ids, self.recv_ids, self.table, self.vocab, self.cols = ids, recv_ids, table, vocab, cols
+        self.narrow = ids.shape[-1] <= SupportLookup.NARROW
         self._whole = self._read(0) if cols >= table.shape[1] else None
 
     def _read(self, start: int) -> torch.Tensor:
@@ -163,21 +169,33 @@ class _ReceiverWalk:
         for start in range(0, self.table.shape[1], self.cols):
             yield self._read(start)
 
+    def _matches(self, nb: torch.Tensor) -> torch.Tensor:
+        """(r, R * c) listed codes -> (r, R * c, K) bool: the support slot holding each (at most one)."""
+        return nb[..., None] == self.ids[:, None, :]
+
     def sum_at(self, values: torch.Tensor) -> torch.Tensor:
         """(r, K) on the support -> (r, R): the sum over each receiver's neighbours (0 off the support)."""
-        per_code = values.new_zeros(values.shape[0], self.vocab).scatter_(1, self.ids, values)
+        per_code = None if self.narrow else values.new_zeros(values.shape[0], self.vocab).scatter_(1, self.ids, values)
         out = values.new_zeros(self.recv_ids.shape)
         for nb in self._blocks():
-            out = out + per_code.gather(1, nb).view(*self.recv_ids.shape, -1).sum(-1)
+            if self.narrow:  # each listed code's value: the one matching slot's, plus zeros (exact)
+                listed = torch.where(self._matches(nb), values[:, None, :], 0.0).sum(-1)
+            else:
+                listed = per_code.gather(1, nb)
+            out = out + listed.view(*self.recv_ids.shape, -1).sum(-1)
         return out
 
     def spread(self, values: torch.Tensor) -> torch.Tensor:
         """(r, R) -> (r, K): each support token's sum over the receivers it neighbours."""
-        out = values.new_zeros(values.shape[0], self.vocab)
+        out = values.new_zeros(values.shape[0], self.ids.shape[1] if self.narrow else self.vocab)
         for nb in self._blocks():
             c = nb.shape[1] // values.shape[1]
-            out.scatter_add_(1, nb, values[..., None].expand(-1, -1, c).flatten(1))
-        return out.gather(1, self.ids)
+            pairs = values[..., None].expand(-1, -1, c).flatten(1)  # (r, R * c) each receiver's value per neighbour
+            if self.narrow:
+                out = out + torch.where(self._matches(nb), pairs[..., None], 0.0).sum(1)
+            else:
+                out.scatter_add_(1, nb, pairs)
+        return out if self.narrow else out.gather(1, self.ids)
 
 
 class _CodebookWalk:

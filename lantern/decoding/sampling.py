@@ -86,27 +86,44 @@ class Support(NamedTuple):
 
 
 class SupportLookup:
-    """Where tokens sit in a Support, never by a (..., C, K) comparison: its ids sorted once (..., K), then a
-    binary search per token, so finding C tokens costs O((K + C) log K) time and O(K + C) memory; or, given the
-    vocabulary's size V <= DENSE_SHARE * K (a wide support), each code's index in the support (..., V) int32,
-    written once, then one read per token: O(V + C) time, and no more memory than the sort."""
+    """Where tokens sit in a Support, one of three ways, chosen from its shape:
+    - a narrow support (K <= NARROW): each token compared with the K ids, O(C * K) for C tokens, nothing built
+      first (one reduction a compiled step fuses with its neighbours, instead of a sort and a search);
+    - else by token id sorted once (..., K), then a binary search per token: O((K + C) log K) time and O(K + C)
+      memory, never a (..., C, K) comparison;
+    - else, given the vocabulary's size V <= DENSE_SHARE * K (a wide support), each code's index in the support
+      (..., V) int32, written once, then one read per token: O(V + C) time, and no more memory than the sort."""
 
+    NARROW = 32
     DENSE_SHARE = 2
 
     def __init__(self, support: Support, vocab: int | None = None):
         self.support = support
         ids = support.ids
+        self.index_of = self.sorted_ids = self.order = None
+        if ids.shape[-1] <= self.NARROW:
+            return
         if vocab is not None and vocab <= self.DENSE_SHARE * ids.shape[-1]:
             index = torch.arange(ids.shape[-1], dtype=torch.int32, device=ids.device).expand(ids.shape)
             self.index_of = torch.full((*ids.shape[:-1], vocab), -1, dtype=torch.int32, device=ids.device)
             self.index_of.scatter_(-1, ids, index)  # -1: a code off the support
         else:
-            self.index_of = None
             self.sorted_ids, self.order = ids.sort(-1)
+
+    @property
+    def narrow(self) -> bool:
+        return self.index_of is None and self.sorted_ids is None
+
+    def _matches(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(..., C) token ids -> (..., C, K) bool: which support slot holds each (at most one: the ids are distinct)."""
+        return self.support.ids[..., None, :] == tokens[..., None]
 
     def position(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(..., C) token ids -> (their index in the support (..., C), found (..., C) bool); index 0 where not
         found."""
+        if self.narrow:
+            match = self._matches(tokens)
+            return match.int().argmax(-1), match.any(-1)
         if self.index_of is not None:
             at = self.index_of.gather(-1, tokens)
             found = at >= 0
@@ -117,6 +134,8 @@ class SupportLookup:
 
     def prob(self, tokens: torch.Tensor) -> torch.Tensor:
         """(..., C) token ids -> their probabilities (0 off the support)."""
+        if self.narrow:  # the one matching slot's probability, plus zeros: exact
+            return torch.where(self._matches(tokens), self.support.probs[..., None, :], 0.0).sum(-1)
         at, found = self.position(tokens)
         return torch.where(found, self.support.probs.gather(-1, at), 0.0)
 

@@ -77,6 +77,11 @@ class LevelPlan:
     depth: int  # the nodes' depth
     offsets: torch.Tensor  # (W,) scratch slot offsets from the root: node ids, then padding past the tree
     rel: torch.Tensor  # (W, N + W) bool: the scratch slots each fed pair attends to (padding: only itself)
+    # drafting joins each level's results once instead of writing them into per-node buffers: the columns where
+    # this level's nodes sit among the drafted tokens so far (the root, then each level's kids in order) and where
+    # their parents sit among the predicted features so far (the root, then each drafter step's nodes in order)
+    node_cols: torch.Tensor  # (w,)
+    parent_cols: torch.Tensor  # (w,)
 
     def to(self, device) -> "LevelPlan":
         return LevelPlan(**{f.name: getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), torch.Tensor)
@@ -94,6 +99,8 @@ class PlacedTree:
     children: torch.Tensor  # (M, C)
     rank: torch.Tensor
     chain: bool  # CompiledTree.is_chain
+    node_order: torch.Tensor  # (N,) each node's column among the drafted tokens (padding: the one past them all)
+    row_order: torch.Tensor  # (M,) each children-table row's column among the levels' draft distributions
 
 
 @dataclass(frozen=True)
@@ -129,10 +136,16 @@ class StaticTree(Strategy):
         key = str(device)
         if key not in cache:
             t = self.tree
+            drafted = [0] + [int(i) for plan in self.levels for i in plan.kids]  # nodes in drafting order
+            column = {node: c for c, node in enumerate(drafted)}
+            node_order = torch.tensor([column.get(i, len(drafted)) for i in range(t.size)])
+            rows = [int(r) for plan in self.levels for r in plan.rows]  # table rows in drafting order
+            row_order = torch.tensor([rows.index(r) for r in range(t.children_table.shape[0])])
             cache[key] = PlacedTree(levels=[plan.to(device) for plan in self.levels],
                                     depth=t.node_depth.to(device)[None], ancestors=t.mask.to(device)[None],
                                     parents=t.parent_nodes.to(device)[None], children=t.children_table.to(device),
-                                    rank=t.rank.to(device)[None], chain=t.is_chain)
+                                    rank=t.rank.to(device)[None], chain=t.is_chain, node_order=node_order.to(device),
+                                    row_order=row_order.to(device))
         return cache[key]
 
     @cached_property
@@ -143,17 +156,24 @@ class StaticTree(Strategy):
         row_of = {int(p): i for i, p in enumerate(tree.parent_nodes)}
         table = tree.children_table
         plans = []
+        drafted, fed = [0], [0]  # nodes in the order drafting makes their tokens, and their predicted features
         for nodes in [(0,)] + list(tree.draft_levels):
             w = len(nodes)
             kids = table[[row_of[i] for i in nodes]].flatten()
             rel = torch.zeros(width, n + width, dtype=torch.bool)
             rel[:w, :n] = tree.mask[list(nodes)]
             rel[torch.arange(w, width), n + torch.arange(w, width)] = True
+            parents = tree.parent[list(nodes)].clamp_min(0)
             plans.append(LevelPlan(
                 nodes=torch.tensor(nodes), rows=torch.tensor([row_of[i] for i in nodes]),
-                parents=tree.parent[list(nodes)].clamp_min(0), kids=kids[kids >= 0],
+                parents=parents, kids=kids[kids >= 0],
                 kid_cols=torch.nonzero(kids >= 0).flatten(), depth=int(tree.node_depth[nodes[0]]),
-                offsets=torch.cat([torch.tensor(nodes), n + torch.arange(w, width)]), rel=rel))
+                offsets=torch.cat([torch.tensor(nodes), n + torch.arange(w, width)]), rel=rel,
+                node_cols=torch.tensor([drafted.index(i) for i in nodes]),
+                parent_cols=torch.tensor([fed.index(int(i)) for i in parents])))
+            drafted += [int(i) for i in kids[kids >= 0]]
+            if nodes != (0,):
+                fed += list(nodes)
         return plans
 
 

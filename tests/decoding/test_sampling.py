@@ -1,7 +1,8 @@
-"""Finding tokens in a support: the per-code table a wide support uses reads what the sorted search reads."""
+"""Finding tokens in a support: the per-code table a wide support uses, and the comparison a narrow one uses, read
+what the sorted search reads."""
 import torch
 
-from lantern.decoding.sampling import Support
+from lantern.decoding.sampling import Support, SupportLookup
 
 
 def test_a_wide_supports_table_finds_every_token_the_sorted_search_finds():
@@ -18,3 +19,22 @@ def test_a_wide_supports_table_finds_every_token_the_sorted_search_finds():
     assert torch.equal(found_t, found_s) and torch.equal(at_t, at_s) and at_t.dtype == torch.long
     assert torch.equal(table.prob(tokens), search.prob(tokens))
     assert torch.equal(ids.gather(-1, at_t)[found_t], tokens[found_t])
+
+
+def test_a_narrow_supports_comparison_finds_every_token_the_sorted_search_finds(monkeypatch):
+    """Top-5 supports (narrow: compared, nothing sorted) queried at tokens on and off the support, one and many
+    per row: the same index, found flag and probability as the sorted search (forced by a narrow limit of 0)."""
+    torch.manual_seed(1)
+    ids = torch.rand(3, 5, 64).argsort(-1)[..., :5]
+    probs = torch.softmax(torch.randn(3, 5, 5), -1).sort(-1, descending=True).values
+    support = Support(probs, ids)
+    compared = support.lookup(64)
+    monkeypatch.setattr(SupportLookup, "NARROW", 0)
+    search = support.lookup(64 * 64)  # a vocabulary too large for the table: the sorted search
+    assert compared.narrow and search.sorted_ids is not None  # the two ways really ran
+    tokens = torch.randint(0, 64, (3, 5, 70))
+    assert 0 < int(compared.position(tokens)[1].sum()) < tokens.numel()  # tokens on and off the support
+    for tokens in (tokens, ids.flip(-1), tokens[..., :1]):
+        (at_c, found_c), (at_s, found_s) = compared.position(tokens), search.position(tokens)
+        assert torch.equal(found_c, found_s) and torch.equal(at_c, at_s) and at_c.dtype == torch.long
+        assert torch.equal(compared.prob(tokens), search.prob(tokens))

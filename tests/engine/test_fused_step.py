@@ -12,6 +12,7 @@ tested against FAKES (labelled so below): no GPU or Gaudi here.
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import pytest
 import torch
@@ -144,6 +145,29 @@ def test_each_fused_step_moves_only_its_report_to_the_host(small):
     report = 4 + engine.proposer.depth + 2 * engine.width  # counters, then each slot's completion and root
     assert all(calls == 1 + (finished > 0) for calls, _, finished in per_step)
     assert all(elements == report for _, elements, finished in per_step if not finished)
+
+
+def step_graph_ops(models, dcfg) -> Counter:
+    """The torch functions and tensor methods the fused step's one graph calls, by name, as dynamo traced it."""
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    run_stream(Engine(Pipeline(*models, backend="cpu-graph", compiler=keep, fused_step=True), dcfg, 2))
+    assert len(graphs) == 2  # the prefill's, then the step's
+    return Counter(getattr(node.target, "__name__", str(node.target)) for node in graphs[1].graph.nodes
+                   if node.op in ("call_function", "call_method"))
+
+
+def test_the_jacobi_step_launches_no_sort_scan_or_per_record_store(small):
+    """What a GPU step costs beyond its forward is mostly its launches (tools/bench_step_kernels.py). MC-SJD's step
+    at a narrow support (top-k 5) finds tokens in it by comparison (no sort, no search), the accepted prefix by a
+    reduction (no scan), puts all of the window's prior in a pointwise select, and writes a step's records with one
+    indexed store."""
+    ops = step_graph_ops(small[0], method_preset("mc-sjd", SamplingConfig(cfg_scale=2.0, top_k=5), window=4))
+    assert not {"sort", "argsort", "searchsorted", "cumprod", "cumsum"} & set(ops), ops
+    assert ops["setitem"] == 1, ops
 
 
 def test_a_fused_step_is_the_default_off_and_text_to_image_says_why_not(small):

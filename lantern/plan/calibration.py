@@ -165,19 +165,24 @@ def save_calibration(data: dict) -> Path:
     return path
 
 
-def budget_s() -> float:
-    """Seconds a width's timing may take: $LANTERN_CALIBRATION_BUDGET, else BUDGET_S."""
-    text = os.environ.get(BUDGET_ENV)
+def env_number(name: str, default: float, ok: Callable[[float], bool], allowed: str) -> float:
+    """$name as a number, else `default`; a value `ok` refuses (or no number) is refused naming it and `allowed`."""
+    text = os.environ.get(name)
     if not text:
-        return BUDGET_S
+        return default
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{BUDGET_ENV}={text!r} is not allowed; allowed: a finite number of seconds > 0 "
-                         f"(default {BUDGET_S:g})")
+    if not ok(value):
+        raise ValueError(f"{name}={text!r} is not allowed; allowed: {allowed}")
     return value
+
+
+def budget_s() -> float:
+    """Seconds a width's timing may take: $LANTERN_CALIBRATION_BUDGET, else BUDGET_S."""
+    return env_number(BUDGET_ENV, BUDGET_S, lambda v: math.isfinite(v) and v > 0,
+                      f"a finite number of seconds > 0 (default {BUDGET_S:g})")
 
 
 def disturbance(entry: dict) -> str:

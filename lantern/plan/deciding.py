@@ -11,7 +11,6 @@ once; `lantern profile calibrate` measures everything now (an unlimited credit).
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 from lantern.plan import calibration
@@ -24,18 +23,9 @@ CREDIT = "deciding_credit_s"  # the calibration file's field: the seconds banked
 
 def share() -> float:
     """$LANTERN_DECIDING_SHARE, else SHARE; a bad value is refused naming it and what is allowed."""
-    text = os.environ.get(SHARE_ENV)
-    if not text:
-        return SHARE
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if math.isnan(value) or value < 0:
-        raise ValueError(f"{SHARE_ENV}={text!r} is not allowed; allowed: a number >= 0 or inf (the share of a "
-                         f"request's predicted AR seconds auto may spend measuring before it generates; default "
-                         f"{SHARE:g})")
-    return value
+    return calibration.env_number(SHARE_ENV, SHARE, lambda v: v >= 0,  # (nan >= 0 is False)
+                                  f"a number >= 0 or inf (the share of a request's predicted AR seconds auto may "
+                                  f"spend measuring before it generates; default {SHARE:g})")
 
 
 class Credit:

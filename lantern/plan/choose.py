@@ -365,12 +365,13 @@ def machine_costs(pipe, plans: list[Plan], sampling: SamplingConfig, key: str, w
     path = calibration.calibration_path(key_c)
     cached = calibration.load_calibration(key_c)["widths"].get(str(width))
     untimed = [p for p in plans if not cached or p.name not in cached["plans"]]
-    if untimed and (cached or ar_costs) and not credit.covers(probe_cost_s(cached or ar_costs, len(untimed))):
+    known = cached or ar_costs  # AR's costs at least, to expect what a probe takes
+    probe_s = probe_cost_s(known, len(untimed)) if untimed and known else 0.0
+    if untimed and known and not credit.covers(probe_s):
         kind = "first-run probe " if cached and cached.get("provisional") else ""
         source = (f"{kind}calibration cached in {path}" if cached else "AR's quick estimate, not calibrated yet")
-        return cached or ar_costs, (f"{source}; {len(untimed)} plan(s) wait to be timed until requests have "
-                                    f"banked the {probe_cost_s(cached or ar_costs, len(untimed)):.1f} s it takes "
-                                    f"(`lantern profile calibrate` times them now)"), 0.0, 0.0
+        return known, (f"{source}; {len(untimed)} plan(s) wait to be timed until requests have banked the "
+                       f"{probe_s:.1f} s it takes (`lantern profile calibrate` times them now)"), 0.0, 0.0
     before: list[float] = []  # (seconds, prepare_s) of the entry before measuring; empty when nothing was
 
     def refines(entry: dict) -> bool:  # a provisional entry the credit pays timing in full

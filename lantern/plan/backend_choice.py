@@ -237,7 +237,8 @@ def _other_mode(pipe, mode: str, key: dict, ledger: dict, cross: list[Plan], sam
             entry["provisional"] = True
         return entry
     entry, _, disturbed = calibration.cached_or_measured(key, width, [p.name for p in cross], measure,
-                                                         stale=refines)
+                                                         stale=refines,
+                                                         tries=calibration.AHEAD_TRIES if calibrate_all else 1)
     if not before:  # another process calibrated it while this one waited
         return entry, "", 0.0
     spent = entry["seconds"] + entry["prepare_s"] - before[0]

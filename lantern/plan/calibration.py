@@ -58,6 +58,7 @@ FIRST_STEPS = 6  # loop steps per timed run in round 1 (every plan)
 TIMED_STEPS = 12  # loop steps per timed run in the later rounds (the contenders)
 ROUNDS = 3  # timed runs of each contending plan at least (1 for the others) ...
 MAX_ROUNDS = 16  # ... and more while the next run fits in BUDGET_S
+AHEAD_TRIES = 3  # measurements of a disturbed calibration made ahead of time (`lantern profile calibrate`)
 BUDGET_S = 30.0  # a width's timing (preparing runners apart) starts no run it expects to end past this
 CONTENDER = 1.5  # a plan contends when its estimated seconds per chunk are within this factor of the best
 CLOSE = 1.15  # rounds past ROUNDS time only the plans this close to the best: the choice hinges on them
@@ -209,12 +210,14 @@ def disturbance(entry: dict) -> str:
 
 
 def cached_or_measured(key: dict, width: int, names: Sequence[str], measure: Callable[[dict | None], dict],
-                       stale: Callable[[dict], bool] = lambda entry: False) -> tuple[dict, str, str]:
+                       stale: Callable[[dict], bool] = lambda entry: False, tries: int = 1) -> tuple[dict, str, str]:
     """The calibration entry at `width` holding every plan in `names`: the cached one if it does and is not
     `stale` (stale(entry): measure it again all the same, e.g. a first-run probe the request pays refining);
     else, holding the calibration's lock, the cached one read again (another process may have measured it while
     this one waited) and measure(entry or None) -> entry for what it still lacks (or, stale, anew), stored
-    unless disturbed. Returns (entry, where it is cached, '' or why it was not stored)."""
+    unless disturbed; measured anew up to `tries` times while disturbed (AHEAD_TRIES where measuring is what
+    was asked for: `lantern profile calibrate`). Returns (entry, where it is cached, '' or why it was not
+    stored)."""
     path = calibration_path(key)
 
     def lacking(entry) -> bool:
@@ -228,8 +231,15 @@ def cached_or_measured(key: dict, width: int, names: Sequence[str], measure: Cal
         entry = data["widths"].get(str(width))
         if not lacking(entry):
             return entry, str(path), ""
-        entry = measure(entry)
-        why = disturbance(entry)
+        cached = entry
+        for attempt in range(1, tries + 1):
+            entry = measure(cached)
+            why = disturbance(entry)
+            if not why:
+                break
+            if attempt < tries:
+                print(f"lantern: calibration disturbed ({why}: another process loaded the machine?); measuring "
+                      f"it again (try {attempt + 1} of {tries})", file=sys.stderr)
         if why:
             print(f"lantern: calibration disturbed ({why}: another process loaded the machine?); not cached, "
                   f"measured again next run; this run keeps AR", file=sys.stderr)

@@ -399,8 +399,9 @@ def machine_costs(pipe, plans: list[Plan], sampling: SamplingConfig, key: str, w
 
     def measured() -> tuple[dict, str, str]:
         before.clear()
+        tries = calibration.AHEAD_TRIES if credit.unlimited else 1
         entry, where, disturbed = calibration.cached_or_measured(key_c, width, [p.name for p in plans], measure,
-                                                                 stale=refines)
+                                                                 stale=refines, tries=tries)
         if before:
             timing, preparing = entry["seconds"] - before[0], entry["prepare_s"] - before[1]
             spent[0] += timing

@@ -32,6 +32,7 @@ class Credit:
     """The seconds a request may spend measuring: what earlier requests banked plus its own share."""
 
     def __init__(self, key: Optional[dict], request_ar_s: float = 0.0, unlimited: bool = False):
+        self.unlimited = unlimited  # measuring is what was asked for (`lantern profile calibrate`)
         self.key = None if unlimited else key
         banked = calibration.load_calibration(key).get(CREDIT, 0.0) if self.key is not None else 0.0
         self.banked = float(banked) if is_number(banked) else 0.0

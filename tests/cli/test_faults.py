@@ -226,6 +226,28 @@ def test_a_disturbed_calibration_is_named_and_not_stored(tmp_path, monkeypatch, 
     assert not why and calibration.load_calibration(key)["widths"]["1"] == calm
 
 
+def test_a_calibration_made_ahead_of_time_is_measured_again_while_disturbed(tmp_path, monkeypatch, capsys):
+    """`lantern profile calibrate` (tries > 1): a disturbed measurement is taken again from the same cached entry,
+    and the first calm one is stored; a request (one try) keeps AR instead, as above."""
+    monkeypatch.setenv(user_cache.CACHE_ENV, str(tmp_path))
+    calm = {"fixed_s": 0.01, "fixed_runs_s": [0.01, 0.011, 0.01], "ar_reference_s": [0.002, 0.0021, 0.0019],
+            "plans": {"ar": {"step_s": 0.002, "ratio_to_ar": [1.0, 1.02, 0.98]}}}
+    slowed = {**calm, "ar_reference_s": [0.002, 0.2, 0.21]}
+    given, results = [], [slowed, calm]
+
+    def measure(entry):
+        given.append(entry)
+        return dict(results[len(given) - 1])
+    key = calibration.calibration_key("cpu", "fp32", "model")
+    entry, _, why = calibration.cached_or_measured(key, 1, ["ar"], measure, tries=calibration.AHEAD_TRIES)
+    assert not why and given == [None, None] and calibration.load_calibration(key)["widths"]["1"] == calm
+    assert f"measuring it again (try 2 of {calibration.AHEAD_TRIES})" in capsys.readouterr().err
+    key = calibration.calibration_key("cpu", "fp32", "another model")
+    entry, _, why = calibration.cached_or_measured(key, 1, ["ar"], lambda entry: dict(slowed), tries=2)
+    assert why and not calibration.calibration_path(key).exists()
+    assert "try 2 of 2" in capsys.readouterr().err
+
+
 # -- refusals before any work -----------------------------------------------------------------------------------
 def test_late_refusals_now_come_first_and_name_their_cause(tmp_path, capsys, bundle_dir):
     model = ["--model", str(bundle_dir), "--method", "ar"]

@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from lantern.backends.base import Backend, StaticSpec, dummy_step_inputs, parse_dtype
+from lantern.backends.torch_graph import CUDAGraphReplay
 from lantern.decoding.config import DecodeConfig
 from lantern.decoding.trees import Paths, compile_tree
 
@@ -57,6 +58,18 @@ def verify_latency(backend: Backend, target, spec: StaticSpec, warmup: int, repe
     n = spec.verify_widths[0]
     inputs = dummy_step_inputs(spec, n, runner.device)
     return _time_calls(runner, "verify", lambda: runner.verify(*inputs), warmup, repeats)
+
+
+def replayed_verify_latency(backend: Backend, target, spec: StaticSpec, warmup: int, repeats: int,
+                            cuda=torch.cuda) -> dict:
+    """verify_latency with the forward recorded once as a CUDA graph and replayed (CUDAGraphReplay), as a fused
+    step runs it: launches nearly free, so what a wider verify really costs the device. cuda: torch.cuda (a test
+    passes a labelled fake)."""
+    runner = backend.prepare(target, None, spec)
+    runner.warmup()
+    inputs = dummy_step_inputs(spec, spec.verify_widths[0], runner.device)
+    replay = CUDAGraphReplay(lambda: runner.verify(*inputs).logits, cuda)
+    return _time_calls(runner, "verify", replay, CUDAGraphReplay.WARM_CALLS + 1 + warmup, repeats)
 
 
 def draft_latency(backend: Backend, target, drafter, spec: StaticSpec, warmup: int, repeats: int) -> dict:

@@ -57,6 +57,7 @@ def test_quick_runs_every_section_on_labelled_stand_ins(tmp_path):
     assert {r["mode"] for r in rows if r["method"] == "ar"} == {"eager", "graph", "fused"}
     assert any(r["mode"] == "auto" for r in rows)
     assert all(r.get("fastest_ar") and r["tokens_per_forward"] >= 1 for r in rows)
+    assert {r["ratio_timed"] for r in rows if "ratio_timed" in r} == {"eager"}  # no CUDA graph to replay here
     assert sections["serve"]["service"]["images"] > 0 and sections["serve"]["service_over_processes"] > 0
     for suffix in (".json", ".md", ".png"):  # written, and copied under $OUT for the device tool
         assert (tmp_path / f"gpu-quick{suffix}").exists() and (device_out / f"gpu-quick{suffix}").exists()
@@ -170,3 +171,24 @@ def test_resume_keeps_finished_sections_of_the_same_commit_and_whole_timing_grou
     check.record["sections"]["env"]["commit"] = "def"
     assert gpu_check.earlier_section(check, "parity") is None
     assert len(gpu_check.earlier_group(check, "GPT-B", 1, "bundle")) == len(planned)
+
+
+def test_graph_and_fused_rows_read_the_replayed_verify_cost_ratio():
+    """A fused or cuda-graph row's forward is a replayed CUDA graph, so its ceiling uses the ratio timed that way;
+    an eager row keeps eager's; without a replayed ratio (--quick) every row reads eager's and says so."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import gpu_check
+    ratios = {"eager": {17: 0.9}, "replayed": {17: 2.0}}
+    rows = {mode: {"mode": mode, "verify_width": 17, "tokens_per_forward": 3.0, "wall_s": 1.0, "step_ms": 3.0}
+            for mode in ("eager", "graph", "fused")}
+    for row in rows.values():
+        gpu_check.finish_row(row, "fused", 1.5, ratios, ar_step_ms=1.0)
+    assert rows["fused"]["ceiling"] == pytest.approx(1.5) and rows["fused"]["ratio_timed"] == "replayed"
+    assert rows["graph"]["beyond_forward_ms"] == pytest.approx(1.0)
+    assert rows["eager"]["ceiling"] == pytest.approx(3.0 / 0.9) and rows["eager"]["ratio_timed"] == "eager"
+    assert "ratio 2.00 (eager 0.90)" in gpu_check.summary_lines(
+        {"sections": {"timing": {"rows": [{**rows["fused"], "shape": "GPT-B", "sampling": "bundle", "images": 1,
+                                           "method": "mc-sjd", "peak_memory_gib": 1.0}]}}, "skipped": []})[0]
+    quick = {"mode": "fused", "verify_width": 17, "tokens_per_forward": 3.0, "wall_s": 1.0, "step_ms": 3.0}
+    gpu_check.finish_row(quick, "fused", 1.5, {"eager": {17: 0.9}}, ar_step_ms=1.0)
+    assert quick["ratio_timed"] == "eager" and quick["ceiling"] == pytest.approx(3.0 / 0.9)

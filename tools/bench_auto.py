@@ -29,15 +29,20 @@ machine.
 
 --calibrate-machine times the default (auto, no backend pinned) after the one-time `lantern profile calibrate`
 (every mode's compiles and exports paid and cached first), as a deployment runs it; without it, the default runs
-with lantern's cache folder as found.
+with lantern's cache folder as found. The default is planned as `lantern serve` plans it: its one-time costs
+(compiles) weighed over `--plan-images` images (the service's default, 4096), as the decode walls this tool
+compares leave them out; what one `lantern generate` process pays, compiles included, is
+tools/bench_first_run.py's. Each sampling setting gets a cache folder of its own (under $LANTERN_CACHE_DIR where
+set), as a machine calibrated at the sampling it serves: a calibration's step costs are not keyed by the sampling.
 
---quick checks that the tool runs (cpu fp32, one image, one seed, eager baseline, 3 tokens per image, a temporary
-cache and output); its numbers mean nothing.
+--quick checks that the tool runs (cpu fp32, one image, one seed, eager baseline, 3 tokens per image, the default
+planned for one image, a temporary cache and output); its numbers mean nothing.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import random
 import statistics
 import time
@@ -52,6 +57,8 @@ from lantern.decoding.config import METHODS, method_preset
 from lantern.backends import resolve_name
 from lantern.plan.backend_choice import choose_backend
 from lantern.plan.choose import choose
+from lantern.files.user_cache import CACHE_ENV, cache_root
+from lantern.serve.config import ServeConfig
 from fastest_ar import ARBaseline, provenance, runnable_modes
 from results_io import utc_now, write_results
 from samplings import NAMES as SAMPLING_NAMES, sampling_settings
@@ -64,7 +71,8 @@ SCREEN = 1.5  # after the first seed, only methods within this factor of the fas
 
 def setting(bundle, backend: str, dtype: str, n: int, seeds: list[int], repeats: int,
             baseline_modes: list[str] | None = None, tokens: int | None = None,
-            calibrate_machine: bool = False, sampling_name: str = "bundle") -> dict:
+            calibrate_machine: bool = False, sampling_name: str = "bundle",
+            plan_images: int = ServeConfig.plan_images) -> dict:
     pipe = Pipeline.from_bundle(bundle, backend=backend, dtype=dtype)  # the bundle's relaxations and records
     sampling = sampling_settings(bundle.default_sampling, [sampling_name])[sampling_name]
     classes = list(range(n))
@@ -93,7 +101,8 @@ def setting(bundle, backend: str, dtype: str, n: int, seeds: list[int], repeats:
             t1 = time.perf_counter()
             choose_backend(pipe.sibling, n, sampling, calibrate_all=True, **common)
             machine_s = time.perf_counter() - t1
-        anywhere = choose_backend(pipe.sibling, n, sampling, **common)
+        served = {**common, "classes": [classes[i % n] for i in range(plan_images)]}  # these images, over and over
+        anywhere = choose_backend(pipe.sibling, plan_images, sampling, batch=n, **served)  # as a service plans
         anywhere.pipeline.generate(classes, anywhere.decode, batch=anywhere.width, tokens=2)
     any_walls: dict[int, list[float]] = {}
 
@@ -134,7 +143,8 @@ def setting(bundle, backend: str, dtype: str, n: int, seeds: list[int], repeats:
         any_median = statistics.median(statistics.median(w) for w in any_walls.values())
         out["auto_any_mode"] = {"choice": anywhere.to_dict(), "walls": any_walls, "median_s": any_median,
                                 "speedup_vs_fastest_ar": by_mode[fastest] / any_median,
-                                "machine_calibrated": calibrate_machine, "machine_calibration_s": machine_s}
+                                "machine_calibrated": calibrate_machine, "machine_calibration_s": machine_s,
+                                "plan_images": plan_images}
     out["auto_vs_fastest"] = versus_fastest(out, configs, {"auto": allowed, "auto --allow-relaxed": list(METHODS)})
     return out
 
@@ -174,21 +184,24 @@ def main() -> None:
                     help="before timing auto with no backend pinned, calibrate every mode as `lantern profile "
                          "calibrate --images B` does once per machine (compiles and exports included), so the "
                          "default is timed as it runs after that one-time setup, not with the cache as found")
+    ap.add_argument("--plan-images", type=int, default=ServeConfig.plan_images,
+                    help="the images the default's one-time costs are weighed over, as `lantern serve "
+                         "--plan-images` (default %(default)s)")
     ap.add_argument("--quick", action="store_true", help="a check that the tool runs; its numbers mean nothing")
     ap.add_argument("--out", help="output stem (default results/auto-cpu; --quick: a temporary folder)")
     args = ap.parse_args()
     args.tokens = None
     if args.quick:
-        import os
         import tempfile
         tmp = Path(tempfile.mkdtemp(prefix="lantern-auto-quick-"))
         os.environ["LANTERN_CACHE_DIR"] = str(tmp / "cache")
         args.backends, args.images, args.seeds, args.repeats = ["cpu:fp32"], [1], [0], 1
         args.baseline_modes, args.tokens, args.out = ["eager"], 3, args.out or str(tmp / "auto")
+        args.plan_images = 1  # a service's planning calibrates every mode in full: minutes
     args.out = args.out or str(ROOT / "results" / "auto-cpu")
-    for name in ("repeats", "threads"):
+    for name in ("repeats", "threads", "plan_images"):
         if getattr(args, name) < 1:
-            ap.error(f"--{name} {getattr(args, name)} must be >= 1")
+            ap.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
     if min(args.images) < 1:
         ap.error(f"--images {min(args.images)} must be >= 1")
     for spec in args.backends:
@@ -197,13 +210,16 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     bundle = load_bundle()
     rows = []
+    cache = cache_root()
     for spec in tqdm(args.backends, desc="backends"):
         backend, dtype = spec.split(":")
         for name in args.sampling:
+            os.environ[CACHE_ENV] = str(cache / f"bench-auto-{name}")  # a machine calibrated at this sampling
             for n in args.images:
                 rows.append(setting(bundle, backend, dtype, n, args.seeds, args.repeats, args.baseline_modes,
-                                    args.tokens, args.calibrate_machine, name))
+                                    args.tokens, args.calibrate_machine, name, args.plan_images))
                 write_results(args.out, record(args, rows), markdown, plot)
+    os.environ[CACHE_ENV] = str(cache)
 
 
 def record(args, rows: list[dict]) -> dict:
@@ -249,6 +265,7 @@ def markdown(rec: dict) -> str:
         a = r.get("auto_any_mode")
         setup = (f" (after `lantern profile calibrate`: {a['machine_calibration_s']:.0f} s once)"
                  if a and a.get("machine_calibrated") else " (cache as found)" if a else "")
+        setup += f", weighed over {a['plan_images']} images" if a and "plan_images" in a else ""
         versus += (f" | {a['choice']['plan']} on {a['choice']['backend']} ({a['choice']['mode']}){setup} | "
                    f"{a['speedup_vs_fastest_ar']:.2f}x ({a['choice']['speedup_over_fastest_ar']:.2f}x)" if a
                    else " | - | -")

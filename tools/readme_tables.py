@@ -75,7 +75,11 @@ def auto_table(record: dict, source: str) -> list[str]:
 def default_table(record: dict, source: str) -> list[str]:
     """What the default command runs (auto with no backend pinned) against the fastest AR over every mode."""
     prov = record["provenance"]
-    out = [f"The default (`lantern generate`: `--method auto`, no backend pinned), measured by `{prov['command']}` "
+    weighed = {r["auto_any_mode"].get("plan_images") for r in record["rows"] if r.get("auto_any_mode")} - {None}
+    service = (f" as `lantern serve` plans it (its one-time compiles weighed over {', '.join(map(str, weighed))} "
+               f"images; one `lantern generate` process, compiles included: "
+               f"[first-run-cpu.md](results/first-run-cpu.md))" if weighed else "")
+    out = [f"The default (`--method auto`, no backend pinned){service}, measured by `{prov['command']}` "
            f"([{Path(source).name}]({source}); {prov['machine']}, {record['threads']} threads, embedded model); "
            f"median over seeds {record['seeds']}:", "",
            "| sampling | images | the default ran | its wall (s) | fastest AR (s, mode) | speed-up over the fastest AR |",

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lantern.backends.environment import cpu_model
+from lantern.backends.environment import cpu_description
 from results_io import utc_now, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,7 +88,7 @@ def main() -> None:
                 for s in SLOTS:
                     rows.append({"dtype": dtype, "step": step, "rows": b, "tokens": t, "slots": s,
                                  **measure(b, t, s, DTYPES[dtype])})
-    record = {"date": utc_now(), "cpu": cpu_model(), "threads": args.threads, "torch": torch.__version__,
+    record = {"date": utc_now(), "cpu": cpu_description(), "threads": args.threads, "torch": torch.__version__,
               "heads": HEADS, "head_dim": HEAD_DIM, "rows": rows}
     write_results(args.out, record, markdown)
 

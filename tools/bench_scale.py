@@ -29,6 +29,7 @@ import torch
 from tqdm import tqdm
 
 from fastest_ar import MODES, mode_pipeline, prepare as prepare_runner, provenance, runnable_modes
+from lantern.backends.environment import cpu_model
 from lantern.bundle import load_bundle
 from lantern.decoding import METHODS, method_preset
 from lantern.models.inflate import INFLATE_SHAPES, inflate_models
@@ -137,7 +138,7 @@ def main() -> None:
         import tempfile
         out = Path(tempfile.mkdtemp(prefix="lantern-scale-quick-")) / "scale"
     else:
-        out = ROOT / "results" / f"scale-{cpu_slug(prov['cpu'])}"
+        out = ROOT / "results" / f"scale-{cpu_slug(cpu_model())}"  # the model name: features change no file name
     bundle = load_bundle()
     rec = {"date": utc_now(), **prov, "threads": torch.get_num_threads(), "torch": torch.__version__,
            "seeds": args.seeds, "tokens": args.tokens, "quick": args.quick, "modes_left_out": {}, "shapes": {},

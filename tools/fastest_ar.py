@@ -74,6 +74,6 @@ class ARBaseline:
 def provenance() -> dict:
     """What a results file's tables name: the CPU, the commit and the command (write_results also stores the full
     record, lantern.backends.environment.provenance, under "provenance")."""
-    from lantern.backends.environment import cpu_model, provenance as full
+    from lantern.backends.environment import cpu_description, provenance as full
     made = full()
-    return {"cpu": cpu_model(), "commit": made["commit"] or "unknown", "command": made["command"]}
+    return {"cpu": cpu_description(), "commit": made["commit"] or "unknown", "command": made["command"]}

@@ -35,6 +35,34 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+MATRIX_EXTENSIONS = {"amx_bf16": "AMX-BF16", "avx512_bf16": "AVX512-BF16", "avx512f": "AVX-512", "avx2": "AVX2"}
+
+
+def cpu_features(cpuinfo: Optional[str] = None) -> Optional[str]:
+    """What tells apart CPUs that share a model name (a VM's "Intel(R) Xeon(R) Processor" spans generations whose
+    bf16 and fp32 speeds differ several-fold): family, model and the matrix extensions its kernels may use, e.g.
+    "family 6 model 207; AMX-BF16 AVX512-BF16 AVX-512 AVX2". None where /proc/cpuinfo is not there."""
+    if cpuinfo is None:
+        with contextlib.suppress(OSError):
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+    if not cpuinfo:
+        return None
+    first = {}
+    for line in cpuinfo.split("\n\n")[0].splitlines():
+        key, _, value = line.partition(":")
+        first[key.strip()] = value.strip()
+    flags = set(first.get("flags", "").split())
+    extensions = " ".join(name for flag, name in MATRIX_EXTENSIONS.items() if flag in flags)
+    where = f"family {first.get('cpu family', '?')} model {first.get('model', '?')}"
+    return f"{where}; {extensions}" if extensions else where
+
+
+def cpu_description() -> str:
+    """The CPU as results files name it: its model name, and its features where known."""
+    features = cpu_features()
+    return f"{cpu_model()} ({features})" if features else cpu_model()
+
+
 def _run(cmd: list[str], cwd: Optional[Path] = None) -> Optional[str]:
     try:
         out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=10)
@@ -68,6 +96,7 @@ def collect() -> dict:
         "hostname": socket.gethostname(),
         "platform": platform.platform(),
         "cpu_model": cpu_model(),
+        "cpu_features": cpu_features(),
         "logical_cores": os.cpu_count(),
         "physical_cores": psutil.cpu_count(logical=False),
         "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
@@ -91,7 +120,7 @@ def provenance(command: Optional[list[str]] = None) -> dict:
     command that wrote it (default: this process's command line). A field that cannot be known is None and named
     in "missing"."""
     acc = accelerator()["name"]
-    record = {"machine": f"{cpu_model()}, {os.cpu_count()} logical cores" + (f", {acc}" if acc else ""),
+    record = {"machine": f"{cpu_description()}, {os.cpu_count()} logical cores" + (f", {acc}" if acc else ""),
               "commit": git_revision(), "command": shlex.join(command if command is not None else sys.argv)}
     record["missing"] = [k for k in PROVENANCE_FIELDS if record[k] is None]
     return record

@@ -32,8 +32,7 @@ machine.
 with lantern's cache folder as found. The default is planned as `lantern serve` plans it: its one-time costs
 (compiles) weighed over `--plan-images` images (the service's default, 4096), as the decode walls this tool
 compares leave them out; what one `lantern generate` process pays, compiles included, is
-tools/bench_first_run.py's. Each sampling setting gets a cache folder of its own (under $LANTERN_CACHE_DIR where
-set), as a machine calibrated at the sampling it serves: a calibration's step costs are not keyed by the sampling.
+tools/bench_first_run.py's.
 
 --quick checks that the tool runs (cpu fp32, one image, one seed, eager baseline, 3 tokens per image, the default
 planned for one image, a temporary cache and output); its numbers mean nothing.
@@ -42,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import random
 import statistics
 import time
@@ -57,7 +55,6 @@ from lantern.decoding.config import METHODS, method_preset
 from lantern.backends import resolve_name
 from lantern.plan.backend_choice import choose_backend
 from lantern.plan.choose import choose
-from lantern.files.user_cache import CACHE_ENV, cache_root
 from lantern.serve.config import ServeConfig
 from fastest_ar import ARBaseline, provenance, runnable_modes
 from results_io import utc_now, write_results
@@ -192,6 +189,7 @@ def main() -> None:
     args = ap.parse_args()
     args.tokens = None
     if args.quick:
+        import os
         import tempfile
         tmp = Path(tempfile.mkdtemp(prefix="lantern-auto-quick-"))
         os.environ["LANTERN_CACHE_DIR"] = str(tmp / "cache")
@@ -210,16 +208,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     bundle = load_bundle()
     rows = []
-    cache = cache_root()
     for spec in tqdm(args.backends, desc="backends"):
         backend, dtype = spec.split(":")
         for name in args.sampling:
-            os.environ[CACHE_ENV] = str(cache / f"bench-auto-{name}")  # a machine calibrated at this sampling
             for n in args.images:
                 rows.append(setting(bundle, backend, dtype, n, args.seeds, args.repeats, args.baseline_modes,
                                     args.tokens, args.calibrate_machine, name, args.plan_images))
                 write_results(args.out, record(args, rows), markdown, plot)
-    os.environ[CACHE_ENV] = str(cache)
 
 
 def record(args, rows: list[dict]) -> dict:

@@ -278,7 +278,7 @@ def choose_backend(make_pipe: Callable[..., object], n_images: int, sampling: Sa
                                     base_pipe.config.vocab_size)
     by_name = {p.name: p for p in candidate_plans(base_pipe.drafter is not None, base_pipe.proximity is not None,
                                                   allowed)}
-    ledgers = {names[0]: record_prepared(base_pipe, calibration.calibration_key(names[0], base_pipe.dtype, key),
+    ledgers = {names[0]: record_prepared(base_pipe, calibration.pipe_key(base_pipe, sampling),
                                          width, list(by_name.values()), sampling)}
     request_s = min(r["predicted_seconds"] for r in _weighable(base))
     wanted = list(classes) if classes is not None else [None] * n_images
@@ -296,7 +296,7 @@ def choose_backend(make_pipe: Callable[..., object], n_images: int, sampling: Sa
             continue
         pipe = make_pipe(backend, dtype, **backend_options)
         pipe.__dict__["model_key"] = key  # the same models: hashed once
-        key_c = calibration.calibration_key(name, pipe.dtype, key)  # the fused mode's calibration is its own
+        key_c = calibration.pipe_key(pipe, sampling)  # the fused mode's calibration is its own
         ledgers[name] = load_ledger(key_c)
         entry, status, seconds = _other_mode(pipe, mode_of(name), key_c, ledgers[name], cross, sampling, width,
                                              request_s, calibrate_all, progress,
@@ -347,5 +347,5 @@ def choose_backend(make_pipe: Callable[..., object], n_images: int, sampling: Sa
     pipes[name].release(keep=chosen.decode, batch=width)
     # prepared here (a fused step compiled too), so the ledger learns what this preparation cost
     calibration.compile_fused_step(pipes[name], chosen.decode, width)
-    record_prepared(pipes[name], calibration.calibration_key(name, pipes[name].dtype, key), width, [plan], sampling)
+    record_prepared(pipes[name], calibration.pipe_key(pipes[name], sampling), width, [plan], sampling)
     return chosen

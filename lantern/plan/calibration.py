@@ -17,11 +17,12 @@ as attention's cost grows with the slots it reads. Per width w:
                        `unconfirmed`, timed fewer than CONFIRMED times: shown, never chosen
     seconds            the timing; prepare_s: preparing runners and exporting graphs, which later runs reuse
 
-Cached per (machine, backend, dtype, threads, model) in the user cache (calibration/<key>.json), measured once
-per missing (plan, width) and refreshed by `lantern profile run`. One process measures a calibration at a time
-(the others wait for it, then read it: `cached_or_measured`). A calibration whose repeated runs of the same thing
-disagree beyond what its pairing can absorb (`disturbance`: another process loaded the machine while it timed)
-is not stored, and the run that measured it keeps AR. LANTERN_CALIBRATION_BUDGET sets BUDGET_S.
+Cached per (machine, backend, dtype, threads, model, sampling cost: `sampling_costs`) in the user cache
+(calibration/<key>.json), measured once per missing (plan, width) and refreshed by `lantern profile run`. One
+process measures a calibration at a time (the others wait for it, then read it: `cached_or_measured`). A calibration
+whose repeated runs of the same thing disagree beyond what its pairing can absorb (`disturbance`: another process
+loaded the machine while it timed) is not stored, and the run that measured it keeps AR. LANTERN_CALIBRATION_BUDGET
+sets BUDGET_S.
 """
 from __future__ import annotations
 
@@ -122,9 +123,24 @@ def costs_name(pipe) -> str:
 STEP_CODE = 4
 
 
-def calibration_key(backend: str, dtype: str, model: str) -> dict:
+def sampling_costs(sampling: SamplingConfig, vocab: int) -> dict:
+    """What of a sampling setting moves a step's cost: the support a token is drawn from (top-k 5 against the
+    whole vocabulary is a different sampling and acceptance step), whether top-p sorts it, and the rows per
+    image (CFG doubles every forward). Temperature and the CFG scale's value cost nothing."""
+    return {"support": sampling.support_size(vocab), "top_p": sampling.top_p < 1.0,
+            "rows_per_image": sampling.rows_per_image}
+
+
+def calibration_key(backend: str, dtype: str, model: str, sampling: SamplingConfig, vocab: int) -> dict:
+    """One calibration per machine, backend (mode), dtype, threads, model, step code and sampling cost class: a
+    machine calibrated at the bundle's top-k 5 knows nothing of a step at the whole vocabulary."""
     return {"machine": machine_id(), "backend": backend, "dtype": dtype, "threads": torch.get_num_threads(),
-            "model": model, "step_code": STEP_CODE}
+            "model": model, "step_code": STEP_CODE, "sampling": sampling_costs(sampling, vocab)}
+
+
+def pipe_key(pipe, sampling: SamplingConfig) -> dict:
+    """The calibration key of this pipeline's step costs at `sampling`."""
+    return calibration_key(costs_name(pipe), pipe.dtype, pipe.model_key, sampling, pipe.config.vocab_size)
 
 
 def calibration_path(key: dict) -> Path:
@@ -313,7 +329,7 @@ def ar_estimate(pipe, sampling: SamplingConfig, width: int,
     has), else the quick estimate cached with it, else timed now (a few one-token runs and one of FIRST_STEPS
     steps: a fraction of a second where a probe takes seconds) and cached. What a request's deciding credit
     (lantern.plan.deciding) is sized by before anything else is measured."""
-    key = calibration_key(costs_name(pipe), pipe.dtype, pipe.model_key)
+    key = pipe_key(pipe, sampling)
     data = load_calibration(key)
     if data["widths"]:
         costs = at_width(data["widths"], width)
@@ -561,9 +577,10 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
     return entry
 
 
-def refresh_cache(backend: str, dtype: str, model: str, width: int, entry: dict) -> Path:
-    """Store a width's entry (e.g. from `lantern profile run`) as this machine's calibration."""
-    data = load_calibration(calibration_key(backend, dtype, model))
+def refresh_cache(pipe, sampling: SamplingConfig, width: int, entry: dict) -> Path:
+    """Store a width's entry (e.g. from `lantern profile run`) as this machine's calibration of `pipe` at
+    `sampling`."""
+    data = load_calibration(pipe_key(pipe, sampling))
     data["widths"][str(width)] = entry
     return save_calibration(data)
 

@@ -232,7 +232,7 @@ def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] =
     ar_steps = steps_by_plan(pipe, [AR], sampling, key, False, wanted, prompts)[0][AR.name]
     block = pipe.config.block_size
     per_chunk_s = ar_costs["fixed_s"] + (block - 1) * ar_costs["plans"][AR.name]["step_s"]
-    credit = deciding.Credit(calibration.calibration_key(calibration.costs_name(pipe), pipe.dtype, key),
+    credit = deciding.Credit(calibration.pipe_key(pipe, sampling),
                              predict_seconds(width, ar_costs["fixed_s"], ar_costs["plans"][AR.name]["step_s"],
                                              ar_steps), unlimited=measure_all)
     credit.spend(spent)
@@ -361,7 +361,7 @@ def machine_costs(pipe, plans: list[Plan], sampling: SamplingConfig, key: str, w
     full). Either is measured under the calibration's lock and not stored when disturbed
     (calibration.cached_or_measured)."""
     credit = credit or deciding.Credit(None, unlimited=True)
-    key_c = calibration.calibration_key(calibration.costs_name(pipe), pipe.dtype, key)
+    key_c = calibration.pipe_key(pipe, sampling)
     path = calibration.calibration_path(key_c)
     cached = calibration.load_calibration(key_c)["widths"].get(str(width))
     untimed = [p for p in plans if not cached or p.name not in cached["plans"]]

@@ -169,7 +169,7 @@ class Suite:
                                           {AR.name: src.target.config.block_size - 1, **per_chunk}, progress=False,
                                           attended=attended)
         model = pipe.model_key
-        cached = calibration.refresh_cache(calibration.costs_name(pipe), pipe.dtype, model, width, entry)
+        cached = calibration.refresh_cache(pipe, self.sampling, width, entry)
         return {**entry, "model": model, "cache": str(cached)}
 
     def _probe(self) -> dict:

@@ -13,6 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
+from lantern.decoding.sampling import SamplingConfig
 from lantern.files import atomic_io, images, user_cache
 from lantern.cli import main
 from lantern.plan import calibration, acceptance_records as records
@@ -108,9 +109,8 @@ CORRUPTIONS = {
 def test_a_corrupt_cache_entry_is_named_moved_aside_and_measured_again(tmp_path, monkeypatch, capsys, kind,
                                                                         corruption):
     monkeypatch.setenv(user_cache.CACHE_ENV, str(tmp_path))
-    from lantern.decoding.sampling import SamplingConfig
     sampling = SamplingConfig()
-    key = calibration.calibration_key("cpu", "fp32", "model")
+    key = calibration.calibration_key("cpu", "fp32", "model", SamplingConfig(), 1024)
     if kind == "calibration":
         path, load = calibration.calibration_path(key), lambda: calibration.load_calibration(key)
         wrong = {"key": key, "widths": {"1": {"fixed_s": "fast", "plans": {}}}}
@@ -137,7 +137,7 @@ def test_a_corrupt_cache_entry_is_named_moved_aside_and_measured_again(tmp_path,
 
 def test_a_folder_in_a_calibration_entrys_place_is_moved_aside_and_the_entry_stored(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv(user_cache.CACHE_ENV, str(tmp_path))
-    key = calibration.calibration_key("cpu", "fp32", "model")
+    key = calibration.calibration_key("cpu", "fp32", "model", SamplingConfig(), 1024)
     path = calibration.calibration_path(key)
     path.mkdir(parents=True)
     calm = {"fixed_s": 0.01, "fixed_runs_s": [0.01, 0.011, 0.01], "ar_reference_s": [0.002, 0.0021, 0.0019],
@@ -218,7 +218,7 @@ def test_a_disturbed_calibration_is_named_and_not_stored(tmp_path, monkeypatch, 
     assert "AR timed at 95.00x its own reference run" in calibration.disturbance(self_ratio)
     zero = {**calm, "plans": {**calm["plans"], "eagle2": {"step_s": 0.0}}}
     assert "eagle2 timed no slower than the fixed cost alone" in calibration.disturbance(zero)
-    key = calibration.calibration_key("cpu", "fp32", "model")
+    key = calibration.calibration_key("cpu", "fp32", "model", SamplingConfig(), 1024)
     entry, _, why = calibration.cached_or_measured(key, 1, ["ar"], lambda entry: dict(slowed))
     assert why and entry["plans"]["ar"]["step_s"] == 0.002 and not calibration.calibration_path(key).exists()
     assert "calibration disturbed" in capsys.readouterr().err
@@ -238,11 +238,11 @@ def test_a_calibration_made_ahead_of_time_is_measured_again_while_disturbed(tmp_
     def measure(entry):
         given.append(entry)
         return dict(results[len(given) - 1])
-    key = calibration.calibration_key("cpu", "fp32", "model")
+    key = calibration.calibration_key("cpu", "fp32", "model", SamplingConfig(), 1024)
     entry, _, why = calibration.cached_or_measured(key, 1, ["ar"], measure, tries=calibration.AHEAD_TRIES)
     assert not why and given == [None, None] and calibration.load_calibration(key)["widths"]["1"] == calm
     assert f"measuring it again (try 2 of {calibration.AHEAD_TRIES})" in capsys.readouterr().err
-    key = calibration.calibration_key("cpu", "fp32", "another model")
+    key = calibration.calibration_key("cpu", "fp32", "another model", SamplingConfig(), 1024)
     entry, _, why = calibration.cached_or_measured(key, 1, ["ar"], lambda entry: dict(slowed), tries=2)
     assert why and not calibration.calibration_path(key).exists()
     assert "try 2 of 2" in capsys.readouterr().err
@@ -380,7 +380,6 @@ def test_python_api_takes_numpy_and_torch_class_ids_and_refuses_plan_0(tiny):
     pipe = Pipeline(target, drafter, proximity, backend="cpu")
     result = pipe.generate(torch.tensor([1, 2]), _ar(), batch=2)
     assert result.conditions == [1, 2]
-    from lantern.decoding.sampling import SamplingConfig
     for n in (0, -1, 1.5):
         with pytest.raises(ValueError, match=f"n_images {n!r} is not allowed; allowed: an integer >= 1"):
             pipe.plan(n, SamplingConfig())
@@ -388,7 +387,6 @@ def test_python_api_takes_numpy_and_torch_class_ids_and_refuses_plan_0(tiny):
 
 def _ar():
     from lantern.decoding.config import method_preset
-    from lantern.decoding.sampling import SamplingConfig
     return method_preset("ar", SamplingConfig())
 
 
@@ -488,7 +486,7 @@ def test_a_run_whose_calibration_was_disturbed_keeps_ar(tiny, tmp_path, monkeypa
     choice = choose(pipe, 1, SamplingConfig(top_k=5), progress=False)
     assert choice.plan.name == "ar" and "calibration disturbed (its AR reference steps" in choice.cost_source
     # no width's timing is stored (the file keeps AR's quick estimate, what deciding was sized by, and nothing else)
-    key = calibration.calibration_key("cpu", pipe.dtype, pipe.model_key)
+    key = calibration.pipe_key(pipe, SamplingConfig(top_k=5))
     assert calibration.load_calibration(key)["widths"] == {}
 
 

@@ -137,7 +137,7 @@ def seed_probe_to_refine(bundle_dir: Path, caches: list[Path], monkeypatch) -> s
     monkeypatch.setenv("LANTERN_CACHE_DIR", str(caches[0]))
     pipe = Pipeline.from_bundle(load_bundle(bundle_dir), backend="cpu")
     plans, _ = runnable(pipe, candidate_plans(False, False), pipe.defaults.sampling)
-    key = calibration.calibration_key("cpu", pipe.dtype, pipe.model_key)
+    key = calibration.pipe_key(pipe, pipe.defaults.sampling)
     data = {"key": key, "widths": {"1": {"fixed_s": 100.0, "provisional": True,
                                          "plans": {p.name: {"step_s": 1e-3} for p in plans}}}}
     for cache in caches:

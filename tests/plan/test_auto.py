@@ -160,7 +160,7 @@ def seed_calibration(pipe, width: int, step_ms: dict, fixed_s: float = 0.01, ski
                      validated: dict | None = None, sampling: SamplingConfig = SAMPLING) -> None:
     """Write a calibration (synthetic, made by the test) for this pipeline: every plan not named costs 1 s per
     step; `skip` is left out (to be measured). validated: a bundle's validations (its plans' names)."""
-    key = calibration.calibration_key(pipe.backend.name, pipe.dtype, pipe.model_key)
+    key = calibration.pipe_key(pipe, sampling)
     everything = candidate_plans(True, True, allowed_relaxation(True, validated or {}, sampling,
                                                                 pipe.config.vocab_size)[0])
     plans = {p.name: {"step_s": step_ms.get(p.name, 1000.0) / 1e3} for p in everything if p.name != skip}
@@ -337,12 +337,32 @@ def probe(pipe, plans, budget: float) -> dict:
                                      rounds=1, max_rounds=3, budget=budget)
 
 
+def test_a_calibration_holds_for_the_sampling_cost_it_was_measured_at(pipe, monkeypatch):
+    """A step at the whole vocabulary costs more than at top-k 5 (a sort and an acceptance over every code): the
+    calibration made at the bundle's top-k 5 is not read at LlamaGen's whole-vocabulary sampling, which measures
+    its own; what costs nothing (temperature, the CFG scale's value, a top-k past the vocabulary) shares one."""
+    vocab = pipe.config.vocab_size
+    whole = SamplingConfig(temperature=1.0, top_k=0, cfg_scale=2.0)
+    assert calibration.pipe_key(pipe, whole) != calibration.pipe_key(pipe, SAMPLING)
+    assert calibration.pipe_key(pipe, SamplingConfig(temperature=0.7, top_k=vocab + 5, cfg_scale=4.0)) == \
+        calibration.pipe_key(pipe, whole)
+    assert calibration.pipe_key(pipe, SamplingConfig(top_k=5, cfg_scale=1.0)) != calibration.pipe_key(pipe, SAMPLING)
+    seed_calibration(pipe, 2, {"ar": 1.0, "mc-sjd/L4": 0.5})  # at SAMPLING
+    measured = []
+    real = calibration.measure_width
+    monkeypatch.setattr(calibration, "measure_width", lambda *a, **k: measured.append(a[2]) or real(*a, **k))
+    choose(pipe, 2, SAMPLING, batch=2, progress=False)
+    assert not measured  # its own sampling: cached
+    choose(pipe, 2, whole, batch=2, progress=False)
+    assert measured and all(s == whole for s in measured)
+
+
 def test_a_plan_timed_too_few_times_is_never_chosen(pipe):
     """One run of a few steps can read a plan 2x too fast (a probe on an Intel Xeon VM timed MC-SJD's step at
     1.19x AR's where whole runs take 1.7-1.8x, and the default ran at 0.95x AR): it is shown, never chosen."""
     choose(pipe, 2, SAMPLING, batch=2, progress=False)
     seed_calibration(pipe, 2, {"ar": 1.0, "mc-sjd/L4": 0.5})
-    key = calibration.calibration_key(pipe.backend.name, pipe.dtype, pipe.model_key)
+    key = calibration.pipe_key(pipe, SAMPLING)
     data = calibration.load_calibration(key)
     data["widths"]["2"]["plans"]["mc-sjd/L4"]["unconfirmed"] = True
     calibration.save_calibration(data)
@@ -427,7 +447,7 @@ def test_the_choice_follows_the_requested_classes(pipe, tmp_path, monkeypatch):
 def test_a_lower_bound_is_never_chosen(pipe):
     choose(pipe, 2, SAMPLING, batch=2, progress=False)
     seed_calibration(pipe, 2, {"ar": 1.0, "mc-sjd/L4": 0.5})
-    key = calibration.calibration_key(pipe.backend.name, pipe.dtype, pipe.model_key)
+    key = calibration.pipe_key(pipe, SAMPLING)
     data = calibration.load_calibration(key)
     data["widths"]["2"]["plans"]["mc-sjd/L8"] = {"step_s": 1e-6, "lower_bound": True}
     calibration.save_calibration(data)

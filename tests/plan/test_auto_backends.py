@@ -77,7 +77,8 @@ def seed(pipe, width: int, step_ms: dict, fixed_s: float = 0.0, prepare_s: dict 
          candidate: str | None = None) -> None:
     """A synthetic calibration (made by the test) for this pipeline's backend (or the candidate mode named): the
     plans named in step_ms only; prepare_s: the ledger's last preparation seconds per plan."""
-    key = calibration.calibration_key(candidate or pipe.backend.name, pipe.dtype, pipe.model_key)
+    key = calibration.calibration_key(candidate or pipe.backend.name, pipe.dtype, pipe.model_key, SAMPLING,
+                                      pipe.config.vocab_size)
     plans = {name: {"step_s": ms / 1e3} for name, ms in step_ms.items()}
     calibration.save_calibration({"key": key, "widths": {str(width): {"fixed_s": fixed_s, "plans": plans}}})
     if prepare_s is not None:
@@ -127,7 +128,7 @@ def test_compile_cost_decides_between_eager_and_compiled(cache, tiny, two_modes)
     json.dumps(out)  # the --json plan is plain data
     # deciding from its cached calibration prepared only the chosen runner, and the ledger learnt its cost
     assert len(compiled.prepare_seconds) == 1
-    key = calibration.calibration_key(TwinBackend.name, "fp32", eager.model_key)
+    key = calibration.calibration_key(TwinBackend.name, "fp32", eager.model_key, SAMPLING, eager.config.vocab_size)
     assert backend_choice.load_ledger(key)["widths"]["1"]["mc-sjd/L4"] < 1.0
 
 
@@ -155,7 +156,7 @@ def test_modes_timed_at_different_moments_are_compared_on_the_default_modes_time
     seed(compiled, 1, {"ar": 2.0, "mc-sjd/L4": 1e3}, prepare_s={"ar": 0.0, "mc-sjd/L4": 0.0})
     unpaired = choose_backend(make, 1, SAMPLING, batch=1, progress=False)
     assert unpaired.backend == "cpu" and "not anchored" in unpaired.backends[1]["cost_source"]
-    key = calibration.calibration_key(TwinBackend.name, "fp32", eager.model_key)
+    key = calibration.calibration_key(TwinBackend.name, "fp32", eager.model_key, SAMPLING, eager.config.vocab_size)
     data = calibration.load_calibration(key)
     data["widths"]["1"]["ar_to_anchor"] = [0.55, 0.5, 0.45]
     calibration.save_calibration(data)
@@ -302,7 +303,7 @@ def test_a_cold_cache_decides_with_a_bounded_probe(cache, tiny, monkeypatch):
     confirming = choose_mod.PROBE_ROUNDS["max_rounds"] - choose_mod.PROBE_ROUNDS["rounds"]
     assert work["runs"] <= 1 + calibration.FIXED_REPEATS + 3 * plans + 2 * confirming * plans + 1
     assert "first-run probe" in probe.cost_source
-    key = calibration.calibration_key("cpu", "fp32", pipe.model_key)
+    key = calibration.pipe_key(pipe, SAMPLING)
     entry = calibration.load_calibration(key)["widths"]["1"]
     timed = [len(v["ratio_to_ar"]) for v in entry["plans"].values() if "ratio_to_ar" in v]
     assert entry["provisional"] and max(timed) <= choose_mod.PROBE_ROUNDS["max_rounds"]
@@ -331,7 +332,7 @@ def test_the_full_calibration_does_more_work_than_the_probe(cache, tiny, monkeyp
     choose(pipe, 1, SAMPLING, batch=1, progress=False)
     monkeypatch.setenv(deciding.SHARE_ENV, "1e9")  # a credit for the probe, never for full rounds of an infinite budget
     monkeypatch.setattr(calibration, "BUDGET_S", float("inf"))
-    key = calibration.calibration_key("cpu", "fp32", pipe.model_key)
+    key = calibration.pipe_key(pipe, SAMPLING)
     ar_runs = []
     for rounds in (1, 3):
         cold(cache)
@@ -348,7 +349,7 @@ def test_another_mode_is_calibrated_when_the_request_pays_or_when_asked(cache, t
     twin = make(TwinBackend.name, "fp32")
     eager = make("cpu", "fp32")
     seed(eager, 1, {**everything(1000.0), "ar": 50.0, "mc-sjd/L4": 25.0}, prepare_s=FREE)
-    key = calibration.calibration_key("cpu-twin", "fp32", eager.model_key)
+    key = calibration.calibration_key("cpu-twin", "fp32", eager.model_key, SAMPLING, eager.config.vocab_size)
     # its prepare cost unknown: the prior (30 s a runner) is more than the request: not calibrated
     skipped = choose_backend(make, 1, SAMPLING, batch=1, progress=False)
     assert {r["backend"]: r for r in skipped.backends}["cpu-twin"]["status"].startswith("not calibrated")
@@ -437,7 +438,8 @@ def test_the_fused_mode_wins_when_its_costs_do_and_its_compile_counts_until_cach
     assert out["why"].startswith(f"mc-sjd/L4 on {TwinBackend.name} (fused)")
     assert out["fastest_ar"]["mode"] in ("eager", "compiled", "fused")
     # the chosen runner was prepared here, under the fused mode's own ledger
-    key = calibration.calibration_key(TwinBackend.name + FUSED, "fp32", eager.model_key)
+    key = calibration.calibration_key(TwinBackend.name + FUSED, "fp32", eager.model_key, SAMPLING,
+                                      eager.config.vocab_size)
     assert set(backend_choice.load_ledger(key)["widths"]["1"]) == {"ar", "mc-sjd/L4"} and fused.prepare_seconds
 
 
@@ -456,7 +458,7 @@ def test_a_fused_runner_is_prepared_only_once_its_step_has_compiled(cache):
         prefill_only = pipe.prepare_seconds[spec]
         assert runner.fused and not runner.fused_warm(ar) and not pipe.prepared(ar, 1)
         assert calibration.costs_name(pipe) == "cpu-graph" + FUSED  # its costs are not per-module graphs'
-        key = calibration.calibration_key(calibration.costs_name(pipe), "fp32", pipe.model_key)
+        key = calibration.pipe_key(pipe, SAMPLING)
         empty = {"key": key, "widths": {}}
         assert prepare_cost(pipe, empty, AR, SamplingConfig(greedy=True), 1, "fused") == (
             PRIOR_PREPARE_S["fused"], "prior: never prepared here")

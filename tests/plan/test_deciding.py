@@ -43,7 +43,7 @@ def work(monkeypatch):
 
 
 def banked(pipe) -> float:
-    key = calibration.calibration_key("cpu", pipe.dtype, pipe.model_key)
+    key = calibration.pipe_key(pipe, SAMPLING)
     return calibration.load_calibration(key).get(deciding.CREDIT, 0.0)
 
 
@@ -71,7 +71,7 @@ def test_each_request_banks_its_share_and_a_banked_credit_pays_for_measuring(fre
     second = choose(fresh, 1, SAMPLING, batch=1, progress=False)
     assert banked(fresh) == pytest.approx(second.deciding["banked_s"] + 0.25 * second.predicted_ar_s, rel=0.05)
     # a credit banked by many requests (here written as if) pays: records, then the probe, and the rest is kept
-    key = calibration.calibration_key("cpu", fresh.dtype, fresh.model_key)
+    key = calibration.pipe_key(fresh, SAMPLING)
     data = calibration.load_calibration(key)
     data[deciding.CREDIT] = 1e6
     calibration.save_calibration(data)
@@ -83,7 +83,7 @@ def test_each_request_banks_its_share_and_a_banked_credit_pays_for_measuring(fre
 
 def test_a_debt_is_repaid_before_anything_more_is_measured(fresh, work, monkeypatch):
     monkeypatch.setenv(deciding.SHARE_ENV, "1")
-    key = calibration.calibration_key("cpu", fresh.dtype, fresh.model_key)
+    key = calibration.pipe_key(fresh, SAMPLING)
     choose(fresh, 1, SAMPLING, batch=1, progress=False)  # the quick AR estimate, cached
     data = calibration.load_calibration(key)
     data[deciding.CREDIT] = -1e6

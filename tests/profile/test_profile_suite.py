@@ -450,7 +450,7 @@ def test_run_calibrates_auto_per_batch_size_and_generate_auto_reads_it(tiny_run,
     src = load_source("random:GPT-test")
     pipe = Pipeline(src.target, src.drafter, src.proximity, backend="cpu",
                     defaults=ModelDefaults(sampling=load_profile(str(path)).sampling_config(src.default_cfg_scale)))
-    key = calibration.calibration_key("cpu", "fp32", pipe.model_key)
+    key = calibration.pipe_key(pipe, pipe.defaults.sampling)
     assert calibration.load_calibration(key)["widths"]["2"] == {k: v for k, v in entries[2].items()
                                                                if k not in ("model", "cache")}
     costs = profile_costs(str(path))

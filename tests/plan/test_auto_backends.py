@@ -74,10 +74,10 @@ def make_pipe_factory(models):
 
 
 def seed(pipe, width: int, step_ms: dict, fixed_s: float = 0.0, prepare_s: dict | None = None,
-         candidate: str | None = None) -> None:
-    """A synthetic calibration (made by the test) for this pipeline's backend (or the candidate mode named): the
-    plans named in step_ms only; prepare_s: the ledger's last preparation seconds per plan."""
-    key = calibration.calibration_key(candidate or pipe.backend.name, pipe.dtype, pipe.model_key, SAMPLING,
+         candidate: str | None = None, sampling: SamplingConfig = SAMPLING) -> None:
+    """A synthetic calibration (made by the test) for this pipeline's backend (or the candidate mode named) at
+    `sampling`: the plans named in step_ms only; prepare_s: the ledger's last preparation seconds per plan."""
+    key = calibration.calibration_key(candidate or pipe.backend.name, pipe.dtype, pipe.model_key, sampling,
                                       pipe.config.vocab_size)
     plans = {name: {"step_s": ms / 1e3} for name, ms in step_ms.items()}
     calibration.save_calibration({"key": key, "widths": {str(width): {"fixed_s": fixed_s, "plans": plans}}})
@@ -207,8 +207,9 @@ def test_the_cli_the_service_and_an_unpinned_pipeline_make_one_choice(cache, two
     bundle = load_bundle(str(folder))
     eager = Pipeline.from_bundle(bundle, backend="cpu")
     # steps of tenths of a second: preparing the tiny model's runners (milliseconds, then in the ledger) counts little
-    seed(eager, 1, {**everything(1e5), "ar": 1000.0, "mc-sjd/L4": 500.0}, prepare_s=FREE)
-    seed(eager, 1, {"ar": 200.0, "mc-sjd/L4": 100.0}, prepare_s=FREE, candidate=TwinBackend.name)
+    served = eager.defaults.sampling  # what all three plan at
+    seed(eager, 1, {**everything(1e5), "ar": 1000.0, "mc-sjd/L4": 500.0}, prepare_s=FREE, sampling=served)
+    seed(eager, 1, {"ar": 200.0, "mc-sjd/L4": 100.0}, prepare_s=FREE, candidate=TwinBackend.name, sampling=served)
     assert main(["generate", "--model", str(folder), "--classes", "1", "--batch", "1", "--no-images", "--json"]) == 0
     cli = json.loads(capsys.readouterr().out)
     service = Service(ServeConfig(model=str(folder), batch=1, plan_images=1, threads=1))  # built, not started

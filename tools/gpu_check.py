@@ -668,19 +668,20 @@ def verify_cost_ratios(check: Check, models, widths: set[int], n: int, sampling)
     and recorded once as a CUDA graph and replayed ("replayed": as a graph mode or the fused step runs it; not
     on --quick's CPU stand-ins)."""
     from lantern.backends import get_backend
-    from lantern.profile.measure import replayed_verify_latency, step_spec, verify_latency
+    from lantern.profile.measure import step_spec, verify_latency
     if not check.budget.allows(10):
         return {}
     m = check.modes["eager"]
     backend = get_backend(m.backend, **m.options)
     rows = n * sampling.rows_per_image
-    timings = {"eager": verify_latency} if check.quick else {"eager": verify_latency,
-                                                            "replayed": replayed_verify_latency}
+    timings = {"eager": None} if check.quick else {"eager": None, "replayed": torch.cuda}  # how -> replay_on
     ratios = {}
-    for how, latency in timings.items():
+    for how, replay_on in timings.items():
         try:
-            median = {w: latency(backend, models.target, step_spec(models.target.config, rows, check.args.dtype, w),
-                                 warmup=2, repeats=5)["latency"]["median_s"] for w in sorted(widths | {1})}
+            median = {w: verify_latency(backend, models.target,
+                                        step_spec(models.target.config, rows, check.args.dtype, w), warmup=2,
+                                        repeats=5, replay_on=replay_on)["latency"]["median_s"]
+                      for w in sorted(widths | {1})}
         except Exception as e:  # noqa: BLE001  a forward that cannot be recorded is a finding; eager's ratio stands
             check.error(f"verify cost ratio {how} B={n}", e)
             continue

@@ -51,24 +51,17 @@ def _time_calls(runner, name: str, call: Callable[[], object], warmup: int, repe
             "memory": runner.memory().to_dict()}
 
 
-def verify_latency(backend: Backend, target, spec: StaticSpec, warmup: int, repeats: int) -> dict:
-    """Median and spread of one target forward over N = spec.verify_widths[0] tree nodes."""
+def verify_latency(backend: Backend, target, spec: StaticSpec, warmup: int, repeats: int, replay_on=None) -> dict:
+    """Median and spread of one target forward over N = spec.verify_widths[0] tree nodes. replay_on: torch.cuda (a
+    test passes a labelled fake) to time the forward recorded once as a CUDA graph and replayed (CUDAGraphReplay),
+    as a fused step runs it: launches nearly free, so what a wider verify really costs the device."""
     runner = backend.prepare(target, None, spec)
     runner.warmup()
     n = spec.verify_widths[0]
     inputs = dummy_step_inputs(spec, n, runner.device)
-    return _time_calls(runner, "verify", lambda: runner.verify(*inputs), warmup, repeats)
-
-
-def replayed_verify_latency(backend: Backend, target, spec: StaticSpec, warmup: int, repeats: int,
-                            cuda=torch.cuda) -> dict:
-    """verify_latency with the forward recorded once as a CUDA graph and replayed (CUDAGraphReplay), as a fused
-    step runs it: launches nearly free, so what a wider verify really costs the device. cuda: torch.cuda (a test
-    passes a labelled fake)."""
-    runner = backend.prepare(target, None, spec)
-    runner.warmup()
-    inputs = dummy_step_inputs(spec, spec.verify_widths[0], runner.device)
-    replay = CUDAGraphReplay(lambda: runner.verify(*inputs).logits, cuda)
+    if replay_on is None:
+        return _time_calls(runner, "verify", lambda: runner.verify(*inputs), warmup, repeats)
+    replay = CUDAGraphReplay(lambda: runner.verify(*inputs).logits, replay_on)
     return _time_calls(runner, "verify", replay, CUDAGraphReplay.WARM_CALLS + 1 + warmup, repeats)
 
 

@@ -1,7 +1,7 @@
 """Step latencies: a verify forward timed as a CUDA graph replays it, on a FAKE torch.cuda (no GPU in CI)."""
 from lantern.backends import get_backend
 from lantern.backends.torch_graph import CUDAGraphReplay
-from lantern.profile.measure import replayed_verify_latency, step_spec
+from lantern.profile.measure import step_spec, verify_latency
 
 from test_fused_step import FakeCUDA
 
@@ -18,7 +18,7 @@ def test_replayed_verify_records_the_forward_once_and_times_only_replays(tiny, m
     get_backend("cpu").prepare(tiny[0], None, spec).warmup()
     warming = len(forwards)  # the runner's own warm-up
     forwards.clear()
-    result = replayed_verify_latency(get_backend("cpu"), tiny[0], spec, warmup=2, repeats=5, cuda=fake)
+    result = verify_latency(get_backend("cpu"), tiny[0], spec, warmup=2, repeats=5, replay_on=fake)
     assert len(forwards) == warming + CUDAGraphReplay.WARM_CALLS + 1
     assert fake.events.count("record") == 1 and fake.events.count("replay") == 1 + 2 + 5
     assert result["latency"]["repeats"] == 5

@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from lantern.bundle import bundle_methods, sha256_file, verify_bundle
-from lantern.files.atomic_io import check_writable
+from lantern.files.atomic_io import atomic_folder, check_writable
 from lantern.models.config import GPTConfig
 from lantern.models.llamagen import (SAMPLING, WEIGHT_SETS, infer_gpt_config, infer_vq_config, is_lantern_drafter,
                               load_gpt, load_vq, read_lantern_drafter, read_llamagen_state, vq_state)
@@ -150,9 +147,7 @@ def read_lantern_table(path: Path, vocab: int, k: int) -> torch.Tensor:
 
 def write_bundle(req: ImportRequest, got: Imported) -> Path:
     """Write the checked models as a bundle at req.out (atomically: a temporary sibling renamed into place)."""
-    req.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{req.out.name}.", dir=req.out.parent))
-    try:
+    with atomic_folder(req.out) as tmp:  # an existing req.out was checked empty before any work
         linked = {}
         if req.link:
             for name, path, what in (("target", req.gpt, "GPT"), ("vq", req.vq, "VQ")):
@@ -183,12 +178,6 @@ def write_bundle(req: ImportRequest, got: Imported) -> Path:
                                else int(got.proximity.shape[1])},
                     "vq_training_only_keys_dropped": got.dropped, "metrics": {}}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-        if req.out.exists():
-            req.out.rmdir()  # checked empty before any work
-        os.replace(tmp, req.out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return req.out
 
 

@@ -2,17 +2,20 @@
 entries, exported graphs, checkpoints) is built under a temporary name in its destination's folder, flushed to
 disk, then renamed over the destination in one step. A reader sees the old file or the new one, never a part.
 
-A run killed mid-write leaves its temporary behind: `.<name>.lantern-<pid>-<random>.tmp`. `remove_stale(folder)`
+A run stopped by a signal (Ctrl-C, SIGTERM: an exception between any two instructions) removes its temporary:
+each temporary is named before it is created, inside the block that removes it. A run killed outright leaves it
+behind: `.<name>.lantern-<pid>-<number><random>.tmp`. `remove_stale(folder)`
 deletes those of processes no longer running on this host (or older than STALE_AFTER_S, for a folder shared by
 hosts); every writer of lantern's caches and outputs calls it for its folder before writing.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
+import secrets
 import shutil
-import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,6 +32,29 @@ def temp_prefix(path: Path) -> str:
     return f".{path.name}{TEMP_MARK}{os.getpid()}-"
 
 
+_WRITES = itertools.count()  # numbers this process's temporaries
+_UNIQUE_CHARS = 12  # what temp_name adds to temp_prefix: 6 digits of the number, 6 random hexadecimal digits
+
+
+def temp_name(path: Path) -> Path:
+    """A name beside `path` for a temporary that no other write uses: the process id tells this host's processes
+    apart, the number this process's writes, the random part the hosts sharing a folder."""
+    return path.parent / f"{temp_prefix(path)}{next(_WRITES) % 10 ** 6:06d}{secrets.token_hex(3)}{TEMP_SUFFIX}"
+
+
+def _create_file(path: Path) -> None:
+    """An empty file, never an existing one, with the mode a plain open() gives (readable by the other users of a
+    shared cache or output folder)."""
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def _fsync(path: Path, directory: bool = False) -> None:
     """Flush a file (or a folder's entries) to disk; a no-op where the OS cannot open folders (Windows)."""
     try:
@@ -41,14 +67,6 @@ def _fsync(path: Path, directory: bool = False) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def _readable_mode(path: Path) -> None:
-    """mkstemp makes 0600 files and mkdtemp 0700 folders; give them the mode a plain open() would have, so the
-    other users of a shared cache or output folder can read them."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def _replace(tmp: Path, destination: Path) -> None:
@@ -66,16 +84,14 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     torch.save, safetensors); the format must not be guessed from the temporary's name."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(path), suffix=TEMP_SUFFIX)
-    os.close(fd)
-    tmp = Path(name)
-    try:
+    tmp = temp_name(path)
+    try:  # entered before the temporary exists, so that a stop at any instruction removes it
+        _create_file(tmp)
         yield tmp
         _fsync(tmp)
-        _readable_mode(tmp)
         _replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _remove(tmp)
         raise
     _fsync(path.parent, directory=True)
 
@@ -96,26 +112,28 @@ def write_json(path: str | os.PathLike, data, indent: int | None = 1, sort_keys:
 @contextmanager
 def atomic_folder(folder: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary folder beside `folder` to build it in; on success it takes `folder`'s place whole (an
-    existing one is moved aside first, then removed), on any error it is removed."""
+    existing one is moved aside first, then removed), on any error it is removed and an existing `folder` is
+    left as it was (put back, when the error came between moving it aside and the swap)."""
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=temp_prefix(folder), suffix=TEMP_SUFFIX))
-    try:
+    tmp, aside = temp_name(folder), temp_name(folder)
+    try:  # entered before either temporary exists, so that a stop at any instruction removes them
+        os.mkdir(tmp)  # the mode a plain mkdir gives
         yield tmp
         for f in tmp.rglob("*"):
             if f.is_file():
                 _fsync(f)
         _fsync(tmp, directory=True)
-        _readable_mode(tmp)
-        old = None
         if folder.exists():  # a folder cannot be renamed over a non-empty one: move it aside, then swap
-            old = Path(tempfile.mkdtemp(dir=folder.parent, prefix=temp_prefix(folder), suffix=TEMP_SUFFIX))
-            os.replace(folder, old / folder.name)
+            os.mkdir(aside)
+            os.replace(folder, aside / folder.name)
         _replace(tmp, folder)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        _remove(aside)  # here, not in a `finally`: a stop there would skip it
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp)
+        if (aside / folder.name).exists() and not folder.exists():
+            os.replace(aside / folder.name, folder)
+        _remove(aside)
         raise
     _fsync(folder.parent, directory=True)
 
@@ -179,7 +197,7 @@ def check_fits(path: str | os.PathLike, what: str) -> None:
         except (OSError, ValueError, AttributeError):
             return default
     name_max, path_max = limit("PC_NAME_MAX", 255), limit("PC_PATH_MAX", 4096)
-    overhead = len(temp_prefix(path)) - len(path.name) + 8 + len(TEMP_SUFFIX)  # mkstemp adds 8 characters
+    overhead = len(temp_prefix(path)) - len(path.name) + _UNIQUE_CHARS + len(TEMP_SUFFIX)
     for part in path.parts[1:]:
         longest = len(os.fsencode(part)) + (overhead if part == path.name else 0)
         if longest > name_max:
@@ -193,7 +211,7 @@ def check_fits(path: str | os.PathLike, what: str) -> None:
 
 def check_writable(path: Path, what: str, folder: bool) -> None:
     """Raise ValueError unless `path` (a folder, or a file when not `folder`) can be created or written.
-    The nearest existing ancestor gets one probe file, removed at once, so nothing is left behind."""
+    The nearest existing ancestor gets one probe file, removed at once (see probe_writable)."""
     path = Path(path)
     check_fits(path, what)
     if path.exists() and folder != path.is_dir():
@@ -204,8 +222,18 @@ def check_writable(path: Path, what: str, folder: bool) -> None:
     if not base.is_dir():
         raise ValueError(f"{what} {path} cannot be written: {base} is a file, not a folder")
     try:
-        fd, probe = tempfile.mkstemp(dir=base, prefix=".lantern-write-probe-")
+        probe_writable(base)
     except OSError as e:
         raise ValueError(f"{what} {path} cannot be written: {base} is not writable ({e.strerror})") from None
-    os.close(fd)
-    os.unlink(probe)
+
+
+def probe_writable(folder: Path) -> None:
+    """Create one empty file in `folder` and remove it, whatever stops this in between; raises the OSError that
+    says why `folder` cannot be written."""
+    probe = temp_name(folder / "write-probe")
+    try:
+        _create_file(probe)
+        _remove(probe)  # here, not in a `finally`: a stop there would skip it
+    except BaseException:
+        _remove(probe)
+        raise

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -60,12 +59,10 @@ def check_location(folder: Path, variable: str) -> Path:
         raise CacheUnusable(f"cache folder {folder} (from {variable}) is a file, not a folder{hint}")
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=".lantern-write-probe-")
+        atomic_io.probe_writable(folder)
     except OSError as e:
         raise CacheUnusable(f"cache folder {folder} (from {variable}) cannot be used: "
                             f"{e.strerror or e}{hint}") from None
-    os.close(fd)
-    os.unlink(probe)
     return folder
 
 

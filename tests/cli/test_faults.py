@@ -2,6 +2,7 @@
 corrupt or in a location that cannot be used, and refusals that name their cause before any work. The
 commands run in this process (lantern.cli.main) where they can; tests/cli/test_faults_processes.py has the ones
 that need processes of their own (concurrent first runs, signals)."""
+import itertools
 import json
 import os
 import sys
@@ -63,6 +64,62 @@ def test_a_folder_is_swapped_in_whole(tmp_path):
             (tmp / "model.onnx").write_text(version)
             assert not (folder / "model.onnx").exists() or (folder / "model.onnx").read_text() == "old"
     assert (folder / "model.onnx").read_text() == "new" and os.listdir(tmp_path) == ["graph"]
+
+
+def stopped_at_each_instruction(write, files=("atomic_io.py", "tempfile.py")):
+    """Run write() again and again, raising KeyboardInterrupt (as a signal's handler does) before its n-th
+    instruction in the named files, n = 1, 2, ...; yields after each stopped run, returns once a run completes."""
+    for n in itertools.count(1):
+        executed = 0
+
+        def trace(frame, event, arg):
+            nonlocal executed
+            if os.path.basename(frame.f_code.co_filename) not in files:
+                return None
+            frame.f_trace_opcodes = True
+            if event == "opcode":
+                executed += 1
+                if executed == n:
+                    raise KeyboardInterrupt  # the trace is unset, the exception raised in the traced frame
+            return trace
+        sys.settrace(trace)
+        try:
+            write()
+        except KeyboardInterrupt:
+            yield n
+            continue
+        finally:
+            sys.settrace(None)
+        return
+
+
+@pytest.mark.parametrize("kind", ["file", "folder", "probe"])
+def test_a_write_stopped_at_any_instruction_leaves_the_old_or_the_new_and_no_temporary(tmp_path, kind):
+    """A signal's exception comes between any two instructions: wherever it comes, the destination is whole
+    (the old one or the new one) and no temporary is left (nor a probe file)."""
+    destination = tmp_path / ("entry.json" if kind == "file" else "graph")
+
+    def write(version: str) -> None:
+        if kind == "file":
+            atomic_io.write_text(destination, version)
+        elif kind == "folder":
+            with atomic_io.atomic_folder(destination) as tmp:
+                (tmp / "model.onnx").write_text(version)
+        else:
+            atomic_io.check_writable(destination, "--out", folder=True)
+
+    def content() -> str | None:
+        path = destination / "model.onnx" if kind == "folder" else destination
+        return path.read_text() if path.exists() else None
+    write("old")
+    stops = 0
+    for _ in stopped_at_each_instruction(lambda: write("new")):
+        stops += 1
+        assert os.listdir(tmp_path) == ([] if kind == "probe" else [destination.name])
+        assert content() in ({None} if kind == "probe" else {"old", "new"})
+        if content() == "new":
+            write("old")
+    assert stops > 10 and content() == (None if kind == "probe" else "new")
 
 
 def test_temporaries_of_dead_processes_and_old_ones_are_removed(tmp_path):

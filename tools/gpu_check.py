@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import json
@@ -324,35 +325,55 @@ def first_difference(a: torch.Tensor, b: torch.Tensor) -> Optional[int]:
 
 
 # ---- sync -----------------------------------------------------------------------------------------------------
+def calling_site() -> str:
+    """The project's innermost frame on the stack (outside this tool), as `path:line (function)`: where lantern
+    asked for what is being counted."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = Path(frame.f_code.co_filename)
+        if path.is_relative_to(ROOT) and path != Path(__file__).resolve():
+            return f"{path.relative_to(ROOT)}:{frame.f_lineno} ({frame.f_code.co_name})"
+        frame = frame.f_back
+    return "outside the project"
+
+
 class HostReads(torch.overrides.TorchFunctionMode):
-    """CPU stand-in for CUDA's sync debug mode: counts the calls that would read a device tensor on the host."""
+    """CPU stand-in for CUDA's sync debug mode: counts the calls that would read a device tensor on the host, by
+    calling site (here every tensor is a host tensor, so reads of what is on the host on CUDA count too)."""
 
     CALLS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"}
 
     def __init__(self):
         super().__init__()
-        self.count = 0
+        self.sites: collections.Counter[str] = collections.Counter()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if getattr(func, "__name__", "") in self.CALLS and args and isinstance(args[0], torch.Tensor):
-            self.count += 1
+            self.sites[calling_site()] += 1
         return func(*args, **(kwargs or {}))
 
 
-def count_syncs(quick: bool, run: Callable[[], object]) -> int:
-    """Synchronisations while `run()` runs: torch.cuda.set_sync_debug_mode's warnings, or host reads (--quick)."""
+def count_syncs(quick: bool, run: Callable[[], object]) -> collections.Counter[str]:
+    """Synchronisations while `run()` runs, by calling site: torch.cuda.set_sync_debug_mode's warnings (each
+    site read off the stack as the warning is shown), or host reads (--quick)."""
     if quick:
         with HostReads() as reads:
             run()
-        return reads.count
-    with warnings.catch_warnings(record=True) as caught:
+        return reads.sites
+    sites: collections.Counter[str] = collections.Counter()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            sites[calling_site()] += 1
+    with warnings.catch_warnings():  # restores showwarning after
         warnings.simplefilter("always")
+        warnings.showwarning = show
         torch.cuda.set_sync_debug_mode("warn")
         try:
             run()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    return sites
 
 
 def syncs(check: Check) -> dict:
@@ -365,12 +386,13 @@ def syncs(check: Check) -> dict:
         pipe = check.pipe("fused", check.models, "fp32", **({} if check.quick else {"tf32": False}))
         pipe.generate([0, 1], dcfg, batch=2, tokens=check.args.parity_tokens)  # compiled (parity did, if it ran)
         box = {}
-        n = count_syncs(check.quick, lambda: box.setdefault("r", pipe.generate([2, 3], dcfg, batch=2,
-                                                                               tokens=check.args.sync_tokens)))
-        steps = max(image["target_forwards"] for image in box["r"].stats.summary()["per_image"])
+        sites = count_syncs(check.quick, lambda: box.setdefault("r", pipe.generate([2, 3], dcfg, batch=2,
+                                                                                   tokens=check.args.sync_tokens)))
+        n, steps = sum(sites.values()), max(image["target_forwards"]
+                                            for image in box["r"].stats.summary()["per_image"])
         out[method] = {"syncs": n, "steps": steps, "beyond_one_per_step": n - steps,
-                       "tokens": box["r"].stats.tokens, "how": "host reads (stand-in)" if check.quick
-                       else "torch.cuda.set_sync_debug_mode warnings"}
+                       "sites": dict(sites.most_common()), "tokens": box["r"].stats.tokens,
+                       "how": "host reads (stand-in)" if check.quick else "torch.cuda.set_sync_debug_mode warnings"}
     return out
 
 
@@ -866,6 +888,7 @@ def summary_lines(record: dict) -> list[str]:
     for method, r in s.get("sync", {}).items():
         lines.append(f"sync fused {method}: {r['syncs']} syncs over {r['steps']} steps "
                      f"({r['beyond_one_per_step']} beyond one per step)")
+        lines += [f"  {count} at {site}" for site, count in r.get("sites", {}).items()]
     lines += cold_lines(s.get("cold", {}))
     if "distribution" in s:
         d = s["distribution"]

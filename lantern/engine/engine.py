@@ -18,6 +18,7 @@ from lantern.decoding.stats import GenerationStats
 from lantern.engine.caption_mask import CaptionMaskedRunner, caption_slots_visible, drafter_caption_mask
 from lantern.engine.draws import SlotDraws, check_seed, derive_seed
 from lantern.engine.fused import WARM_CALLS, FusedStep
+from lantern.engine.host_values import to_device
 from lantern.engine.proposers import make_proposer
 from lantern.engine.slot_sampling import SamplingOverrides, SlotSampling, request_sampling
 from lantern.engine.step import Slots, StepCounts, condition_rows, decode_step, prefill
@@ -164,7 +165,7 @@ class Engine:
             return StepReport(0, finished, accepted_per_position=[0] * self.proposer.depth)
         cancelled = [i for i in busy if self._held[i].cancelled]
         if cancelled:
-            self.slots.busy[torch.tensor(cancelled, device=self.runner.device)] = False
+            self.slots.busy[to_device(cancelled, self.runner.device)] = False
         self.runner.attend_until(self._attention_bound(busy))
         report = self._fused() if self._fused is not None else decode_step(self._run, self.proposer, self.slots)
         self.steps_run += 1
@@ -238,17 +239,18 @@ class Engine:
             self._roots[slot] = self.runner.spec.prefix_len  # the prefill puts a fresh slot's root there
             take.append((slot, ticket))
         dev, s = self.runner.device, self.slots
-        idx = torch.tensor([slot for slot, _ in take], device=dev)
+        slots = [slot for slot, _ in take]
+        idx = to_device(slots, dev)
         conds = torch.cat([self._condition(t.request.condition) for _, t in take])
-        s.cond[idx] = conds.to(dev, s.cond.dtype)
+        s.cond[idx] = to_device(conds, dev, s.cond.dtype)
         if self._t2i:
-            self._visible[idx.cpu()] = caption_slots_visible(conds)
+            self._visible[slots] = caption_slots_visible(conds)  # both on the host
             visible = self._visible.repeat(self.sampling.rows_per_image, 1)
             self._run = self.runner if visible.all() else CaptionMaskedRunner(
                 self.runner, visible, drafter_caption_mask(self.pipeline.drafter))
-        s.limit[idx] = torch.tensor([t.limit for _, t in take], device=dev)
+        s.limit[idx] = to_device([t.limit for _, t in take], dev)
         s.busy[idx] = True
-        s.draws.admit(idx, torch.tensor([t.request.seed for _, t in take], dtype=torch.long, device=dev))
+        s.draws.admit(idx, to_device([t.request.seed for _, t in take], dev, torch.long))
         self.sampling.admit(idx, [t.sampling for _, t in take])
         fresh = torch.zeros(self._width, dtype=torch.bool, device=dev)
         fresh[idx] = True
@@ -274,7 +276,7 @@ class Engine:
     def _collect(self, done: list[int]) -> list[RequestResult]:
         """The finished (or cancelled) slots' tokens and records: one transfer; the slots are free after."""
         s, dev = self.slots, self.runner.device
-        idx = torch.tensor(done, device=dev)
+        idx = to_device(done, dev)
         rows = torch.cat([s.emitted[idx, None].double(), s.out[idx].double(), s.records.packed(idx)], 1).tolist()
         s.busy[idx] = False
         now, width, out = time.perf_counter(), s.out.shape[1], []

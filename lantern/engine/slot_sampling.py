@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from lantern.decoding.sampling import SamplingConfig
+from lantern.engine.host_values import to_device
 
 PER_REQUEST = ("temperature", "cfg_scale")
 
@@ -51,8 +52,8 @@ class SlotSampling:
 
     def admit(self, slots: torch.Tensor, settings: list[SamplingConfig]) -> None:
         dev = self.temperature.device
-        self.temperature[slots] = torch.tensor([s.temperature for s in settings], device=dev)
-        self.cfg_scale[slots] = torch.tensor([s.cfg_scale for s in settings], device=dev)
+        self.temperature[slots] = to_device([s.temperature for s in settings], dev, self.temperature.dtype)
+        self.cfg_scale[slots] = to_device([s.cfg_scale for s in settings], dev, self.cfg_scale.dtype)
 
     greedy = property(lambda self: self.base.greedy)
     top_k = property(lambda self: self.base.top_k)

@@ -21,6 +21,7 @@ from lantern.decoding.config import DecodeConfig
 from lantern.decoding.drafting import PrefixPairs, on_rows, window_mask
 from lantern.decoding.sampling import draw, target_support
 from lantern.engine.draws import SlotDraws
+from lantern.engine.host_values import to_device
 from lantern.engine.proposers import Proposer, Stepped
 from lantern.engine.slot_records import SlotRecords
 
@@ -69,7 +70,7 @@ class Slots:
     def allocate(cls, runner: Runner, width: int, depth: int, cond: torch.Tensor, draws: SlotDraws) -> "Slots":
         dev, block = runner.device, runner.model_config.block_size
         long = dict(dtype=torch.long, device=dev)
-        return cls(cond=cond.to(dev), root=torch.full((width,), runner.spec.prefix_len, **long),
+        return cls(cond=to_device(cond, dev), root=torch.full((width,), runner.spec.prefix_len, **long),
                    root_tok=torch.zeros(width, **long), emitted=torch.zeros(width, **long),
                    limit=torch.zeros(width, **long), busy=torch.zeros(width, dtype=torch.bool, device=dev),
                    out=torch.zeros(width, block + depth + 2, **long), draws=draws,

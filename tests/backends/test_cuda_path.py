@@ -4,7 +4,10 @@ Where a test needs torch.cuda, it uses a FAKE of the few calls involved (labelle
 runner code; everything else runs on the CPU for real."""
 from __future__ import annotations
 
+import copy
 import itertools
+import os
+import sys
 
 import pytest
 import torch
@@ -270,7 +273,47 @@ def test_every_tensor_a_step_holds_lives_on_the_runners_device(small):
     target, drafter, _ = small
     meta = torch.device("meta")
     spec = torch_eager.StaticSpec(batch=2, max_len=12, prefix_len=1, verify_widths=(1, 3), draft_widths=(1, 3))
-    runner = torch_eager.TorchRunner(target.to(meta), drafter.to(meta), spec, meta)
+    runner = torch_eager.TorchRunner(copy.deepcopy(target).to(meta), copy.deepcopy(drafter).to(meta), spec, meta)
+    # (copies: Module.to moves the module itself, and the other tests share these)
     held = {f"{step}.{name}": t for step, module in runner.modules.items()
             for name, t in itertools.chain(module.named_parameters(), module.named_buffers())}
     assert held and {name: t.device for name, t in held.items() if t.device != meta} == {}
+
+
+class BlockingCopies(torch.overrides.TorchFunctionMode):
+    """Where lantern asks for a copy onto a device that makes the host wait on CUDA: `torch.tensor(...,
+    device=...)` and `.to(device)` without non_blocking=True copy from pageable memory and synchronise (a
+    synchronisation the GPU check counts). On the CPU both are plain copies: this records where they are asked for."""
+
+    def __init__(self):
+        super().__init__()
+        self.sites = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in ("tensor", "as_tensor"):
+            device = kwargs.get("device")
+        elif name == "to" and not kwargs.get("non_blocking"):
+            device = kwargs.get("device") or next((a for a in args[1:] if isinstance(a, (torch.device, str))), None)
+        else:
+            device = None
+        if device is not None:
+            frame = sys._getframe(1)
+            while frame is not None and f"{os.sep}lantern{os.sep}" not in frame.f_code.co_filename:
+                frame = frame.f_back
+            self.sites.append(f"{name} at {frame.f_code.co_filename}:{frame.f_lineno}" if frame else name)
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("method", ["ar", "lantern++"])
+def test_admitting_and_collecting_requests_never_makes_the_host_wait(small, method):
+    """Three images on two slots: admissions, a refill and collections. Every value the engine puts on its
+    device goes through lantern.engine.host_values.to_device (pinned, non-blocking on CUDA); the one host read per
+    step and the finished images' read are the engine's only waits."""
+    pipe = Pipeline(*small, backend="cpu")
+    dcfg = method_preset(method, SamplingConfig(top_k=5, cfg_scale=3.0))
+    pipe.generate([0, 1, 2], dcfg, batch=2)  # the engine's construction aside
+    with BlockingCopies() as copies:
+        pipe.generate([0, 1, 2], dcfg, batch=2)
+    assert copies.sites == []

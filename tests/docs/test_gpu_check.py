@@ -42,7 +42,8 @@ def test_quick_runs_every_section_on_labelled_stand_ins(tmp_path):
     assert set(parity) == {"ar", "mc-sjd", "lantern++", "mc-sjd-relaxed", "eagle2", "lantern", "sjd"}
     assert all(v["equal"] for by_mode in parity.values() for v in by_mode.values())
     assert set(parity["lantern++"]) == {"eager", "fused", "graph"}
-    assert all(r["syncs"] >= r["steps"] > 0 for r in sections["sync"].values())
+    assert all(r["syncs"] >= r["steps"] > 0 and sum(r["sites"].values()) == r["syncs"]
+               and any(site.startswith("lantern/engine/") for site in r["sites"]) for r in sections["sync"].values())
     cold = sections["cold"]["runs"]  # new processes: with empty compile caches, again with warm ones, the default
     assert list(cold) == ["cold_machine", "warm_caches", "default"]
     assert all(r["exit_code"] == 0 and 0 < r["first_image_s"] <= r["wall_s"] for r in cold.values())
@@ -89,7 +90,8 @@ def test_without_cuda_it_points_to_quick():
 
 def test_cuda_syncs_are_counted_from_the_sync_debug_mode_warnings(monkeypatch):
     """FAKE torch.cuda.set_sync_debug_mode (a CPU torch has none): the GPU path counts the warnings torch's
-    "warn" mode raises at each synchronising call while the run lasts, and puts the mode back after."""
+    "warn" mode raises at each synchronising call while the run lasts, each at the project's frame that made it,
+    and puts the mode back after."""
     import warnings
     import torch
     sys.path.insert(0, str(ROOT / "tools"))
@@ -101,7 +103,9 @@ def test_cuda_syncs_are_counted_from_the_sync_debug_mode_warnings(monkeypatch):
         for _ in range(3):
             warnings.warn("called a synchronizing CUDA operation", UserWarning)
         warnings.warn("something else", UserWarning)
-    assert gpu_check.count_syncs(False, run) == 3 and modes == ["warn", "default"]
+    sites = gpu_check.count_syncs(False, run)
+    line = run.__code__.co_firstlineno + 2
+    assert sites == {f"tests/docs/test_gpu_check.py:{line} (run)": 3} and modes == ["warn", "default"]
 
 
 def test_the_budget_is_shared_among_the_sections_that_run_only():

@@ -14,19 +14,24 @@ class PeakAllocations(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.live: dict[StorageWeakRef, int] = {}
+        self.live: dict[StorageWeakRef, int] = {}  # may hold freed storages until the next prune
+        self.held = 0  # bytes in `live`: at least what is held now
         self.peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self.live = {ref: n for ref, n in self.live.items() if not ref.expired()}
         inputs = {StorageWeakRef(t.untyped_storage()) for t in _tensors([*args, *kwargs.values()])}
         for t in _tensors(out):
             ref = StorageWeakRef(t.untyped_storage())
-            if ref not in inputs:  # a view or an in-place result allocates nothing
-                self.live.setdefault(ref, t.untyped_storage().nbytes())
-        self.peak = max(self.peak, sum(self.live.values()))
+            if ref not in inputs and ref not in self.live:  # a view or an in-place result allocates nothing
+                self.live[ref] = t.untyped_storage().nbytes()
+                self.held += self.live[ref]
+        if self.held > self.peak:  # only then can what is held now exceed the peak: count it exactly
+            # (a weak reference keeps a freed storage's address from being reused, so keys never alias)
+            self.live = {ref: n for ref, n in self.live.items() if not ref.expired()}
+            self.held = sum(self.live.values())
+            self.peak = max(self.peak, self.held)
         return out
 
 

@@ -196,3 +196,15 @@ def test_graph_and_fused_rows_read_the_replayed_verify_cost_ratio():
     quick = {"mode": "fused", "verify_width": 17, "tokens_per_forward": 3.0, "wall_s": 1.0, "step_ms": 3.0}
     gpu_check.finish_row(quick, "fused", 1.5, {"eager": {17: 0.9}}, ar_step_ms=1.0)
     assert quick["ratio_timed"] == "eager" and quick["ceiling"] == pytest.approx(3.0 / 0.9)
+
+
+WHEELS_BYTES = 2 * 2**20  # .gpu-wheels/ with tools/gpu-wheels.txt's versions: 1.0 MB
+
+
+def test_the_tracked_tree_leaves_room_for_the_wheels_under_the_device_limit():
+    """The device call carries the working tree and .gpu-wheels/, 64 MiB in all: a results file that grows the
+    tracked tree past what the wheels leave would cost a rare GPU lease its call, so CI says so first."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    tracked = sum((ROOT / name).stat().st_size for name in os.fsdecode(listed).split("\0")
+                  if name and (ROOT / name).is_file())
+    assert tracked + WHEELS_BYTES <= 64 * 2**20, f"tracked tree {tracked / 2**20:.1f} MiB + wheels > 64 MiB"

@@ -33,7 +33,6 @@ def temp_prefix(path: Path) -> str:
 
 
 _WRITES = itertools.count()  # numbers this process's temporaries
-_UNIQUE_CHARS = 12  # what temp_name adds to temp_prefix: 6 digits of the number, 6 random hexadecimal digits
 
 
 def temp_name(path: Path) -> Path:
@@ -197,7 +196,7 @@ def check_fits(path: str | os.PathLike, what: str) -> None:
         except (OSError, ValueError, AttributeError):
             return default
     name_max, path_max = limit("PC_NAME_MAX", 255), limit("PC_PATH_MAX", 4096)
-    overhead = len(temp_prefix(path)) - len(path.name) + _UNIQUE_CHARS + len(TEMP_SUFFIX)
+    overhead = len(temp_name(path).name) - len(path.name)  # what the temporary's name adds (ASCII)
     for part in path.parts[1:]:
         longest = len(os.fsencode(part)) + (overhead if part == path.name else 0)
         if longest > name_max:

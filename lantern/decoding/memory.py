@@ -26,7 +26,8 @@ def step_workspace_bytes(images: int, cfg_rows: int, nodes: int, support: int, v
     """Bytes the sampling and acceptance of one step hold at once, beyond the verify logits, for B = `images`
     images of `cfg_rows` rows each (2 with classifier-free guidance), N = `nodes` verified nodes per image,
     K = `support` tokens after top-k (the vocabulary V when off), a relaxation over `relax_k` = k neighbours (0:
-    exact), drafting "none" (AR), "jacobi" (a chain window; `coupled`: MC-SJD's Gumbel noise) or "tree" (a
+    exact), drafting "none" (AR), "jacobi" (a window, `children` candidates a position where it branches;
+    `coupled`: MC-SJD's Gumbel noise) or "tree" (a
     drafter's tree of `children` children per parent, drafted `draft_width` nodes per drafter step), relaxation
     `form` "bounded" or "paper".
 
@@ -54,6 +55,8 @@ def step_workspace_bytes(images: int, cfg_rows: int, nodes: int, support: int, v
     total = guided + warp
     if drafting == "jacobi":
         total += lookup + 4 * b * n * k * FP32
+        if children > 1:  # a branching window: its candidates' ranking, and the siblings' test as a tree's
+            total += b * n * k * (FP32 + INT64) + 10 * b * n * k * FP32
         if coupled:
             total += b * n * v * (FP32 + INT64)
     elif drafting == "tree":
@@ -111,7 +114,7 @@ def predict_peak(dcfg, model_config, spec, weights_bytes: int, itemsize: int, im
     drafting = "none" if strategy is None else "jacobi" if dcfg.jacobi else "tree"
     relaxed = dcfg.acceptance != "exact"
     children = (dcfg.dynamic_top_k if dcfg.drafting == "dynamic" else strategy.tree.max_children
-                if drafting == "tree" else 1)
+                if drafting == "tree" else strategy.branching if drafting == "jacobi" else 1)
     workspace = step_workspace_bytes(images, rows, n, sampling.support_size(v), v, relax_k=dcfg.k if relaxed else 0,
                                      drafting=drafting, form=dcfg.form, children=children,
                                      draft_width=strategy.level_width if strategy is not None else 0,

@@ -5,9 +5,9 @@ drafts), lantern accepts the same tokens and draws its bonus token from the same
 The fixture (tests/golden/lantern_paper_rule.pt) was written by a recording script outside this repository that
 imports LANTERN's `EaModel` (transformers 4.x) and calls those two methods on small seeded trees over a random
 2-D codebook (LANTERN's `generate_codebook.py` neighbour order), recording the uniforms its `random.random()`
-returned, each with the (level, path, token) it tested; it holds
-inputs (tree, target and drafter logits, top-k, k, delta, the neighbour table) and outputs (accepted length and
-tokens, `sample_p`). lantern is fed the same uniforms at the same candidates; its bonus token is drawn by
+returned, each with the (level, path, token) it tested. It holds inputs (tree, target and drafter logits, top-k,
+k, delta, the neighbour table) and outputs (accepted length and tokens, `sample_p`); its `source` and
+`recorded_with` name LANTERN's commit and the versions. lantern is fed the same uniforms at the same candidates; its bonus token is drawn by
 Gumbel-max with known uniforms, so each of BONUS_DRAWS draws must be the one LANTERN's `sample_p` gives."""
 from pathlib import Path
 

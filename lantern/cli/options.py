@@ -58,7 +58,7 @@ def add_decode_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lam", type=number(float, 1), help="LANTERN++ bound, >= 1")
     g.add_argument("--relaxation", dest="form", choices=FORMS,
                    help="bounded (default: a fixed relaxed target per node, output within the recorded TV of the "
-                        "target) | paper (the published per-candidate rules, distortion not bounded by delta)")
+                        "target) | paper (LANTERN's own rule as its code runs it, distortion not bounded by delta)")
     g.add_argument("--batch", type=number(int, 1), help="images per static step (default 16): the engine's slots; "
                                                         "a finished image's slot takes the next image")
     add_sampling_options(g)

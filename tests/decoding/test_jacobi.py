@@ -255,6 +255,10 @@ def test_bad_inputs_name_the_value(flat):
         pipe.generate([0], DecodeConfig(drafting="jacobi", window=4))
     with pytest.raises(ValueError, match="needs a proximity table"):
         pipe.generate([0], method_preset("mc-sjd-relaxed", SamplingConfig(), window=2))
+    with pytest.raises(ValueError, match=r"branching 0 must be an integer >= 1"):
+        DecodeConfig(drafting="jacobi", branching=0)
+    with pytest.raises(ValueError, match=r"tail -1 must be an integer >= 0"):
+        DecodeConfig(drafting="jacobi", branching=2, tail=-1)
 
 
 def test_a_bundle_without_a_drafter_runs_jacobi_from_the_cli(tmp_path, capsys):
@@ -273,6 +277,12 @@ def test_a_bundle_without_a_drafter_runs_jacobi_from_the_cli(tmp_path, capsys):
     assert main(common + ["--method", "mc-sjd", "--window", "8"]) == 0
     jac = json.loads(capsys.readouterr().out)
     assert len(jac["tokens"][0]) == 256 and jac["target_forwards"] < 256 and jac["decode"]["window"] == 8
+    pac = ["--method", "mc-sjd-pac", "--window", "8", "--branching", "2", "--branch-depth", "2", "--tail", "1"]
+    assert main(common + pac) == 0
+    tree = json.loads(capsys.readouterr().out)
+    assert tree["tokens"] == jac["tokens"] and tree["decode"]["branching"] == 2  # greedy: AR's tokens, both
+    assert main(common + ["--branching", "2"]) == 2  # auto chooses the window's shape itself
+    assert "--branching" in capsys.readouterr().err
     assert main(common + ["--method", "lantern++"]) == 2
     assert "needs a drafter" in json.loads(capsys.readouterr().out)["error"]
 

@@ -4,6 +4,7 @@ for CFG) checked against a direct reimplementation of its rule, prompts -> PNGs 
 T5 input refused."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -152,6 +153,21 @@ def test_pipeline_takes_prompts(t2i_bundle, t5_dir):
 def test_a_t2i_bundle_asks_for_prompts(t2i_bundle, tmp_path, capsys):
     code, res = run(["generate", "--model", str(t2i_bundle), "--classes", "1", "--out", str(tmp_path / "o")], capsys)
     assert code == 2 and "text-to-image bundle: give --prompt" in res["error"] and not (tmp_path / "o").exists()
+
+
+def test_a_prompt_that_is_not_unicode_text_is_refused_on_every_face(t2i_bundle, t5_dir, tmp_path, capsys):
+    """A t2i bundle's --prompt holding a command line's byte that is not UTF-8 (os.fsdecode: U+DCFF) exits 2 naming
+    it before any work; the library's encoder refuses a lone surrogate with a ValueError."""
+    out_dir = tmp_path / "out"
+    code, res = run(["generate", "--model", str(t2i_bundle), "--prompt", "a cat", "--prompt",
+                     os.fsdecode(b"a red \xff cat"), "--t5", str(t5_dir), "--method", "ar", "--out", str(out_dir)],
+                    capsys)
+    assert code == 2 and res["error"] == ("--prompt number 2 is not valid Unicode text: character 7 is U+DCFF, a "
+                                          "lone surrogate (a command line's byte 0xFF, which is not UTF-8); allowed: "
+                                          "text that encodes as UTF-8")
+    assert not out_dir.exists()
+    with pytest.raises(ValueError, match=r"prompt number 2 is not valid Unicode text: character 1 is U\+D800"):
+        T5Conditioner(t5_dir).encode(["a cat", "\ud800 a cat"])
 
 
 @pytest.mark.parametrize("case", ["empty-file", "not-utf8", "no-t5", "t5-incomplete", "c2i-bundle"])

@@ -5,6 +5,7 @@ import copy
 import itertools
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -283,6 +284,27 @@ def test_prompt_and_method_misuse_exit_2(janus, capsys):
     assert main(["generate", "--model", folder, "--prompt", "a cat", "--t5", folder, "--method", "ar",
                  "--no-images"]) == 2  # --t5 is for LlamaGen t2i bundles
     assert "--t5" in capsys.readouterr().err
+
+
+def test_a_prompt_that_is_not_unicode_text_exits_2_naming_where(janus, tmp_path):
+    """`--prompt $'a red \\xff cat'`: argv's byte that is not UTF-8 reaches Python as a lone surrogate (U+DCFF); the
+    command refuses it before loading the model, naming the character, the byte and what is allowed; the library's
+    prompt_rows refuses a lone surrogate (a JSON string's "\\ud800") with a ValueError saying the same."""
+    import subprocess
+    import sys
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    done = subprocess.run([sys.executable, "-m", "lantern.cli", "generate", "--model", str(janus[0]), "--prompt",
+                           b"a red \xff cat", "--method", "ar", "--out", str(out)], capture_output=True, env=env,
+                          timeout=300)
+    err = done.stderr.decode(errors="replace")
+    assert done.returncode == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines() == ["lantern: error: --prompt number 1 is not valid Unicode text: character 7 is "
+                                        "U+DCFF, a lone surrogate (a command line's byte 0xFF, which is not UTF-8); "
+                                        "allowed: text that encodes as UTF-8"]
+    assert not out.exists()
+    with pytest.raises(ValueError, match=r"character 3 is U\+D800, a lone surrogate; 2 such characters in all"):
+        janus[2].prompt_rows("a \ud800 \udfff cat")
 
 
 def test_without_transformers_a_family_folder_exits_2_naming_the_extra(janus, monkeypatch, capsys):

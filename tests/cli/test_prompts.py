@@ -136,6 +136,18 @@ def llamagen_t2i_argmax(target, cond, emb_mask, tokens, cfg_scale):
     return guided[:, P - 1:P - 1 + L].argmax(-1), guided
 
 
+def test_num_images_makes_that_many_images_of_each_prompt(t2i_bundle, t5_dir, tmp_path, capsys):
+    """A t2i bundle's --num-images as a family folder's: N images of each prompt, each from its own seed."""
+    argv = ["generate", "--model", str(t2i_bundle), "--t5", str(t5_dir), "--method", "ar", "--scale", "1"]
+    code, out = run(argv + ["--prompt", "a red cat", "--prompt", "a dog", "--num-images", "2", "--seed", "3",
+                            "--out", str(tmp_path / "img")], capsys)
+    assert code == 0 and len(out["tokens"]) == 4 and len(set(out["seeds"])) == 4, out
+    assert [Path(p).name for p in out["image_paths"]] == [
+        f"{i:03d}_prompt{i // 2}_seed{s}.png" for i, s in enumerate(out["seeds"])]
+    code, alone = run(argv + ["--prompt", "a dog", "--seed", str(out["seeds"][3]), "--no-images"], capsys)
+    assert code == 0 and alone["tokens"] == [out["tokens"][3]]
+
+
 def test_pipeline_takes_prompts(t2i_bundle, t5_dir):
     from lantern.api import Pipeline
     from lantern.decoding.config import method_preset

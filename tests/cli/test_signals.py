@@ -1,7 +1,7 @@
 """SIGINT and SIGTERM at the moments of a `lantern` process that the work's own handler used not to cover
-(docs/reliability.md): amid the command's imports (its first second) and after its answer, on the way out. Each
-victim is held at its moment by tests/cli/paused_lantern.py and signalled there, so no test depends on speed. Each
-answers 130 or 143 with one line on stderr, no traceback, and whole output."""
+(docs/reliability.md): amid the command's imports (its first second), while its answer is written, and after it, on
+the way out. Each victim is held at its moment by tests/cli/paused_lantern.py and signalled there, so no test depends
+on speed. Each answers 130 or 143 with one line on stderr, no traceback, and whole output."""
 import json
 import os
 import signal
@@ -110,6 +110,28 @@ def test_a_signal_after_the_answer_ends_the_process_with_its_code_and_one_line(t
     for sig, victim in victims.items():
         check_answer(victim, sig)
         assert len(json.loads(victim.out_path.read_text())["tokens"]) == 1
+
+
+def test_a_signal_while_the_answer_is_written_waits_for_it_whole(monkeypatch, capsys):
+    """In process: a SIGTERM that comes while `lantern backends` prints its table waits until the table is whole,
+    then reaches the handler the caller had (in a process of its own: the exit at once, as above)."""
+    from lantern.cli import backends, main
+    printed, received = [], []
+
+    def show_with_a_signal_midway(out: dict) -> None:
+        print("first half")
+        printed.append("first half")
+        os.kill(os.getpid(), signal.SIGTERM)
+        print("second half")
+        printed.append("second half")
+    monkeypatch.setattr(backends, "print_backends", show_with_a_signal_midway)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(list(printed)))
+    try:
+        assert main(["backends"]) == 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert received == [["first half", "second half"]]
+    assert capsys.readouterr().out == "first half\nsecond half\n"
 
 
 def test_a_family_services_second_sigterm_after_its_drain_exits_143(tmp_path):

@@ -87,6 +87,7 @@ def bundle_dir(tmp_path_factory):
     return write_tiny_bundle(tmp_path_factory.mktemp("tiny-bundle"), drafter_too=False)
 
 
+@pytest.mark.slow
 def test_a_signal_amid_the_commands_imports_stops_it_with_its_code_and_one_line(tmp_path, bundle_dir):
     """Signalled while torch is being imported (before the command parsed its flags): 130 / 143, one line, and
     with --json the error's JSON object."""
@@ -100,6 +101,7 @@ def test_a_signal_amid_the_commands_imports_stops_it_with_its_code_and_one_line(
             "error": f"{NAMES[sig]}; stopped, nothing half-written", "exit_code": CODES[sig]}
 
 
+@pytest.mark.slow
 def test_a_signal_after_the_answer_ends_the_process_with_its_code_and_one_line(tmp_path, bundle_dir):
     """Signalled once the command is done and its JSON written, while the process ends: 130 / 143 with one line at
     once (not killed silently, not a KeyboardInterrupt in the interpreter's exit), the JSON whole."""
@@ -134,6 +136,7 @@ def test_a_signal_while_the_answer_is_written_waits_for_it_whole(monkeypatch, ca
     assert capsys.readouterr().out == "first half\nsecond half\n"
 
 
+@pytest.mark.slow
 def test_a_family_services_second_sigterm_after_its_drain_exits_143(tmp_path):
     """A Janus service drains on its first SIGTERM and its command ends (exit 0 to come); a second SIGTERM while
     the process ends is the documented second signal: 143 and one line, not a kill."""

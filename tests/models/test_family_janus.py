@@ -286,6 +286,7 @@ def test_prompt_and_method_misuse_exit_2(janus, capsys):
     assert "--t5" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_prompt_that_is_not_unicode_text_exits_2_naming_where(janus, tmp_path):
     """`--prompt $'a red \\xff cat'`: argv's byte that is not UTF-8 reaches Python as a lone surrogate (U+DCFF); the
     command refuses it before loading the model, naming the character, the byte and what is allowed; the library's

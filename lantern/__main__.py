@@ -1,6 +1,4 @@
 """`python -m lantern`: the `lantern` command."""
-import sys
+from lantern.cli import run
 
-from lantern.cli import main
-
-sys.exit(main())
+run()

@@ -24,8 +24,8 @@ from lantern.bundle import bundle_methods, sha256_file, verify_bundle
 from lantern.files.atomic_io import atomic_folder, check_writable
 from lantern.models.config import GPTConfig
 from lantern.models.llamagen import (SAMPLING, WEIGHT_SETS, infer_gpt_config, infer_vq_config, is_lantern_drafter,
-                              load_gpt, load_vq, read_lantern_drafter, read_llamagen_state, vq_state)
-from lantern.models.checkpoint import load_into, weights_hash
+                              load_gpt, load_vq, read_lantern_drafter, read_llamagen_state)
+from lantern.models.checkpoint import load_into, weights_hash, weights_only
 from lantern.models.drafter import Drafter, DrafterOptions
 from lantern.models.proximity import (CODEBOOK_PROXIMITIES, DEFAULT_K, build_proximity_table, compact_table,
                                proximity_vectors, read_npy_table)
@@ -71,7 +71,7 @@ def check_inputs(req: ImportRequest) -> Imported:
     if req.k < 1:
         raise ValueError(f"--proximity-k {req.k} must be >= 1")
     vq_raw = read_llamagen_state(req.vq, what="VQ checkpoint")
-    vq_weights, dropped = vq_state(vq_raw)
+    vq_weights, dropped = weights_only(vq_raw)
     vq_cfg = infer_vq_config(vq_weights, req.vq, req.image_size)
     vq = load_vq(vq_weights, vq_cfg, req.vq)
     gpt_state = read_llamagen_state(req.gpt, req.weights, what="GPT checkpoint")

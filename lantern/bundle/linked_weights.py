@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from lantern.files.reading import sha256_file
-from lantern.models.llamagen import GPT_IGNORED, read_llamagen_state, vq_state
+from lantern.models.checkpoint import weights_only
+from lantern.models.llamagen import read_llamagen_state
 
 
 def check_linked(linked: dict) -> list[str]:
@@ -31,9 +32,9 @@ def check_linked(linked: dict) -> list[str]:
 
 
 def read_linked(entry: dict, name: str) -> dict[str, torch.Tensor]:
-    """The state_dict of a linked LlamaGen file, minus what lantern's models do not hold (RoPE table, the VQ's
-    training-only buffers)."""
+    """The state_dict of a linked LlamaGen file, minus its buffers that are not weights (the RoPE table, the VQ's
+    codebook-usage counter)."""
     if entry.get("format") != "llamagen":
         raise ValueError(f"linked {name} weights have format {entry.get('format')!r}; allowed: 'llamagen'")
     state = read_llamagen_state(entry["path"], entry.get("weights", "model"), what=f"linked {name} checkpoint")
-    return vq_state(state)[0] if name == "vq" else {k: v for k, v in state.items() if k not in GPT_IGNORED}
+    return weights_only(state)[0]

@@ -15,10 +15,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import signal
 import sys
 import traceback
+from typing import NoReturn
 
-from lantern.cli.parsing import Parser, Stopped, UsageError, expected_failure, stopped_by_signals
+from lantern.cli.parsing import Parser, expected_failure
+from lantern.cli.signals import (Stopped, answer_until_exit, answering_signals, exit_with, raise_if_stopped,
+                                 writing_answer)
 from lantern.exit_codes import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_OK, EXIT_UNAVAILABLE
 
 # command -> (its module, its line in `lantern --help`), in the order `lantern --help` lists them
@@ -49,34 +53,57 @@ def build_parser(commands=None) -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """`lantern ARGV` in this process: the command's exit code, once its answer is written (its output, or the
+    error's line and, with --json, its JSON object). SIGINT and SIGTERM are answered meanwhile as
+    lantern.cli.signals says, and the handlers found are put back."""
     argv = sys.argv[1:] if argv is None else argv
+    with answering_signals():
+        return _command(argv)
+
+
+def run() -> NoReturn:
+    """The `lantern` process (its console script, `python -m lantern`, `python -m lantern.cli`): main() with
+    SIGINT and SIGTERM answered until the process ends (lantern.cli.signals)."""
+    answer_until_exit()
     try:
-        args = build_parser(argv[:1]).parse_args(argv)
-    except UsageError as e:
-        return _fail(str(e), EXIT_BAD_INPUT, "--json" in argv)
-    as_json = getattr(args, "json", False)
+        code = main()
+    except Stopped as e:  # a signal before main's own answering began
+        code = _fail(str(e), e.code, "--json" in sys.argv[1:])
+    except SystemExit as e:  # argparse's --help ends this way
+        code = e.code if isinstance(e.code, int) else EXIT_OK if e.code is None else EXIT_INTERNAL
+    exit_with(code)
+
+
+def _command(argv: list[str]) -> int:
+    args = None
     try:
-        with stopped_by_signals():
+        try:
+            args = build_parser(argv[:1]).parse_args(argv)  # imports the command's module: torch, for most
             out = args.func(args)
-    except Stopped as e:
-        return _fail(str(e), e.code, as_json)
-    except (ValueError, FileNotFoundError) as e:
-        return _fail(str(e), EXIT_BAD_INPUT, as_json)
-    except Exception as e:  # noqa: BLE001  anything else is our bug unless it is the machine's: say which
-        if backend_unavailable(e):
-            return _fail(str(e), EXIT_UNAVAILABLE, as_json)
-        expected = expected_failure(e, args)
-        if expected:
-            return _fail(expected, EXIT_BAD_INPUT, as_json)
-        traceback.print_exc()
-        return _fail(f"internal error: {e}", EXIT_INTERNAL, as_json)
-    if isinstance(out, int):  # the command printed its own output
-        return out
-    if as_json:
-        print(json.dumps(out))
-    else:
-        args.show(out)
-    return out.get("exit_code", EXIT_OK)
+            raise_if_stopped()
+        except (ValueError, FileNotFoundError) as e:
+            return _fail(str(e), EXIT_BAD_INPUT, _wants_json(args, argv))
+        except Exception as e:  # noqa: BLE001  anything else is our bug unless it is the machine's: say which
+            if backend_unavailable(e):
+                return _fail(str(e), EXIT_UNAVAILABLE, _wants_json(args, argv))
+            expected = expected_failure(e, args)
+            if expected:
+                return _fail(expected, EXIT_BAD_INPUT, _wants_json(args, argv))
+            return _fail(f"internal error: {e}", EXIT_INTERNAL, _wants_json(args, argv), trace=True)
+        code = out if isinstance(out, int) else out.get("exit_code", EXIT_OK)
+        with writing_answer(code):  # (an int: the command printed its own output)
+            if isinstance(out, dict) and args.json:
+                print(json.dumps(out))
+            elif isinstance(out, dict):
+                args.show(out)
+        return code
+    except (Stopped, KeyboardInterrupt) as e:  # while it worked, or before its answer began
+        stop = e if isinstance(e, Stopped) else Stopped(signal.SIGINT)  # KeyboardInterrupt: a library's own
+        return _fail(str(stop), stop.code, _wants_json(args, argv))
+
+
+def _wants_json(args, argv: list[str]) -> bool:
+    return getattr(args, "json", False) if args is not None else "--json" in argv
 
 
 def backend_unavailable(e: Exception) -> bool:
@@ -86,8 +113,13 @@ def backend_unavailable(e: Exception) -> bool:
     return base is not None and isinstance(e, base.BackendUnavailable)
 
 
-def _fail(message: str, code: int, as_json: bool) -> int:
-    if as_json:
-        print(json.dumps({"error": message, "exit_code": code}))
-    print(f"lantern: error: {message}", file=sys.stderr)
+def _fail(message: str, code: int, as_json: bool, trace: bool = False) -> int:
+    """Write a failed command's answer: its line on stderr (after the trace of an internal error) and, with
+    --json, its JSON object on stdout."""
+    with writing_answer(code):
+        if trace:
+            traceback.print_exc()
+        if as_json:
+            print(json.dumps({"error": message, "exit_code": code}))
+        print(f"lantern: error: {message}", file=sys.stderr)
     return code

@@ -23,9 +23,10 @@ from lantern.models.family import is_family_folder
 def add_arguments(g) -> None:
     g.add_argument("--model", help="bundle folder, or a transformers model folder of a supported family "
                                    "(docs/model-families.md) (default: the embedded model)")
-    g.add_argument("--classes", type=int, nargs="+", default=[0, 1, 2, 3], help="class ids, one image each")
+    g.add_argument("--classes", type=int, nargs="+", default=[0, 1, 2, 3],
+                   help="class ids, --num-images images each")
     g.add_argument("--num-images", type=number(int, 1), default=1,
-                   help="model-family folders: images per prompt (default 1)")
+                   help="images per class id or prompt, each from its own seed (default 1)")
     g.add_argument("--seed", type=number(int, *SEED_RANGE), default=0,
                    help="image i draws from its own seed derived from this one (image 0: this seed itself; the "
                         "JSON's 'seeds' and the file names give each): --seed <that> --classes <its class> "
@@ -67,21 +68,21 @@ def cmd_generate(args) -> dict:
         raise UsageError(f"{args.model} is a text-to-image bundle: give --prompt or --prompts-file (and --t5)")
     if prompts is None:
         check_classes(args.classes, bundle.target.config.num_classes)  # before auto measures anything
-    conditions = args.classes if prompts is None else encode_prompts(args, bundle, prompts)
+    each = args.num_images  # images per class id or prompt, one after another
+    classes = [c for c in args.classes for _ in range(each)]
+    conditions = classes if prompts is None else encode_prompts(args, bundle, prompts).repeat_interleave(each, 0)
     seeds = [derive_seed(args.seed, i) for i in range(len(conditions))]  # each image's own seed
     kind = "class" if prompts is None else "prompt"
+    labels = classes if prompts is None else [i // each for i in range(len(conditions))]  # its class, its prompt
     if not args.no_images:
-        names = image_names(kind, args.classes if prompts is None else range(len(seeds)), seeds)
-        check_outputs(Path(args.out), names, bundle.vq.config.image_size, args.scale)
+        check_outputs(Path(args.out), image_names(kind, labels, seeds), bundle.vq.config.image_size, args.scale)
     pipe = Pipeline.from_bundle(bundle, backend=args.backend, dtype=args.dtype, **options)
-    pipe, dcfg, batch, choice = decode_plan(args, bundle, pipe, len(conditions),
-                                            None if prompts else list(args.classes))
+    pipe, dcfg, batch, choice = decode_plan(args, bundle, pipe, len(conditions), None if prompts else classes)
     result = pipe.generate(conditions, dcfg, seed=args.seed, progress=not args.json, batch=batch)
     paths, grid = [], None
     if not args.no_images:
         images = bundle.decode_images(result.tokens)
-        paths, grid = save_images(images, Path(args.out), image_names(kind, result.conditions, seeds),
-                                  scale=args.scale)
+        paths, grid = save_images(images, Path(args.out), image_names(kind, labels, seeds), scale=args.scale)
     s = result.stats.summary()
     return {
         "backend": result.backend, "device": result.device, "dtype": result.dtype, "mode": args.method,

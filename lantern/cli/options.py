@@ -163,7 +163,7 @@ def decode_plan(args, bundle, pipe, n_images: int, classes: Optional[list[int]] 
 def add_prompt_options(p: argparse.ArgumentParser) -> None:
     """`--prompt ... / --prompts-file FILE --t5 PATH`: text-to-image from prompts (lantern.models.text)."""
     g = p.add_argument_group("text-to-image (t2i bundles)")
-    g.add_argument("--prompt", action="append", help="a prompt, one image each (repeatable); replaces --classes")
+    g.add_argument("--prompt", action="append", help="a prompt, --num-images images each (repeatable); replaces --classes")
     g.add_argument("--prompts-file", help="UTF-8 text file, one prompt a line (blank lines skipped)")
     g.add_argument("--t5", help="local T5 encoder folder (LlamaGen: flan-t5-xl; default: $LANTERN_T5); never "
                                 "downloaded")

@@ -2,7 +2,7 @@
 
 `number(...)` is an argparse `type` for bounded ints and finite floats; `Parser` reports a bad flag as a
 `UsageError` (exit code 2, one JSON object with --json) instead of exiting; each names the bad value and what is
-allowed. `stopped_by_signals` and `expected_failure` say how a command that did not finish ends. (Output locations
+allowed. `expected_failure` says how a command that failed ends (a signal: lantern.cli.signals). (Output locations
 that cannot be written are found by lantern.files.atomic_io.check_writable.) Nothing here imports torch, so
 `lantern --help` stays quick.
 """
@@ -11,10 +11,7 @@ from __future__ import annotations
 import argparse
 import errno
 import math
-import signal
 import sys
-import threading
-from contextlib import contextmanager
 from typing import Callable
 
 
@@ -58,40 +55,6 @@ def number(kind: type = float, low=None, high=None, low_open: bool = False) -> C
 
     parse.__name__ = allowed  # what argparse names in its own messages
     return parse
-
-
-class Stopped(BaseException):
-    """Ctrl-C (SIGINT) or SIGTERM: the command stops where it is; its writes are atomic, so nothing it leaves is
-    half a file. code: 128 + the signal's number, the shell's convention."""
-
-    def __init__(self, message: str, code: int):
-        super().__init__(message)
-        self.code = code
-
-
-@contextmanager
-def stopped_by_signals():
-    """Within: SIGINT and SIGTERM raise Stopped (in the main thread; elsewhere nothing changes)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    names = {signal.SIGINT: "interrupted (Ctrl-C)", signal.SIGTERM: "terminated (SIGTERM)"}
-
-    received = []
-
-    def stop(signum, frame):
-        received.append(signum)
-        raise Stopped(f"{names[signum]}; stopped, nothing half-written", 128 + signum)
-    previous = {sig: signal.signal(sig, stop) for sig in names}
-    try:
-        yield
-        if received:  # a library caught the Stopped the signal raised (a bare except): the command still stops
-            raise Stopped(f"{names[received[0]]}; stopped, nothing half-written", 128 + received[0])
-    except KeyboardInterrupt:  # a SIGINT delivered before the handler was installed, or re-raised by a library
-        raise Stopped(f"{names[signal.SIGINT]}; stopped, nothing half-written", 128 + signal.SIGINT) from None
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 FLAGS_FOR_MEMORY = {"generate": "--batch (images per step), fewer --classes or a smaller --scale",

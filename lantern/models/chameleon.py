@@ -27,6 +27,7 @@ from lantern.files.reading import read_json_object
 from lantern.models.folders import FolderInfo, folder_identity, load_pretrained, load_tokenizer, read_config
 from lantern.models.language_model import STATIC_ROPE, LanguageModelTarget, PromptShape
 from lantern.models.padding import left_padded, unpadded_positions
+from lantern.models.prompt_text import check_prompt
 from lantern.models.proximity import DEFAULT_K, build_proximity_table, index_dtype, read_npy_table
 from lantern.models.vqgan import check_vqgan_folder, load_vqgan, vq_files
 
@@ -247,10 +248,9 @@ class ChameleonFamily:
 
     def prompt_rows(self, prompt: str, length: Optional[int] = None) -> torch.Tensor:
         """A prompt's condition row (1, P): `<s>`, the prompt's tokens, end of turn, begin image (Anole's layout);
-        with `length`, left-padded with `<pad>` to (1, length), which the target hides (ValueError if longer)."""
-        if not prompt.strip():
-            raise ValueError("the prompt is empty")
-        text = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        with `length`, left-padded with `<pad>` to (1, length), which the target hides (ValueError if longer, or if
+        the prompt is not text: lantern.models.prompt_text)."""
+        text = list(self.tokenizer(check_prompt(prompt), add_special_tokens=False)["input_ids"])
         row = torch.tensor([[self.ids["bos"], *text, self.ids["eot"], self.ids["boi"]]], dtype=torch.long)
         return row if length is None else left_padded(row, length, self.ids["pad"])
 

@@ -1,11 +1,13 @@
 """Loading and saving LlamaGen-format checkpoints (state_dict keys as LlamaGen names them).
 
 Accepted files: LlamaGen's .pt/.pth (a dict with the weights under "model", "module" or "state_dict", or
-the bare state_dict) and .safetensors. Prefixes left by DDP (`module.`) and torch.compile (`_orig_mod.`)
-are stripped; LlamaGen's non-weight `freqs_cis` buffer is ignored.
+the bare state_dict, beside LlamaGen's saved `args`) and .safetensors. Prefixes left by DDP (`module.`) and
+torch.compile (`_orig_mod.`) are stripped; LlamaGen's buffers that are not weights (NOT_WEIGHTS) are left out here
+and by every other reader of LlamaGen's files (lantern.models.llamagen, the bundle import and its linked weights).
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import pickle
@@ -21,7 +23,10 @@ from lantern.files.reading import read_json_object
 
 WRAPPER_KEYS = ("model", "module", "state_dict")
 STRIP_PREFIXES = ("module.", "_orig_mod.")
-IGNORED_KEYS = ("freqs_cis",)
+# LlamaGen's buffers that are not weights: the GPT's RoPE table (recomputed from the config) and the VQ's
+# codebook-usage counter (a training statistic)
+NOT_WEIGHTS = ("freqs_cis", "quantize.codebook_used")
+LLAMAGEN_OBJECTS = (argparse.Namespace,)  # what LlamaGen's training saves beside the weights: its args
 
 
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
@@ -34,26 +39,31 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         except Exception as e:  # noqa: BLE001  safetensors raises its own error types for a damaged header
             raise ValueError(f"checkpoint {path} is not a readable safetensors file ({type(e).__name__})") from None
     else:
-        sd = load_tensors_file(path)
+        sd = load_tensors_file(path, allowed=LLAMAGEN_OBJECTS)
         for key in WRAPPER_KEYS:
             if isinstance(sd, dict) and key in sd and isinstance(sd[key], dict):
                 sd = sd[key]
                 break
     if not isinstance(sd, dict):
         raise ValueError(f"checkpoint {path} holds a {type(sd).__name__}, not a state_dict")
-    return stripped(sd, IGNORED_KEYS)
+    return weights_only(stripped(sd))[0]
 
 
-def stripped(state: dict, ignored: tuple = ()) -> dict[str, torch.Tensor]:
-    """A state_dict's keys without the prefixes DDP and torch.compile add, the `ignored` keys left out."""
+def stripped(state: dict) -> dict[str, torch.Tensor]:
+    """A state_dict's keys without the prefixes DDP and torch.compile add."""
     out = {}
     for k, v in state.items():
         for prefix in STRIP_PREFIXES:
             if k.startswith(prefix):
                 k = k[len(prefix):]
-        if k not in ignored:
-            out[k] = v
+        out[k] = v
     return out
+
+
+def weights_only(state: dict) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """A LlamaGen state_dict without its buffers that are not weights (NOT_WEIGHTS) -> (weights, names left out)."""
+    left_out = sorted(k for k in state if k in NOT_WEIGHTS)
+    return {k: v for k, v in state.items() if k not in NOT_WEIGHTS}, left_out
 
 
 def load_tensors_file(path: Path, what: str = "checkpoint", allowed: tuple = (), mmap: bool = False):

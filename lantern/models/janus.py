@@ -25,6 +25,7 @@ from torch import nn
 from lantern.models.folders import FolderInfo, folder_identity, load_pretrained, load_tokenizer, read_config
 from lantern.models.language_model import STATIC_ROPE, LanguageModelTarget, PromptShape
 from lantern.models.padding import left_padded, unpadded_positions
+from lantern.models.prompt_text import check_prompt
 
 
 class JanusTarget(LanguageModelTarget):
@@ -148,10 +149,8 @@ class JanusFamily:
     def prompt_rows(self, prompt: str, length: Optional[int] = None) -> torch.Tensor:
         """A prompt's condition row (1, P): BOS, the prompt's tokens, BOI (Janus's processor in image mode); with
         `length`, left-padded with the pad token to (1, length), for `target(length, padded=True)` (ValueError if
-        longer)."""
-        if not prompt.strip():
-            raise ValueError("the prompt is empty")
-        ids = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        longer, or if the prompt is not text: lantern.models.prompt_text)."""
+        ids = list(self.tokenizer(check_prompt(prompt), add_special_tokens=False)["input_ids"])
         row = torch.tensor([[self.bos, *ids, self.boi]], dtype=torch.long)
         return row if length is None else left_padded(row, length, self.pad)
 

@@ -6,7 +6,6 @@ expected; nothing here writes (lantern.bundle.from_llamagen does).
 """
 from __future__ import annotations
 
-import argparse
 import re
 from pathlib import Path
 from typing import Optional
@@ -15,7 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from lantern.models.config import GPTConfig
-from lantern.models.checkpoint import WRAPPER_KEYS, check_drafter_folder, load_into, load_tensors_file, stripped
+from lantern.models.checkpoint import (LLAMAGEN_OBJECTS, WRAPPER_KEYS, check_drafter_folder, load_into,
+                                      load_tensors_file, stripped, weights_only)
 from lantern.models.drafter import Drafter, DrafterOptions
 from lantern.models.gpt import GPT
 from lantern.models.vq import VQConfig, VQModel
@@ -26,8 +26,6 @@ LLAMAGEN_GPT_SIZES: dict[str, tuple[int, int, int]] = {
     "GPT-XXXL": (48, 40, 2560), "GPT-1B": (22, 32, 2048), "GPT-3B": (24, 32, 3200), "GPT-7B": (32, 32, 4096),
 }
 WEIGHT_SETS = ("model", "ema")  # which weights of a training checkpoint: the trained ones or their EMA
-GPT_IGNORED = ("freqs_cis",)  # LlamaGen's RoPE table: recomputed, not a weight
-VQ_TRAINING_ONLY = ("quantize.codebook_used",)  # LlamaGen's codebook-usage counter: a training statistic
 # LlamaGen's sampling defaults (sample_c2i.py / sample_t2i.py)
 SAMPLING = {"c2i": {"cfg_scale": 4.0, "temperature": 1.0, "top_k": 2000, "top_p": 1.0},
             "t2i": {"cfg_scale": 7.5, "temperature": 1.0, "top_k": 1000, "top_p": 1.0}}
@@ -49,7 +47,7 @@ def read_llamagen_state(path: str | Path, weights: str = "model", what: str = "c
             return stripped(load_file(str(path)))
         except Exception as e:  # noqa: BLE001  a damaged file is bad input
             raise ValueError(f"{what} {path} is not a readable safetensors file: {e}") from None
-    raw = load_tensors_file(path, what, allowed=(argparse.Namespace,), mmap=True)  # LlamaGen saves its args
+    raw = load_tensors_file(path, what, allowed=LLAMAGEN_OBJECTS, mmap=True)
     if isinstance(raw, dict) and weights == "ema":
         if not isinstance(raw.get("ema"), dict):
             raise ValueError(f"{what} {path} has no 'ema' weights; its top-level keys are {sorted(raw)[:8]}")
@@ -136,14 +134,8 @@ def gpt_config(path: Path, **fields) -> GPTConfig:
 
 def load_gpt(state: dict, cfg: GPTConfig, path: Path) -> GPT:
     model = GPT(cfg)
-    load_into(model, {k: v for k, v in state.items() if k not in GPT_IGNORED}, f"GPT checkpoint {path}")
+    load_into(model, weights_only(state)[0], f"GPT checkpoint {path}")
     return model.eval()
-
-
-def vq_state(state: dict) -> tuple[dict, list[str]]:
-    """LlamaGen's VQ state_dict minus its training-only buffers -> (state, names dropped)."""
-    dropped = sorted(k for k in state if k in VQ_TRAINING_ONLY)
-    return {k: v for k, v in state.items() if k not in VQ_TRAINING_ONLY}, dropped
 
 
 def infer_vq_config(state: dict, path: Path, image_size: int) -> VQConfig:

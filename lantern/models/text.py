@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 import torch
 
 from lantern.extras import require
+from lantern.models.prompt_text import check_prompt
 
 T5_ENV = "LANTERN_T5"
 MAX_TOKENS = 120  # LlamaGen's t5_feature_max_len (its GPTs' cls_token_num)
@@ -137,6 +138,8 @@ class T5Conditioner:
     def encode(self, prompts: Sequence[str], batch: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
         """prompts -> (caption condition (n, max_tokens, C) float32, mask (n, max_tokens) bool), LlamaGen's layout;
         encoded `batch` prompts at a time."""
+        for i, prompt in enumerate(prompts):
+            check_prompt(prompt, f"prompt number {i + 1}")
         conds, masks = [], []
         for start in range(0, len(prompts), batch):
             texts = [clean_caption(p) for p in prompts[start:start + batch]]
@@ -161,11 +164,9 @@ def supports_bf16(device: torch.device) -> bool:
 
 
 def read_prompts(prompts: Sequence[str] | None, prompts_file: Optional[str | Path]) -> list[str]:
-    """--prompt (repeatable) and --prompts-file (UTF-8, one prompt a line, blank lines skipped), in that order."""
-    out = [p for p in (prompts or [])]
-    for i, p in enumerate(out):
-        if not p.strip():
-            raise ValueError(f"--prompt number {i + 1} is empty")
+    """--prompt (repeatable) and --prompts-file (UTF-8, one prompt a line, blank lines skipped), in that order;
+    each --prompt checked by check_prompt (a file's lines are UTF-8 already)."""
+    out = [check_prompt(p, f"--prompt number {i + 1}") for i, p in enumerate(prompts or [])]
     if prompts_file is not None:
         path = Path(prompts_file)
         if not path.is_file():

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from lantern.engine.seeds import is_seed, seed_refusal
+from lantern.models.prompt_text import check_prompt
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "cfg_scale")
 FIELDS = ("prompt", "n", "response_format", "size", "model", "user", "class_id", "seed", "method", *SAMPLING_FIELDS,
@@ -125,11 +126,12 @@ def parse_request(body: object, info: ModelInfo, default_timeout_s: float) -> Im
         if prompt is None or not prompt.strip():
             raise RequestError("prompt", f"a text-to-image model needs a prompt; got {shown(prompt)}; allowed: a "
                                          f"non-empty string")
-        if info.prompt_row is not None:
-            try:
+        try:
+            check_prompt(prompt)
+            if info.prompt_row is not None:
                 prompt_ids = tuple(info.prompt_row(prompt))
-            except ValueError as e:
-                raise RequestError("prompt", f"prompt {shown(prompt)} is not allowed: {e}") from None
+        except ValueError as e:
+            raise RequestError("prompt", f"prompt {shown(prompt)} is not allowed: {e}") from None
         condition = prompt
     else:
         condition = class_id = _integer(body, "class_id", 0, info.num_classes - 1)

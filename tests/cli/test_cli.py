@@ -42,6 +42,28 @@ def test_speculative_generate_reports_acceptance(tmp_path, capsys):
     assert ar["tokens"] == out["tokens"]  # greedy + exact acceptance is lossless
 
 
+@pytest.fixture(scope="module")
+def tiny_bundle(tmp_path_factory):
+    from tiny_bundle import write_tiny_bundle
+    return write_tiny_bundle(tmp_path_factory.mktemp("tiny-bundle"), drafter_too=False)
+
+
+def test_num_images_makes_that_many_images_of_each_class(tiny_bundle, tmp_path, capsys):
+    """--num-images N: N images of each class id, one after another, each from its own seed (docs/engine.md), so
+    `--seed <its seed> --classes <its class>` reproduces any one of them alone."""
+    from lantern.cli import main
+    out_dir = tmp_path / "out"
+    argv = ["generate", "--model", str(tiny_bundle), "--method", "ar", "--scale", "1", "--json"]
+    assert main(argv + ["--classes", "3", "1", "--num-images", "3", "--seed", "5", "--out", str(out_dir)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["classes"] == [3, 3, 3, 1, 1, 1] and len(out["tokens"]) == 6 and len(set(out["seeds"])) == 6
+    assert [os.path.basename(p) for p in out["image_paths"]] == [
+        f"{i:03d}_class{c}_seed{s}.png" for i, (c, s) in enumerate(zip(out["classes"], out["seeds"]))]
+    assert all(os.path.isfile(p) for p in out["image_paths"])
+    assert main(argv + ["--classes", "1", "--seed", str(out["seeds"][4]), "--no-images"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == [out["tokens"][4]]
+
+
 @pytest.mark.parametrize("args, code, message", [
     (["--classes", "12"], 2, "class id 12 is out of range; allowed: integers 0..9"),
     (["--method", "lantern++", "--k", "5000"], 2, "k 5000 exceeds the proximity table"),

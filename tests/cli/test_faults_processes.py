@@ -223,14 +223,32 @@ def test_stopped_export_leaves_whole_graphs(tmp_path):
 
 def test_a_signal_a_library_swallowed_still_stops_the_command():
     """SIGINT raises Stopped where the main thread is; a library that catches everything (a bare except) there
-    must not turn the stop into a success: the command still ends Stopped, 130, once its block is done."""
+    must not turn the stop into a success: the command still ends Stopped, 130, once its work is done."""
     import os
 
-    from lantern.cli.parsing import Stopped, stopped_by_signals
-    with pytest.raises(Stopped) as stop, stopped_by_signals():
+    from lantern.cli.signals import Stopped, answering_signals, raise_if_stopped
+    with pytest.raises(Stopped) as stop, answering_signals():
         try:
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(1)  # the handler runs here
         except BaseException:  # noqa: BLE001  the library's bare except, as some do
             pass
+        raise_if_stopped()
     assert stop.value.code == 130 and "interrupted (Ctrl-C)" in str(stop.value)
+
+
+def test_a_second_signal_while_a_stop_unwinds_lets_the_clean_up_finish():
+    """Ctrl-C, then SIGTERM while the stop unwinds (amid a clean-up, such as a temporary's removal): the clean-up
+    completes and the command ends with the first signal's stop."""
+    import os
+
+    from lantern.cli.signals import Stopped, answering_signals
+    cleaned = []
+    with pytest.raises(Stopped) as stop, answering_signals():
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the handler runs here
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+            cleaned.append("done")
+    assert cleaned == ["done"] and stop.value.code == 130

@@ -4,6 +4,7 @@ for CFG) checked against a direct reimplementation of its rule, prompts -> PNGs 
 T5 input refused."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,18 @@ def llamagen_t2i_argmax(target, cond, emb_mask, tokens, cfg_scale):
     return guided[:, P - 1:P - 1 + L].argmax(-1), guided
 
 
+def test_num_images_makes_that_many_images_of_each_prompt(t2i_bundle, t5_dir, tmp_path, capsys):
+    """A t2i bundle's --num-images as a family folder's: N images of each prompt, each from its own seed."""
+    argv = ["generate", "--model", str(t2i_bundle), "--t5", str(t5_dir), "--method", "ar", "--scale", "1"]
+    code, out = run(argv + ["--prompt", "a red cat", "--prompt", "a dog", "--num-images", "2", "--seed", "3",
+                            "--out", str(tmp_path / "img")], capsys)
+    assert code == 0 and len(out["tokens"]) == 4 and len(set(out["seeds"])) == 4, out
+    assert [Path(p).name for p in out["image_paths"]] == [
+        f"{i:03d}_prompt{i // 2}_seed{s}.png" for i, s in enumerate(out["seeds"])]
+    code, alone = run(argv + ["--prompt", "a dog", "--seed", str(out["seeds"][3]), "--no-images"], capsys)
+    assert code == 0 and alone["tokens"] == [out["tokens"][3]]
+
+
 def test_pipeline_takes_prompts(t2i_bundle, t5_dir):
     from lantern.api import Pipeline
     from lantern.decoding.config import method_preset
@@ -152,6 +165,21 @@ def test_pipeline_takes_prompts(t2i_bundle, t5_dir):
 def test_a_t2i_bundle_asks_for_prompts(t2i_bundle, tmp_path, capsys):
     code, res = run(["generate", "--model", str(t2i_bundle), "--classes", "1", "--out", str(tmp_path / "o")], capsys)
     assert code == 2 and "text-to-image bundle: give --prompt" in res["error"] and not (tmp_path / "o").exists()
+
+
+def test_a_prompt_that_is_not_unicode_text_is_refused_on_every_face(t2i_bundle, t5_dir, tmp_path, capsys):
+    """A t2i bundle's --prompt holding a command line's byte that is not UTF-8 (os.fsdecode: U+DCFF) exits 2 naming
+    it before any work; the library's encoder refuses a lone surrogate with a ValueError."""
+    out_dir = tmp_path / "out"
+    code, res = run(["generate", "--model", str(t2i_bundle), "--prompt", "a cat", "--prompt",
+                     os.fsdecode(b"a red \xff cat"), "--t5", str(t5_dir), "--method", "ar", "--out", str(out_dir)],
+                    capsys)
+    assert code == 2 and res["error"] == ("--prompt number 2 is not valid Unicode text: character 7 is U+DCFF, a "
+                                          "lone surrogate (a command line's byte 0xFF, which is not UTF-8); allowed: "
+                                          "text that encodes as UTF-8")
+    assert not out_dir.exists()
+    with pytest.raises(ValueError, match=r"prompt number 2 is not valid Unicode text: character 1 is U\+D800"):
+        T5Conditioner(t5_dir).encode(["a cat", "\ud800 a cat"])
 
 
 @pytest.mark.parametrize("case", ["empty-file", "not-utf8", "no-t5", "t5-incomplete", "c2i-bundle"])

@@ -93,6 +93,11 @@ def test_prompt_rows_and_the_unconditional_row(anole):
     assert target.prefix_visible(rows).all()
 
 
+def test_a_prompt_that_is_not_unicode_text_is_refused_naming_where(anole):
+    with pytest.raises(ValueError, match=r"the prompt is not valid Unicode text: character 7 is U\+D800"):
+        anole[2].prompt_rows("a red \ud800 cat")
+
+
 def test_codes_map_to_the_image_tokens_of_the_vocabulary(anole):
     _, _, family = anole
     names = {v: k for k, v in family.model.config.vocabulary_map.items()}

@@ -5,6 +5,7 @@ import copy
 import itertools
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -294,6 +295,28 @@ def test_a_prompt_past_the_models_positions_exits_2_naming_the_longest_allowed(j
     assert code == 2, err
     assert "prompt 1 ('cat cat" in err and "252 tokens) is not allowed" in err, err
     assert "the model has 256 (max_position_embeddings in config.json); allowed: at most 240 tokens" in err, err
+
+
+@pytest.mark.slow
+def test_a_prompt_that_is_not_unicode_text_exits_2_naming_where(janus, tmp_path):
+    """`--prompt $'a red \\xff cat'`: argv's byte that is not UTF-8 reaches Python as a lone surrogate (U+DCFF); the
+    command refuses it before loading the model, naming the character, the byte and what is allowed; the library's
+    prompt_rows refuses a lone surrogate (a JSON string's "\\ud800") with a ValueError saying the same."""
+    import subprocess
+    import sys
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    done = subprocess.run([sys.executable, "-m", "lantern.cli", "generate", "--model", str(janus[0]), "--prompt",
+                           b"a red \xff cat", "--method", "ar", "--out", str(out)], capture_output=True, env=env,
+                          timeout=300)
+    err = done.stderr.decode(errors="replace")
+    assert done.returncode == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines() == ["lantern: error: --prompt number 1 is not valid Unicode text: character 7 is "
+                                        "U+DCFF, a lone surrogate (a command line's byte 0xFF, which is not UTF-8); "
+                                        "allowed: text that encodes as UTF-8"]
+    assert not out.exists()
+    with pytest.raises(ValueError, match=r"character 3 is U\+D800, a lone surrogate; 2 such characters in all"):
+        janus[2].prompt_rows("a \ud800 \udfff cat")
 
 
 def test_without_transformers_a_family_folder_exits_2_naming_the_extra(janus, monkeypatch, capsys):

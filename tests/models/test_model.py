@@ -130,6 +130,27 @@ def test_checkpoint_wrappers_and_prefixes_are_accepted(tiny, tmp_path):
         target.state_dict())
 
 
+@pytest.mark.parametrize("form", ["released", "training"])
+@pytest.mark.parametrize("kind", ["gpt", "vq"])
+def test_llamagen_checkpoints_load_as_llamagen_saves_them(kind, form, tmp_path):
+    """LlamaGen's GPT and VQ files as its training writes them (tests/llamagen_files.py: the RoPE table, the VQ's
+    codebook-usage counter, the saved args) and as released ({"model": ...} alone): load_checkpoint loads every
+    weight and leaves the buffers that are not weights out."""
+    import llamagen_files
+    from lantern.models.vq import VQModel
+    path = tmp_path / f"{kind}.pt"
+    write, model = {"gpt": (llamagen_files.write_gpt, lambda: GPT(llamagen_files.GPT_TINY)),
+                    "vq": (llamagen_files.write_vq, lambda: VQModel(llamagen_files.VQ16_TINY))}[kind]
+    write(path)
+    saved = torch.load(path, weights_only=False)["model"]  # the test's own file, args and all
+    assert {"gpt": "freqs_cis", "vq": "quantize.codebook_used"}[kind] in saved
+    if form == "released":
+        torch.save({"model": saved}, path)
+    loaded = load_checkpoint(model(), path).state_dict()
+    assert set(loaded) == set(saved) - {"freqs_cis", "quantize.codebook_used"}
+    assert all(torch.equal(loaded[k], saved[k]) for k in loaded)
+
+
 def test_checkpoint_that_does_not_match_the_config_is_refused(tiny, tmp_path):
     target, _, _ = tiny
     save_checkpoint(target, tmp_path / "gpt.pt")

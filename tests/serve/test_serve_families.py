@@ -145,6 +145,16 @@ def test_bad_fields_get_422_naming_them_on_a_family_service(served_janus, body, 
     assert err["param"] == field and allowed in err["message"], err
 
 
+def test_a_prompt_that_is_not_unicode_text_gets_422_naming_where(served_janus):
+    """A JSON string may hold a lone surrogate, which no tokenizer reads: 422 naming the field and the character."""
+    r = httpx.post(f"{served_janus.url}/v1/images/generations", content=b'{"prompt": "a red \\ud800 cat"}',
+                   headers={"content-type": "application/json"}, timeout=WAIT_S)
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert err["param"] == "prompt" and "character 7 is U+D800, a lone surrogate" in err["message"], err
+    assert "allowed: text that encodes as UTF-8" in err["message"]
+
+
 def test_an_oversized_prompt_is_refused_before_admission(served_chameleon):
     r = generate(served_chameleon.url, prompt=" ".join(["the blue dog on the mat"] * 3))
     assert r.status_code == 422 and r.json()["error"]["param"] == "prompt"

@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("uvicorn")
 pytest.importorskip("transformers", reason="the t2i extra (transformers) is not installed")
+import httpx  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from lantern.serve.config import ServeConfig  # noqa: E402
@@ -62,6 +63,13 @@ def test_prompts_are_served_with_the_librarys_image_for_each_prompt_and_seed(ser
 def test_a_t2i_service_refuses_a_class_or_an_empty_prompt(served_t2i, body, field):
     r = generate(served_t2i.url, **body)
     assert r.status_code == 422 and r.json()["error"]["param"] == field
+
+
+def test_a_t2i_service_refuses_a_prompt_that_is_not_unicode_text(served_t2i):
+    r = httpx.post(f"{served_t2i.url}/v1/images/generations", content=b'{"prompt": "\\udcff a cat"}',
+                   headers={"content-type": "application/json"}, timeout=WAIT_S)
+    assert r.status_code == 422 and r.json()["error"]["param"] == "prompt", r.text
+    assert "character 1 is U+DCFF, a lone surrogate" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("case", ["missing", "incomplete", "unset"])

@@ -1,0 +1,47 @@
+"""`python paused_lantern.py PAUSE ARGS...`: `python -m lantern.cli ARGS...` held at one point of its life, so a test
+signals it exactly there (tests/cli/test_signals.py) whatever the machine's speed. It writes `paused at PAUSE` on
+stderr once it waits there. PAUSE:
+
+    import:MODULE   the first import of MODULE (import:torch: amid the command's own imports, its first second)
+    exit            the command done, the interpreter ending the process (a thread the exit waits for holds it)
+"""
+import runpy
+import sys
+import threading
+import time
+
+HOLD_S = 3600  # far longer than any test waits: the signal the test sends ends the hold
+
+
+def say_paused(where: str) -> None:
+    sys.stderr.write(f"paused at {where}\n")
+    sys.stderr.flush()
+
+
+def pause_at_import(module: str) -> None:
+    paused = []
+
+    def hook(event: str, args: tuple) -> None:
+        if event == "import" and args[0] == module and not paused:
+            paused.append(module)
+            say_paused(f"import:{module}")
+            time.sleep(HOLD_S)  # in the main thread: the signal's handler runs here
+    sys.addaudithook(hook)
+
+
+def pause_at_exit() -> None:
+    def hold() -> None:
+        threading.main_thread().join()  # returns once the interpreter's exit has begun
+        say_paused("exit")
+        time.sleep(HOLD_S)  # a thread that is no daemon: the exit waits for it
+    threading.Thread(target=hold, name="paused-at-exit").start()
+
+
+if __name__ == "__main__":
+    pause, args = sys.argv[1], sys.argv[2:]
+    if pause == "exit":
+        pause_at_exit()
+    else:
+        pause_at_import(pause.removeprefix("import:"))
+    sys.argv = ["lantern", *args]
+    runpy.run_module("lantern.cli", run_name="__main__", alter_sys=True)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -250,11 +250,9 @@ def _rule(p: Support, cand: torch.Tensor, cvalid: torch.Tensor, q: Optional[Supp
 
 
 def accept(p_nodes, tree: DraftedTree, rule: Acceptance, greedy: bool, generator: Draws,
-           vocab: int, bonus_noise: Optional[Callable[[Support, torch.Tensor], torch.Tensor]] = None) -> StepAcceptance:
+           vocab: int) -> StepAcceptance:
     """p_nodes: the target's (guided, warped) distribution after every node, anything with `.index(idx (B, M))
-    -> Support (B, M, K)`: a Support (B, N, K), or GuidedLogits that warp only the nodes read.
-    bonus_noise(dist (B, 1, K), accepted (B,)) -> (B, 1, K): the Gumbel noise the bonus is drawn with,
-    argmax(log dist + noise) (it must be independent of everything the walk read); None: fresh noise."""
+    -> Support (B, M, K)`: a Support (B, N, K), or GuidedLogits that warp only the nodes read."""
     b, n = tree.tokens.shape
     dev = tree.tokens.device
     parents = tree.parents.expand(b, -1)
@@ -275,11 +273,7 @@ def accept(p_nodes, tree: DraftedTree, rule: Acceptance, greedy: bool, generator
     end, at_final = last.rejected(final_row.clamp_min(0)), p_nodes.index(final)
     has_row = (final_row >= 0)[..., None]
     bonus_dist = Support(torch.where(has_row, end.probs, at_final.probs), torch.where(has_row, end.ids, at_final.ids))
-    if bonus_noise is None or greedy:
-        bonus = draw(bonus_dist, greedy, generator)[:, 0]
-    else:  # Gumbel-max with the given noise: exact
-        pick = (bonus_dist.probs.log() + bonus_noise(bonus_dist, accepted)).argmax(-1)
-        bonus = bonus_dist.ids.gather(-1, pick[..., None])[:, 0, 0]
+    bonus = draw(bonus_dist, greedy, generator)[:, 0]
 
     depths = torch.arange(max_depth, device=dev)
     tried = (depths[None] <= accepted[:, None]) & _at_nodes(parents, cvalid.any(-1), path[:, :max_depth], False)

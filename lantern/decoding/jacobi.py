@@ -38,37 +38,16 @@ def redraw(q: Support, noise: Optional[torch.Tensor], greedy: bool, generator: D
 
 
 class CoupledNoise:
-    """MC-SJD's noise G(image, position, token), one Gumbel each, fixed while the position is in the window.
-    Only the tokens of a position's support are ever read, so G(., pos, token) is drawn the first time the
-    token is in the support at that position and kept from then on; drawn later or up front, it is the same
-    independent Gumbel. Kept in a ring of L slots (slot = position mod L: a window's L positions are
-    consecutive) with the position each value was drawn for, so a step touches (B, L, K) values, not (B, L, V)."""
+    """MC-SJD's noise G(image, position, token): one Gumbel each, a pure function of the image's seed, the position
+    and the token (the engine's keyed draws, lantern.engine.draws), so it reads the same whenever and by whichever
+    node it is read, for the image's whole life, and nothing is kept. Only the tokens of a position's support are
+    ever read: (B, L, K) values a step, not (B, L, V)."""
 
-    def __init__(self, b: int, window: int, vocab: int, device):
-        self.window, self.vocab = window, vocab
-        self.values = torch.zeros(b, window * vocab, device=device)
-        self.drawn_for = torch.full((b, window * vocab), -1, dtype=torch.long, device=device)
-
-    def at(self, positions: torch.Tensor, ids: torch.Tensor, generator: Draws,
-           rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """positions (B, L) of the window, ids (B, L, K) their supports (K distinct tokens each) -> G (B, L, K).
-        rows (B,) bool: only these images keep what was drawn (None: all)."""
-        index = ((positions % self.window)[..., None] * self.vocab + ids).flatten(1)  # (B, L*K)
-        pos = positions[..., None].expand_as(ids).flatten(1)
-        old_values, old_for = self.values.gather(1, index), self.drawn_for.gather(1, index)
-        g = torch.where(old_for == pos, old_values, gumbel(index.shape, generator, index.device))
-        if rows is not None:
-            keep = rows[:, None]
-            self.values.scatter_(1, index, torch.where(keep, g, old_values))
-            self.drawn_for.scatter_(1, index, torch.where(keep, pos, old_for))
-        else:
-            self.values.scatter_(1, index, g)
-            self.drawn_for.scatter_(1, index, pos)
-        return g.view(ids.shape)
-
-    def forget(self, rows: torch.Tensor) -> None:
-        """rows (B,) bool: these images start afresh (a new request in the slot): nothing drawn yet."""
-        self.drawn_for.masked_fill_(rows[:, None], -1)
+    def at(self, positions: torch.Tensor, ids: torch.Tensor, draws) -> torch.Tensor:
+        """positions (B, L), ids (B, L, K) their supports -> G (B, L, K). draws: the slots' streams (SlotStreams
+        with `keyed_uniform`)."""
+        u = draws.keyed_uniform(positions[..., None].expand_as(ids), ids)
+        return -torch.log(-torch.log(u))
 
 
 def spatial_prior(q: Support, fresh: torch.Tensor, decided: torch.Tensor, emitted: torch.Tensor, grid: int,
@@ -89,36 +68,28 @@ def spatial_prior(q: Support, fresh: torch.Tensor, decided: torch.Tensor, emitte
 
 @dataclass(frozen=True)
 class WindowTree:
-    """The static tree a Jacobi step verifies. A path is a tuple of ranks from the root, as in
-    lantern.decoding.trees. The window's chain (0,), (0, 0), ... down to depth L; with branching K > 1, every path of
-    candidate ranks below K down to depth `branch_depth` (candidate r at depth d: the r-th draw without replacement
-    from the window's q there), each leaf continued by `tail` nodes of the window's own drafts (the stale tail,
-    rank 0), at most down to depth L. With guesses G > 0, each chain node above depth `guess_depth` also has G
-    guess children (ranks K .. K + G - 1): tokens a bonus drawn there would likely be, verified but never
-    accepted, so that when the bonus is one the next step has p after it; each continued by `guess_tail` stale
-    drafts. Node i <= L is the chain's node at depth i (its own position), the others follow by depth. Built
-    once, shared by every image."""
+    """The static tree a Jacobi step verifies. A path is a tuple of candidate ranks from the root, as in
+    lantern.decoding.trees: the window's chain (0,), (0, 0), ... down to depth L; with branching K > 1, every path
+    of ranks below K down to depth `branch_depth` (candidate r at depth d: the r-th of the window's ranked drafts
+    there), each leaf continued by `tail` nodes of the window's own drafts (the stale tail, rank 0), at most down to
+    depth L. branching 1 is the plain window. Node i <= L is the chain's node at depth i (its own position), the
+    others follow by depth. Built once, shared by every image."""
 
     window: int
     branching: int = 1
     branch_depth: int = 1
     tail: int = 0
-    guesses: int = 0
-    guess_depth: int = 1
-    guess_tail: int = 0
     # the buffers below, filled by __post_init__ (static)
     depth: torch.Tensor = field(init=False, repr=False, compare=False)  # (N,) node depth (the root: 0)
     ancestors: torch.Tensor = field(init=False, repr=False, compare=False)  # (N, N) j is i or an ancestor of i
-    parents: torch.Tensor = field(init=False, repr=False, compare=False)  # (M,) nodes with candidate children
+    parents: torch.Tensor = field(init=False, repr=False, compare=False)  # (M,) nodes with children
     children: torch.Tensor = field(init=False, repr=False, compare=False)  # (M, K) them in rank order (-1: none)
     rank: torch.Tensor = field(init=False, repr=False, compare=False)  # (N,) a node's rank among its siblings
-    candidate: torch.Tensor = field(init=False, repr=False, compare=False)  # (N,) bool: may be accepted
-    draft: torch.Tensor = field(init=False, repr=False, compare=False)  # (N,) its column in [candidates; guesses]
-    guess_nodes: torch.Tensor = field(init=False, repr=False, compare=False)  # (N, G) a node's guesses (-1: none)
+    draft: torch.Tensor = field(init=False, repr=False, compare=False)  # (N,) (depth - 1) * K + rank: its draft
     successor: torch.Tensor = field(init=False, repr=False, compare=False)  # (N, 2L + 2) the node at depth e ahead
 
     def __post_init__(self):
-        window, k, g = self.window, self.branching, self.guesses
+        window, k = self.window, self.branching
         chain = [(0,) * d for d in range(window + 1)]
         others = set()
         if k > 1:
@@ -128,22 +99,12 @@ class WindowTree:
                 others.update(level)
             for leaf in level:
                 others.update(leaf + (0,) * t for t in range(1, min(self.tail, window - len(leaf)) + 1))
-        for d in range(1, min(self.guess_depth, window) + 1):
-            for r in range(k, k + g):
-                guess = (0,) * (d - 1) + (r,)
-                others.update(guess + (0,) * t for t in range(min(self.guess_tail, window - d) + 1))
         paths = chain + sorted(others - set(chain), key=lambda p: (len(p), p))
         node = {p: i for i, p in enumerate(paths)}
         n = len(paths)
-        candidate = [all(r < k for r in p) for p in paths]
         kids = [[] for _ in range(n)]
-        guess_nodes = torch.full((n, max(g, 1)), -1, dtype=torch.long)
         for p in paths[1:]:
-            parent = node[p[:-1]]
-            if candidate[node[p]]:
-                kids[parent].append((p[-1], node[p]))
-            elif p[-1] >= k:
-                guess_nodes[parent, p[-1] - k] = node[p]
+            kids[node[p[:-1]]].append((p[-1], node[p]))
         parents = [i for i in range(n) if kids[i]]
         table = torch.full((len(parents), k), -1, dtype=torch.long)
         for row, i in enumerate(parents):
@@ -159,14 +120,11 @@ class WindowTree:
         for i, p in enumerate(paths):
             for e in range(len(p) + 1, 2 * window + 2):
                 successor[i, e] = node.get(p + (0,) * (e - len(p)), e if e <= window else -1)
-        # candidate r at depth d: column (d - 1) * K + r of the candidates; guess j: column L * K + (d - 1) * G + j
-        draft = [0] + [(len(p) - 1) * k + p[-1] if p[-1] < k else window * k + (len(p) - 1) * g + p[-1] - k
-                       for p in paths[1:]]
         for name, value in dict(depth=torch.tensor([len(p) for p in paths]), ancestors=ancestors,
                                 parents=torch.tensor(parents), children=table,
                                 rank=torch.tensor([p[-1] if p else 0 for p in paths]),
-                                candidate=torch.tensor(candidate), draft=torch.tensor(draft),
-                                guess_nodes=guess_nodes[:, :g], successor=successor).items():
+                                draft=torch.tensor([0] + [(len(p) - 1) * k + p[-1] for p in paths[1:]]),
+                                successor=successor).items():
             object.__setattr__(self, name, value)
 
     @property

@@ -43,7 +43,7 @@ def step_workspace_bytes(images: int, cfg_rows: int, nodes: int, support: int, v
     - finding tokens in a support (SupportLookup): its ids sorted with their order, int64 each, the binary
       search's positions, int64, its hits, bool, and the probabilities read, fp32: about 33 bytes per (B, N, K)
       element; the exact test keeps about ten (B, N, K) fp32 per sibling besides;
-    - MC-SJD keeps its fixed noise (B, N, V) fp32 + int64 for the image's life;
+    - MC-SJD's fixed noise is hashed from (seed, position, token) when read: a few (B, N, K) temporaries;
     - the bounded relaxation: about eight (B, N, K) fp32 per node, and its neighbour lists read in blocks of at
       most lantern.decoding.relaxation.WORKSPACE_BYTES, plus, where a wide support walks the codebook, the
       rule's lists both ways (links_bytes, kept from the first step on); the papers' form: a lookup and k
@@ -60,8 +60,8 @@ def step_workspace_bytes(images: int, cfg_rows: int, nodes: int, support: int, v
         total += lookup + 4 * b * n * k * FP32
         if children > 1:  # a branching window: its candidates' ranking, and the siblings' test as a tree's
             total += b * n * k * (FP32 + INT64) + 10 * b * n * k * FP32
-        if coupled:
-            total += b * n * v * (FP32 + INT64)
+        if coupled:  # the keyed noise's hash, a few int64 and fp32 (B, L, K) at once; nothing kept
+            total += 4 * b * n * k * (FP32 + INT64)
     elif drafting == "tree":
         total += b * n * v * FP32 + lookup + 10 * b * n * k * FP32  # parents' warp copy, q's lookup, siblings
         w = max(draft_width, 1)

@@ -237,15 +237,11 @@ class JacobiWindow(Strategy):
     branching: int = 1
     branch_depth: int = 1
     tail: int = 0
-    guesses: int = 0
-    guess_depth: int = 1
-    guess_tail: int = 0
     depth_name: ClassVar[str] = "window"
 
     @cached_property
     def tree(self) -> WindowTree:
-        return WindowTree(self.window, self.branching, self.branch_depth, self.tail, self.guesses, self.guess_depth,
-                          self.guess_tail)
+        return WindowTree(self.window, self.branching, self.branch_depth, self.tail)
 
     @property
     def verify_width(self) -> int:

@@ -20,6 +20,7 @@ _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B
 _LANES = (0x2545F491, 0x6C8E9CF5)  # lane seeds: two independent chains over the same key
 _SEED_MASK = SEED_RANGE[1]  # 2^63 - 1 as a bit mask: a derived seed is in range
+KEYED_TAG = 0xB5297A4D  # keyed draws' domain: above 2^31, where no request's step counter reaches
 
 
 def mix(x: torch.Tensor) -> torch.Tensor:
@@ -71,6 +72,16 @@ class SlotDraws:
             self.counter += advance.long()
         self.calls = 0
         self._keys = tuple(mix(mix(mix(mix(lane ^ self.seed_lo) ^ self.seed_hi) ^ self.counter)) for lane in _LANES)
+
+    def keyed_uniform(self, position: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """(B, ...) int64 positions and tokens -> (B, ...) uniforms in (0, 1), each a function of the slot's seed,
+        the position and the token only (not of the step or of the draws before it): one fixed value per image,
+        position and token, read the same by any step (MC-SJD's coupled noise). Independent of the stream's draws:
+        its keys are the seed's hashed with KEYED_TAG, which no step counter reaches."""
+        shape = (-1,) + (1,) * (position.dim() - 1)
+        a, c = (mix(mix(mix(lane ^ self.seed_lo) ^ self.seed_hi) ^ KEYED_TAG).view(shape) for lane in _LANES)
+        x = mix(mix(mix(a ^ position) ^ token) ^ c)
+        return ((x >> 9).float() + 0.5).mul_(2.0 ** -23)
 
     def uniform(self, shape) -> torch.Tensor:
         """(B, ...) uniforms in (0, 1); row b from slot b's stream."""

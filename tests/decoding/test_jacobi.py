@@ -101,23 +101,33 @@ def test_a_branching_window_whose_candidates_repeat_fails_the_lossless_test(flat
     assert min(run_lossless(flat, "mc-sjd-pac full", 6000, window=3)) < LEVEL
 
 
-def test_coupled_noise_is_fixed_per_position_and_token_and_fresh_for_a_new_position():
-    """A (position, token) reads the same Gumbel every step; the position entering the same ring slot later
-    reads fresh ones; the values are Gumbel distributed (Kolmogorov-Smirnov) and independent across tokens."""
+def test_coupled_noise_is_fixed_per_image_position_and_token_and_fresh_elsewhere():
+    """A (position, token) reads the same Gumbel at every step and in any order; another position, another token
+    or another seed reads a fresh one; the values are Gumbel distributed (Kolmogorov-Smirnov) and independent
+    across tokens and of the stream's own draws."""
     from scipy.stats import kstest
+    from lantern.engine.draws import SlotDraws
     g = torch.Generator().manual_seed(0)
-    window, vocab, k = 3, 50, 4
-    noise = jacobi.CoupledNoise(2000, window, vocab, "cpu")
-    positions = torch.arange(1, window + 1).expand(2000, -1)  # (B, L)
-    ids = torch.stack([torch.randperm(vocab, generator=g)[:k] for _ in range(2000 * window)]).view(2000, window, k)
-    first = noise.at(positions, ids, g)
-    again = noise.at(positions, ids.flip(-1), g).flip(-1)  # same tokens, another order: same values
+    b, window, vocab, k = 2000, 3, 50, 4
+    draws = SlotDraws(b, "cpu")
+    draws.admit(torch.arange(b), torch.arange(b) * 7919 + 1)
+    draws.begin()
+    noise = jacobi.CoupledNoise()
+    positions = torch.arange(1, window + 1).expand(b, -1)  # (B, L)
+    ids = torch.stack([torch.randperm(vocab, generator=g)[:k] for _ in range(b * window)]).view(b, window, k)
+    first = noise.at(positions, ids, draws)
+    draws.begin(torch.ones(b, dtype=torch.bool))  # a later step
+    stream = draws.uniform((b, window * k)).view(b, window, k)
+    again = noise.at(positions, ids.flip(-1), draws).flip(-1)  # same tokens, another order: same values
     assert torch.equal(first, again)
-    later = noise.at(positions + window, ids, g)  # the same slots, the next positions
-    assert not torch.isclose(later, first).any()
+    later = noise.at(positions + window, ids, draws)  # the next positions
+    assert (later == first).float().mean() < 1e-3  # 23-bit uniforms: a few equal by chance
+    draws.admit(torch.arange(b), torch.arange(b) * 7919 + 2)  # other seeds
+    assert (noise.at(positions, ids, draws) == first).float().mean() < 1e-3
     values = torch.cat([first.flatten(), later.flatten()]).double()
     assert kstest(values.numpy(), "gumbel_r").pvalue > 1e-3
     assert abs(torch.corrcoef(first[..., :2].reshape(-1, 2).T)[0, 1]) < 0.03
+    assert abs(torch.corrcoef(torch.stack([first.flatten(), stream.flatten()]))[0, 1]) < 0.03
 
 
 def test_sticky_drafts_fail_the_lossless_test(flat, monkeypatch):

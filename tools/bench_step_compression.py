@@ -1,0 +1,100 @@
+"""Lossless Jacobi decoding side by side, as SJD-PAC's table reports it: step compression (an image's tokens / the
+target forwards it took) of SJD, MC-SJD and MC-SJD-PAC windows (branching, branch depth, tail), with the verify
+width each pays for it, on the embedded model at the bundle's sampling and at LlamaGen's class-to-image one, one
+image per step and all of them in one batch. A count, not a timing: it holds on a busy machine and on any backend
+(the wall-clock side is tools/bench_scale.py, on a quiet machine). Writes results/step-compression.{json,md}.
+
+    python tools/bench_step_compression.py [--images 20] [--sampling bundle llamagen-c2i] [--batch 1 20]
+        [--rows sjd:window=16 mc-sjd:window=16 mc-sjd-pac:branching=2:branch_depth=1 ...]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from lantern.api import Pipeline
+from lantern.bundle import load_bundle
+from lantern.decoding import method_preset
+from results_io import utc_now, write_results
+from samplings import NAMES as SAMPLING_NAMES, describe, sampling_settings
+
+ROOT = Path(__file__).resolve().parents[1]
+ROWS = ["sjd:window=16", "mc-sjd:window=16", "mc-sjd:window=32", "mc-sjd-pac:branching=2:branch_depth=1",
+        "mc-sjd-pac:branching=3:branch_depth=1", "mc-sjd-pac:branching=2:branch_depth=2",
+        "mc-sjd-pac:branching=3:branch_depth=2", "mc-sjd-pac:branching=2:branch_depth=3"]
+
+
+def parse_row(text: str) -> tuple[str, dict]:
+    """'mc-sjd-pac:branching=2:branch_depth=1' -> ('mc-sjd-pac', {'branching': 2, 'branch_depth': 1})."""
+    method, *pairs = text.split(":")
+    settings = {}
+    for pair in pairs:
+        name, _, value = pair.partition("=")
+        if not value.lstrip("-").isdigit():
+            raise SystemExit(f"row {text!r}: {pair!r} is not name=integer")
+        settings[name] = int(value)
+    return method, settings
+
+
+def measure(pipe, dcfg, classes: list[int], batch: int, seed: int) -> dict:
+    result = pipe.generate(classes, dcfg, seed=seed, batch=batch)
+    st = result.stats
+    lengths = collections.Counter(st.accepted_lengths)
+    steps = sum(lengths.values())
+    return {"tokens": st.tokens, "target_forwards": st.target_forwards,
+            "single_token_steps": lengths[1] / steps if steps else 0.0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--images", type=int, default=20, help="images per setting (classes 0, 1, ... in turn)")
+    ap.add_argument("--sampling", nargs="+", default=list(SAMPLING_NAMES), choices=SAMPLING_NAMES)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 20], help="images per static step")
+    ap.add_argument("--rows", nargs="+", default=ROWS, help="method:name=value:... (the preset, then these)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--out", default=str(ROOT / "results" / "step-compression"))
+    args = ap.parse_args()
+    rows = [(text, *parse_row(text)) for text in args.rows]  # refused before any work
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    bundle = load_bundle()
+    pipe = Pipeline.from_bundle(bundle, backend="cpu")
+    n_classes = bundle.target.config.num_classes
+    classes = [i % n_classes for i in range(args.images)]
+    settings = sampling_settings(bundle.default_sampling, args.sampling)
+    results = []
+    jobs = [(s, b, r) for s in settings for b in args.batch for r in rows]
+    for name, batch, (text, method, overrides) in tqdm(jobs, desc="rows"):
+        dcfg = method_preset(method, settings[name], **overrides)
+        counted = measure(pipe, dcfg, classes, batch, args.seed)
+        results.append({"sampling": name, "batch": batch, "row": text, "method": method, "settings": overrides,
+                        "verify_width": dcfg.verify_width,
+                        "step_compression": counted["tokens"] / counted["target_forwards"], **counted})
+    record = {"date": utc_now(), "images": args.images, "seed": args.seed,
+              "samplings": {n: describe(s) for n, s in settings.items()}, "rows": results}
+    write_results(args.out, record, markdown)
+
+
+def markdown(rec: dict) -> str:
+    lines = [f"Lossless Jacobi decoding on the embedded model: step compression (tokens / target forwards, per "
+             f"image) over {rec['images']} images, seed {rec['seed']}; {rec['date']}. A count, the same on any machine "
+             f"for the same commit; the verify width is the nodes each target forward takes per image."]
+    for name, text in rec["samplings"].items():
+        for batch in sorted({r["batch"] for r in rec["rows"]}):
+            rows = [r for r in rec["rows"] if r["sampling"] == name and r["batch"] == batch]
+            if not rows:
+                continue
+            lines += ["", f"**{name} ({text}), {batch} image(s) per step**", "",
+                      "| row | verify width | step compression | steps accepting no draft |", "|---|---|---|---|"]
+            lines += [f"| {r['row']} | {r['verify_width']} | {r['step_compression']:.2f} | "
+                      f"{r['single_token_steps']:.0%} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -150,15 +150,16 @@ def step_ops(pipeline, decode, steps: int = 2, seed: int = 0) -> list[StepOps]:
         raise ValueError(f"steps {steps!r} must be >= 1")
     engine = Engine(pipeline, decode, 1)
     block = pipeline.config.block_size
-    if engine.proposer.depth * (steps + 1) + steps + 2 > block:
-        raise ValueError(f"{steps} steps of depth {engine.proposer.depth} may finish the {block}-token image; "
-                         f"allowed: fewer steps")
-    engine.submit(Request(neutral_conditions(pipeline.config, 1)[0], seed=seed))
+    if (steps + 1) * (engine.proposer.depth + 1) + 1 > block:
+        raise ValueError(f"{steps} steps may finish the {block}-token image before they are counted; allowed: at most "
+                         f"{(block - 1) // (engine.proposer.depth + 1) - 1} at depth {engine.proposer.depth}")
+    request = engine.submit(Request(neutral_conditions(pipeline.config, 1)[0], seed=seed))
     engine.step()  # the prefill, then a first step
     out = []
     for _ in range(steps):
         with OpCounter() as counter, counting_regions(counter, engine):
             engine.step()
         out.append(StepOps(*({name: count[name] for name in REGIONS} for count in (counter.counts, counter.views))))
-    engine.run()  # the image to its end: the runner is free for the next engine
+    engine.cancel(request)
+    engine.run()  # one step frees the slot: the runner is free for the next engine
     return out

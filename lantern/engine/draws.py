@@ -18,6 +18,7 @@ import math
 
 import torch
 
+from lantern.engine.host_values import to_device
 from lantern.engine.seeds import SEED_RANGE, is_seed, seed_refusal
 
 _M32 = 0xFFFFFFFF
@@ -58,7 +59,7 @@ class SlotDraws:
 
     def __init__(self, width: int, device):
         self.device = device
-        self.lanes = torch.tensor(_LANES, device=device)[:, None]  # (2, 1)
+        self.lanes = to_device(_LANES, device)[:, None]  # (2, 1), int64
         self.seeded = torch.zeros(2, width, dtype=torch.long, device=device)  # each lane's key after the seed
         self.counter = torch.zeros(width, dtype=torch.long, device=device)  # the request's own step number
         self.draw_ids = torch.arange(KEYED_DRAWS, device=device)[:, None, None, None]  # (KEYED_DRAWS, 1, 1, 1)

@@ -20,7 +20,7 @@ from lantern.backends.memory import available_bytes
 from lantern.backends.torch_eager import module_bytes
 from lantern.decoding.config import DecodeConfig
 from lantern.decoding.acceptance import Acceptance
-from lantern.decoding.memory import PeakPrediction, predict_peak, refusal
+from lantern.decoding.memory import PeakPrediction, predict_peak, refusal, widest_fitting
 from lantern.decoding.sampling import SamplingConfig
 from lantern.decoding.stats import GenerationStats
 from lantern.engine import run_batch
@@ -165,11 +165,13 @@ class Pipeline:
         return static_spec(dcfg, self.config, batch, self.dtype, draft_prefix=prefix_pairs(self.drafter, self.config))
 
     def runner(self, dcfg: DecodeConfig, batch: int) -> Runner:
-        """The runner for this static shape (`batch` images per step): prepared and warmed up once, then reused."""
+        """The runner for this static shape (`batch` images per step): prepared and warmed up once, then reused;
+        refused before it is prepared where its predicted peak exceeds the memory available (check_fits)."""
         spec = self.spec(dcfg, batch)
         if spec not in self._runners:
             if spec.draft_widths and self.drafter is None:
                 raise ValueError(f"drafting {dcfg.drafting!r} needs a drafter, and this pipeline has none")
+            self.check_fits(dcfg, batch)
             t0 = time.perf_counter()
             runner = self.backend.prepare(self.target, self.drafter if spec.draft_widths else None, spec)
             runner.warmup()
@@ -230,50 +232,65 @@ class Pipeline:
                        proximity=self.proximity)  # refuses a missing table or k beyond it
         return batch
 
-    def predict_peak(self, dcfg: DecodeConfig, width: int) -> PeakPrediction:
-        """The predicted peak of a generation of `width` images per step with `dcfg` (lantern.decoding.memory)."""
-        spec = self.spec(dcfg, width)
+    def predict_peak(self, dcfg: DecodeConfig, width: int, prefix: Optional[int] = None) -> PeakPrediction:
+        """The predicted peak of a generation of `width` images per step with `dcfg` (lantern.decoding.memory);
+        prefix: a prompt-conditioned target's prefix length to predict at instead of its own (a service's
+        longest prompt)."""
+        config = self.config if prefix is None else replace(self.config, cls_token_num=prefix)
+        spec = static_spec(dcfg, config, width, self.dtype, draft_prefix=prefix_pairs(self.drafter, config))
         weights = module_bytes(self.target, self.drafter if spec.draft_widths else None)
-        return predict_peak(dcfg, self.config, spec, weights, parse_dtype(self.dtype).itemsize, width)
+        return predict_peak(dcfg, config, spec, weights, parse_dtype(self.dtype).itemsize, width)
 
-    def check_fits(self, dcfg: DecodeConfig, width: int) -> None:
+    def check_fits(self, dcfg: DecodeConfig, width: int, what: str = "this request", new_runner: bool = False,
+                   ) -> None:
         """Refuse, before any work, a generation whose predicted peak exceeds the memory available on the device
         (lantern.backends.memory.available_bytes; devices where lantern cannot tell are not checked). What this
-        process already holds for it (the weights where placed, the KV cache of a prepared runner) is not asked
-        for again. The refusal (a ValueError) names the batch, top-k or method that would fit."""
+        process already holds for it (the weights where placed, the KV cache of a prepared runner unless the
+        caller prepares a `new_runner` of its own) is not asked for again. The refusal (a MemoryRefused, a
+        ValueError) names the batch, top-k or method that would fit."""
         free = available_bytes(self.backend.capabilities().device)
         if free is None:
             return
         available, source = free
 
-        def needed(d: DecodeConfig, w: int) -> int:
+        def needed(d: DecodeConfig, w: int) -> int:  # non-decreasing in w: the weights are held for every width
             predicted = self.predict_peak(d, w)
-            held = predicted.weights_bytes if self._runners else 0  # placed once, for every runner
-            held += predicted.kv_cache_bytes if self.spec(d, w) in self._runners else 0
-            return predicted.total_bytes - held
+            return predicted.total_bytes - (predicted.weights_bytes if self._runners else 0)
 
-        if needed(dcfg, width) > available:
-            raise refusal(dcfg, width, needed, available, source, self.predict_peak(dcfg, width))
+        predicted = self.predict_peak(dcfg, width)
+        held = not new_runner and self.spec(dcfg, width) in self._runners
+        still = needed(dcfg, width) - (predicted.kv_cache_bytes if held else 0)
+        if still > available:
+            raise refusal(dcfg, width, needed, available, source, predicted, what, still=still)
 
-    def check_ladder_fits(self, dcfg: DecodeConfig, widths: Sequence[int]) -> None:
+    def check_ladder_fits(self, dcfg: DecodeConfig, widths: Sequence[int], shortest_prompt: Optional[int] = None,
+                          ) -> None:
         """Refuse, before any work, a service whose engines cannot all fit: one runner per width held at once
-        (weights once, the KV caches of every width), steps run one at a time (the widest step's logits,
-        activations and workspace). The refusal names the widest --batch whose ladder would fit."""
+        (weights once, the KV caches of every width), steps and prefills run one at a time (the widest one's
+        transients), every prompt row as long as the target's prefix. The refusal names the widest --batch whose
+        ladder would fit and, with `shortest_prompt` (prompt rows padded to the prefix: a service of a model
+        family), the longest --max-prompt-tokens, at least that, whose ladder would."""
         free = available_bytes(self.backend.capabilities().device)
         if free is None:
             return
         available, source = free
 
-        def ladder(d: DecodeConfig, widest: int) -> PeakPrediction:
-            each = [self.predict_peak(d, w) for w in sorted({*(w for w in widths if w < widest), widest})]
-            step = max(each, key=lambda p: p.logits_bytes + p.activation_bytes + p.workspace_bytes)
-            return replace(step, kv_cache_bytes=sum(p.kv_cache_bytes for p in each))
+        def ladder(d: DecodeConfig, widest: int, prefix: Optional[int] = None) -> PeakPrediction:
+            each = [self.predict_peak(d, w, prefix) for w in sorted({*(w for w in widths if w < widest), widest})]
+            largest = max(each, key=lambda p: p.total_bytes - p.kv_cache_bytes)
+            return replace(largest, kv_cache_bytes=sum(p.kv_cache_bytes for p in each))
 
         widest = max(widths)
         predicted = ladder(dcfg, widest)
-        if predicted.total_bytes > available:
-            raise refusal(dcfg, widest, lambda d, w: ladder(d, w).total_bytes, available, source, predicted,
-                          what=f"the service's engines at widths {sorted(widths)}")
+        if predicted.total_bytes <= available:
+            return
+        fits = ()
+        if shortest_prompt is not None:
+            longest = widest_fitting(lambda n: ladder(dcfg, widest, n).total_bytes, self.config.cls_token_num - 1,
+                                     available, least=shortest_prompt)
+            fits = (f"--max-prompt-tokens {longest}",) if longest is not None else ()
+        raise refusal(dcfg, widest, lambda d, w: ladder(d, w).total_bytes, available, source, predicted,
+                      what=f"the service's engines at widths {sorted(widths)}", fits=fits)
 
     def release(self, keep: Optional[DecodeConfig] = None, batch: int = 0) -> None:
         """Free every prepared runner (its KV cache and workspaces) but the one for (keep, batch), if given; the

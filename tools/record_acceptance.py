@@ -37,8 +37,8 @@ def main() -> None:
     sampling = SamplingConfig(**bundle.default_sampling)
     # the relaxed plans auto runs without --allow-relaxed: those the bundle validated at this sampling
     relaxation, _ = allowed_relaxation(False, bundle.validations, sampling, bundle.target.config.vocab_size)
-    plans, _ = runnable(pipe, candidate_plans(True, True, relaxation), sampling)
     classes = [c for c in range(bundle.target.config.num_classes) for _ in range(args.per_class)]
+    plans, _ = runnable(pipe, candidate_plans(True, True, relaxation), sampling, len(classes))
     key, shipped = pipe.model_key, bundle.acceptance_records.get(args.dtype)
     # entries measured on other images would mix two samples: a new image set starts afresh
     same = records.matches(shipped, key, sampling) and shipped.get("conditions") == classes

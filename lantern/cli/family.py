@@ -18,6 +18,7 @@ from lantern.files.reading import read_json_object
 from lantern.models.anole_drafter import check_anole_drafter, read_anole_drafter
 from lantern.models.chameleon import image_vocabulary, read_lantern_table
 from lantern.models.family import check_family, load_family
+from lantern.models.folders import FolderInfo
 from lantern.models.proximity import DEFAULT_K
 from lantern.models.text import read_prompts
 
@@ -30,8 +31,8 @@ def needs_vq(args) -> bool:
     return not args.no_images or (args.method in RELAXED and args.proximity is None)
 
 
-def check_family_request(args) -> list[str]:
-    """Everything a family generation needs, checked before loading: returns the prompts."""
+def check_family_request(args) -> tuple[FolderInfo, list[str]]:
+    """Everything a family generation needs, checked before loading: returns the folder's facts and the prompts."""
     info = check_family(args.model, args.vq, need_vq=needs_vq(args))
     prompts = read_prompts(args.prompt, args.prompts_file)
     if not prompts:
@@ -60,19 +61,21 @@ def check_family_request(args) -> list[str]:
     get_backend(args.backend, **backend_options(args)).check_family(info.family)
     if not args.no_images:
         check_writable(Path(args.out), "--out", folder=True)
-    return prompts
+    return info, prompts
 
 
 def cmd_generate_family(args) -> dict:
     """--num-images images of each prompt; prompts of one token length share a pipeline (one static shape)."""
     check_method_flags(args)
-    prompts = check_family_request(args)
+    info, prompts = check_family_request(args)
     lantern_table = read_family_table(args) if args.proximity is not None else None
     family = load_family(args.model, args.vq, need_vq=needs_vq(args))
     drafter = None
     if args.drafter is not None:
         drafter = read_anole_drafter(Path(args.drafter), family.model)
     rows = [family.prompt_rows(p).expand(args.num_images, -1).contiguous() for p in prompts]
+    for i, r in enumerate(rows):  # each prompt's memory is predicted before its first runner (Pipeline.runner)
+        info.check_prompt_tokens(r.shape[1], f"prompt {i + 1} ({prompts[i][:40]!r}, {r.shape[1]} tokens)")
     auto = args.method == "auto"
     dcfg = None if auto else decode_config_from_args(args, family)
     table = getattr(family, "proximity_table", None)  # Chameleon: from its VQGAN's codebook

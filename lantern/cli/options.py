@@ -26,7 +26,8 @@ def add_decode_options(p: argparse.ArgumentParser) -> None:
                         "lossless unless relaxation is allowed; see --allow-relaxed) | ar | eagle2 (dynamic tree, "
                         "exact) | lantern (dynamic, k=1000, delta=0.1) | lantern++ (57-node static tree, k=10, "
                         "lambda=3) | no drafter needed: sjd (Jacobi window, exact) | mc-sjd (Jacobi, Gumbel-coupled "
-                        "drafts, exact) | mc-sjd-relaxed (mc-sjd with bounded LANTERN++ relaxation, k=10, lambda=3); a "
+                        "drafts, exact) | mc-sjd-pac (mc-sjd verifying a small tree of more candidates at the window's first "
+                        "positions, exact) | mc-sjd-relaxed (mc-sjd with bounded LANTERN++ relaxation, k=10, lambda=3); a "
                         "bundle's validated relaxation (shown by lantern info) replaces these settings at the sampling "
                         "it was validated at; elsewhere a relaxed method runs lossless unless --allow-relaxed")
     g.add_argument("--allow-relaxed", action="store_true",
@@ -41,6 +42,13 @@ def add_decode_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--drafting", help="override: none | dynamic | jacobi | a tree preset | a .json file of paths")
     g.add_argument("--window", type=int, help="Jacobi: drafts verified after the last accepted token (default 16)")
     g.add_argument("--coupling", choices=COUPLINGS, help="Jacobi: none (SJD) | gumbel (MC-SJD)")
+    g.add_argument("--branching", type=number(int, 1),
+                   help="Jacobi: candidates verified per position at the window's first --branch-depth positions "
+                        "(1: the plain window; mc-sjd-pac's default: docs/methods.md)")
+    g.add_argument("--branch-depth", type=number(int, 1),
+                   help="Jacobi, --branching > 1: the window's first positions whose every candidate branches")
+    g.add_argument("--tail", type=number(int, 0),
+                   help="Jacobi, --branching > 1: nodes of the window's own drafts after each branch's last one")
     g.add_argument("--initial", choices=INITIAL_DRAFTS,
                    help="Jacobi drafts at positions never predicted: above (default: the decided token one grid "
                         "row up, where there is one) | last (drawn from the last distribution)")
@@ -50,7 +58,7 @@ def add_decode_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lam", type=number(float, 1), help="LANTERN++ bound, >= 1")
     g.add_argument("--relaxation", dest="form", choices=FORMS,
                    help="bounded (default: a fixed relaxed target per node, output within the recorded TV of the "
-                        "target) | paper (the published per-candidate rules, distortion not bounded by delta)")
+                        "target) | paper (LANTERN's own rule as its code runs it, distortion not bounded by delta)")
     g.add_argument("--batch", type=number(int, 1), help="images per static step (default 16): the engine's slots; "
                                                         "a finished image's slot takes the next image")
     add_sampling_options(g)
@@ -88,7 +96,7 @@ def backend_options(args) -> dict:
 
 
 AUTO_CHOOSES = ("drafting", "acceptance", "k", "delta", "lam", "form", "window", "coupling",
-                "initial")  # flags auto decides
+                "initial", "branching", "branch_depth", "tail")  # flags auto decides
 
 
 def check_method_flags(args) -> None:

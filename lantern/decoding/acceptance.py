@@ -13,18 +13,21 @@ Rules (docs/algorithms.md):
 - exact: recursive rejection against q_i, the distribution candidate i was drawn from (q without the
   earlier candidates, renormalised), residual normalise(max(r - q_i, 0)); lossless. Greedy: the argmax.
 - lantern (k, delta) / lantern++ (k, lam), form "bounded" (default): the exact rule against a fixed relaxed
-  target p_hat (lantern.decoding.relaxation); form "paper": the published per-candidate boost.
+  target p_hat (lantern.decoding.relaxation); form "paper": LANTERN's own rule, as jadohu/LANTERN's code runs it:
+  the per-candidate boost (relaxation.paper_test), and after a rejection x's k + 1 nearest codes cleared from the
+  residual (deterministic drafts, its `evaluate_posterior`) or from q_i before it is subtracted (sampled drafts,
+  `evaluate_posterior_v1`); a residual left empty becomes uniform.
 delta = 0, lam = 1 or k = 0 is the exact rule, draw for draw.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from lantern.decoding.relaxation import NeighbourLinks, bounded_target, paper_boost
+from lantern.decoding.relaxation import NeighbourLinks, bounded_target, paper_test
 from lantern.decoding.sampling import Draws, Support, SupportLookup, draw, uniform
 
 KINDS = ("exact", "lantern", "lantern++")
@@ -72,7 +75,7 @@ class Acceptance:
 
     @property
     def paper(self) -> bool:
-        """The papers' per-candidate boost (else the exact rule, against p_hat where relaxed)."""
+        """LANTERN's own per-candidate rule (else the exact rule, against p_hat where relaxed)."""
         return self.relaxed and self.form == "paper"
 
     @property
@@ -80,11 +83,12 @@ class Acceptance:
         """(delta, lam): the one that applies, the other None."""
         return (self.delta, None) if self.kind == "lantern" else (None, self.lam)
 
-    def neighbours(self, device) -> torch.Tensor:
-        """(V, k) on `device`, in the table's own integer type (indexed directly; only gathered ids are widened)."""
+    def neighbours(self, device, count: Optional[int] = None) -> torch.Tensor:
+        """(V, count) on `device` (count: k when None, at most the table's width), in the table's own integer type
+        (indexed directly; only gathered ids are widened). The paper form reads k + 1: a rejection clears them."""
         if self.proximity.is_floating_point() or self.proximity.dtype == torch.bool:
             raise ValueError(f"a proximity table holds integer code ids, not {self.proximity.dtype}")
-        near = self.proximity[:, : self.k]
+        near = self.proximity[:, : self.k if count is None else count]
         return near if near.device == torch.device(device) else near.to(device)
 
     def links(self, device) -> NeighbourLinks:
@@ -127,12 +131,16 @@ def draft_distribution(q_on_support: torch.Tensor, earlier: torch.Tensor, remove
     return q_on_support.masked_fill(earlier, 0.0) / (1.0 - removed).clamp_min(1e-12)[..., None]
 
 
-def residual(r: torch.Tensor, q: torch.Tensor, tried: torch.Tensor) -> torch.Tensor:
+def residual(r: torch.Tensor, q: torch.Tensor, tried: torch.Tensor, uniform_if_empty: bool = False) -> torch.Tensor:
     """r, q (..., K) on the same support, tried (...) bool -> normalise(max(r - q, 0)) where a candidate drawn
-    from q was tried (and rejected), else r."""
+    from q was tried (and rejected), else r. Nothing left: r (the exact rules, where rejection then had
+    probability 0), or with `uniform_if_empty` (the paper form, whose clearing can empty it) uniform on the
+    support."""
     nxt = (r - q).clamp_min(0.0)
     total = nxt.sum(-1, keepdim=True)
-    # total is 0 only if r <= q everywhere, when rejection had probability 0
+    if uniform_if_empty:
+        nxt = torch.where(total > 0, nxt, 1.0)
+        total = nxt.sum(-1, keepdim=True)
     return torch.where(tried[..., None] & (total > 0), nxt / total.clamp_min(1e-30), r)
 
 
@@ -141,8 +149,9 @@ class LastCandidate(NamedTuple):
     child was rejected is the residual against that candidate, computed only at the rows a bonus is drawn at."""
 
     r: Support  # (B, M, K) the target the last candidate was tested against
-    q: Optional[torch.Tensor] = None  # (B, M, K) what it was drawn from, on r's support (None: r itself is drawn)
+    q: Optional[torch.Tensor] = None  # (B, M, K) what its rejection subtracts, on r's support (None: r is drawn)
     tried: Optional[torch.Tensor] = None  # (B, M) bool: it is a valid candidate
+    uniform_if_empty: bool = False  # the paper form: a residual left empty is uniform
 
     def rejected(self, rows: torch.Tensor) -> Support:
         """rows (B, 1) -> (B, 1, K) the distribution after every valid child at those rows was rejected."""
@@ -150,10 +159,10 @@ class LastCandidate(NamedTuple):
         if self.q is None:
             return r
         return Support(residual(r.probs, self.q.gather(1, rows[..., None].expand_as(r.probs)),
-                                self.tried.gather(1, rows)), r.ids)
+                                self.tried.gather(1, rows), self.uniform_if_empty), r.ids)
 
 
-def _acceptance_sampling(target: Support, p_orig: Support, cand, cvalid, q_at: Optional[SupportLookup],
+def _acceptance_sampling(target: Support, cand, cvalid, q_at: Optional[SupportLookup],
                          q_sup: Optional[torch.Tensor], rule: Acceptance):
     """Acceptance probabilities (B, M, C), papers' boosts (B, M, C; None for other rules) and the rule before
     each parent's last candidate; q_at: where the draft distribution holds each token, q_sup (B, M, K): it on
@@ -162,9 +171,10 @@ def _acceptance_sampling(target: Support, p_orig: Support, cand, cvalid, q_at: O
     acc, boost = [], []  # per candidate (B, M), stacked once at the end: no buffer written per candidate
     removed = earlier = None  # the q mass (B, M) and the support tokens (B, M, K) of the candidates tried
     last = LastCandidate(target)
+    near = rule.neighbours(r.device, rule.k + 1) if rule.paper else None
     for j in range(cand.shape[-1]):
         if j:  # candidate j is tested against the residual after candidate j - 1 was rejected
-            r = residual(r, last.q, last.tried)
+            r = residual(r, last.q, last.tried, last.uniform_if_empty)
         x, v = cand[..., j], cvalid[..., j]
         hit = ids == x[..., None]  # (B, M, K)
         if q_at is None:  # a deterministic draft: x was "drawn" with certainty
@@ -177,12 +187,16 @@ def _acceptance_sampling(target: Support, p_orig: Support, cand, cvalid, q_at: O
                 q_x = q_drawn / (1.0 - removed).clamp_min(1e-12)
                 q_j = draft_distribution(q_sup, earlier, removed)
         if rule.paper:
-            p_tilde, b = paper_boost(Support(r, ids), p_orig.prob_of(x), x, rule.neighbours(r.device), *rule.bounds)
-            boost.append(torch.where(v, b, 0.0))
+            test = paper_test(Support(r, ids), x, near, rule.k, *rule.bounds)
+            p_tilde = test.p_tilde
+            boost.append(torch.where(v, test.boost, 0.0))
+            # LANTERN's rejection clears x's k + 1 nearest codes: from the residual itself for a deterministic
+            # draft (q_i, a point mass, becomes 1 there: (r - 1)+ = 0), from q_i before it is subtracted otherwise
+            q_j = (hit | test.cleared).to(r.dtype) if q_at is None else q_j.masked_fill(test.cleared, 0.0)
         else:
             p_tilde = (r * hit).sum(-1)
         acc.append(torch.where(v, (p_tilde / q_x.clamp_min(1e-30)).clamp(max=1.0), 0.0))  # min(1, p~/q_i)
-        last = LastCandidate(Support(r, ids), q_j, v)
+        last = LastCandidate(Support(r, ids), q_j, v, rule.paper)
         if q_at is not None and j + 1 < cand.shape[-1]:  # the next candidate was drawn without this one
             mass, drawn = torch.where(v, q_drawn, 0.0), hit & v[..., None]
             removed, earlier = (mass, drawn) if earlier is None else (removed + mass, earlier | drawn)
@@ -190,17 +204,18 @@ def _acceptance_sampling(target: Support, p_orig: Support, cand, cvalid, q_at: O
 
 
 def _acceptance_greedy(target: Support, cand, cvalid, rule: Acceptance):
-    """Greedy: a child is accepted iff it is the argmax (of p_hat), or for the papers' rule iff its boosted
-    probability reaches the best other token's. Returns (B, M, C) in {0, 1} and the boosts (None for other
-    rules)."""
+    """Greedy: a child is accepted iff it is the argmax (of p_hat), or for the paper form iff its boosted
+    probability reaches the best other token's (LANTERN's argmax after the boost). Returns (B, M, C) in {0, 1}
+    and the boosts (None for other rules)."""
     if rule.paper:
         top = torch.topk(target.probs, min(2, target.probs.shape[-1]), dim=-1)  # (B, M, 2) on the support
         first = target.ids.gather(-1, top.indices[..., :1])[..., 0]
         second = top.values[..., 1] if top.values.shape[-1] > 1 else torch.zeros_like(top.values[..., 0])
         acc, boost = [], []
+        near = rule.neighbours(cand.device)
         for j in range(cand.shape[-1]):
             x = cand[..., j]
-            p_tilde, b = paper_boost(target, target.prob_of(x), x, rule.neighbours(cand.device), *rule.bounds)
+            p_tilde, b, _ = paper_test(target, x, near, rule.k, *rule.bounds)
             other = torch.where(first == x, second, top.values[..., 0])
             acc.append((p_tilde >= other).float())
             boost.append(b)
@@ -230,14 +245,16 @@ def _rule(p: Support, cand: torch.Tensor, cvalid: torch.Tensor, q: Optional[Supp
     if greedy:
         acc, boost = _acceptance_greedy(target, cand, cvalid, rule)
         return acc, LastCandidate(target), boost, tv
-    acc, boost, last = _acceptance_sampling(target, p, cand, cvalid, q_at, q_sup, rule)
+    acc, boost, last = _acceptance_sampling(target, cand, cvalid, q_at, q_sup, rule)
     return acc, last, boost, tv
 
 
 def accept(p_nodes, tree: DraftedTree, rule: Acceptance, greedy: bool, generator: Draws,
-           vocab: int) -> StepAcceptance:
+           vocab: int, bonus_noise: Optional[Callable[[Support, torch.Tensor], torch.Tensor]] = None) -> StepAcceptance:
     """p_nodes: the target's (guided, warped) distribution after every node, anything with `.index(idx (B, M))
-    -> Support (B, M, K)`: a Support (B, N, K), or GuidedLogits that warp only the nodes read."""
+    -> Support (B, M, K)`: a Support (B, N, K), or GuidedLogits that warp only the nodes read.
+    bonus_noise(dist (B, 1, K), accepted (B,)) -> (B, 1, K): the Gumbel noise the bonus is drawn with,
+    argmax(log dist + noise) (it must be independent of everything the walk read); None: fresh noise."""
     b, n = tree.tokens.shape
     dev = tree.tokens.device
     parents = tree.parents.expand(b, -1)
@@ -258,7 +275,11 @@ def accept(p_nodes, tree: DraftedTree, rule: Acceptance, greedy: bool, generator
     end, at_final = last.rejected(final_row.clamp_min(0)), p_nodes.index(final)
     has_row = (final_row >= 0)[..., None]
     bonus_dist = Support(torch.where(has_row, end.probs, at_final.probs), torch.where(has_row, end.ids, at_final.ids))
-    bonus = draw(bonus_dist, greedy, generator)[:, 0]
+    if bonus_noise is None or greedy:
+        bonus = draw(bonus_dist, greedy, generator)[:, 0]
+    else:  # Gumbel-max with the given noise: exact
+        pick = (bonus_dist.probs.log() + bonus_noise(bonus_dist, accepted)).argmax(-1)
+        bonus = bonus_dist.ids.gather(-1, pick[..., None])[:, 0, 0]
 
     depths = torch.arange(max_depth, device=dev)
     tried = (depths[None] <= accepted[:, None]) & _at_nodes(parents, cvalid.any(-1), path[:, :max_depth], False)

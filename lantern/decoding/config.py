@@ -25,6 +25,12 @@ class DecodeConfig:
     coupling: str = "gumbel"  # Jacobi: "none" (SJD: fresh draws) | "gumbel" (MC-SJD: noise fixed per position)
     initial: str = "above"  # Jacobi drafts at positions never predicted: "above" (the decided token one grid row
     # up, where there is one; else as "last") | "last" (drawn from the last distribution the step computed)
+    branching: int = 1  # Jacobi: candidates verified per position in the first depths (1: the plain window)
+    branch_depth: int = 1  # Jacobi, branching > 1: the depths of the window whose every node branches
+    tail: int = 0  # Jacobi, branching > 1: stale-tail nodes after each leaf of the branching tree
+    guesses: int = 0  # Jacobi: guesses of the bonus verified under each of the window's first guess_depth nodes
+    guess_depth: int = 1  # Jacobi, guesses > 0: the window's depths whose bonus is guessed
+    guess_tail: int = 0  # Jacobi, guesses > 0: stale-tail nodes after each guess
     _strategy: Strategy | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -44,7 +50,13 @@ class DecodeConfig:
                 raise ValueError(f"unknown coupling {self.coupling!r}; allowed: {', '.join(COUPLINGS)}")
             if self.initial not in INITIAL_DRAFTS:
                 raise ValueError(f"unknown initial drafts {self.initial!r}; allowed: {', '.join(INITIAL_DRAFTS)}")
-            strategy = JacobiWindow(self.window)
+            for name, least in (("branching", 1), ("branch_depth", 1), ("tail", 0), ("guesses", 0),
+                                ("guess_depth", 1), ("guess_tail", 0)):
+                value = getattr(self, name)
+                if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                    raise ValueError(f"{name} {value!r} must be an integer >= {least}")
+            strategy = JacobiWindow(self.window, self.branching, self.branch_depth, self.tail, self.guesses,
+                                    self.guess_depth, self.guess_tail)
         elif self.drafting != "none":
             # compiled once (fails early, naming the presets)
             strategy = StaticTree(compile_tree(load_tree(self.drafting)))
@@ -81,7 +93,7 @@ class DecodeConfig:
 
 COUPLINGS = ("none", "gumbel")
 INITIAL_DRAFTS = ("above", "last")
-METHODS = ("ar", "eagle2", "lantern", "lantern++", "sjd", "mc-sjd", "mc-sjd-relaxed")
+METHODS = ("ar", "eagle2", "lantern", "lantern++", "sjd", "mc-sjd", "mc-sjd-pac", "mc-sjd-relaxed")
 
 
 def method_preset(method: str, sampling: SamplingConfig, **overrides) -> DecodeConfig:
@@ -93,6 +105,7 @@ def method_preset(method: str, sampling: SamplingConfig, **overrides) -> DecodeC
         "lantern++": dict(drafting="lantern++-57", acceptance="lantern++", k=10, lam=3.0),
         "sjd": dict(drafting="jacobi", coupling="none"),
         "mc-sjd": dict(drafting="jacobi", coupling="gumbel"),
+        "mc-sjd-pac": dict(drafting="jacobi", coupling="gumbel", branching=3, branch_depth=2, tail=2),
         "mc-sjd-relaxed": dict(drafting="jacobi", coupling="gumbel", acceptance="lantern++", k=10, lam=3.0),
     }
     if method == "auto":

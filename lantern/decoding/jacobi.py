@@ -8,6 +8,7 @@ docs/algorithms.md section 6.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -15,13 +16,25 @@ import torch
 from lantern.decoding.sampling import Draws, Support, draw, gumbel
 
 
-def redraw(q: Support, noise: Optional[torch.Tensor], greedy: bool, generator: Draws) -> torch.Tensor:
-    """(B, L, K) distributions -> (B, L) drafts: the argmax (greedy), argmax(log q + G) with G (B, L, K) each
-    position's fixed noise at q's support tokens (coupled), or a fresh draw."""
-    if greedy or noise is None:
-        return draw(q, greedy, generator)
-    pick = (q.probs.log() + noise).argmax(-1)  # Gumbel-max on the support: exact
-    return q.ids.gather(2, pick[..., None])[..., 0]
+def redraw(q: Support, noise: Optional[torch.Tensor], greedy: bool, generator: Draws,
+           n: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, L, K) distributions -> each position's first n drafts (B, L, n) and whether each is one (B, L, n): the
+    top n of q (greedy), or n draws without replacement in draw order, the top n of log q + G with G (B, L, K)
+    each position's fixed noise at q's support tokens (coupled) or fresh noise. The first is the argmax (greedy)
+    or one exact draw from q; a draft past q's support (probability 0) is not one."""
+    if n == 1 and (greedy or noise is None):
+        token = draw(q, greedy, generator)[..., None]
+        return token, torch.ones_like(token, dtype=torch.bool)
+    keys = q.probs.log()
+    if not greedy:  # Gumbel top-n on the support: sequential draws without replacement, exact
+        keys = keys + (noise if noise is not None else gumbel(keys.shape, generator, keys.device))
+    top = torch.topk(keys, min(n, keys.shape[-1]), dim=-1)
+    tokens, valid = q.ids.gather(2, top.indices), torch.isfinite(top.values)
+    if tokens.shape[-1] < n:  # a support narrower than the branching: the missing candidates are none
+        pad = n - tokens.shape[-1]
+        tokens = torch.cat([tokens, tokens[..., :1].expand(*tokens.shape[:-1], pad)], -1)
+        valid = torch.cat([valid, torch.zeros_like(valid[..., :1]).expand(*valid.shape[:-1], pad)], -1)
+    return tokens, valid
 
 
 class CoupledNoise:
@@ -72,3 +85,94 @@ def spatial_prior(q: Support, fresh: torch.Tensor, decided: torch.Tensor, emitte
     ids = (token[..., None] + rank) % vocab
     point = (rank == 0).to(q.probs.dtype)  # (K,) all the mass on the first
     return Support(torch.where(use, point, q.probs), torch.where(use, ids, q.ids))
+
+
+@dataclass(frozen=True)
+class WindowTree:
+    """The static tree a Jacobi step verifies. A path is a tuple of ranks from the root, as in
+    lantern.decoding.trees. The window's chain (0,), (0, 0), ... down to depth L; with branching K > 1, every path of
+    candidate ranks below K down to depth `branch_depth` (candidate r at depth d: the r-th draw without replacement
+    from the window's q there), each leaf continued by `tail` nodes of the window's own drafts (the stale tail,
+    rank 0), at most down to depth L. With guesses G > 0, each chain node above depth `guess_depth` also has G
+    guess children (ranks K .. K + G - 1): tokens a bonus drawn there would likely be, verified but never
+    accepted, so that when the bonus is one the next step has p after it; each continued by `guess_tail` stale
+    drafts. Node i <= L is the chain's node at depth i (its own position), the others follow by depth. Built
+    once, shared by every image."""
+
+    window: int
+    branching: int = 1
+    branch_depth: int = 1
+    tail: int = 0
+    guesses: int = 0
+    guess_depth: int = 1
+    guess_tail: int = 0
+    # the buffers below, filled by __post_init__ (static)
+    depth: torch.Tensor = field(init=False, repr=False, compare=False)  # (N,) node depth (the root: 0)
+    ancestors: torch.Tensor = field(init=False, repr=False, compare=False)  # (N, N) j is i or an ancestor of i
+    parents: torch.Tensor = field(init=False, repr=False, compare=False)  # (M,) nodes with candidate children
+    children: torch.Tensor = field(init=False, repr=False, compare=False)  # (M, K) them in rank order (-1: none)
+    rank: torch.Tensor = field(init=False, repr=False, compare=False)  # (N,) a node's rank among its siblings
+    candidate: torch.Tensor = field(init=False, repr=False, compare=False)  # (N,) bool: may be accepted
+    draft: torch.Tensor = field(init=False, repr=False, compare=False)  # (N,) its column in [candidates; guesses]
+    guess_nodes: torch.Tensor = field(init=False, repr=False, compare=False)  # (N, G) a node's guesses (-1: none)
+    successor: torch.Tensor = field(init=False, repr=False, compare=False)  # (N, 2L + 2) the node at depth e ahead
+
+    def __post_init__(self):
+        window, k, g = self.window, self.branching, self.guesses
+        chain = [(0,) * d for d in range(window + 1)]
+        others = set()
+        if k > 1:
+            level = [()]
+            for _ in range(min(self.branch_depth, window)):
+                level = [p + (r,) for p in level for r in range(k)]
+                others.update(level)
+            for leaf in level:
+                others.update(leaf + (0,) * t for t in range(1, min(self.tail, window - len(leaf)) + 1))
+        for d in range(1, min(self.guess_depth, window) + 1):
+            for r in range(k, k + g):
+                guess = (0,) * (d - 1) + (r,)
+                others.update(guess + (0,) * t for t in range(min(self.guess_tail, window - d) + 1))
+        paths = chain + sorted(others - set(chain), key=lambda p: (len(p), p))
+        node = {p: i for i, p in enumerate(paths)}
+        n = len(paths)
+        candidate = [all(r < k for r in p) for p in paths]
+        kids = [[] for _ in range(n)]
+        guess_nodes = torch.full((n, max(g, 1)), -1, dtype=torch.long)
+        for p in paths[1:]:
+            parent = node[p[:-1]]
+            if candidate[node[p]]:
+                kids[parent].append((p[-1], node[p]))
+            elif p[-1] >= k:
+                guess_nodes[parent, p[-1] - k] = node[p]
+        parents = [i for i in range(n) if kids[i]]
+        table = torch.full((len(parents), k), -1, dtype=torch.long)
+        for row, i in enumerate(parents):
+            for r, child in kids[i]:
+                table[row, r] = child
+        ancestors = torch.zeros(n, n, dtype=torch.bool)
+        for i, p in enumerate(paths):
+            for d in range(len(p) + 1):
+                ancestors[i, node[p[:d]]] = True
+        # the node at depth e ahead of each node: its rank-0 descendants while they last, then the window's chain;
+        # -1 past the window (a position no node predicts yet)
+        successor = torch.full((n, 2 * window + 2), -1, dtype=torch.long)
+        for i, p in enumerate(paths):
+            for e in range(len(p) + 1, 2 * window + 2):
+                successor[i, e] = node.get(p + (0,) * (e - len(p)), e if e <= window else -1)
+        # candidate r at depth d: column (d - 1) * K + r of the candidates; guess j: column L * K + (d - 1) * G + j
+        draft = [0] + [(len(p) - 1) * k + p[-1] if p[-1] < k else window * k + (len(p) - 1) * g + p[-1] - k
+                       for p in paths[1:]]
+        for name, value in dict(depth=torch.tensor([len(p) for p in paths]), ancestors=ancestors,
+                                parents=torch.tensor(parents), children=table,
+                                rank=torch.tensor([p[-1] if p else 0 for p in paths]),
+                                candidate=torch.tensor(candidate), draft=torch.tensor(draft),
+                                guess_nodes=guess_nodes[:, :g], successor=successor).items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def size(self) -> int:
+        return self.depth.shape[0]
+
+    @property
+    def is_chain(self) -> bool:
+        return self.size == self.window + 1

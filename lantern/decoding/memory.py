@@ -1,15 +1,18 @@
-"""What one decode step holds at its peak, predicted before any work from the shapes alone, so that a request
-that cannot fit is refused up front (Pipeline.check_fits).
+"""What a generation holds at its peak, predicted before any work from the shapes alone, so that a request
+that cannot fit is refused up front (Pipeline.check_fits, check_ladder_fits; `--method auto` before it measures).
 
-The predicted peak is weights + KV cache (both exact from the shapes the runner allocates) + the verify step's
-logits (rows x nodes x vocab, fp32) + the forward's own activations + the sampling/acceptance workspace
-(`step_workspace_bytes`, the one place its formula lives) + a fixed allowance for what a generation adds
-besides (RUNTIME_ALLOWANCE). Counts are in elements, times the bytes of their
-dtype: 4 for fp32, 8 for int64, 1 for bool.
+The predicted peak is weights + KV cache (both exact from the shapes the runner allocates) + the larger of what a
+decode step and the prefill hold besides: a step, its verify logits (rows x nodes x vocab, fp32), the forward's own
+activations and the sampling/acceptance workspace (`step_workspace_bytes`, the one place its formula lives); the
+prefill, the forward over the whole prefix (`prefill_bytes`: quadratic in the prompt's length, what decides a
+long prompt's fit) + a fixed allowance for what a generation adds besides (RUNTIME_ALLOWANCE). Counts are in
+elements, times the bytes of their dtype: 4 for fp32, 8 for int64, 1 for bool. Every part grows with the width,
+so the widest width that fits is found by bisection (`widest_fitting`).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from typing import Callable, Optional
 
 from lantern.decoding.config import method_preset
 from lantern.decoding.relaxation import WORKSPACE_BYTES, links_bytes, walks_the_codebook
@@ -26,7 +29,8 @@ def step_workspace_bytes(images: int, cfg_rows: int, nodes: int, support: int, v
     """Bytes the sampling and acceptance of one step hold at once, beyond the verify logits, for B = `images`
     images of `cfg_rows` rows each (2 with classifier-free guidance), N = `nodes` verified nodes per image,
     K = `support` tokens after top-k (the vocabulary V when off), a relaxation over `relax_k` = k neighbours (0:
-    exact), drafting "none" (AR), "jacobi" (a chain window; `coupled`: MC-SJD's Gumbel noise) or "tree" (a
+    exact), drafting "none" (AR), "jacobi" (a window, `children` candidates a position where it branches;
+    `coupled`: MC-SJD's Gumbel noise) or "tree" (a
     drafter's tree of `children` children per parent, drafted `draft_width` nodes per drafter step), relaxation
     `form` "bounded" or "paper".
 
@@ -54,6 +58,8 @@ def step_workspace_bytes(images: int, cfg_rows: int, nodes: int, support: int, v
     total = guided + warp
     if drafting == "jacobi":
         total += lookup + 4 * b * n * k * FP32
+        if children > 1:  # a branching window: its candidates' ranking, and the siblings' test as a tree's
+            total += b * n * k * (FP32 + INT64) + 10 * b * n * k * FP32
         if coupled:
             total += b * n * v * (FP32 + INT64)
     elif drafting == "tree":
@@ -75,6 +81,15 @@ def activation_bytes(rows: int, nodes: int, slots: int, heads: int, dim: int, ff
     return rows * heads * nodes * slots * 3 * FP32 + rows * nodes * (5 * dim + 3 * ffn) * FP32
 
 
+def prefill_bytes(rows: int, prefix: int, slots: int, heads: int, dim: int, ffn: int) -> int:
+    """The prefill's transients over a prefix of `prefix` tokens, beyond the KV cache: the forward's activations
+    at P = `prefix` nodes over `slots` cache slots (its features (rows, P, D) among them, kept for the drafter),
+    the engine's causal mask and its per-row copy (rows, P, S) bool, the attention bias (rows, 1, P, S) and, for
+    left-padded prompt rows, the positions' hidden-slot tests (rows, P, P) bool, three at once."""
+    return (activation_bytes(rows, prefix, slots, heads, dim, ffn) + rows * prefix * slots * (2 * BOOL + FP32)
+            + 3 * rows * prefix * prefix * BOOL)
+
+
 @dataclass(frozen=True)
 class PeakPrediction:
     """A request's predicted peak and its parts, in bytes."""
@@ -84,12 +99,18 @@ class PeakPrediction:
     logits_bytes: int
     activation_bytes: int
     workspace_bytes: int
+    prefill_bytes: int = 0  # held instead of a step's logits, activations and workspace, while the prefix runs
     runtime_bytes: int = RUNTIME_ALLOWANCE
 
     @property
+    def step_bytes(self) -> int:
+        """What a decode step holds beyond the weights and the KV cache."""
+        return self.logits_bytes + self.activation_bytes + self.workspace_bytes
+
+    @property
     def total_bytes(self) -> int:
-        return (self.weights_bytes + self.kv_cache_bytes + self.logits_bytes + self.activation_bytes
-                + self.workspace_bytes + self.runtime_bytes)
+        return (self.weights_bytes + self.kv_cache_bytes + max(self.step_bytes, self.prefill_bytes)
+                + self.runtime_bytes)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "total_bytes": self.total_bytes}
@@ -111,7 +132,7 @@ def predict_peak(dcfg, model_config, spec, weights_bytes: int, itemsize: int, im
     drafting = "none" if strategy is None else "jacobi" if dcfg.jacobi else "tree"
     relaxed = dcfg.acceptance != "exact"
     children = (dcfg.dynamic_top_k if dcfg.drafting == "dynamic" else strategy.tree.max_children
-                if drafting == "tree" else 1)
+                if drafting == "tree" else strategy.branching if drafting == "jacobi" else 1)
     workspace = step_workspace_bytes(images, rows, n, sampling.support_size(v), v, relax_k=dcfg.k if relaxed else 0,
                                      drafting=drafting, form=dcfg.form, children=children,
                                      draft_width=strategy.level_width if strategy is not None else 0,
@@ -119,11 +140,11 @@ def predict_peak(dcfg, model_config, spec, weights_bytes: int, itemsize: int, im
                                      top_p=sampling.top_p < 1.0)
     dim = model_config.dim
     # query heads: width over head size; a family config without a SwiGLU width: 3 * dim (above LLaMA's 8/3)
-    activations = activation_bytes(spec.batch, n, spec.max_len, dim // model_config.head_dim, dim,
-                                   getattr(model_config, "ffn_hidden", 3 * dim))
+    layout = (spec.max_len, dim // model_config.head_dim, dim, getattr(model_config, "ffn_hidden", 3 * dim))
     return PeakPrediction(weights_bytes=weights_bytes, kv_cache_bytes=kv_cache_bytes(spec, model_config, itemsize),
-                          logits_bytes=spec.batch * n * v * FP32, activation_bytes=activations,
-                          workspace_bytes=workspace)
+                          logits_bytes=spec.batch * n * v * FP32,
+                          activation_bytes=activation_bytes(spec.batch, n, *layout), workspace_bytes=workspace,
+                          prefill_bytes=prefill_bytes(spec.batch, spec.prefix_len, *layout))
 
 
 class MemoryRefused(ValueError):
@@ -134,13 +155,29 @@ def size(nbytes: int) -> str:
     return f"{nbytes / 2 ** 30:.2f} GiB" if nbytes >= 2 ** 30 else f"{nbytes / 2 ** 20:.1f} MiB"
 
 
+def widest_fitting(needed: Callable[[int], int], below: int, available: int, least: int = 1) -> Optional[int]:
+    """The largest n in least..below with needed(n) <= available, or None: by bisection, `needed` being
+    non-decreasing in n (every part of a prediction grows with the width and with the prefix), so a request
+    200000 images wide is answered after about 18 predictions."""
+    low, high = least - 1, below  # needed(low) fits, or low is below least; the answer is in low..high
+    while low < high:
+        middle = (low + high + 1) // 2
+        if needed(middle) <= available:
+            low = middle
+        else:
+            high = middle - 1
+    return low if low >= least else None
+
+
 def refusal(dcfg, width: int, needed, available: int, source: str, prediction: PeakPrediction,
-            what: str = "this request") -> MemoryRefused:
+            what: str = "this request", still: Optional[int] = None, fits: tuple[str, ...] = ()) -> MemoryRefused:
     """The refusal of `dcfg` at `width` images per step, naming what would fit: the widest smaller --batch, the
-    widest smaller --top-k (powers of two), and AR where a speculative method was asked for. needed(dcfg, width):
-    the bytes such a request still has to allocate; what: what is refused."""
-    fits = []
-    batch = next((w for w in range(width - 1, 0, -1) if needed(dcfg, w) <= available), None)
+    widest smaller --top-k (powers of two), and AR where a speculative method was asked for, after the caller's
+    own `fits` (e.g. a shorter --max-prompt-tokens). needed(dcfg, width): the bytes such a request has to
+    allocate, non-decreasing in the width; still: what this one still has to (default needed(dcfg, width));
+    what: what is refused."""
+    fits = list(fits)
+    batch = widest_fitting(lambda w: needed(dcfg, w), width - 1, available)
     if batch is not None:
         fits.append(f"--batch {batch} (batch={batch})")
     support = dcfg.sampling.top_k or 0
@@ -157,6 +194,7 @@ def refusal(dcfg, width: int, needed, available: int, source: str, prediction: P
                       for name, value in prediction.to_dict().items() if name != "total_bytes")
     advice = ("it would fit with " + ", or ".join(fits) if fits else
               "no smaller batch, top-k or AR fits either: free memory or use a machine with more")
+    still = needed(dcfg, width) if still is None else still
     return MemoryRefused(f"{what} cannot fit: its predicted peak at {width} image(s) per step is "
-                         f"{size(prediction.total_bytes)} ({parts}), {size(needed(dcfg, width))} of it still to be "
+                         f"{size(prediction.total_bytes)} ({parts}), {size(still)} of it still to be "
                          f"allocated, and {size(available)} is available ({source}); {advice}")

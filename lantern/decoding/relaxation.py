@@ -7,9 +7,10 @@ form). Exact recursive rejection against p_hat outputs exactly p_hat, so each to
 TV(p_hat, p) = the moved mass of the target, recorded per token. For deterministic top-k drafts "q" is the
 fixed candidate set (q = 1 on candidates, 0 elsewhere), and only the candidates can receive.
 
-Paper (LANTERN / LANTERN++ as published, kept for comparison): per candidate x, p~(x) = p(x) + C_m*(x)
-with C_m the mass of x's m nearest neighbours, m* the largest m <= k with C_m <= delta (or (lam-1) p(x)).
-Its output distortion is not bounded by delta (docs/algorithms.md says why); never boosts p(x) = 0.
+Paper (LANTERN / LANTERN++ as their code runs it, kept for comparison): per candidate x, p~(x) = r(x) + C_m*(x)
+with r the residual x is tested against, C_m the residual mass of x's m nearest neighbours, m* the largest m <= k
+with C_m <= delta (or (lam-1) r(x)); a rejection then also clears x's k + 1 nearest codes (acceptance.py says
+where). Its output distortion is not bounded by delta (docs/algorithms.md measures it); it boosts p(x) = 0 too.
 
 Memory and time: nothing here is quadratic in the support. A node's flows are three sums over neighbour lists
 (what each receiver's sources hold, how often each source is asked, what each receiver gets), walked one of two
@@ -28,6 +29,7 @@ and every shape is fixed by the configuration, so nothing waits on the device.
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -225,15 +227,30 @@ class _CodebookWalk:
         return sums.t().gather(1, self.ids)
 
 
-def paper_boost(residual: Support, original_px: torch.Tensor, x: torch.Tensor, neighbours: torch.Tensor,
-                delta: float | None, lam: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The papers' per-candidate rule at candidates x (B, M) against the residual (B, M, K) on its support.
-    Returns (p~(x), boost C_m*(x)), each (B, M); no boost where the original p(x) is 0."""
+class PaperTest(NamedTuple):
+    """LANTERN's per-candidate test at candidates x (B, M): p~(x) = r(x) + C_m*(x), and what a rejection clears."""
+
+    p_tilde: torch.Tensor  # (B, M) the boosted probability x is tested with
+    boost: torch.Tensor  # (B, M) C_m*(x), 0 where no m qualifies
+    cleared: torch.Tensor  # (B, M, K) bool: the support slots among x's k + 1 nearest codes, where some m qualified
+
+
+def paper_test(residual: Support, x: torch.Tensor, neighbours: torch.Tensor, k: int,
+               delta: float | None, lam: float | None) -> PaperTest:
+    """LANTERN's rule (jadohu/LANTERN `evaluate_posterior`, `evaluate_posterior_v1`) at candidates x (B, M)
+    against the residual r (B, M, K) on its support: C_m(x) = r(n_1(x)) + ... + r(n_m(x)), m* the largest m <= k
+    with C_m(x) <= delta (or (lam - 1) r(x)). Every x is boosted, r(x) = 0 too (a token outside the target's
+    top-k), as LANTERN does. neighbours (V, >= k): each code's nearest codes; a rejection clears x's first k + 1
+    (as many as the table holds) where an m qualified. Sums in r's dtype (float32, as LANTERN)."""
     found = residual.lookup()
     px = found.prob(x[..., None])[..., 0]
-    cum = found.prob(neighbours[x].long()).double().cumsum(-1)  # (B, M, k) C_1..C_k, non-decreasing
-    bound = torch.full_like(px, delta).double() if delta is not None else (lam - 1.0) * px.double()
+    near = neighbours[x].long()  # (B, M, k + 1 or fewer)
+    cum = found.prob(near[..., :k]).cumsum(-1)  # (B, M, k) C_1..C_k, non-decreasing
+    bound = torch.full_like(px, delta) if delta is not None else (lam - 1.0) * px
     m = (cum <= bound[..., None]).sum(-1)  # qualifying m form a prefix: m* is their count
-    boost = torch.where(m > 0, cum.gather(-1, (m - 1).clamp_min(0)[..., None])[..., 0], 0.0).float()
-    boost = torch.where(original_px > 0, boost, 0.0)
-    return px + boost, boost
+    boosted = m > 0
+    boost = torch.where(boosted, cum.gather(-1, (m - 1).clamp_min(0)[..., None])[..., 0], 0.0)
+    slot, on_support = found.position(near)
+    flags = (on_support & boosted[..., None]).to(torch.int32)  # a code off the support adds 0 at slot 0
+    cleared = torch.zeros(residual.probs.shape, dtype=torch.int32, device=px.device).scatter_add_(-1, slot, flags) > 0
+    return PaperTest(px + boost, boost, cleared)

@@ -17,6 +17,7 @@ from typing import ClassVar
 
 import torch
 
+from lantern.decoding.jacobi import WindowTree
 from lantern.decoding.trees import CompiledTree
 
 
@@ -227,14 +228,28 @@ class JacobiWindow(Strategy):
     """Speculative Jacobi decoding: the root and a window of L drafts after it, verified as one causal chain.
     No drafter: each draft is drawn from the target's own distribution at its position from the previous step.
     Chain node i sits at slot root + i = its own position, so accepted nodes' cache entries are already where
-    they belong and a step never commits (commit_pairs 1: the runner's commit shape, never called)."""
+    they belong and a plain window never commits (commit_pairs 1: the runner's commit shape, never called).
+    With branching > 1 the window also verifies more candidates at its first depths, a small tree continued by
+    the stale tail (lantern.decoding.jacobi.WindowTree); a path off the chain is committed into place like a
+    drafter tree's."""
 
     window: int
+    branching: int = 1
+    branch_depth: int = 1
+    tail: int = 0
+    guesses: int = 0
+    guess_depth: int = 1
+    guess_tail: int = 0
     depth_name: ClassVar[str] = "window"
+
+    @cached_property
+    def tree(self) -> WindowTree:
+        return WindowTree(self.window, self.branching, self.branch_depth, self.tail, self.guesses, self.guess_depth,
+                          self.guess_tail)
 
     @property
     def verify_width(self) -> int:
-        return self.window + 1
+        return self.tree.size
 
     @property
     def depth(self) -> int:
@@ -242,4 +257,4 @@ class JacobiWindow(Strategy):
 
     @property
     def commit_pairs(self) -> int:
-        return 1
+        return 1 if self.tree.is_chain else self.window + 1

@@ -150,64 +150,118 @@ class TreeProposal(Proposer):
 
 class WindowProposal(Proposer):
     """Jacobi: the window of L drafts after the root, redrawn every step from the target's p at its positions
-    (lantern.decoding.jacobi: SJD, MC-SJD's coupled noise, the spatial prior). The verify writes node i at
-    its own position, so the accepted prefix is in place: no commit."""
+    (lantern.decoding.jacobi: SJD, MC-SJD's coupled noise, the spatial prior), verified as a chain whose node i
+    sits at its own position (the accepted prefix is in place: no commit), or as the window's tree
+    (lantern.decoding.jacobi.WindowTree: more candidates at the first depths, guesses of the bonus, each continued
+    by the stale tail), whose paths off the chain are committed into place. With guesses the bonus is drawn on a
+    second coupled noise, the one the guesses were ranked by, so a guess is the bonus as often as the two
+    distributions agree."""
 
-    state = ("q", "drafts")
+    state = ("q", "drafts", "offered")
 
     def __init__(self, runner, dcfg, rule, draws, sampling):
         super().__init__(runner, dcfg, rule, draws, sampling)
-        self.window = self.depth = dcfg.strategy.window
-        self.nodes = torch.arange(self.window + 1, device=runner.device)
+        strategy, dev = dcfg.strategy, runner.device
+        self.window = self.depth = strategy.window
+        layout = strategy.tree
+        self.branching, self.guesses = layout.branching, layout.guesses
+        self.commits = not layout.is_chain
+        self.slots_ahead = torch.arange(1, self.window + 1, device=dev)
         self.grid = runner.model_config.grid_size
         self.above = dcfg.initial == "above"
         self.coupled = dcfg.coupling == "gumbel" and not self.sampling.greedy
-        self.noise = None
-        self.q = self.drafts = None
-        dev, n = runner.device, self.window + 1
-        self._tree = dict(depth=self.nodes[None], ancestors=torch.ones(n, n, dtype=torch.bool, device=dev).tril()[None],
-                          parents=self.nodes[None, :-1], children=self.nodes[None, 1:, None],
-                          rank=torch.zeros(1, n, dtype=torch.long, device=dev), chain=True)
+        self.noise = self.bonus_noise = None
+        self.q = self.drafts = self.offered = self.proposed_at = None
+        self.draft_at = layout.draft[1:].to(dev)  # (N-1,) each node's column among [candidates; guesses]
+        self.candidate = layout.candidate.to(dev)  # (N,)
+        self.guess_nodes = layout.guess_nodes.to(dev)  # (N, G)
+        self.successor = layout.successor.to(dev)  # (N, 2L + 2)
+        self.parent_slot = layout.depth[layout.parents].to(dev)  # (M,) the window slot each parent's children fill
+        self._tree = dict(depth=layout.depth.to(dev)[None], ancestors=layout.ancestors.to(dev)[None],
+                          parents=layout.parents.to(dev)[None], children=layout.children.to(dev),
+                          rank=layout.rank.to(dev)[None], chain=layout.is_chain)
 
     def distributions(self, logits):
-        return target_support(logits, self.sampling)  # (B, L+1, K): every node is a parent
+        return target_support(logits, self.sampling)  # (B, N, K): every node is a parent
 
-    def _drafts(self, q: Support, root: torch.Tensor, rows=None) -> torch.Tensor:
-        """(B, L, K) -> (B, L) drafts at positions root + 1 .. root + L."""
-        g = self.noise.at(root[:, None] + self.nodes[1:], q.ids, self.draws, rows) if self.noise is not None else None
-        return redraw(q, g, self.sampling.greedy, self.draws)
+    def _drafts(self, q: Support, root: torch.Tensor, rows=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, L, K) -> every node's token source at positions root + 1 .. root + L: the candidates (B, L * branching)
+        then the guesses (B, L * guesses), and which candidates are ones (B, L * branching)."""
+        positions = root[:, None] + self.slots_ahead
+        g = self.noise.at(positions, q.ids, self.draws, rows) if self.noise is not None else None
+        tokens, offered = redraw(q, g, self.sampling.greedy, self.draws, self.branching)
+        if self.guesses:  # the likeliest bonuses after every candidate was rejected: q without them, ranked
+            g = self.bonus_noise.at(positions, q.ids, self.draws, rows) if self.bonus_noise is not None else None
+            drawn = (q.ids[..., None] == tokens[..., None, :]).any(-1)  # (B, L, K)
+            rest = Support(q.probs.masked_fill(drawn, 0.0), q.ids)
+            guessed, _ = redraw(rest, g, self.sampling.greedy, self.draws, self.guesses)
+            tokens = torch.cat([tokens.flatten(1), guessed.flatten(1)], 1)
+        return tokens.flatten(1), offered.flatten(1)
 
     def reset(self, slots, fresh, first, features, prefix=None) -> None:
         b = fresh.shape[0]
         if self.coupled and self.noise is None:
             self.noise = CoupledNoise(b, self.window, self.vocab, self.runner.device)
-        if self.noise is not None:
-            self.noise.forget(fresh)
+            if self.guesses:
+                self.bonus_noise = CoupledNoise(b, self.window, self.vocab, self.runner.device)
+        for noise in (self.noise, self.bonus_noise):
+            if noise is not None:
+                noise.forget(fresh)
         q = Support(*(x[:, None].expand(-1, self.window, -1) for x in first))  # never predicted: the last p
         if self.above:
             q = spatial_prior(q, torch.ones(b, self.window, dtype=torch.bool, device=fresh.device), slots.out,
                               slots.emitted, self.grid, self.vocab)
-        drafts = self._drafts(q, slots.root, fresh)
+        drafts, offered = self._drafts(q, slots.root, fresh)
         if self.q is None:
-            self.q, self.drafts = q, drafts
+            self.q, self.drafts, self.offered = q, drafts, offered
             return
         keep = fresh[:, None, None]
         self.q = Support(torch.where(keep, q.probs, self.q.probs), torch.where(keep, q.ids, self.q.ids))
         self.drafts = torch.where(fresh[:, None], drafts, self.drafts)
+        self.offered = torch.where(fresh[:, None], offered, self.offered)
 
     def propose(self, slots) -> DraftedTree:
         b = slots.root.shape[0]
-        return DraftedTree(tokens=torch.cat([slots.root_tok[:, None], self.drafts], 1),
-                           valid=torch.ones(b, self.window + 1, dtype=torch.bool, device=slots.root.device),
-                           q=None if self.sampling.greedy else self.q, max_depth=self.window, **self._tree)
+        self.proposed_at = slots.root  # the roots' positions, where accept places the bonus
+        drafted = self.drafts[:, self.draft_at]  # (B, N-1): each node's token
+        offered = torch.cat([self.offered, torch.zeros_like(self.offered[:, :1])], 1)  # a guess is never one
+        column = torch.where(self.candidate[1:], self.draft_at, self.offered.shape[1])
+        valid = offered[:, column]
+        q = None
+        if not self.sampling.greedy:  # each parent's children were drawn from the window's q at their slot
+            q = self.q if self._tree["chain"] else self.q.index(self.parent_slot.expand(b, -1))
+        return DraftedTree(tokens=torch.cat([slots.root_tok[:, None], drafted], 1),
+                           valid=torch.cat([torch.ones_like(valid[:, :1]), valid], 1),
+                           q=q, max_depth=self.window, **self._tree)
+
+    def accept(self, p_nodes, tree: DraftedTree) -> StepAcceptance:
+        if self.bonus_noise is None:
+            return super().accept(p_nodes, tree)
+
+        def bonus_noise(dist: Support, accepted: torch.Tensor) -> torch.Tensor:  # the bonus: accepted + 1 past the root
+            return self.bonus_noise.at(self.proposed_at[:, None] + accepted[:, None] + 1, dist.ids, self.draws)
+        return accept(p_nodes, tree, self.rule, self.sampling.greedy, self.draws, self.vocab, bonus_noise)
 
     def advance(self, slots, step: Stepped) -> None:
-        # window slot w now holds position root + 1 + w: p after node advance + w predicts it (if that node exists)
-        predicted_by = step.advance[:, None] + self.nodes[:-1]  # (B, L)
-        q = step.p_nodes.index(predicted_by.clamp(max=self.window))
+        # window slot w now holds position root + 1 + w; the node predicting it is the one at depth advance + w
+        # ahead of the anchor: the guess the bonus turned out to be, else the last accepted node; on its own rank-0
+        # descendants while they last, then on the window's chain
+        b = slots.root.shape[0]
+        anchor = step.acc.path.gather(1, step.acc.accepted.clamp_min(0)[:, None])  # (B, 1)
+        if self.guesses:
+            guessed = self.guess_nodes[anchor[:, 0]]  # (B, G) the last accepted node's guesses (-1: none)
+            hit = (guessed >= 0) & (step.tree.tokens.gather(1, guessed.clamp_min(0)) == step.acc.bonus[:, None])
+            anchor = torch.where(hit.any(-1, keepdim=True), guessed.gather(1, hit.int().argmax(-1, keepdim=True)),
+                                 anchor)
+        ahead = (step.advance[:, None] + self.slots_ahead - 1).clamp(max=self.successor.shape[1] - 1)  # (B, L)
+        predicted_by = self.successor[anchor.expand(b, self.window), ahead]  # (B, L); -1: no node predicts it yet
+        fresh = predicted_by < 0
+        # never predicted: the last p on the window's chain (MC-SJD's "last"), or the spatial prior below
+        q = step.p_nodes.index(torch.where(fresh, self.window, predicted_by))
         if self.above:
-            q = spatial_prior(q, predicted_by > self.window, slots.out, slots.emitted, self.grid, self.vocab)
-        self.q, self.drafts = q, self._drafts(q, slots.root)
+            q = spatial_prior(q, fresh, slots.out, slots.emitted, self.grid, self.vocab)
+        self.q = q
+        self.drafts, self.offered = self._drafts(q, slots.root)
 
 
 def make_proposer(runner, dcfg: DecodeConfig, rule: Acceptance, draws, sampling) -> Proposer:

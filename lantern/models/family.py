@@ -137,10 +137,20 @@ def inspect_folder(path: str | Path) -> FolderInfo:
         if not isinstance(tokens, int) or tokens < 1:
             raise ValueError(f"{cfg_path} does not say how many tokens an image has: "
                              f"vision_config.num_image_tokens is missing")
-        return FolderInfo(root, family, arch, vocab, tokens)
+        return FolderInfo(root, family, arch, vocab, tokens,
+                           max_positions(cfg.get("text_config") or {}, cfg_path, "text_config."))
     if family == "chameleon":
-        return FolderInfo(root, family, arch, *check_config(cfg, cfg_path))
+        return FolderInfo(root, family, arch, *check_config(cfg, cfg_path), max_positions(cfg, cfg_path))
     raise AssertionError(f"family {family} has no config check")  # every FAMILIES entry has one above
+
+
+def max_positions(cfg: dict, cfg_path: Path, prefix: str = "") -> int:
+    """A language model config's max_position_embeddings (0 where it gives none); ValueError when it is not a
+    positive integer."""
+    value = cfg.get("max_position_embeddings", 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{cfg_path}: {prefix}max_position_embeddings {value!r} is not a positive integer")
+    return value
 
 
 def require_transformers():

@@ -7,7 +7,7 @@ import hashlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 from safetensors import safe_open
 
@@ -24,6 +24,23 @@ class FolderInfo:
     architecture: str
     image_vocab: int = 0
     image_tokens: int = 0
+    max_positions: int = 0  # the positions the model has (config.json's max_position_embeddings; 0: not given)
+
+    @property
+    def longest_prompt(self) -> Optional[int]:
+        """The most prompt tokens (the model's own around the prompt included) whose image still has positions:
+        max_positions less the image's tokens; None where config.json gives no max_position_embeddings."""
+        return self.max_positions - self.image_tokens if self.max_positions else None
+
+    def check_prompt_tokens(self, tokens: int, what: str) -> None:
+        """Refuse a prompt of `tokens` tokens (`what`: the prompt, or the flag that sets its length, and its
+        value) whose image would run past the model's positions, before any of its memory is predicted."""
+        longest = self.longest_prompt
+        if longest is not None and tokens > longest:
+            raise ValueError(f"{what} is not allowed for {self.path}: a prompt of {tokens} tokens and "
+                             f"its image of {self.image_tokens} need {tokens + self.image_tokens} positions, and "
+                             f"the model has {self.max_positions} (max_position_embeddings in config.json); "
+                             f"allowed: at most {longest} tokens, the model's own around the prompt included")
 
 
 # what transformers' from_pretrained reads from a folder, in its order of preference

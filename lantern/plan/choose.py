@@ -171,12 +171,14 @@ def allowed_relaxation(allow_relaxed: bool, validated: dict, sampling: SamplingC
     return {}, f"lossless plans only: {why}"
 
 
-def runnable(pipe, plans: list[Plan], sampling: SamplingConfig) -> tuple[list[Plan], list[dict]]:
-    """The plans this pipeline can run (a window or tree as deep as the image cannot), and why the others not."""
+def runnable(pipe, plans: list[Plan], sampling: SamplingConfig, width: int) -> tuple[list[Plan], list[dict]]:
+    """The plans this pipeline can run at `width` images per step (a window or tree as deep as the image cannot,
+    nor a plan whose predicted peak exceeds the memory available: Pipeline.check_fits), and why the others not."""
     ok, skipped = [], []
     for p in plans:
         try:
             pipe.check(p.decode(sampling))
+            pipe.check_fits(p.decode(sampling), width, what=f"plan {p.name}")
         except ValueError as e:
             skipped.append({"plan": p.name, "skipped": str(e)})
         else:
@@ -213,9 +215,13 @@ def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] =
     if classes is not None and len(classes) != n_images:
         raise ValueError(f"{len(classes)} class ids given for {n_images} images")
     width = min(pipe.check(AR.decode(sampling), batch), n_images)
+    # before anything is built or timed: AR, the plan that holds the least, must fit, and the others are weighed
+    # only where they fit (lantern.decoding.memory)
+    pipe.check_fits(AR.decode(sampling), width, what=f"--method auto at {width} image(s) per step (AR, its "
+                                                     f"smallest plan)")
     allowed, why = allowed_relaxation(allow_relaxed, pipe.defaults.relaxation, sampling, pipe.config.vocab_size)
     plans, skipped = runnable(pipe, candidate_plans(pipe.drafter is not None, pipe.proximity is not None, allowed),
-                              sampling)
+                              sampling, width)
     key = pipe.model_key
     if profile is not None and any(e.get("model") != key for e in profile.widths.values()):
         print(f"lantern: hardware profile {profile.name} was calibrated with another model; auto uses this "

@@ -160,7 +160,7 @@ class Suite:
         src, pipe = self.source, self.make_pipe()
         relaxation, _ = allowed_relaxation(True, src.relaxation, self.sampling, src.target.config.vocab_size)
         plans, _ = runnable(pipe, candidate_plans(src.drafter is not None, src.proximity is not None, relaxation),
-                            self.sampling)
+                            self.sampling, width)
         record = records.shipped_for(src.acceptance_records, pipe.dtype)
         # a chunk of `width` images, each drawn from all the record's images of a plan
         per_chunk, attended = records.chunk_timing({name: [e["steps"]] * width

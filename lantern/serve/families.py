@@ -31,8 +31,8 @@ CALIBRATION_PROMPTS = ("a photo of a cat sitting on a windowsill", "a red car pa
 def check_model(config: ServeConfig) -> None:
     """What the served model needs, checked before binding or loading any weights; ValueError naming what is
     wrong. A bundle: its T5 folder where it is text-to-image (lantern.serve.prompts); a family folder: its
-    config, tokenizer and VQ (images are the answer: Chameleon's VQGAN must be there), the backend runs the family,
-    and no setting that is a bundle's alone."""
+    config, tokenizer and VQ (images are the answer: Chameleon's VQGAN must be there), max_prompt_tokens within the
+    model's positions, the backend runs the family, and no setting that is a bundle's alone."""
     if not is_family_folder(config.model):
         if config.vq is not None:
             model = config.model or "the embedded model"
@@ -41,6 +41,8 @@ def check_model(config: ServeConfig) -> None:
         check_prompt_encoder(config.model, config.t5)
         return
     info = check_family(config.model, config.vq, need_vq=True)
+    info.check_prompt_tokens(config.max_prompt_tokens,
+                             f"max_prompt_tokens {config.max_prompt_tokens} (--max-prompt-tokens)")
     if config.t5 is not None:
         raise ValueError(f"--t5 encodes prompts for LlamaGen t2i bundles; {config.model} is a {info.family} model, "
                          f"which tokenizes its prompts itself")
@@ -61,7 +63,8 @@ class FamilyModel:
     """A family folder loaded for serving, with what the service reads of a bundle (`target`, `drafter`,
     `proximity`, `default_sampling`, `validations`, `acceptance_records`, `path`, `image_size`, `decode_images`;
     Pipeline.from_bundle takes it) and its prompts: `prompt_row(prompt)` the model's token row, refused when longer
-    than `prompt_len` (ValueError), `condition(row)` that row padded to the target's one prefix length.
+    than `prompt_len` (ValueError), `condition(row)` that row padded to the target's one prefix length;
+    `shortest_prompt`, a one-word prompt's tokens, the least prompt_len allowed.
 
     Served without a drafter or a proximity table: AR, SJD and MC-SJD (and auto among them, lossless only)."""
 
@@ -75,7 +78,7 @@ class FamilyModel:
         if prompt_len < shortest:
             raise ValueError(f"max_prompt_tokens {prompt_len} is not allowed for {family.path}: a one-word prompt is "
                              f"{shortest} tokens with the model's own around it; allowed: an integer >= {shortest}")
-        self.family, self.prompt_len = family, prompt_len
+        self.family, self.prompt_len, self.shortest_prompt = family, prompt_len, shortest
         self.target = family.target(prompt_len, padded=True)
 
     @property

@@ -101,7 +101,9 @@ class Service:
         self.metrics.watch_peak_memory(self.worker.peak_memory_bytes)
         self.draining = False
         self.serving: ServingPlan = safe_plan(self.pipe.backend.name, self.sampling)  # what auto serves now
-        self.pipe.check_ladder_fits(self._decode(EngineKey(config.method))[0], config.ladder)
+        # every width's engine, each prompt row as long as max_prompt_tokens, before any engine is built
+        self.pipe.check_ladder_fits(self._decode(EngineKey(config.method))[0], config.ladder,
+                                    shortest_prompt=self.family.shortest_prompt if self.family is not None else None)
         self.planner = (BackgroundPlanner(self._plan, self.worker, config.ladder, self.threads, self._switched,
                                           lambda state: self._report_plan())
                         if config.method == "auto" else None)

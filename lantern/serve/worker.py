@@ -359,9 +359,12 @@ class EngineWorker:
     def _runner(self, dcfg, width: int):
         """The pipeline's runner for this shape (prepared and warmed up once), unless another engine uses it:
         then one of the engine's own, so no two engines share a KV cache (engines of other widths have other
-        shapes, so other runners)."""
+        shapes, so other runners). Either is refused before it is prepared where it cannot fit (MemoryRefused:
+        the request gets 422)."""
         runner = self.pipeline.runner(dcfg, width)
         if any(e.runner is runner for _, _, e in self._all_engines() + self._retiring):
+            self.pipeline.check_fits(dcfg, width, what=f"an engine of its own at {width} image(s) per step",
+                                     new_runner=True)
             spec = runner.spec
             runner = self.pipeline.backend.prepare(self.pipeline.target,
                                                    self.pipeline.drafter if spec.draft_widths else None, spec)

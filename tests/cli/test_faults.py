@@ -373,6 +373,28 @@ def test_memory_that_cannot_be_allocated_names_the_flag(tmp_path, capsys, bundle
     assert "Traceback" not in err
 
 
+def test_auto_that_cannot_fit_exits_2_before_building_or_timing_anything(capsys, bundle_dir, monkeypatch):
+    """The default, --method auto, at 64 images per step with memory for AR at 16: refused (exit 2) before any
+    runner is built or anything timed, naming auto's smallest plan and the widest --batch where it fits; it used
+    to prepare and time runners at that width first (issue 56: 4096 images grew to 24 GB)."""
+    import lantern.api
+    from lantern.api import Pipeline
+    from lantern.bundle import load_bundle
+    from lantern.decoding.config import method_preset
+    pipe = Pipeline.from_bundle(load_bundle(bundle_dir), backend="cpu")
+    available = pipe.predict_peak(method_preset("ar", pipe.defaults.sampling), 16).total_bytes
+    monkeypatch.setattr(lantern.api, "available_bytes", lambda device: (available, "a test's figure"))
+
+    def built(self, *args):
+        raise AssertionError("a runner was built")
+    monkeypatch.setattr(Pipeline, "runner", built)
+    code, err = run(capsys, "generate", "--model", str(bundle_dir), "--backend", "cpu", "--classes", *["0"] * 64,
+                    "--batch", "64", "--no-images")
+    assert code == 2, err
+    assert "--method auto at 64 image(s) per step (AR, its smallest plan) cannot fit" in err, err
+    assert "it would fit with --batch 16 (batch=16)" in err and "Traceback" not in err
+
+
 def write_config(bundle_dir: Path, tmp_path: Path, edit) -> Path:
     import shutil
     copy = tmp_path / "bundle"

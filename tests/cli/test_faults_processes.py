@@ -121,7 +121,7 @@ def seed_acceptance_record(bundle_dir: Path, caches: list[Path], monkeypatch) ->
     monkeypatch.setenv("LANTERN_CACHE_DIR", str(first))
     pipe = Pipeline.from_bundle(load_bundle(bundle_dir), backend="cpu")
     sampling = pipe.defaults.sampling
-    plans, _ = runnable(pipe, candidate_plans(False, False), sampling)
+    plans, _ = runnable(pipe, candidate_plans(False, False), sampling, 1)
     steps_by_plan(pipe, plans, sampling, pipe.model_key, False, [None])
     for cache in caches[1:]:
         shutil.copytree(first / "records", cache / "records")
@@ -136,7 +136,7 @@ def seed_probe_to_refine(bundle_dir: Path, caches: list[Path], monkeypatch) -> s
     from lantern.plan.choose import runnable
     monkeypatch.setenv("LANTERN_CACHE_DIR", str(caches[0]))
     pipe = Pipeline.from_bundle(load_bundle(bundle_dir), backend="cpu")
-    plans, _ = runnable(pipe, candidate_plans(False, False), pipe.defaults.sampling)
+    plans, _ = runnable(pipe, candidate_plans(False, False), pipe.defaults.sampling, 1)
     key = calibration.pipe_key(pipe, pipe.defaults.sampling)
     data = {"key": key, "widths": {"1": {"fixed_s": 100.0, "provisional": True,
                                          "plans": {p.name: {"step_s": 1e-3} for p in plans}}}}

@@ -1,5 +1,6 @@
 """Acceptance as a tensor program: the exact rule is lossless, the bounded relaxation outputs exactly its p_hat
-(within the recorded TV of p), the papers' rules stay reference-compatible, p(x) = 0 is never accepted.
+(within the recorded TV of p), the paper form is LANTERN's own rule (test_paper_rule_parity.py), p(x) = 0 is never
+accepted but by LANTERN's own (k, delta) rule.
 
 Every statistical test runs many one-node trees as one batch: row b is an independent trial."""
 from dataclasses import replace
@@ -102,12 +103,31 @@ def top_k_pair():
 @pytest.mark.parametrize("greedy", [False, True])
 @pytest.mark.parametrize("rule", [
     Acceptance("exact"), codebook_rule("lantern", k=16, delta=0.3), codebook_rule("lantern++", k=16, lam=4.0),
-    codebook_rule("lantern", form="paper", k=16, delta=0.3), codebook_rule("lantern++", form="paper", k=16, lam=4.0)],
-    ids=["exact", "bounded-lantern", "bounded-lantern++", "paper-lantern", "paper-lantern++"])
-def test_no_rule_ever_emits_a_token_the_target_cannot(rule, greedy):
+    codebook_rule("lantern++", form="paper", k=16, lam=4.0)],
+    ids=["exact", "bounded-lantern", "bounded-lantern++", "paper-lantern++"])
+def test_no_rule_but_lanterns_own_ever_emits_a_token_the_target_cannot(rule, greedy):
+    """LANTERN++'s bound (lam - 1) p(x) gives a token with p(x) = 0 nothing, in either form."""
     p, q = top_k_pair()
     first, out = one_node(p, q, 4, rule, trials=4000, seed=2, greedy=greedy)
     assert torch.all(p[first] > 0)  # accepted drafts and residual draws alike (leaves' bonuses follow their own p)
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_the_paper_form_boosts_a_token_the_target_cannot_emit_as_lantern_does(greedy):
+    """LANTERN's (k, delta) rule tests a candidate x with p(x) = 0 (outside the target's top-k) against its
+    neighbours' mass C_m*(x) like any other: accepted with probability C_m*(x) (greedy: when that reaches the
+    best token's probability)."""
+    prox = torch.tensor([[1, 2], [0, 2], [0, 1]])
+    p = torch.tensor([0.0, 0.3, 0.7]) if not greedy else torch.tensor([0.0, 0.55, 0.45])
+    q = torch.tensor([1.0, 0.0, 0.0])  # the draft's top-1 is token 0
+    rule = Acceptance("lantern", k=1, delta=0.6, proximity=prox, form="paper")  # C_1(0) = p(1)
+    first, out = one_node(p, q, 1, rule, trials=4000, seed=3, deterministic=True, greedy=greedy)
+    taken = (out.accepted > 0).float()
+    if greedy:
+        assert bool(taken.all()) and torch.all(first == 0)  # 0 + 0.55 >= 0.45
+    else:
+        assert float(taken.mean()) == pytest.approx(0.3, abs=0.03) and torch.all(first[out.accepted > 0] == 0)
+    assert torch.allclose(out.boost[out.accepted > 0, 0], torch.tensor(p[1].item()))
 
 
 @pytest.mark.parametrize("kw", [dict(kind="lantern", k=10, delta=0.0), dict(kind="lantern", k=0, delta=0.3),

@@ -22,7 +22,11 @@ from host_budget import check_host_budget
 from test_speculative import LEVEL, SAMPLING, ar_distribution, flat_micro, pvalue, pvalues, sampled_counts
 
 JACOBI = {"sjd": dict(drafting="jacobi", coupling="none"), "mc-sjd": dict(drafting="jacobi", coupling="gumbel"),
-          "mc-sjd initial=last": dict(drafting="jacobi", coupling="gumbel", initial="last")}
+          "mc-sjd initial=last": dict(drafting="jacobi", coupling="gumbel", initial="last"),
+          # branching windows: every depth branches (a full tree), or the first one with a stale tail after it
+          "mc-sjd-pac full": dict(drafting="jacobi", coupling="gumbel", branching=3, branch_depth=3),
+          "mc-sjd-pac tail": dict(drafting="jacobi", coupling="gumbel", branching=2, branch_depth=1, tail=2),
+          "sjd-pac": dict(drafting="jacobi", coupling="none", branching=2, branch_depth=2, tail=1)}
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +48,15 @@ def run_lossless(flat, method, batch, window=2):
 
 @pytest.mark.parametrize("method, batch, window", [("sjd", 6000, 2), ("sjd", 6000, 3), ("mc-sjd", 1, 2),
                                                    ("mc-sjd", 6000, 2), ("mc-sjd", 6000, 3),
-                                                   ("mc-sjd initial=last", 6000, 2)])
+                                                   ("mc-sjd initial=last", 6000, 2), ("mc-sjd-pac full", 1, 2),
+                                                   ("mc-sjd-pac full", 6000, 3), ("mc-sjd-pac tail", 6000, 3),
+                                                   ("mc-sjd-pac tail", 6000, 2), ("sjd-pac", 6000, 3)])
 def test_jacobi_sampling_reproduces_ar_for_every_image(flat, method, batch, window):
     """Every token of 2x2 images, CFG + temperature + top-k + top-p: each image's joint distribution of its 4
     tokens and every token's marginal equal AR's exact ones (chi-square), one image per step and batched.
     Window 2 slides new positions in (the token above where the 2x2 grid has one, else drawn from the last p);
-    window 3 covers the image after the root.
+    window 3 covers the image after the root. A branching window verifies more candidates of the first positions
+    (draws without replacement from the window's q, on the coupled noise) and commits paths off its chain.
     (B = 1 runs the coupled form only: its window state is the one with more to get wrong.)"""
     assert min(run_lossless(flat, method, batch, window)) > LEVEL
 
@@ -75,11 +82,23 @@ def test_a_prior_tested_against_the_wrong_distribution_fails_the_lossless_test(f
         drawn_from["q"] = real_prior(q, *args)
         return q
 
-    def redraw_from_prior(q, noise, greedy, generator):
-        return real_redraw(drawn_from.pop("q", q), noise, greedy, generator)
+    def redraw_from_prior(q, noise, greedy, generator, n=1):
+        return real_redraw(drawn_from.pop("q", q), noise, greedy, generator, n)
     monkeypatch.setattr(proposers, "spatial_prior", prior_kept_apart)
     monkeypatch.setattr(proposers, "redraw", redraw_from_prior)
     assert min(run_lossless(flat, "mc-sjd", 6000)) < LEVEL
+
+
+def test_a_branching_window_whose_candidates_repeat_fails_the_lossless_test(flat, monkeypatch):
+    """A broken branching window: its candidates are independent draws from q (so one may repeat another) but
+    are tested as draws without replacement. The test must notice."""
+    real = proposers.redraw
+
+    def with_replacement(q, noise, greedy, generator, n=1):
+        drawn = [real(q, None, greedy, generator) for _ in range(n)]
+        return torch.cat([t for t, _ in drawn], -1), torch.cat([v for _, v in drawn], -1)
+    monkeypatch.setattr(proposers, "redraw", with_replacement)
+    assert min(run_lossless(flat, "mc-sjd-pac full", 6000, window=3)) < LEVEL
 
 
 def test_coupled_noise_is_fixed_per_position_and_token_and_fresh_for_a_new_position():
@@ -107,13 +126,13 @@ def test_sticky_drafts_fail_the_lossless_test(flat, monkeypatch):
     real = proposers.redraw
     previous = {}
 
-    def sticky(q, noise, greedy, generator):
-        fresh = real(q, noise, greedy, generator)
+    def sticky(q, noise, greedy, generator, n=1):
+        fresh, offered = real(q, noise, greedy, generator, n)
         old = previous.get("drafts")
         if old is not None and old.shape == fresh.shape:
             fresh = torch.where(q.prob_of(old) > 0, old, fresh)
         previous["drafts"] = fresh
-        return fresh
+        return fresh, offered
     monkeypatch.setattr(proposers, "redraw", sticky)
     assert min(run_lossless(flat, "sjd", 6000)) < LEVEL
 
@@ -135,15 +154,16 @@ def sharp():
 
 
 def greedy_parity(pipe, cfg_scale: float) -> int:
-    """Greedy Jacobi (both couplings, windows 3 and 15) equals greedy AR for B = 1 and B = 3; returns the
-    longest accepted run."""
+    """Greedy Jacobi (both couplings, windows 3 and 15, a branching window) equals greedy AR for B = 1 and B = 3;
+    returns the longest accepted run."""
     sc = SamplingConfig(greedy=True, cfg_scale=cfg_scale)
     longest = 0
     for classes in ([1], [1, 3, 0]):
         ar = pipe.generate(classes, DecodeConfig(sampling=sc), seed=0)
-        for window, coupling in ((3, "gumbel"), (15, "none")):
+        for window, coupling, branches in ((3, "gumbel", {}), (15, "none", {}),
+                                           (6, "gumbel", dict(branching=3, branch_depth=2, tail=2))):
             jac = pipe.generate(classes, DecodeConfig(sampling=sc, drafting="jacobi", window=window,
-                                                      coupling=coupling), seed=0)
+                                                      coupling=coupling, **branches), seed=0)
             assert torch.equal(ar.tokens, jac.tokens), (classes, window)
             for image in jac.stats.images:
                 assert sum(image.accepted_lengths) + 1 == image.tokens
@@ -235,6 +255,10 @@ def test_bad_inputs_name_the_value(flat):
         pipe.generate([0], DecodeConfig(drafting="jacobi", window=4))
     with pytest.raises(ValueError, match="needs a proximity table"):
         pipe.generate([0], method_preset("mc-sjd-relaxed", SamplingConfig(), window=2))
+    with pytest.raises(ValueError, match=r"branching 0 must be an integer >= 1"):
+        DecodeConfig(drafting="jacobi", branching=0)
+    with pytest.raises(ValueError, match=r"tail -1 must be an integer >= 0"):
+        DecodeConfig(drafting="jacobi", branching=2, tail=-1)
 
 
 def test_a_bundle_without_a_drafter_runs_jacobi_from_the_cli(tmp_path, capsys):
@@ -248,11 +272,17 @@ def test_a_bundle_without_a_drafter_runs_jacobi_from_the_cli(tmp_path, capsys):
     (bundle / "manifest.json").write_text(json.dumps(manifest))
     assert main(["info", "--model", str(bundle), "--json"]) == 0
     methods = json.loads(capsys.readouterr().out)["methods"]
-    assert methods == ["ar", "sjd", "mc-sjd", "mc-sjd-relaxed"]
+    assert methods == ["ar", "sjd", "mc-sjd", "mc-sjd-pac", "mc-sjd-relaxed"]
     common = ["generate", "--model", str(bundle), "--classes", "2", "--greedy", "--no-images", "--json"]
     assert main(common + ["--method", "mc-sjd", "--window", "8"]) == 0
     jac = json.loads(capsys.readouterr().out)
     assert len(jac["tokens"][0]) == 256 and jac["target_forwards"] < 256 and jac["decode"]["window"] == 8
+    pac = ["--method", "mc-sjd-pac", "--window", "8", "--branching", "2", "--branch-depth", "2", "--tail", "1"]
+    assert main(common + pac) == 0
+    tree = json.loads(capsys.readouterr().out)
+    assert tree["tokens"] == jac["tokens"] and tree["decode"]["branching"] == 2  # greedy: AR's tokens, both
+    assert main(common + ["--branching", "2"]) == 2  # auto chooses the window's shape itself
+    assert "--branching" in capsys.readouterr().err
     assert main(common + ["--method", "lantern++"]) == 2
     assert "needs a drafter" in json.loads(capsys.readouterr().out)["error"]
 

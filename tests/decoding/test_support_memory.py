@@ -2,8 +2,8 @@
 
 16 images with CFG rows over V = 16384 codes, at top-k 2000 and at the whole vocabulary, k = 1000 latent
 neighbours (and k = 64, whose lists fit the workspace: the bounded relaxation walks the whole codebook), on a
-60-node static tree (sampled drafts), a 64-node wide tree of deterministic drafts (EAGLE-2's kind) and a 32-token
-Jacobi window: the extra memory of warping the verify logits and accepting, counted on the `meta` device
+60-node static tree (sampled drafts), a 64-node wide tree of deterministic drafts (EAGLE-2's kind), a 32-token
+Jacobi window and mc-sjd-pac's branching window over it: the extra memory of warping the verify logits and accepting, counted on the `meta` device
 (tests/allocations.py), stays within 256 MB at top-k 2000 and 1 GB at the whole vocabulary, for every rule. (A K x K
 comparison per node or a K x k table of neighbour ids, as before, needs 10-200 GB here.)"""
 import pytest
@@ -11,6 +11,7 @@ import torch
 
 from allocations import PeakAllocations
 from lantern.decoding.acceptance import Acceptance, DraftedTree, accept
+from lantern.decoding.jacobi import WindowTree
 from lantern.decoding.sampling import GuidedLogits, SamplingConfig, Support, combine_cfg, target_support
 from lantern.decoding.trees import TREE_PRESETS, compile_tree
 
@@ -60,13 +61,25 @@ def window_on_meta(k: int) -> DraftedTree:
                        max_depth=WINDOW, rank=torch.zeros(1, n, dtype=torch.long, device=META), chain=True)
 
 
+def window_tree_on_meta(k: int) -> DraftedTree:
+    """mc-sjd-pac's branching window at WINDOW: a full 3-ary tree over the first 3 positions, then the chain."""
+    t = WindowTree(WINDOW, branching=3, branch_depth=3)
+    n, m = t.size, t.parents.shape[0]
+    return DraftedTree(tokens=torch.empty(IMAGES, n, dtype=torch.long, device=META),
+                       valid=torch.empty(IMAGES, n, dtype=torch.bool, device=META), depth=t.depth[None].to(META),
+                       ancestors=t.ancestors[None].to(META), parents=t.parents[None].to(META),
+                       children=t.children[None].to(META), q=support((IMAGES, m), k), max_depth=WINDOW,
+                       rank=t.rank[None].to(META))
+
+
 def step_peak(shape: str, rule: Acceptance, top_k: int) -> int:
     sampling = SamplingConfig(top_k=top_k, cfg_scale=4.0)
     k = sampling.support_size(V)
-    if shape == "window":
-        logits = torch.empty(2 * IMAGES, WINDOW + 1, V, device=META)
+    if shape in ("window", "window-tree"):
+        tree = window_on_meta(k) if shape == "window" else window_tree_on_meta(k)
+        logits = torch.empty(2 * IMAGES, tree.tokens.shape[1], V, device=META)
         with PeakAllocations() as seen:
-            accept(target_support(logits, sampling), window_on_meta(k), rule, False, MetaDraws(), V)
+            accept(target_support(logits, sampling), tree, rule, False, MetaDraws(), V)
         return seen.peak
     tree = (tree_on_meta(TREE_PRESETS["lantern++-57"], 60, True, k) if shape == "tree-60"
             else tree_on_meta(TREE_PRESETS["wide-63"], None, False, k))
@@ -76,7 +89,7 @@ def step_peak(shape: str, rule: Acceptance, top_k: int) -> int:
     return seen.peak
 
 
-CASES = [(rule, shape, top_k) for top_k in (2000, 0) for shape in ("tree-60", "wide-64-deterministic", "window")
+CASES = [(rule, shape, top_k) for top_k in (2000, 0) for shape in ("tree-60", "wide-64-deterministic", "window", "window-tree")
          for rule in ("exact", "lantern", "lantern++", "lantern-paper", "lantern-k64")
          if top_k or rule != "lantern++"]  # at the whole vocabulary, lantern++'s bounded walk is lantern's (slow on meta)
 

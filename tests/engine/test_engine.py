@@ -22,7 +22,7 @@ from test_backend_onnx import needs_ort
 from test_speculative import LEVEL, SAMPLING, ar_distribution, flat_micro, pvalues
 
 SAMPLED = {"ar": {}, "lantern++": dict(k=8), "eagle2": dict(dynamic_depth=3, dynamic_top_k=3, dynamic_total=10),
-           "mc-sjd": dict(window=4)}
+           "mc-sjd": dict(window=4), "mc-sjd-pac": dict(window=4, branching=3, branch_depth=2, tail=1)}
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_a_request_draws_the_same_alone_and_among_others_on_cpu(pipe, method):
     same_alone_and_among_others(pipe, method)
 
 
-@pytest.mark.parametrize("method", ["lantern++", "mc-sjd"])
+@pytest.mark.parametrize("method", ["lantern++", "mc-sjd", "mc-sjd-pac"])
 def test_a_request_draws_the_same_alone_and_among_others_on_cpu_graph(method):
     same_alone_and_among_others(Pipeline(*make_models(gpt_preset("GPT-test")), backend="cpu-graph",
                                          compiler="eager"), method, trials=2)

@@ -80,3 +80,42 @@ def test_pipeline_refuses_before_preparing_anything(monkeypatch):
     assert not pipe._runners
     only_available(monkeypatch, need)
     assert pipe.generate([0, 1], dcfg, batch=2, tokens=2).tokens.shape == (2, 2)
+
+
+def embedded_ar():
+    from lantern.bundle import load_bundle
+    from lantern.decoding.config import method_preset
+    from lantern.decoding.sampling import SamplingConfig
+    pipe = lantern.api.Pipeline.from_bundle(load_bundle(None), backend="cpu")
+    return pipe, method_preset("ar", SamplingConfig(cfg_scale=3.0, top_k=5))
+
+
+def test_an_absurd_batch_is_refused_after_a_few_dozen_predictions_naming_the_widest_that_fits(monkeypatch):
+    """200000 images per step with memory for about a thousand: the widest --batch that fits is found by bisection
+    (the prediction grows with the width), a few dozen predictions, where a search down from 200000 one width at a
+    time made minutes of them; the width named fits and the next one does not."""
+    pipe, dcfg = embedded_ar()
+    available = pipe.predict_peak(dcfg, 1000).total_bytes + 1
+    only_available(monkeypatch, available)
+    predict, calls = pipe.predict_peak, []
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        assert len(calls) <= 200, "more than 200 predictions to refuse one request"
+        return predict(*args, **kwargs)
+    monkeypatch.setattr(pipe, "predict_peak", counted)
+    with pytest.raises(MemoryRefused) as refused:
+        pipe.check_fits(dcfg, 200000)
+    batch = int(str(refused.value).split("it would fit with --batch ")[1].split()[0])
+    assert predict(dcfg, batch).total_bytes <= available < predict(dcfg, batch + 1).total_bytes
+
+
+def test_no_runner_is_prepared_where_it_cannot_fit(monkeypatch):
+    """Pipeline.runner, where every path prepares a runner (a generation, auto's timing, a service's engines),
+    refuses before preparing one whose predicted peak exceeds the memory available."""
+    pipe, dcfg = embedded_ar()
+    only_available(monkeypatch, pipe.predict_peak(dcfg, 8).total_bytes - 1)
+    with pytest.raises(MemoryRefused, match="it would fit with --batch 7"):
+        pipe.runner(dcfg, 8)
+    assert not pipe._runners
+    assert pipe.runner(dcfg, 7) is pipe.runner(dcfg, 7)

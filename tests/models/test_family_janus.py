@@ -285,6 +285,17 @@ def test_prompt_and_method_misuse_exit_2(janus, capsys):
     assert "--t5" in capsys.readouterr().err
 
 
+def test_a_prompt_past_the_models_positions_exits_2_naming_the_longest_allowed(janus, capsys):
+    """The tiny folder has 256 positions and 16-token images: a prompt of 252 tokens (250 words, BOS and BOI) is
+    refused before any runner is built, naming its length and the longest allowed, 240."""
+    code = main(["generate", "--model", str(janus[0]), "--prompt", " ".join(["cat"] * 250), "--method", "ar",
+                 "--no-images"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "prompt 1 ('cat cat" in err and "252 tokens) is not allowed" in err, err
+    assert "the model has 256 (max_position_embeddings in config.json); allowed: at most 240 tokens" in err, err
+
+
 def test_without_transformers_a_family_folder_exits_2_naming_the_extra(janus, monkeypatch, capsys):
     import sys
     monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now raises ImportError

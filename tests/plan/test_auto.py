@@ -198,6 +198,21 @@ def test_choice_follows_the_cost_model(pipe):
     assert allowed.plan.name == chain and allowed.decode.acceptance == "lantern++" and allowed.decode.k == 4
 
 
+def test_plans_that_cannot_fit_are_left_out_and_never_prepared(pipe, monkeypatch):
+    """Memory for AR at 2 images per step and for nothing wider: auto weighs AR alone, every other plan skipped
+    with its refusal as the reason, though the calibration says a Jacobi plan would win; no runner but AR's is
+    prepared. They used to be measured and timed at that width first (issue 56)."""
+    import lantern.api
+    seed_calibration(pipe, 2, {"ar": 1.0, "mc-sjd/L4": 0.5})
+    pipe.release()
+    available = pipe.predict_peak(AR.decode(SAMPLING), 2).total_bytes
+    monkeypatch.setattr(lantern.api, "available_bytes", lambda device: (available, "a test's figure"))
+    choice = choose(pipe, 2, SAMPLING, batch=2, progress=False)
+    skipped = {r["plan"]: r["skipped"] for r in choice.candidates if "skipped" in r}
+    assert choice.plan == AR and "plan mc-sjd/L4 cannot fit" in skipped["mc-sjd/L4"], skipped
+    assert all(spec.verify_widths == (1,) for spec in pipe._runners)
+
+
 def run_on_fakes(monkeypatch) -> None:
     """Calibration's timed runs (lantern.engine.run_batch) on the fake pipelines below: each fake's run_batch."""
     monkeypatch.setattr(calibration, "run_batch",

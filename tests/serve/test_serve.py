@@ -220,6 +220,18 @@ def test_sampling_override_runs_on_an_engine_of_its_own_and_stays_reproducible(s
     assert "ar top_k=1" in httpx.get(f"{served.url}/ready", timeout=WAIT_S).json()["methods"]
 
 
+def test_a_request_whose_engine_cannot_fit_gets_422_and_no_engine(served, monkeypatch):
+    """A sampling override needs an engine of its own (its runner too: the pipeline's is the default engine's);
+    with no memory left it gets 422 with the refusal, and nothing is built; with memory again it is served."""
+    import lantern.api
+    monkeypatch.setattr(lantern.api, "available_bytes", lambda device: (0, "a test's figure"))
+    r = generate(served.url, class_id=1, seed=3, top_k=3)
+    assert r.status_code == 422 and "cannot fit" in r.json()["error"]["message"], r.text
+    assert "ar top_k=3" not in httpx.get(f"{served.url}/ready", timeout=WAIT_S).json()["methods"]
+    monkeypatch.undo()
+    assert generate(served.url, class_id=1, seed=3, top_k=3).status_code == 200
+
+
 @pytest.mark.parametrize("body, field, allowed", [
     ({"class_id": 9}, "class_id", "allowed: an integer in 0..3"),
     ({"class_id": 1, "n": 0}, "n", "allowed: an integer in 1..12"),

@@ -174,6 +174,47 @@ def test_a_family_folder_that_cannot_be_served_exits_2_before_binding(case, cham
     assert all(word in err for word in named), err
 
 
+def test_a_prompt_length_past_the_models_positions_exits_2_before_binding(janus_dir, monkeypatch, capsys):
+    """--max-prompt-tokens 100000 on a model of 256 positions whose images are 25 tokens: exit 2 before the port is
+    bound, naming the flag and the longest allowed (231); it used to bind, then grow until killed (issue 56)."""
+    from lantern.cli import main
+    monkeypatch.setattr(socket, "create_server", no_bind)
+    code = main(["serve", "--model", str(janus_dir), "--port", "0", "--max-prompt-tokens", "100000"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "max_prompt_tokens 100000 (--max-prompt-tokens) is not allowed" in err, err
+    assert "allowed: at most 231 tokens" in err and "Traceback" not in err, err
+
+
+def test_a_ladder_whose_longest_prompt_cannot_fit_is_refused_before_any_engine(janus_dir, monkeypatch):
+    """Every row is padded to --max-prompt-tokens, and its prefill (quadratic in that length) is in the ladder's
+    prediction: with memory for the ladder 1, 4, 16's decode steps at 200 prompt tokens but not for their prefill,
+    the service is refused at start, before any engine is built, naming a --max-prompt-tokens whose ladder fits;
+    with that one it is built. The prediction used to count the steps alone (issue 56)."""
+    import re
+
+    import lantern.api
+    from lantern.api import Pipeline
+    from lantern.decoding.config import method_preset
+    from lantern.decoding.memory import MemoryRefused
+    from lantern.decoding.sampling import SamplingConfig
+    from lantern.models.family import load_family
+    from lantern.serve.families import FamilyModel
+    model = FamilyModel(load_family(janus_dir, need_vq=True), 200)
+    pipe = Pipeline.from_bundle(model, backend="cpu")
+    each = [pipe.predict_peak(method_preset("ar", SamplingConfig(**model.default_sampling)), w) for w in (1, 4, 16)]
+    widest, caches = each[-1], sum(p.kv_cache_bytes for p in each)
+    steps_alone = (widest.weights_bytes + caches + widest.logits_bytes + widest.activation_bytes
+                   + widest.workspace_bytes + widest.runtime_bytes)
+    monkeypatch.setattr(lantern.api, "available_bytes", lambda device: (steps_alone, "a test's figure"))
+    config = dict(model=str(janus_dir), backend="cpu", method="ar", batch=16, threads=1)
+    with pytest.raises(MemoryRefused, match="the service's engines at widths \\[1, 4, 16\\] cannot fit") as refused:
+        Service(ServeConfig(**config, max_prompt_tokens=200))
+    longest = int(re.search(r"it would fit with --max-prompt-tokens (\d+)", str(refused.value)).group(1))
+    assert model.shortest_prompt <= longest < 200
+    Service(ServeConfig(**config, max_prompt_tokens=longest))  # built, not started
+
+
 @pytest.mark.parametrize("case", ["truncated", "drafter-method"])
 def test_a_folder_that_cannot_load_exits_2_naming_it(case, janus_dir, tmp_path, capsys):
     from lantern.cli import main

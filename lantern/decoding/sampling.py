@@ -206,7 +206,9 @@ def uniform(draws: Draws, shape, device) -> torch.Tensor:
 
 
 def gumbel(shape, generator: Draws, device) -> torch.Tensor:
-    u = uniform(generator, shape, device).clamp_(1e-20, 1.0)
+    u = uniform(generator, shape, device)
+    if isinstance(generator, torch.Generator):  # torch.rand may give 0; the engine's streams are inside (0, 1)
+        u = u.clamp_(1e-20, 1.0)
     return -torch.log(-torch.log(u))
 
 

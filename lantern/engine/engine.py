@@ -170,7 +170,7 @@ class Engine:
         report = self._fused() if self._fused is not None else decode_step(self._run, self.proposer, self.slots)
         self.steps_run += 1
         complete = self.slots.busy & (self.slots.emitted >= self.slots.limit)
-        read = torch.cat([report, complete.long(), self.slots.root]).tolist()  # the step's one host transfer
+        read = torch.cat([report, complete, self.slots.root]).tolist()  # the step's one host transfer (flags as 0, 1)
         counts, rest = StepCounts.unpack(read, self.proposer.depth)
         complete, self._roots = rest[:self._width], rest[self._width:]
         done = [i for i in busy if complete[i] or self._held[i].cancelled]

@@ -83,21 +83,26 @@ class NoProposal(Proposer):
                           parents=torch.zeros(1, 0, dtype=torch.long, device=dev),
                           children=torch.zeros(1, 0, 0, dtype=torch.long, device=dev),
                           rank=torch.zeros(1, 1, dtype=torch.long, device=dev))
+        self._fixed = None  # what every step of B slots proposes and accepts besides the bonus, made once
+
+    def _constants(self, b: int, dev) -> dict:
+        if self._fixed is None:
+            long = dict(dtype=torch.long, device=dev)
+            zeros = torch.zeros(b, 0, device=dev)
+            self._fixed = dict(valid=torch.ones(b, 1, dtype=torch.bool, device=dev), path=torch.zeros(b, 1, **long),
+                               accepted=torch.zeros(b, **long), tried=zeros.bool(),
+                               token_tv=torch.zeros(b, 1, device=dev), boost=zeros)
+        return self._fixed
 
     def propose(self, slots) -> DraftedTree:
-        b = slots.root.shape[0]
-        return DraftedTree(tokens=slots.root_tok[:, None], valid=torch.ones(b, 1, dtype=torch.bool,
-                                                                          device=slots.root.device),
-                           q=None, max_depth=0, **self._tree)
+        valid = self._constants(slots.root.shape[0], slots.root.device)["valid"]
+        return DraftedTree(tokens=slots.root_tok[:, None], valid=valid, q=None, max_depth=0, **self._tree)
 
     def accept(self, p_nodes, tree: DraftedTree) -> StepAcceptance:
-        b, dev = tree.tokens.shape[0], tree.tokens.device
-        bonus = draw(p_nodes.index(torch.zeros(b, 1, dtype=torch.long, device=dev)), self.sampling.greedy,
-                     self.draws)[:, 0]
-        zeros = torch.zeros(b, 0, device=dev)
-        return StepAcceptance(path=torch.zeros(b, 1, dtype=torch.long, device=dev),
-                              accepted=torch.zeros(b, dtype=torch.long, device=dev), bonus=bonus,
-                              tried=zeros.bool(), token_tv=torch.zeros(b, 1, device=dev), boost=zeros)
+        fixed = self._constants(tree.tokens.shape[0], tree.tokens.device)
+        bonus = draw(p_nodes.index(fixed["path"]), self.sampling.greedy, self.draws)[:, 0]  # node 0: the root
+        return StepAcceptance(path=fixed["path"], accepted=fixed["accepted"], bonus=bonus, tried=fixed["tried"],
+                              token_tv=fixed["token_tv"], boost=fixed["boost"])
 
 
 class TreeProposal(Proposer):

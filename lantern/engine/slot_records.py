@@ -32,8 +32,8 @@ class SlotRecords:
         rows = torch.arange(running.shape[0], device=running.device)
         col = torch.where(running, self.steps, self.max_steps)
         values = (acc.accepted[:, None], acc.tried, rank.gather(1, acc.path[:, 1:]), acc.token_tv, acc.boost)
-        self.table[rows, col] = torch.cat([v.to(self.table.dtype) for v in values], 1)
-        self.steps += running.long()
+        self.table[rows, col] = torch.cat(values, 1)  # float32, as token_tv: the counts and flags promoted, exact
+        self.steps += running
 
     def packed(self, slots: torch.Tensor) -> torch.Tensor:
         """(n,) slot ids -> (n, 1 + (T + 1) * X) float64 rows: the slot's steps, then its table row by row."""

@@ -120,7 +120,9 @@ class StepCounts:
 
     @staticmethod
     def pack(drafting, draft_tokens, accepted, running, per_depth: torch.Tensor) -> torch.Tensor:
-        return torch.cat([torch.stack([drafting, draft_tokens, accepted, running]), per_depth])
+        """Each slot's counts, (B,) each and per_depth (B, D) (integers or flags) -> their sums over the slots, in
+        one sum."""
+        return torch.cat([torch.stack([drafting, draft_tokens, accepted, running], 1), per_depth], 1).sum(0)
 
     @classmethod
     def unpack(cls, values: list, depth: int) -> tuple[StepCounts, list]:
@@ -165,10 +167,8 @@ def decode_step(runner: Runner, proposer: Proposer, slots: Slots) -> torch.Tenso
     proposer.advance(slots, Stepped(tree, acc, out, p_nodes, running, m, new_tokens, advance))
     drafts = tree.valid[:, 1:].sum(-1)  # (B,) draft tokens offered
     accepted = torch.where(running, acc.accepted, 0)
-    per_depth = (accepted[:, None] >= steps[None, 1:]).sum(0)  # (D,)
-    return StepCounts.pack(drafting=(running & (drafts > 0)).sum(),
-                           draft_tokens=torch.where(running, drafts, 0).sum(),
-                           accepted=accepted.sum(), running=running.sum(), per_depth=per_depth)
+    return StepCounts.pack(drafting=running & (drafts > 0), draft_tokens=torch.where(running, drafts, 0),
+                           accepted=accepted, running=running, per_depth=accepted[:, None] >= steps[None, 1:])
 
 
 def _verify(runner: Runner, tree: DraftedTree, root: torch.Tensor, n: int, slots: torch.Tensor, rows: int):

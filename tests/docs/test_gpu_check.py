@@ -135,7 +135,8 @@ def test_the_model_must_be_a_class_conditional_bundle_that_runs_the_serve_method
     bundle = write_tiny_bundle(tmp_path / "target-alone", drafter_too=False)
     assert model_problems(str(bundle), "ar") == [] and model_problems(str(bundle), "auto") == []
     refused = model_problems(str(bundle), "lantern")
-    assert refused and refused[0].startswith(f"--serve-method lantern cannot run on --model {bundle}; allowed: auto, ar")
+    assert refused and refused[0].startswith(f"--serve-method lantern cannot run on --model {bundle}; "
+                                             f"allowed: auto, ar")
     sizes = SimpleNamespace(tokens=257, parity_tokens=64, sync_tokens=None)  # on a GPU: the embedded model's image
     assert token_problems(sizes, 256) == ["--tokens 257 is not allowed; allowed: 1..256, the embedded model's "
                                           "tokens per image"]

@@ -229,7 +229,8 @@ def test_recent_load_keeps_the_highest_load_for_its_hold():
 
 
 def test_calls_run_in_the_worker_thread_between_steps_and_inline_once_it_has_ended(make_worker):
-    w = make_worker(max_engines=1, steps=400, widths=(2,))  # 2 s or more: still running when a busy machine lets the test look
+    w = make_worker(max_engines=1, steps=400, widths=(2,))  # 2 s or more: running still when a busy machine lets
+    # the test look
     running = submit(w, EngineKey("ar"), 2, "running")
     where = w.call(threading.current_thread).result(WAIT_S)
     assert where is w._thread  # not the caller's, not a pool's: no torch work beside the steps

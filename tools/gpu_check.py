@@ -25,7 +25,7 @@ Writes results/gpu-<device>.{json,md,png} (and copies them under $OUT when that 
 last.
 
     python tools/gpu_check.py                    # on a CUDA machine (tools/gpu_check.sh installs what is missing)
-    python tools/gpu_check.py --quick            # the same code on the CPU, tiny shapes, in well under a minute
+    python tools/gpu_check.py --quick            # the same code on the CPU, tiny shapes, in a few minutes
 
 --quick runs every section on CPU stand-ins, labelled as such in every row: `cpu` for cuda, `cpu-graph` (dynamo's
 eager compiler) for cuda-graph and the fused step; the GPT-B / GPT-L shapes become a slightly inflated embedded

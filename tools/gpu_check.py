@@ -25,12 +25,13 @@ Writes results/gpu-<device>.{json,md,png} (and copies them under $OUT when that 
 last.
 
     python tools/gpu_check.py                    # on a CUDA machine (tools/gpu_check.sh installs what is missing)
-    python tools/gpu_check.py --quick            # the same code on the CPU, tiny shapes, in well under a minute
+    python tools/gpu_check.py --quick            # the same code on the CPU, tiny shapes, in a few minutes
 
---quick runs every section on CPU stand-ins, labelled as such in every row: `cpu` for cuda, `cpu-graph`
-(dynamo's eager compiler) for cuda-graph and the fused step; the GPT-B / GPT-L shapes become a slightly inflated
-embedded model, images are a few tokens long, and host reads stand in for device synchronisations. Its numbers
-mean nothing; it proves the check runs end to end (tests/docs/test_gpu_check.py). docs/gpu.md says how to read it.
+--quick runs every section on CPU stand-ins, labelled as such in every row: `cpu` for cuda, `cpu-graph` (dynamo's
+eager compiler) for cuda-graph and the fused step; the GPT-B / GPT-L shapes become a slightly inflated embedded
+model, images are a few tokens long, and host reads stand in for device synchronisations. It has no time budget
+unless --budget-s names one, so a busy machine skips nothing. Its numbers mean nothing; it proves the check runs
+end to end (tests/docs/test_gpu_check.py). docs/gpu.md says how to read it.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ import collections
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -54,6 +56,7 @@ from typing import Callable, Optional
 
 import torch
 
+from gpu_check_inputs import input_problems
 from samplings import sampling_settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,9 +104,11 @@ def device_modes(quick: bool) -> dict[str, Mode]:
 class Budget:
     """The seconds the check may still start work in: overall, and per section (its share)."""
 
-    def __init__(self, seconds: float, scale: float = 1.0):
-        """scale: multiplies every unit's minimum (--quick: 0, every unit runs while any time is left)."""
-        self.total, self.end, self.scale = seconds, time.monotonic() + seconds, scale
+    def __init__(self, seconds: Optional[float], scale: float = 1.0):
+        """seconds: None for no budget (--quick unless --budget-s is given: every unit runs, however busy the
+        machine); scale: multiplies every unit's minimum (--quick: 0, every unit runs while any time is left)."""
+        self.total, self.scale = seconds, scale
+        self.end = math.inf if seconds is None else time.monotonic() + seconds
         self.section_end = self.end
 
     def left(self) -> float:
@@ -118,13 +123,14 @@ class Budget:
 
     def section(self, share: Optional[float]) -> None:
         now = time.monotonic()
-        self.section_end = self.end if share is None else min(self.end, now + share * self.total)
+        self.section_end = self.end if share is None or self.total is None else min(self.end,
+                                                                                      now + share * self.total)
 
 
 class Check:
     """One run: its settings, models, budget and the record it writes after every section."""
 
-    def __init__(self, args):
+    def __init__(self, args, stem: Path):
         from lantern.bundle import load_bundle
         self.args, self.quick = args, args.quick
         self.modes = device_modes(args.quick)
@@ -132,7 +138,7 @@ class Check:
         self.bundle = load_bundle()  # its sampling and relaxation settings; its models too, on a GPU
         self.models = tiny_models() if args.quick else Models(self.bundle.target, self.bundle.drafter,
                                                               self.bundle.proximity)
-        self.stem = Path(args.out) if args.out else default_stem(args.quick)
+        self.stem = stem
         self.record = {"quick": args.quick, "stand_ins": {m.label: m.backend for m in self.modes.values()}
                        if args.quick else None, "budget_s": args.budget_s, "sections": {}, "skipped": []}
         self._pipes: dict = {}
@@ -431,14 +437,15 @@ def cold_start(check: Check) -> dict:
                 check.skip(f"cold {run}", "budget")
                 continue
             flags = [] if run == "default" else named
-            timeout = max(check.budget.overall_left(), 2 * GOAL_FIRST_IMAGE_S)  # started within the share, it may
-            # run on to the check's end (the default measures its acceptance records and calibration first)
+            left = check.budget.overall_left()  # started within the share, it may run on to the check's end (the
+            # default measures its acceptance records and calibration first); no budget (--quick): until it exits
+            timeout = max(left, 2 * GOAL_FIRST_IMAGE_S) if math.isfinite(left) else None
             row = generate_process(lantern_command("generate", "--model", str(bundle), *flags, "--classes", "0",
                                                    "--seed", "0", "--out", str(tmp / f"out-{run}"), "--json"),
                                    env, timeout)
             out["runs"][run] = {"flags": " ".join(flags) or "default", "caches": caches_were, **row}
             if row.get("timed_out"):
-                check.skip(f"cold {run}", f"timed out after {timeout:.0f} s")
+                check.skip(f"cold {run}", f"timed out after {timeout:.0f} s")  # only with a timeout
     return out
 
 
@@ -471,11 +478,11 @@ def compiler_env(mode: Mode) -> dict[str, str]:
     return {"TORCH_COMPILE_OVERRIDE_BACKENDS": f">=0:{compiler}"} if compiler else {}
 
 
-def generate_process(command: list[str], env: dict, timeout: float) -> dict:
+def generate_process(command: list[str], env: dict, timeout: Optional[float]) -> dict:
     """One `lantern generate --json` process: seconds from its spawn to its exit and to its first image on disk
     (the PNG's mtime), what its JSON says it ran and spent; or its exit code and the tails of its output."""
     spawned, t0 = time.time(), time.perf_counter()
-    try:
+    try:  # timeout None: as long as it runs
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired as e:  # its output so far, in bytes whatever `text` asked
         err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
@@ -837,14 +844,17 @@ def wait_ready(httpx, url: str, proc, drain, seconds: float) -> Optional[dict]:
 
 async def closed_loop_for(clients: int, seconds: float, send) -> tuple[list[float], int, float]:
     """`clients` clients, each sending its next request when its last one is answered, until `seconds` have
-    passed (requests under way then are waited for and counted). Returns (latencies, images, seconds)."""
+    passed (requests under way then are waited for and counted; each client sends one at least, however late it
+    starts on a busy machine). Returns (latencies, images, seconds)."""
     latencies, end, counter = [], time.monotonic() + seconds, iter(range(10 ** 9))
 
     async def client():
-        while time.monotonic() < end:
+        while True:
             t = time.perf_counter()
             await send(next(counter))
             latencies.append(time.perf_counter() - t)
+            if time.monotonic() >= end:
+                return
 
     t0 = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(clients)))
@@ -949,7 +959,7 @@ def markdown(record: dict) -> str:
     env = record["sections"].get("env", {})
     head = [f"# lantern GPU check: {env.get('device')}", "",
             f"{env.get('date')}; driver {env.get('driver')}, CUDA {env.get('cuda')}, torch {env.get('torch')}; "
-            f"commit {env.get('commit')}; `{env.get('command')}`; budget {record['budget_s']:.0f} s, ran "
+            f"commit {env.get('commit')}; `{env.get('command')}`; {budget_text(record['budget_s'])}, ran "
             f"{record.get('elapsed_s', 0):.0f} s.", ""]
     if record["quick"]:
         head += [f"**--quick: CPU stand-ins ({record['stand_ins']}), tiny shapes; the numbers mean nothing.**", ""]
@@ -960,6 +970,10 @@ def markdown(record: dict) -> str:
              "`lantern generate` process (one image) on the first timing shape saved as a bundle; first image = its "
              "spawn to the PNG on disk, exit = its spawn to its exit.", "", "```"]
     return "\n".join(head + summary_lines(record) + ["```", ""])
+
+
+def budget_text(seconds: Optional[float]) -> str:
+    return "no budget" if seconds is None else f"budget {seconds:.0f} s"
 
 
 def plot(record: dict, path: Path) -> None:
@@ -1010,13 +1024,14 @@ def forget_cuda_graph_recordings() -> None:
         cudagraph_trees.reset_cudagraph_trees()
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    """The arguments, every one and every input checked (exit 2 naming what is wrong), with --quick's sizes in."""
     from lantern.decoding import METHODS
     from lantern.models.inflate import INFLATE_SHAPES
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="CPU stand-ins, tiny shapes: a check that the tool runs")
     ap.add_argument("--budget-s", type=float,
-                    help="seconds the check may start work in (default 420; --quick 300, every section runs)")
+                    help="seconds the check may start work in (default 420; --quick: no budget, every unit runs)")
     ap.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
     ap.add_argument("--shapes", nargs="+", default=["GPT-B", "GPT-L"], choices=sorted(INFLATE_SHAPES))
     ap.add_argument("--images", type=int, nargs="+", default=[1, 4, 16], help="images decoded together")
@@ -1041,21 +1056,24 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="keep what the results file at the output stem finished: sections of this commit, and "
                          "whole timing groups (their rows name their commit); run the rest")
     args = ap.parse_args(argv)
-    if args.budget_s is None:
-        args.budget_s = 300.0 if args.quick else 420.0
-    for name in ("budget_s", "serve_s", "clients", "parity_tokens"):
-        if getattr(args, name) <= 0:
-            ap.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be > 0")
-    if min(args.images) < 1:
-        ap.error(f"--images {min(args.images)} must be >= 1")
+    if not args.quick and not torch.cuda.is_available():
+        ap.error(f"no CUDA device (torch {torch.__version__}); --quick runs the check on CPU stand-ins")
+    problems = input_problems(args, None if args.quick else default_stem(quick=False), os.environ)
+    if problems:  # refused before any section: a typo must not cost a lease
+        ap.error("\n  ".join(problems))
+    if args.budget_s is None and not args.quick:
+        args.budget_s = 420.0
     if args.quick:
         args.images, args.tokens, args.parity_tokens, args.sync_tokens = [1], 6, 6, 6
         args.compiled_methods = ["ar", "lantern++", "mc-sjd-relaxed"]  # no drafter, a tree, a window
         args.method_mode = "eager"  # the fused step is traced by parity and sync already
         args.serve_s, args.clients, args.serve_method = 3.0, 2, "ar"
-    if not args.quick and not torch.cuda.is_available():
-        ap.error(f"no CUDA device (torch {torch.__version__}); --quick runs the check on CPU stand-ins")
-    check = Check(args)
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    check = Check(args, Path(args.out) if args.out is not None else default_stem(args.quick))
     check.record["sections"]["env"] = environment(check)
     if check.earlier is not None:
         check.record["earlier_runs"] = [*check.earlier.get("earlier_runs", []), check.earlier["sections"]["env"]]

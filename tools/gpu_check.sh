@@ -22,10 +22,14 @@ certifi certifi
 click click
 typing-extensions typing_extensions
 LIST
-if ((${#missing[@]})); then
+if ((${#missing[@]})); then  # its inputs refused (exit 2) before any section runs, as the check's own arguments
+    [[ -d .gpu-wheels ]] || { echo "gpu_check.sh: ${missing[*]} missing here and no .gpu-wheels folder to install" \
+        "them from; allowed: a call that carries .gpu-wheels (tools/gpu_wheels.sh fills it; docs/gpu.md)" >&2; exit 2; }
     echo "gpu_check.sh: installing ${missing[*]} from .gpu-wheels" >&2
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --find-links .gpu-wheels \
-        --target "$site" "${missing[@]}"
+        --target "$site" "${missing[@]}" || { echo "gpu_check.sh: .gpu-wheels or LANTERN_SITE=$site could not" \
+        "provide ${missing[*]} (see above); allowed: the wheels tools/gpu-wheels.txt names, a writable" \
+        "LANTERN_SITE" >&2; exit 2; }
 fi
 export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -c "import lantern, platformdirs, starlette, uvicorn, prometheus_client, httpx" \

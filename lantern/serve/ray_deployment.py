@@ -30,6 +30,14 @@ DEFAULT_OPTIONS = dict(
     health_check_timeout_s=30,
 )
 
+# What Serve's controller is started with (`serve.start(controller_options=...)`; `controller_options:` in a config
+# file, as docs/serving-ray.yaml). Ray Serve kills a proxy actor that is not ready within 5 s of its creation
+# (RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S, read by the controller) while serve.start waits up to 60 s on that same
+# first proxy: on a busy node, where a new worker process takes longer than 5 s to start, the proxy is "killed by
+# ray.kill ... never ran" and serve.start raises ActorDiedError (ray-project/ray#39739). Given as long as serve.start
+# itself waits, a slow proxy is waited for instead.
+CONTROLLER_OPTIONS = {"runtime_env": {"env_vars": {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60"}}}
+
 
 @serve.deployment(**DEFAULT_OPTIONS)
 @serve.ingress()

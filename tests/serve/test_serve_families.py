@@ -23,7 +23,7 @@ from chameleon_fixtures import make_chameleon_folder  # noqa: E402
 from janus_fixtures import make_janus_folder  # noqa: E402
 from lantern.serve.config import ServeConfig  # noqa: E402
 from lantern.serve.service import Service  # noqa: E402
-from test_serve import (READY_BUDGET_S, WAIT_S, ServerThread, first_ready, generate, generate_all,  # noqa: E402
+from test_serve import (WAIT_S, ServerThread, first_ready, generate, generate_all,  # noqa: E402
                         metric_samples, png, run_lantern, wait_until)
 
 PROMPTS = ["a red cat", "the blue dog on the mat", "a cat"]  # 3, 6 and 2 words: rows of different lengths
@@ -251,26 +251,24 @@ def listening_url(proc) -> str:
     raise AssertionError("no listening line")
 
 
-def test_a_fresh_family_service_is_ready_within_the_budget_and_answers_while_auto_plans(chameleon_dir, tmp_path):
-    """In a process of its own, on an empty cache, auto with no backend pinned: /ready 200 within the budget on
-    AR, a prompt answered with a PNG, the background planning ending, SIGTERM exiting 0."""
+def test_a_fresh_family_service_is_ready_on_ar_and_answers_while_auto_plans(chameleon_dir, tmp_path):
+    """In a process of its own, on an empty cache, auto with no backend pinned: /ready 200 on AR, a prompt answered
+    with a PNG, the background planning ending, SIGTERM exiting 0."""
     env = {k: v for k, v in os.environ.items() if k != "LANTERN_BACKEND"}
     env.update(LANTERN_CACHE_DIR=str(tmp_path / "empty-cache"), LANTERN_CALIBRATION_BUDGET="1", OMP_NUM_THREADS="1")
-    t0 = time.monotonic()
     proc = run_lantern("serve", "--model", str(chameleon_dir), "--batch", "2", "--threads", "1", "--plan-images", "8",
                        "--max-prompt-tokens", str(MAX_PROMPT), "--port", "0", env=env)
     try:
         url = listening_url(proc)
-        first = first_ready(url, t0)
-        assert first is not None, f"not ready within {READY_BUDGET_S} s"
+        first = first_ready(url)
         assert first["family"] == "chameleon" and first["methods"]["auto"] == "auto: ar"
         out = generate(url, prompt="a red cat", seed=3)
         assert out.status_code == 200 and png(out.json()["data"][0]).size == (16, 16)
         deadline = time.monotonic() + 120  # bounded: the tiny model's records and a 1 s timing budget
-        while httpx.get(f"{url}/ready", timeout=5).json()["calibration"] not in ("done", "failed", "stopped"):
+        while httpx.get(f"{url}/ready", timeout=WAIT_S).json()["calibration"] not in ("done", "failed", "stopped"):
             assert time.monotonic() < deadline, "the background planning did not end"
             time.sleep(0.2)
-        done = httpx.get(f"{url}/ready", timeout=5).json()
+        done = httpx.get(f"{url}/ready", timeout=WAIT_S).json()
         assert done["calibration"] == "done" and "lossless plans only" in done["plan"], done
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(WAIT_S) == 0

@@ -9,16 +9,28 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 httpx = pytest.importorskip("httpx")
 
-from lantern.serve.ray_deployment import build, config_from_args  # noqa: E402
+from lantern.serve.ray_deployment import CONTROLLER_OPTIONS, build, config_from_args  # noqa: E402
 from tiny_bundle import write_tiny_bundle  # noqa: E402
 
-WAIT_S = 50
+WAIT_S = 300  # a bound for a wait that hangs, not a speed: every wait below ends on readiness
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_ready(url: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/ready", timeout=WAIT_S).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"{url}/ready did not answer 200 within {WAIT_S} s")
 
 
 @pytest.mark.slow
@@ -28,18 +40,11 @@ def test_one_replica_on_local_ray_answers_requests(tmp_path):
     ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=2, include_dashboard=False,
              log_to_driver=False, configure_logging=False)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, controller_options=CONTROLLER_OPTIONS)
         app = build({"model": str(bundle), "method": "ar", "batch": "2", "queue": "4", "max_n": "2"})
-        serve.run(app, name="lantern", route_prefix="/", blocking=False)
+        serve.run(app, name="lantern", route_prefix="/", blocking=False)  # returns once the replica is warm
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline:  # serve.run returned: the replica is warm, the proxy may lag
-            try:
-                if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        wait_ready(url)  # the proxy may lag the replica
         body = {"class_id": 1, "seed": 4, "n": 2, "return_tokens": True}
         answers = [httpx.post(f"{url}/v1/images/generations", json=body, timeout=WAIT_S) for _ in range(2)]
         assert [a.status_code for a in answers] == [200, 200]
@@ -85,7 +90,9 @@ def test_documented_config_file_is_valid_for_ray_serve():
     import yaml
     from ray.serve.schema import ServeDeploySchema
     doc = yaml.safe_load((Path(__file__).parents[2] / "docs" / "serving-ray.yaml").read_text())
-    app = ServeDeploySchema.model_validate(doc).applications[0]
+    schema = ServeDeploySchema.model_validate(doc)
+    assert schema.controller_options.model_dump() == CONTROLLER_OPTIONS  # a busy node's proxy is waited for
+    app = schema.applications[0]
     assert app.import_path == "lantern.serve.ray_deployment:build"
     config = config_from_args(app.args)
     assert config.backend == "cuda" and config.batch == 16

@@ -41,11 +41,11 @@ from torch._inductor.graph import GraphLowering
 from lantern.api import Pipeline
 from lantern.backends.base import dummy_step_inputs
 from lantern.backends.torch_graph import MIN_RECOMPILE_LIMIT, recompile_limit_at_least
-from lantern.bundle import load_bundle
 from lantern.decoding import method_preset
 from lantern.decoding.config import METHODS as PRESETS
-from lantern.models.inflate import INFLATE_SHAPES, inflate_models
+from lantern.models.inflate import INFLATE_SHAPES
 from lantern.plan.calibration import compile_fused_step
+from embedded_shapes import models
 from results_io import utc_now, write_results
 from samplings import NAMES as SAMPLING_NAMES, describe, sampling_settings
 
@@ -148,15 +148,6 @@ def row(models, dtype: str, method: str, sampling_name: str, dcfg) -> dict:
             "beyond_forward": {"kernels": step["kernels"] - forward["kernels"],
                                "extern": {k: v for k, v in sorted(extern_beyond.items()) if v},
                                "calls": calls(step) - calls(forward)}}
-
-
-def models(shape: str):
-    """The embedded bundle's target, drafter and proximity table, or them inflated to `shape`."""
-    bundle = load_bundle()
-    if shape == "embedded":
-        return bundle, (bundle.target, bundle.drafter, bundle.proximity)
-    inflated = inflate_models(bundle.target, bundle.drafter, bundle.proximity, shape)
-    return bundle, (inflated.target, inflated.drafter, inflated.proximity)
 
 
 def main() -> None:

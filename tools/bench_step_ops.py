@@ -24,24 +24,15 @@ from pathlib import Path
 import torch
 
 from lantern.api import Pipeline
-from lantern.bundle import load_bundle
 from lantern.decoding import method_preset
 from lantern.decoding.config import METHODS
-from lantern.models.inflate import INFLATE_SHAPES, inflate_models
+from lantern.models.inflate import INFLATE_SHAPES
 from lantern.profile.step_ops import REGIONS, step_ops
+from embedded_shapes import models
 from results_io import utc_now, write_results
 from samplings import NAMES as SAMPLING_NAMES, describe, sampling_settings
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def models(shape: str):
-    """The embedded bundle's target, drafter and proximity table, or them inflated to `shape`."""
-    bundle = load_bundle()
-    if shape == "embedded":
-        return bundle, (bundle.target, bundle.drafter, bundle.proximity)
-    inflated = inflate_models(bundle.target, bundle.drafter, bundle.proximity, shape)
-    return bundle, (inflated.target, inflated.drafter, inflated.proximity)
 
 
 def row(pipe: Pipeline, method: str, sampling_name: str, dcfg, steps: int) -> dict:

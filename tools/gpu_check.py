@@ -12,10 +12,11 @@ rewritten as soon as a section (or a timing row) ends, so a run stopped at any p
   cold           what a fresh `lantern generate` process pays for its first image: the first timing shape saved as
                  a bundle, AR on the fused step (bf16) in a new process with empty compile caches, again with the
                  caches it left, then the default (`--method auto`, no backend); each against issue 45's 30 s
-  distribution   one lossless check on cuda: MC-SJD's token marginals against AR's (chi-square, Bonferroni)
+  distribution   one lossless check on cuda: MC-SJD's and MC-SJD-PAC's token marginals against AR's (chi-square,
+                 Bonferroni)
   timing         the embedded model inflated to GPT-B / GPT-L compute shapes (lantern.models.inflate), bf16, at the
                  bundle's sampling and at LlamaGen's class-to-image sampling (whole vocabulary, CFG 4.0): AR on
-                 eager, cuda-graph and the fused step (the fastest is the baseline, named) against mc-sjd,
+                 eager, cuda-graph and the fused step (the fastest is the baseline, named) against mc-sjd, mc-sjd-pac,
                  mc-sjd-relaxed, eagle2, lantern and lantern++ on --method-mode, with tokens per forward, the verify
                  cost ratio, the ceiling and peak GPU memory per row, and the default (`--method auto`, no backend
                  pinned); one image first, then the service, then 4 and 16 images
@@ -60,10 +61,10 @@ from gpu_check_inputs import input_problems
 from samplings import sampling_settings
 
 ROOT = Path(__file__).resolve().parents[1]
-SPEED_METHODS = ("mc-sjd", "mc-sjd-relaxed", "eagle2", "lantern", "lantern++")
+SPEED_METHODS = ("mc-sjd", "mc-sjd-pac", "mc-sjd-relaxed", "eagle2", "lantern", "lantern++")
 RELAXED = ("lantern", "lantern++", "mc-sjd-relaxed")  # the methods that read the proximity table (k neighbours)
 TINY_NEIGHBOURS = 8  # --quick's proximity table: few enough to fit the inflated vocabulary's padded codes
-PARITY_ORDER = ("ar", "mc-sjd", "lantern++", "mc-sjd-relaxed", "eagle2", "lantern", "sjd")
+PARITY_ORDER = ("ar", "mc-sjd", "lantern++", "mc-sjd-relaxed", "eagle2", "lantern", "sjd", "mc-sjd-pac")
 COLD_COMPILE_S = 40.0  # the longest cold compile of one timing row seen on an H100 at GPT-B (37 s): a row starts
 # only with that much budget left
 GOAL_FIRST_IMAGE_S = 30.0  # issue 45's goal: the fused step's first image of a cold `lantern generate` process
@@ -499,24 +500,28 @@ def generate_process(command: list[str], env: dict, timeout: Optional[float]) ->
 
 # ---- distribution ---------------------------------------------------------------------------------------------
 def distribution(check: Check) -> dict:
-    """MC-SJD (lossless) against AR on the eager device mode: each token position's marginal, chi-square."""
+    """The lossless Jacobi methods (MC-SJD, MC-SJD-PAC) against AR on the eager device mode: each token position's
+    marginal, chi-square."""
     from scipy.stats import chi2_contingency
     from lantern.decoding import SamplingConfig, method_preset
     n, tokens, width = (128, 3, 32) if check.quick else (1024, 4, 64)
     sampling = SamplingConfig(**check.bundle.default_sampling)
     pipe = check.pipe("eager", check.models, "fp32")
     draws = {}
-    for seed, method in ((1, "ar"), (2, "mc-sjd")):
+    for seed, method in ((1, "ar"), (2, "mc-sjd"), (3, "mc-sjd-pac")):
         draws[method] = pipe.generate([0] * n, method_preset(method, sampling), seed=seed, batch=width,
                                       tokens=tokens).tokens.cpu()
-    pvalues = []
-    for t in range(tokens):
-        codes = sorted(set(draws["ar"][:, t].tolist()) | set(draws["mc-sjd"][:, t].tolist()))
-        table = [[int((draws[m][:, t] == c).sum()) for c in codes] for m in ("ar", "mc-sjd")]
-        pvalues.append(float(chi2_contingency(table)[1]) if len(codes) > 1 else 1.0)
-    p = min(1.0, min(pvalues) * len(pvalues))  # Bonferroni over positions
-    return {"method": "mc-sjd", "against": "ar", "images": n, "tokens": tokens, "sampling": sampling.__dict__,
-            "p_value": p, "p_by_position": pvalues, "passed": p > 1e-3}
+    methods = {}
+    for method in ("mc-sjd", "mc-sjd-pac"):
+        pvalues = []
+        for t in range(tokens):
+            codes = sorted(set(draws["ar"][:, t].tolist()) | set(draws[method][:, t].tolist()))
+            table = [[int((draws[m][:, t] == c).sum()) for c in codes] for m in ("ar", method)]
+            pvalues.append(float(chi2_contingency(table)[1]) if len(codes) > 1 else 1.0)
+        p = min(1.0, min(pvalues) * len(pvalues))  # Bonferroni over positions
+        methods[method] = {"p_value": p, "p_by_position": pvalues, "passed": p > 1e-3}
+    return {"methods": methods, "against": "ar", "images": n, "tokens": tokens, "sampling": sampling.__dict__,
+            "passed": all(m["passed"] for m in methods.values())}
 
 
 # ---- timing ---------------------------------------------------------------------------------------------------
@@ -902,8 +907,9 @@ def summary_lines(record: dict) -> list[str]:
     lines += cold_lines(s.get("cold", {}))
     if "distribution" in s:
         d = s["distribution"]
-        lines.append(f"distribution {d['method']} vs {d['against']}: p = {d['p_value']:.3g} "
-                     f"({'pass' if d['passed'] else 'FAIL'})")
+        by_method = d.get("methods") or {d["method"]: d}  # a record of before mc-sjd-pac held MC-SJD's alone
+        lines += [f"distribution {method} vs {d['against']}: p = {r['p_value']:.3g} "
+                  f"({'pass' if r['passed'] else 'FAIL'})" for method, r in by_method.items()]
     commit = s.get("env", {}).get("commit")
     for r in record["sections"].get("timing", {}).get("rows", []):
         lines.append(f"{r['shape']} {r['sampling']} B={r['images']} {r['method']:<16} {r['mode']:<6} "

@@ -50,7 +50,7 @@ def family_info(model: str) -> dict:
         fam = cls.supports_family(info.family)
         reasons = [r.reason for r in (avail, fam) if not r.ok]
         backends[name] = "runs" if not reasons else "unavailable: " + "; ".join(reasons)
-    methods, missing = ["ar", "sjd", "mc-sjd"], {}
+    methods, missing = ["ar", "sjd", "mc-sjd", "mc-sjd-pac"], {}
     if info.family == "chameleon" and family.vq_path is not None:  # relaxed: the VQGAN codebook's proximity table
         methods += ["mc-sjd-relaxed", "eagle2, lantern, lantern++ (with --drafter FOLDER: LANTERN's Anole drafter)"]
     elif info.family == "chameleon":

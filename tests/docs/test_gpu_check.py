@@ -41,7 +41,7 @@ def test_quick_runs_every_section_on_labelled_stand_ins(tmp_path):
     assert "stand-in" in sections["env"]["device"]
     assert all(r["passed"] for r in sections["conformance"].values())
     parity = sections["parity"]["methods"]
-    assert set(parity) == {"ar", "mc-sjd", "lantern++", "mc-sjd-relaxed", "eagle2", "lantern", "sjd"}
+    assert set(parity) == {"ar", "mc-sjd", "lantern++", "mc-sjd-relaxed", "eagle2", "lantern", "sjd", "mc-sjd-pac"}
     assert all(v["equal"] for by_mode in parity.values() for v in by_mode.values())
     assert set(parity["lantern++"]) == {"eager", "fused", "graph"}
     assert all(r["syncs"] >= r["steps"] > 0 and sum(r["sites"].values()) == r["syncs"]
@@ -52,11 +52,11 @@ def test_quick_runs_every_section_on_labelled_stand_ins(tmp_path):
     assert cold["warm_caches"]["backend"] == "cpu-graph" and cold["default"]["plan"]["plan"]
     assert ("cold tiny --backend cpu-graph --fused-step --method ar --dtype bf16, empty caches: first image "
             in done.stdout)
-    assert sections["distribution"]["passed"]
+    assert sections["distribution"]["passed"] and set(sections["distribution"]["methods"]) == {"mc-sjd", "mc-sjd-pac"}
     rows = sections["timing"]["rows"]
     assert {(r["sampling"], r["method"]) for r in rows} >= {
-        (s, m) for s in ("bundle", "llamagen-c2i") for m in ("ar", "mc-sjd", "mc-sjd-relaxed", "eagle2", "lantern",
-                                                              "lantern++")}
+        (s, m) for s in ("bundle", "llamagen-c2i") for m in ("ar", "mc-sjd", "mc-sjd-pac", "mc-sjd-relaxed", "eagle2",
+                                                              "lantern", "lantern++")}
     assert {r["mode"] for r in rows if r["method"] == "ar"} == {"eager", "graph", "fused"}
     assert any(r["mode"] == "auto" for r in rows)
     assert all(r.get("fastest_ar") and r["tokens_per_forward"] >= 1 for r in rows)

@@ -95,7 +95,7 @@ def cmd_generate_family(args) -> dict:
         choice = pipeline(same.shape[1]).plan(len(rows) * args.num_images, sampling_from_args(args, family),
                                               batch=args.batch, progress=not args.json, prompts=same,
                                               min_speedup=args.min_speedup)
-        print(f"lantern: {choice.summary()}", file=sys.stderr)
+        print(f"lantern: {choice.line()}", file=sys.stderr)
         dcfg, batch = choice.decode, choice.width
     tokens, stats, result = [], GenerationStats(), None
     for r in rows:

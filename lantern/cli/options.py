@@ -156,7 +156,7 @@ def decode_plan(args, bundle, pipe, n_images: int, classes: Optional[list[int]] 
     choice = pipe.plan(n_images, sampling_from_args(args, bundle), batch=args.batch,
                        allow_relaxed=args.allow_relaxed, profile=profile, classes=classes,
                        min_speedup=args.min_speedup)
-    print(f"lantern: {choice.summary()}", file=sys.stderr)
+    print(f"lantern: {choice.line()}", file=sys.stderr)
     return choice.pipeline, choice.decode, choice.width, choice
 
 

@@ -130,6 +130,17 @@ class Choice:
                 f"{self.predicted_speedup:.2f}x AR{self.why_ar()}{self.waiting()} ({self.cost_source}; "
                 f"{self.relaxed})")
 
+    def line(self) -> str:
+        """The decision in one line, for stderr (summary() and --json's "plan" give the whole account)."""
+        if self.baseline is not None:
+            head = (f"auto chose {self.plan.name} on {self.backend} ({self.mode}): predicted "
+                    f"{self.predicted_total_s:.2f} s, {self.speedup_over_fastest_ar:.2f}x the fastest AR")
+        else:
+            head = (f"auto chose {self.plan.name} at {self.width} image(s) per step: predicted {self.predicted_s:.2f} s, "
+                    f"{self.predicted_speedup:.2f}x AR")
+        n = sum(r.get("skipped") == WAITING for r in self.candidates)
+        return head + (f"; {n} plan(s) not measured here yet (`lantern profile calibrate`)" if n else "")
+
     def waiting(self) -> str:
         """How many plans were not weighed because they are not measured here yet, or ''."""
         n = sum(r.get("skipped") == WAITING for r in self.candidates)

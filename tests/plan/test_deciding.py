@@ -56,6 +56,10 @@ def test_a_request_that_cannot_pay_measures_nothing_but_a_quick_ar_and_runs_ar(f
     waiting = [r["plan"] for r in choice.candidates if r.get("skipped") == WAITING]
     assert len(waiting) >= 5 and AR.name not in waiting
     assert "plan(s) not measured here yet wait" in choice.summary()
+    # stderr's line: the decision once, the advice once, no relaxation account (that is --json's)
+    line = choice.line()
+    assert line.startswith("auto chose ar") and line.count("`lantern profile calibrate`") == 1, line
+    assert f"{len(waiting)} plan(s) not measured here yet" in line and len(line) < 160 and "relax" not in line, line
     # the quick estimate is cached: the next such request times nothing at all
     work["timed_runs"] = 0
     assert choose(fresh, 1, SAMPLING, batch=1, progress=False).plan == AR and work["timed_runs"] == 0

@@ -45,9 +45,9 @@ from lantern.decoding import method_preset
 from lantern.decoding.config import METHODS as PRESETS
 from lantern.models.inflate import INFLATE_SHAPES
 from lantern.plan.calibration import compile_fused_step
-from embedded_shapes import models
-from results_io import utc_now, write_results
-from samplings import NAMES as SAMPLING_NAMES, describe, sampling_settings
+from embedded_shapes import count_record
+from results_io import write_results
+from samplings import NAMES as SAMPLING_NAMES
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = [m for m in PRESETS if m != "sjd"]  # SJD runs MC-SJD's step code with fresh draws: mc-sjd stands for both
@@ -165,13 +165,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    before = json.loads(Path(args.before).read_text()) if args.before else None
-    bundle, (target, drafter, proximity) = models(args.shape)
-    settings = sampling_settings(bundle.default_sampling, args.sampling)
-    record = {"date": utc_now(), "dtype": args.dtype, "shape": args.shape, "torch": torch.__version__,
-              "samplings": {n: describe(s) for n, s in settings.items()}, "rows": []}
-    if before is not None:
-        record["before"] = {"commit": before["provenance"]["commit"], "rows": before["rows"]}
+    bundle, (target, drafter, proximity), settings, record = count_record(args.shape, args.dtype, args.sampling,
+                                                                          args.before)
     if args.counted:
         counted = json.loads(Path(args.counted).read_text())
         record.update({key: counted[key] for key in ("date", "dtype", "shape", "torch", "samplings", "rows")},

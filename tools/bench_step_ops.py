@@ -18,7 +18,6 @@ budget beyond the forward. Writes results/step-ops-cpu. Any load on the machine 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
@@ -28,9 +27,9 @@ from lantern.decoding import method_preset
 from lantern.decoding.config import METHODS
 from lantern.models.inflate import INFLATE_SHAPES
 from lantern.profile.step_ops import REGIONS, step_ops
-from embedded_shapes import models
-from results_io import utc_now, write_results
-from samplings import NAMES as SAMPLING_NAMES, describe, sampling_settings
+from embedded_shapes import count_record
+from results_io import write_results
+from samplings import NAMES as SAMPLING_NAMES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,13 +56,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.steps < 1:
         ap.error(f"--steps {args.steps} must be >= 1")
-    before = json.loads(Path(args.before).read_text()) if args.before else None
-    bundle, (target, drafter, proximity) = models(args.shape)
-    settings = sampling_settings(bundle.default_sampling, args.sampling)
-    record = {"date": utc_now(), "dtype": args.dtype, "shape": args.shape, "torch": torch.__version__,
-              "samplings": {n: describe(s) for n, s in settings.items()}, "rows": []}
-    if before is not None:
-        record["before"] = {"commit": before["provenance"]["commit"], "rows": before["rows"]}
+    bundle, (target, drafter, proximity), settings, record = count_record(args.shape, args.dtype, args.sampling,
+                                                                          args.before)
     pipe = Pipeline(target, drafter, proximity, backend="cpu", dtype=args.dtype)
     for name, sampling in settings.items():
         relaxation = bundle.relaxation_at(sampling)

@@ -6,7 +6,8 @@ however small the tensor, so what a step dispatches beyond the target's forward 
 a fused step saves, and what eager pays on every step. Regions (the innermost one an op runs in counts it):
 - forward: the target's forward (Runner.verify);
 - drafter: the drafter's forwards (Runner.draft);
-- draws: the counter hash of the random streams (lantern.engine.draws.SlotDraws: a step's keys and every draw);
+- draws: the counter hash of the random streams (lantern.engine.draws.SlotDraws: a step's keys, every draw, and MC-SJD's
+  keyed noise);
 - proposal: the draft phase beyond the drafter's forwards (candidates, trees, masks);
 - distributions: the verify phase beyond the forward (CFG, temperature, top-k of the verify logits);
 - acceptance: the accept phase beyond its draws;
@@ -138,7 +139,7 @@ def counting_regions(counter: OpCounter, engine: Engine) -> Iterator[None]:
         stack.enter_context(_wrapped(runner, "verify", within(FORWARD)))
         stack.enter_context(_wrapped(runner, "draft", within("drafter")))
         stack.enter_context(_wrapped(runner, "phase", phases))
-        for method in ("begin", "uniform"):
+        for method in ("begin", "uniform", "keyed_uniform"):
             stack.enter_context(_wrapped(draws, method, within("draws")))
         yield
 

@@ -62,6 +62,7 @@ class SlotDraws:
         self.device = device
         self.lanes = to_device(_LANES, device)[:, None]  # (2, 1), int64
         self.seeded = torch.zeros(2, width, dtype=torch.long, device=device)  # each lane's key after the seed
+        self.keyed = torch.zeros(2, width, dtype=torch.long, device=device)  # each lane's key of keyed draws
         self.counter = torch.zeros(width, dtype=torch.long, device=device)  # the request's own step number
         self.draw_ids = torch.arange(KEYED_DRAWS, device=device)[:, None, None, None]  # (KEYED_DRAWS, 1, 1, 1)
         self.calls = 0  # draws so far in this step (or prefill)
@@ -70,6 +71,7 @@ class SlotDraws:
     def admit(self, slots: torch.Tensor, seeds: torch.Tensor) -> None:
         """New requests take `slots` (n,) with `seeds` (n,) int64: their streams start at step 0."""
         self.seeded[:, slots] = mix(mix(self.lanes ^ (seeds & _M32)) ^ ((seeds >> 32) & _M32))
+        self.keyed[:, slots] = mix(self.seeded[:, slots] ^ KEYED_TAG)
         self.counter[slots] = 0
 
     def begin(self, advance: torch.Tensor | None = None) -> None:
@@ -85,7 +87,7 @@ class SlotDraws:
         the position and the token only (not of the step or of the draws before it): one fixed value per image,
         position and token, read the same by any step (MC-SJD's coupled noise). Independent of the stream's draws:
         its keys are the seed's hashed with KEYED_TAG, which no step counter reaches."""
-        a, c = mix(self.seeded ^ KEYED_TAG).view(2, -1, *(1,) * (position.dim() - 1))  # (B, 1, ...) each lane's key
+        a, c = self.keyed.view(2, -1, *(1,) * (position.dim() - 1))  # (B, 1, ...) each lane's key
         x = mix(mix(mix(a ^ position) ^ token) ^ c)
         return ((x >> 9).float() + 0.5).mul_(2.0 ** -23)
 

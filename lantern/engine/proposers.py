@@ -179,9 +179,12 @@ class WindowProposal(Proposer):
     def distributions(self, logits):
         return target_support(logits, self.sampling)  # (B, N, K): every node is a parent
 
-    def _drafts(self, q: Support, root: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, L, K) -> the ranked drafts (B, L * branching) at positions root + 1 .. root + L, and which are ones."""
-        g = self.noise.at(root[:, None] + self.slots_ahead, q.ids, self.draws) if self.noise is not None else None
+    def _drafts(self, q: Support, emitted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, L, K) -> the ranked drafts (B, L * branching) of the image's tokens emitted .. emitted + L - 1 (the
+        window after the root), and which are ones. The noise is keyed by the token's index in its image, not by
+        its cache position, which a left-padded prompt shifts."""
+        at = emitted[:, None] + self.slots_ahead - 1
+        g = self.noise.at(at, q.ids, self.draws) if self.noise is not None else None
         tokens, offered = redraw(q, g, self.sampling.greedy, self.draws, self.branching)
         return tokens.flatten(1), offered.flatten(1)
 
@@ -191,7 +194,7 @@ class WindowProposal(Proposer):
         if self.above:
             q = spatial_prior(q, torch.ones(b, self.window, dtype=torch.bool, device=fresh.device), slots.out,
                               slots.emitted, self.grid, self.vocab)
-        drafts, offered = self._drafts(q, slots.root)
+        drafts, offered = self._drafts(q, slots.emitted)
         if self.q is None:
             self.q, self.drafts, self.offered = q, drafts, offered
             return
@@ -222,7 +225,7 @@ class WindowProposal(Proposer):
         if self.above:
             q = spatial_prior(q, fresh, slots.out, slots.emitted, self.grid, self.vocab)
         self.q = q
-        self.drafts, self.offered = self._drafts(q, slots.root)
+        self.drafts, self.offered = self._drafts(q, slots.emitted)
 
 
 def make_proposer(runner, dcfg: DecodeConfig, rule: Acceptance, draws, sampling) -> Proposer:

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from lantern.decoding.sampling import Draws, Support, draw, gumbel
+from lantern.decoding.trees import CompiledTree, compile_tree
 
 
 def redraw(q: Support, noise: Optional[torch.Tensor], greedy: bool, generator: Draws,
@@ -72,65 +73,45 @@ class WindowTree:
     lantern.decoding.trees: the window's chain (0,), (0, 0), ... down to depth L; with branching K > 1, every path
     of ranks below K down to depth `branch_depth` (candidate r at depth d: the r-th of the window's ranked drafts
     there), each leaf continued by `tail` nodes of the window's own drafts (the stale tail, rank 0), at most down to
-    depth L. branching 1 is the plain window. Node i <= L is the chain's node at depth i (its own position), the
-    others follow by depth. Built once, shared by every image."""
+    depth L. branching 1 is the plain window, whose node i is at depth i (its own position: nothing to commit).
+    Compiled as any tree (trees.compile_tree). Built once, shared by every image."""
 
     window: int
     branching: int = 1
     branch_depth: int = 1
     tail: int = 0
-    # the buffers below, filled by __post_init__ (static)
-    depth: torch.Tensor = field(init=False, repr=False, compare=False)  # (N,) node depth (the root: 0)
-    ancestors: torch.Tensor = field(init=False, repr=False, compare=False)  # (N, N) j is i or an ancestor of i
-    parents: torch.Tensor = field(init=False, repr=False, compare=False)  # (M,) nodes with children
-    children: torch.Tensor = field(init=False, repr=False, compare=False)  # (M, K) them in rank order (-1: none)
-    rank: torch.Tensor = field(init=False, repr=False, compare=False)  # (N,) a node's rank among its siblings
+    # filled by __post_init__ (static)
+    compiled: CompiledTree = field(init=False, repr=False, compare=False)
     draft: torch.Tensor = field(init=False, repr=False, compare=False)  # (N,) (depth - 1) * K + rank: its draft
     successor: torch.Tensor = field(init=False, repr=False, compare=False)  # (N, 2L + 2) the node at depth e ahead
 
     def __post_init__(self):
         window, k = self.window, self.branching
-        chain = [(0,) * d for d in range(window + 1)]
-        others = set()
+        paths = {(0,) * d for d in range(1, window + 1)}
         if k > 1:
             level = [()]
             for _ in range(min(self.branch_depth, window)):
                 level = [p + (r,) for p in level for r in range(k)]
-                others.update(level)
+                paths.update(level)
             for leaf in level:
-                others.update(leaf + (0,) * t for t in range(1, min(self.tail, window - len(leaf)) + 1))
-        paths = chain + sorted(others - set(chain), key=lambda p: (len(p), p))
-        node = {p: i for i, p in enumerate(paths)}
-        n = len(paths)
-        kids = [[] for _ in range(n)]
-        for p in paths[1:]:
-            kids[node[p[:-1]]].append((p[-1], node[p]))
-        parents = [i for i in range(n) if kids[i]]
-        table = torch.full((len(parents), k), -1, dtype=torch.long)
-        for row, i in enumerate(parents):
-            for r, child in kids[i]:
-                table[row, r] = child
-        ancestors = torch.zeros(n, n, dtype=torch.bool)
-        for i, p in enumerate(paths):
-            for d in range(len(p) + 1):
-                ancestors[i, node[p[:d]]] = True
+                paths.update(leaf + (0,) * t for t in range(1, min(self.tail, window - len(leaf)) + 1))
+        compiled = compile_tree(sorted(paths))
+        nodes = ((),) + compiled.paths  # node i's path
+        node = {p: i for i, p in enumerate(nodes)}
         # the node at depth e ahead of each node: its rank-0 descendants while they last, then the window's chain;
         # -1 past the window (a position no node predicts yet)
-        successor = torch.full((n, 2 * window + 2), -1, dtype=torch.long)
-        for i, p in enumerate(paths):
+        successor = torch.full((len(nodes), 2 * window + 2), -1, dtype=torch.long)
+        for i, p in enumerate(nodes):
             for e in range(len(p) + 1, 2 * window + 2):
-                successor[i, e] = node.get(p + (0,) * (e - len(p)), e if e <= window else -1)
-        for name, value in dict(depth=torch.tensor([len(p) for p in paths]), ancestors=ancestors,
-                                parents=torch.tensor(parents), children=table,
-                                rank=torch.tensor([p[-1] if p else 0 for p in paths]),
-                                draft=torch.tensor([0] + [(len(p) - 1) * k + p[-1] for p in paths[1:]]),
-                                successor=successor).items():
-            object.__setattr__(self, name, value)
+                successor[i, e] = node.get(p + (0,) * (e - len(p)), node.get((0,) * e, -1))
+        object.__setattr__(self, "compiled", compiled)
+        object.__setattr__(self, "draft", torch.tensor([0] + [(len(p) - 1) * k + p[-1] for p in nodes[1:]]))
+        object.__setattr__(self, "successor", successor)
 
     @property
     def size(self) -> int:
-        return self.depth.shape[0]
+        return self.compiled.size
 
     @property
     def is_chain(self) -> bool:
-        return self.size == self.window + 1
+        return self.compiled.is_chain

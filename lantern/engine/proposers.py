@@ -171,10 +171,12 @@ class WindowProposal(Proposer):
         self.q = self.drafts = self.offered = None
         self.draft_at = layout.draft[1:].to(dev)  # (N-1,) each node's column among the ranked drafts
         self.successor = layout.successor.to(dev)  # (N, 2L + 2)
-        self.parent_slot = layout.depth[layout.parents].to(dev)  # (M,) the window slot each parent's children fill
-        self._tree = dict(depth=layout.depth.to(dev)[None], ancestors=layout.ancestors.to(dev)[None],
-                          parents=layout.parents.to(dev)[None], children=layout.children.to(dev),
-                          rank=layout.rank.to(dev)[None], chain=layout.is_chain)
+        self.chain_end = int(layout.successor[0, self.window])  # the chain's last node
+        t = layout.compiled
+        self.parent_slot = t.node_depth[t.parent_nodes].to(dev)  # (M,) the window slot each parent's children fill
+        self._tree = dict(depth=t.node_depth.to(dev)[None], ancestors=t.mask.to(dev)[None],
+                          parents=t.parent_nodes.to(dev)[None], children=t.children_table.to(dev),
+                          rank=t.rank.to(dev)[None], chain=t.is_chain)
 
     def distributions(self, logits):
         return target_support(logits, self.sampling)  # (B, N, K): every node is a parent
@@ -221,7 +223,7 @@ class WindowProposal(Proposer):
         predicted_by = self.successor[last.expand(b, self.window), ahead]  # (B, L); -1: no node predicts it yet
         fresh = predicted_by < 0
         # never predicted: the last p on the window's chain (MC-SJD's "last"), or the spatial prior below
-        q = step.p_nodes.index(torch.where(fresh, self.window, predicted_by))
+        q = step.p_nodes.index(torch.where(fresh, self.chain_end, predicted_by))
         if self.above:
             q = spatial_prior(q, fresh, slots.out, slots.emitted, self.grid, self.vocab)
         self.q = q

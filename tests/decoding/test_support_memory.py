@@ -63,12 +63,12 @@ def window_on_meta(k: int) -> DraftedTree:
 
 def window_tree_on_meta(k: int) -> DraftedTree:
     """mc-sjd-pac's branching window at WINDOW: a full 3-ary tree over the first 3 positions, then the chain."""
-    t = WindowTree(WINDOW, branching=3, branch_depth=3)
-    n, m = t.size, t.parents.shape[0]
+    t = WindowTree(WINDOW, branching=3, branch_depth=3).compiled
+    n, m = t.size, t.parent_nodes.shape[0]
     return DraftedTree(tokens=torch.empty(IMAGES, n, dtype=torch.long, device=META),
-                       valid=torch.empty(IMAGES, n, dtype=torch.bool, device=META), depth=t.depth[None].to(META),
-                       ancestors=t.ancestors[None].to(META), parents=t.parents[None].to(META),
-                       children=t.children[None].to(META), q=support((IMAGES, m), k), max_depth=WINDOW,
+                       valid=torch.empty(IMAGES, n, dtype=torch.bool, device=META), depth=t.node_depth[None].to(META),
+                       ancestors=t.mask[None].to(META), parents=t.parent_nodes[None].to(META),
+                       children=t.children_table[None].to(META), q=support((IMAGES, m), k), max_depth=WINDOW,
                        rank=t.rank[None].to(META))
 
 

@@ -119,51 +119,17 @@ def test_classes_are_cycled_to_the_batch_size_and_step_sizes_can_differ_per_batc
         profile_from_dict({"verify_sizes_by_batch": {"1": [0]}})
 
 
-def test_version_1_results_are_refused_saying_how_to_upgrade_or_measure_again(tiny_run, tmp_path, capsys):
+def test_version_1_results_are_refused_saying_how_to_measure_again(tiny_run, tmp_path, capsys):
     data = json.loads(tiny_run[1].read_text())
     data["schema_version"] = 1
     old = tmp_path / "tiny.json"
     old.write_text(json.dumps(data))
-    with pytest.raises(SchemaError, match=r"version 1 is incompatible; this lantern reads version 2 only \(version 1 "
-                                          r"timed whole generations one image at a time.*`python -m "
-                                          r"lantern.profile.migrate .*tiny.json`.*`lantern profile run "
-                                          r"--profile tiny --fresh`"):
+    with pytest.raises(SchemaError, match=r"version 1 is incompatible; this lantern reads version 2 only \(measure "
+                                          r"again with `lantern profile run --profile tiny --fresh`"):
         load_results(old)
     code, out = run_cli("profile", "run", "--profile", str(tiny_run[0]), "--out", str(old), "--no-progress",
                         capsys=capsys)
     assert code == 2 and "--fresh" in out["error"] and json.loads(old.read_text())["schema_version"] == 1
-
-
-def test_version_1_results_upgrade_keeping_every_measurement_and_naming_what_is_missing(tiny_run, tmp_path):
-    """A version-1 file (generations of one image under "generate/{method}", a flat tune table) becomes the
-    version-2 file measured at batch 1; a version-1 generation of several images has no counterpart and is
-    dropped by name."""
-    from lantern.profile.migrate import main as migrate, upgrade_v1
-    v2 = json.loads(tiny_run[1].read_text())
-    v1 = {**v2, "schema_version": 1, "cases": {}}
-    for cid, case in v2["cases"].items():
-        if case["kind"] != "generate":
-            v1["cases"][cid] = case
-        elif case["params"]["batch"] == 1:
-            params = {k: v for k, v in case["params"].items() if k != "batch"}
-            v1["cases"][cid.replace("/b1/", "/", 1)] = {**case, "params": params}
-    ar = v1["cases"]["generate/ar"]
-    v1["cases"]["generate/several"] = {**ar, "result": {**ar["result"], "images": 2}}
-    v1["tune"] = {"choice": {"N": 4}, "tree_file": "tiny.tuned.json", "tuned_at": "t", "acceptance_rates": [[1.0]]}
-    path = tmp_path / "v1.json"
-    path.write_text(json.dumps(v1))
-
-    assert migrate([str(path)]) == 0
-    up = load_results(path)
-    kept = {cid: c for cid, c in v2["cases"].items() if c["kind"] != "generate" or c["params"]["batch"] == 1}
-    assert up["cases"] == kept and up["schema_version"] == SCHEMA_VERSION
-    assert up["migrated_from"]["dropped"] == ["generate/several"]
-    assert any("calibration" in m for m in up["migrated_from"]["missing"])
-    assert up["tune"] == {"tuned_at": "t", "acceptance_rates": [[1.0]],
-                          "batches": {"1": {"choice": {"N": 4}, "tree_file": "tiny.tuned.json"}}}
-    assert migrate([str(path)]) == 0 and load_results(path) == up  # already version 2: untouched
-    with pytest.raises(SchemaError, match="not a version-1 lantern profile results file"):
-        upgrade_v1(up, "up")
 
 
 def test_wrong_schema_version_is_refused_with_a_clear_message(tiny_run, tmp_path, capsys):

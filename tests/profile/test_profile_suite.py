@@ -4,6 +4,7 @@ tuning from synthetic and measured numbers."""
 import json
 from argparse import Namespace
 import os
+from pathlib import Path
 
 import pytest
 
@@ -229,6 +230,17 @@ def test_flat_verify_latency_gets_a_bigger_tree_than_steep():
     for cost, chosen in ((flat, wide), (steep, small)):
         for paths in TREE_PRESETS.values():
             assert chosen["tokens_per_s"] >= evaluate(paths, acc, cost)["tokens_per_s"] - 1e-9
+
+
+@pytest.mark.parametrize("name", ["cpu.json", "cpu-bf16.json"])
+def test_tune_chooses_again_the_trees_the_committed_results_recorded(name):
+    """A change to the tuner keeps the choices of the recorded measurements (the committed files' own tune tables),
+    or says so here."""
+    from lantern.profile.tune import tune_results
+    data = load_results(Path(__file__).resolve().parents[2] / "results" / name)
+    tuned = tune_results(data, TREE_PRESETS)
+    for b, recorded in data["tune"]["batches"].items():
+        assert [list(p) for p in tuned["batches"][int(b)]["choice"]["paths"]] == recorded["choice"]["paths"], b
 
 
 def generate_args(profile, classes, batch=None) -> Namespace:

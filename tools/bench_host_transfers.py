@@ -3,7 +3,9 @@
 Structural, not a timing (any machine state will do): a whole LANTERN++ generation of the embedded model for
 10 images (one call; the previous revision decodes them one at a time), every host transfer counted by
 tests/host_transfers.py, divided by the verify steps. "before" runs the previous revision in its own
-environment (`--before-python`, see tools/bench_acceptance.py) with the same counter loaded from this checkout.
+environment (`--before-python`: a venv with the old revision installed, e.g. `git worktree add /tmp/before REV &&
+python3 -m venv /tmp/before/.venv && /tmp/before/.venv/bin/pip install torch==2.13.0 -e /tmp/before`) with the same
+counter loaded from this checkout.
 Writes results/host-transfers.{json,md}.
 
     python tools/bench_host_transfers.py --before-python /tmp/before/.venv/bin/python

@@ -1,4 +1,4 @@
-"""Aten ops per decode step of the eager step, counted as they are dispatched (lantern.profile.step_ops): a count,
+"""Aten ops per decode step of the eager step, counted as they are dispatched (tests/step_ops.py): a count,
 not a timing.
 
 On a GPU the eager step (what `cuda` runs until a graph is ready) launches a kernel for nearly every op it
@@ -6,7 +6,7 @@ dispatches, views aside, a few microseconds each however small the tensor; so wh
 target's forward is what it pays on every step for being eager. Per method preset, one image on the `cpu` backend
 (the eager torch code a GPU runs too), a steady step (after the one that prefills): every op, and how they split over
 the target's forward, the drafter's forwards, the counter hash of the random streams, proposal, distributions,
-acceptance, commit and the rest (lantern.profile.step_ops names each). The embedded bundle (or `--shape`: it inflated
+acceptance, commit and the rest (tests/step_ops.py names each). The embedded bundle (or `--shape`: it inflated
 to LlamaGen's compute shapes), at the bundle's sampling and LlamaGen's class-to-image one (tools/samplings.py), each
 relaxed method at the settings the bundle validated at that sampling. `--before FILE` puts an earlier record's counts
 beside these (the same rows, matched by method and sampling). tests/profile/test_step_ops.py holds each method's
@@ -18,6 +18,7 @@ budget beyond the forward. Writes results/step-ops-cpu. Any load on the machine 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
@@ -26,12 +27,13 @@ from lantern.api import Pipeline
 from lantern.decoding import method_preset
 from lantern.decoding.config import METHODS
 from lantern.models.inflate import INFLATE_SHAPES
-from lantern.profile.step_ops import REGIONS, step_ops
 from embedded_shapes import count_record
 from results_io import write_results
 from samplings import NAMES as SAMPLING_NAMES
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the op counter, the step-op budget test's instrument
+from step_ops import REGIONS, step_ops  # noqa: E402
 
 
 def row(pipe: Pipeline, method: str, sampling_name: str, dcfg, steps: int) -> dict:
@@ -73,7 +75,7 @@ def markdown(rec: dict) -> str:
              f"{rec['torch']}): the {rec['shape']} model, {rec['dtype']}, one image, a steady step. Samplings: "
              + "; ".join(f"{n}: {d}" for n, d in rec["samplings"].items()) + ". Beyond: the step's ops less the "
              "target's forward; views: those of them that return a view of an input (no kernel). The regions split "
-             "what is beyond the forward (lantern.profile.step_ops)."]
+             "what is beyond the forward (tests/step_ops.py)."]
     if before:
         lines[0] += f" Before: commit {rec['before']['commit']}; after: this record's (x -> y where they differ)."
     lines += ["", "| sampling | method | verify width | step | forward | beyond | beyond: views | "

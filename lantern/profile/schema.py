@@ -38,10 +38,10 @@ A generate result holds "wall" (a latency record over the timed passes, each pas
 image and verify step), "step_compression" (per image), "verify_steps" (steps of the batched loop, each
 advancing all B images, summed over the passes), the tree's shape, phase times and memory.
 
-    migrated_from  (optional) a file upgraded from version 1 by lantern.profile.migrate: what it lacks
+    migrated_from  (optional) what a file upgraded from version 1 by an earlier lantern lacks
 
-Version 1 measured whole generations one image at a time under ids "generate/{method}[/{tree}]"; it is
-refused with a message naming `python -m lantern.profile.migrate FILE`, which upgrades it.
+A file of any other version (version 1 timed whole generations one image at a time) is refused, naming the
+command that measures it again.
 """
 from __future__ import annotations
 
@@ -53,8 +53,6 @@ from lantern.files.reading import read_json
 
 SCHEMA = "lantern-profile-results"
 SCHEMA_VERSION = 2
-RETIRED_VERSIONS = {1: "version 1 timed whole generations one image at a time; version 2 times them per batch "
-                       "size, as B images decoded together"}
 CASE_KINDS = ("backend", "verify", "draft", "generate", "acceptance", "calibration")
 BATCHED_KINDS = ("verify", "draft", "generate")  # measured per batch size: params["batch"]
 CASE_STATUSES = ("ok", "failed")
@@ -77,16 +75,11 @@ def validate(data, where: str) -> dict:
         raise SchemaError(f"{where}: not a lantern profile results file (schema {data.get('schema')!r}, "
                           f"expected {SCHEMA!r})")
     version = data.get("schema_version")
-    if version in RETIRED_VERSIONS:
-        name = (data.get("profile") or {}).get("name", "NAME")
-        raise SchemaError(f"{where}: results schema version {version} is incompatible; this lantern reads version "
-                          f"{SCHEMA_VERSION} only ({RETIRED_VERSIONS[version]}). Upgrade it with `python -m "
-                          f"lantern.profile.migrate {where}` (carries over what version 1 measured), or measure "
-                          f"again with `lantern profile run --profile {name} --fresh`")
     if version != SCHEMA_VERSION:
+        name = (data.get("profile") or {}).get("name", "NAME")
         raise SchemaError(f"{where}: results schema version {version!r} is incompatible; this lantern reads "
-                          f"version {SCHEMA_VERSION} only (rerun `lantern profile run` with this lantern, or "
-                          f"read the file with the lantern that wrote it)")
+                          f"version {SCHEMA_VERSION} only (measure again with `lantern profile run --profile {name} "
+                          f"--fresh`, or read the file with the lantern that wrote it)")
     for key, typ in TOP_LEVEL.items():
         if not isinstance(data.get(key), typ):
             raise SchemaError(f"{where}: field {key!r} must be a {typ.__name__}, got {data.get(key)!r:.80}")

@@ -2,8 +2,8 @@
 together: one batched step advances all of them). A tree T's step costs what lantern.plan.cost_model's CostModel
 says (the curves measured at B, the host work fitted on the whole generations at B), and it yields E(T) = 1 + sum
 over nodes of the product of the batch-1 probe's acceptance rates a[d][j] along its path; a greedy search grows
-the tree from (0,) by the node that gives the highest E / cost, up to the largest N measured at B, and prunes the
-leaves that do not pay for themselves (docs/profiles.md, "How `tune` chooses").
+the tree from (0,) by the node that gives the highest E / cost, up to the largest N measured at B, and keeps the
+best tree it passed (docs/profiles.md, "How `tune` chooses").
 """
 from __future__ import annotations
 
@@ -45,73 +45,27 @@ def evaluate(paths: Paths, acc: AcceptanceRates, cost: CostModel) -> dict:
     return {"N": n, "depth": depth, "draft_width": width, "tau": tau, "step_s": step, "tokens_per_s": tau / step}
 
 
-@dataclass
-class _Growing:
-    """A tree being grown, with what the cost model needs kept up to date."""
-
-    paths: list
-    children: dict  # path -> number of children
-    levels: dict  # depth -> nodes with children at that depth (depth >= 1)
-    tau: float
-    depth: int
-
-    def shape_with(self, c: tuple) -> tuple[int, int, int]:
-        parent = c[:-1]
-        levels = dict(self.levels)
-        if parent and not self.children.get(parent):
-            levels[len(parent)] = levels.get(len(parent), 0) + 1
-        return len(self.paths) + 2, max(self.depth, len(c)), max(levels.values(), default=0)
-
-    def add(self, c: tuple, prob: float) -> None:
-        parent = c[:-1]
-        if parent and not self.children.get(parent):
-            self.levels[len(parent)] = self.levels.get(len(parent), 0) + 1
-        self.children[parent] = self.children.get(parent, 0) + 1
-        self.children[c] = 0
-        self.paths.append(c)
-        self.tau += prob
-        self.depth = max(self.depth, len(c))
-
-
 def choose_tree(acc: AcceptanceRates, cost: CostModel, max_nodes: Optional[int] = None) -> dict:
-    """Greedy growth (see the module doc). Returns the best tree, its predicted numbers and the trajectory."""
+    """Greedy growth (see the module doc). Returns the best tree and its predicted numbers."""
     max_nodes = min(max_nodes or cost.max_nodes, cost.max_nodes)
     if max_nodes < 2:
         raise ValueError(f"the verify curve must reach N >= 2 to choose a tree (largest measured N: {max_nodes})")
-    g = _Growing(paths=[(0,)], children={(): 1, (0,): 0}, levels={}, tau=1.0 + acc.rate(1, 0), depth=1)
-    best = (g.tau / cost.step_seconds(2, 1, 0), list(g.paths))
-    trajectory = [(2, best[0])]
-    while len(g.paths) + 1 < max_nodes:
-        candidates = [u + (k,) for u, k in g.children.items() if k < acc.max_rank and len(u) < acc.max_depth]
-        if not candidates:
+    paths, children = [(0,)], {(): 1, (0,): 0}  # children: a path -> how many it has
+    best = (evaluate(tuple(paths), acc, cost)["tokens_per_s"], list(paths))
+    while len(paths) + 1 < max_nodes:
+        grown = [u + (k,) for u, k in children.items() if k < acc.max_rank and len(u) < acc.max_depth]
+        if not grown:
             break
-        scored = []
-        for c in candidates:
-            prob = acc.path_probability(c)
-            n, depth, width = g.shape_with(c)
-            scored.append(((g.tau + prob) / cost.step_seconds(n, depth, width), prob, c))
-        thr, prob, c = max(scored, key=lambda s: (s[0], s[1], [-r for r in s[2]]))
-        g.add(c, prob)
-        trajectory.append((len(g.paths) + 1, thr))
+        # the highest E / cost, then the likeliest node, then the lowest ranks
+        thr, _, c = max(((evaluate((*paths, c), acc, cost)["tokens_per_s"], acc.path_probability(c), c)
+                         for c in grown), key=lambda s: (s[0], s[1], [-r for r in s[2]]))
+        children[c[:-1]] += 1
+        children[c] = 0
+        paths.append(c)
         if thr > best[0]:
-            best = (thr, list(g.paths))
-    paths = prune(validate_paths(best[1]), acc, cost)
-    return {"paths": paths, **evaluate(paths, acc, cost), "trajectory": trajectory}
-
-
-def prune(paths: Paths, acc: AcceptanceRates, cost: CostModel) -> Paths:
-    """Drop removable leaves (no children, last rank among their siblings) while that raises E / cost: the
-    greedy growth can leave a node that only paid off as a stepping stone it never used."""
-    while len(paths) > 1:
-        current = evaluate(paths, acc, cost)["tokens_per_s"]
-        have = set(paths)
-        removable = [p for p in paths if p + (0,) not in have and p[:-1] + (p[-1] + 1,) not in have]
-        gains = [(evaluate(tuple(q for q in paths if q != p), acc, cost)["tokens_per_s"], p) for p in removable]
-        best, leaf = max(gains)
-        if best <= current:
-            return paths
-        paths = tuple(q for q in paths if q != leaf)
-    return paths
+            best = (thr, list(paths))
+    paths = validate_paths(best[1])
+    return {"paths": paths, **evaluate(paths, acc, cost)}
 
 
 # -- from a results file -------------------------------------------------------------------------------------

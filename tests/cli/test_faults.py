@@ -515,7 +515,6 @@ def unreadable(path: Path, content: bytes | None) -> Path:
 
 @pytest.mark.parametrize("content, problem", UNREADABLE_JSON)
 def test_an_unreadable_results_file_is_refused_naming_it(tmp_path, capsys, content, problem):
-    from lantern.profile.migrate import main as migrate
     results = unreadable(tmp_path / "results.json", content)
     (tmp_path / "mine.toml").write_text('name = "mine"\n')
     for argv in (["profile", "compare", str(results), "--out", str(tmp_path / "report"), "--no-plots"],
@@ -523,8 +522,6 @@ def test_an_unreadable_results_file_is_refused_naming_it(tmp_path, capsys, conte
                   "--dry-run"]):
         code, err = run(capsys, *argv)
         assert code == 2 and f"results file {results} {problem}" in err and "Traceback" not in err, (argv, err)
-    assert migrate([str(results)]) == 2
-    assert f"lantern: error: results file {results} {problem}\n" == capsys.readouterr().err
     assert not (tmp_path / "report").exists()
 
 

@@ -4,6 +4,7 @@ tuning from synthetic and measured numbers."""
 import json
 from argparse import Namespace
 import os
+from pathlib import Path
 
 import pytest
 
@@ -119,51 +120,17 @@ def test_classes_are_cycled_to_the_batch_size_and_step_sizes_can_differ_per_batc
         profile_from_dict({"verify_sizes_by_batch": {"1": [0]}})
 
 
-def test_version_1_results_are_refused_saying_how_to_upgrade_or_measure_again(tiny_run, tmp_path, capsys):
+def test_version_1_results_are_refused_saying_how_to_measure_again(tiny_run, tmp_path, capsys):
     data = json.loads(tiny_run[1].read_text())
     data["schema_version"] = 1
     old = tmp_path / "tiny.json"
     old.write_text(json.dumps(data))
-    with pytest.raises(SchemaError, match=r"version 1 is incompatible; this lantern reads version 2 only \(version 1 "
-                                          r"timed whole generations one image at a time.*`python -m "
-                                          r"lantern.profile.migrate .*tiny.json`.*`lantern profile run "
-                                          r"--profile tiny --fresh`"):
+    with pytest.raises(SchemaError, match=r"version 1 is incompatible; this lantern reads version 2 only \(measure "
+                                          r"again with `lantern profile run --profile tiny --fresh`"):
         load_results(old)
     code, out = run_cli("profile", "run", "--profile", str(tiny_run[0]), "--out", str(old), "--no-progress",
                         capsys=capsys)
     assert code == 2 and "--fresh" in out["error"] and json.loads(old.read_text())["schema_version"] == 1
-
-
-def test_version_1_results_upgrade_keeping_every_measurement_and_naming_what_is_missing(tiny_run, tmp_path):
-    """A version-1 file (generations of one image under "generate/{method}", a flat tune table) becomes the
-    version-2 file measured at batch 1; a version-1 generation of several images has no counterpart and is
-    dropped by name."""
-    from lantern.profile.migrate import main as migrate, upgrade_v1
-    v2 = json.loads(tiny_run[1].read_text())
-    v1 = {**v2, "schema_version": 1, "cases": {}}
-    for cid, case in v2["cases"].items():
-        if case["kind"] != "generate":
-            v1["cases"][cid] = case
-        elif case["params"]["batch"] == 1:
-            params = {k: v for k, v in case["params"].items() if k != "batch"}
-            v1["cases"][cid.replace("/b1/", "/", 1)] = {**case, "params": params}
-    ar = v1["cases"]["generate/ar"]
-    v1["cases"]["generate/several"] = {**ar, "result": {**ar["result"], "images": 2}}
-    v1["tune"] = {"choice": {"N": 4}, "tree_file": "tiny.tuned.json", "tuned_at": "t", "acceptance_rates": [[1.0]]}
-    path = tmp_path / "v1.json"
-    path.write_text(json.dumps(v1))
-
-    assert migrate([str(path)]) == 0
-    up = load_results(path)
-    kept = {cid: c for cid, c in v2["cases"].items() if c["kind"] != "generate" or c["params"]["batch"] == 1}
-    assert up["cases"] == kept and up["schema_version"] == SCHEMA_VERSION
-    assert up["migrated_from"]["dropped"] == ["generate/several"]
-    assert any("calibration" in m for m in up["migrated_from"]["missing"])
-    assert up["tune"] == {"tuned_at": "t", "acceptance_rates": [[1.0]],
-                          "batches": {"1": {"choice": {"N": 4}, "tree_file": "tiny.tuned.json"}}}
-    assert migrate([str(path)]) == 0 and load_results(path) == up  # already version 2: untouched
-    with pytest.raises(SchemaError, match="not a version-1 lantern profile results file"):
-        upgrade_v1(up, "up")
 
 
 def test_wrong_schema_version_is_refused_with_a_clear_message(tiny_run, tmp_path, capsys):
@@ -263,6 +230,17 @@ def test_flat_verify_latency_gets_a_bigger_tree_than_steep():
     for cost, chosen in ((flat, wide), (steep, small)):
         for paths in TREE_PRESETS.values():
             assert chosen["tokens_per_s"] >= evaluate(paths, acc, cost)["tokens_per_s"] - 1e-9
+
+
+@pytest.mark.parametrize("name", ["cpu.json", "cpu-bf16.json"])
+def test_tune_chooses_again_the_trees_the_committed_results_recorded(name):
+    """A change to the tuner keeps the choices of the recorded measurements (the committed files' own tune tables),
+    or says so here."""
+    from lantern.profile.tune import tune_results
+    data = load_results(Path(__file__).resolve().parents[2] / "results" / name)
+    tuned = tune_results(data, TREE_PRESETS)
+    for b, recorded in data["tune"]["batches"].items():
+        assert [list(p) for p in tuned["batches"][int(b)]["choice"]["paths"]] == recorded["choice"]["paths"], b
 
 
 def generate_args(profile, classes, batch=None) -> Namespace:

@@ -1,4 +1,4 @@
-"""The eager step's aten ops, counted as dispatched (lantern.profile.step_ops): on a GPU nearly each is a kernel launch,
+"""The eager step's aten ops, counted as dispatched (tests/step_ops.py): on a GPU nearly each is a kernel launch,
 so what a step dispatches beyond the target's forward may not grow past its method's budget (step_op_budgets.json,
 the embedded bundle at its own sampling; tools/bench_step_ops.py writes the whole table)."""
 import json
@@ -12,7 +12,7 @@ from lantern.backends.base import dummy_step_inputs
 from lantern.bundle import load_bundle
 from lantern.decoding import SamplingConfig, method_preset
 from lantern.decoding.config import METHODS
-from lantern.profile.step_ops import OpCounter, step_ops
+from step_ops import OpCounter, step_ops
 
 BUDGETS = json.loads(Path(__file__).with_name("step_op_budgets.json").read_text())
 

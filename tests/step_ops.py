@@ -1,5 +1,6 @@
 """Aten ops per decode step, counted as they are dispatched (a TorchDispatchMode: any device, the CPU included), by
-where in the step they run.
+where in the step they run. A test instrument, not part of lantern (tests/profile/test_step_ops.py holds each method's
+step to a budget with it, and tools/bench_step_ops.py writes the whole table).
 
 On a GPU an eager step launches a kernel for nearly every op it dispatches (views aside), a few microseconds each
 however small the tensor, so what a step dispatches beyond the target's forward is its overhead: what a CUDA graph or

@@ -347,6 +347,7 @@ def test_the_full_calibration_does_more_work_than_the_probe(cache, tiny, monkeyp
 
 def test_another_mode_is_calibrated_when_the_request_pays_or_when_asked(cache, tiny, monkeypatch):
     monkeypatch.setattr(backend_choice, "candidate_backends", lambda dtype=None: (["cpu", "cpu-twin"], [], "fp32"))
+    monkeypatch.setitem(registry.BUILTIN, TwinBackend.name, f"{__name__}:TwinBackend")  # its mode: as declared
     make = make_pipe_factory(tiny)
     twin = make(TwinBackend.name, "fp32")
     eager = make("cpu", "fp32")

@@ -248,7 +248,7 @@ class Pipeline:
         process already holds for it (the weights where placed, the KV cache of a prepared runner unless the
         caller prepares a `new_runner` of its own) is not asked for again. The refusal (a MemoryRefused, a
         ValueError) names the batch, top-k or method that would fit."""
-        free = available_bytes(self.backend.capabilities().device)
+        free = available_bytes(self.backend)
         if free is None:
             return
         available, source = free
@@ -270,7 +270,7 @@ class Pipeline:
         transients), every prompt row as long as the target's prefix. The refusal names the widest --batch whose
         ladder would fit and, with `shortest_prompt` (prompt rows padded to the prefix: a service of a model
         family), the longest --max-prompt-tokens, at least that, whose ladder would."""
-        free = available_bytes(self.backend.capabilities().device)
+        free = available_bytes(self.backend)
         if free is None:
             return
         available, source = free

@@ -25,6 +25,11 @@ before it calls that step again.
 Capabilities the core reads: `device` (where inputs and the generator live) and `dtypes` (the first is the
 default). `supports_graphs`, `timer` and `memory_source` are reported in `lantern backends` and profiles,
 and `supports_graphs` tells the conformance kit to count graphs.
+
+What a backend can do is declared once on its class, `Backend.abilities` (an `Abilities`): the device kind its
+runners use, what preparing a runner costs, whether it runs the fused step, whether phases are timed by device
+events, how the memory still free is read. The planner (lantern.plan.backend_choice), the command line and the
+memory checks (lantern.backends.memory) read these declarations, never a list of backend names.
 """
 from __future__ import annotations
 
@@ -65,6 +70,30 @@ class Capabilities:
     timer: str  # what phase timing rests on
     memory_source: str  # what peak memory rests on
     fp32_matmul: str = "fp32"  # what an fp32 matrix product computes in: "fp32", or "tf32" (CUDA tensor cores)
+
+
+PREPARATIONS = ("none", "compile", "export", "capture")  # what preparing a runner costs, cheapest first
+MEMORY_QUERIES = ("host", "cuda", "none")  # how the memory still free is read (lantern.backends.memory)
+
+
+@dataclass(frozen=True)
+class Abilities:
+    """What a backend can do, declared on its class (`Backend.abilities`) so that it is known before one is built."""
+
+    device_kind: str = "cpu"  # the kind of device its runners use ("cpu", "cuda", "hpu", ...): auto weighs together
+    # the backends of the default backend's kind
+    preparation: str = "none"  # a runner's one-time cost (PREPARATIONS): none (eager), compile (one graph per static
+    # step), export (an ONNX graph), capture (device graphs recorded per static step)
+    fused_step: bool = False  # takes fused_step=True: the engine's whole decode step as one graph (FusedSteps)
+    device_events: bool = False  # phases are timed by device events, resolved when read (else the host clock with
+    # the device synced on both ends)
+    memory_query: str = "none"  # how the memory still free is read (MEMORY_QUERIES; none: lantern cannot tell)
+
+    def __post_init__(self):
+        if self.preparation not in PREPARATIONS:
+            raise ValueError(f"unknown preparation {self.preparation!r}; allowed: {', '.join(PREPARATIONS)}")
+        if self.memory_query not in MEMORY_QUERIES:
+            raise ValueError(f"unknown memory query {self.memory_query!r}; allowed: {', '.join(MEMORY_QUERIES)}")
 
 
 @dataclass(frozen=True)
@@ -323,6 +352,16 @@ class FusedSteps(ABC):
     def mark_fused_warm(self, decode) -> None:
         """An engine of this DecodeConfig has: its later engines pay no compile."""
 
+    @abstractmethod
+    def take_attended(self) -> int:
+        """The cache slots the next verify reads (the engine's bound for this step, `Runner.attend_until`, used up:
+        a later caller never inherits it)."""
+
+    @abstractmethod
+    def add_fused_warmup(self, seconds: float) -> None:
+        """An engine's fused step spent `seconds` compiling or capturing at its first steps: the runner counts them in
+        its warm-up (`fused_warmup_seconds` and `warmup_seconds`)."""
+
     def capture_step(self, fn: Callable) -> Callable:
         """(optional) fn, the fused step function, as this mode compiles it (once per runner: every engine on the
         runner shares it); default: fn itself, captured whole by `replayable`."""
@@ -335,9 +374,11 @@ class FusedSteps(ABC):
 
 
 class Backend(ABC):
-    """A way of running the static steps. Subclasses: name, availability(), capabilities(), prepare()."""
+    """A way of running the static steps. Subclasses: name, availability(), capabilities(), prepare(), and what they
+    can do in `abilities` (default: an eager CPU backend that can tell nothing of its memory)."""
 
     name: ClassVar[str] = ""
+    abilities: ClassVar[Abilities] = Abilities()
 
     @classmethod
     @abstractmethod
@@ -348,11 +389,24 @@ class Backend(ABC):
     def capabilities(self) -> Capabilities:
         ...
 
-    fused_step = False  # (optional) its runners run the engine's whole decode step as one graph (FusedSteps)
+    fused_step = False  # (optional) its runners run the engine's whole decode step as one graph (FusedSteps); only
+    # a backend whose abilities declare fused_step takes it
+
 
     @abstractmethod
     def prepare(self, target, drafter, spec: StaticSpec) -> Runner:
         """Place the models (and a drafter, or None) for this spec; allocate caches once."""
+
+    @classmethod
+    def fused_step_problem(cls, target) -> Optional[str]:
+        """(optional) Why the engine's step cannot run as one graph on this backend's runners of `target` (None: it
+        can); default: it cannot where the abilities declare no fused step."""
+        return None if cls.abilities.fused_step else f"the {cls.name} backend has no fused step"
+
+    @classmethod
+    def forget_prepared(cls) -> None:
+        """(optional) Drop what this process prepared that a new process would prepare again (compiled graphs), so
+        the next preparation pays what a later process pays; default: nothing is kept."""
 
     @classmethod
     def supports_family(cls, family: str) -> Availability:
@@ -380,4 +434,4 @@ def describe(backend_cls: type[Backend], options: Optional[dict] = None) -> dict
     if avail.ok:
         caps = backend_cls(**(options or {})).capabilities()
         row.update(device=caps.device, dtypes=list(caps.dtypes), supports_graphs=caps.supports_graphs)
-    return row
+    return {**row, **asdict(backend_cls.abilities)}

@@ -23,12 +23,12 @@ from typing import Optional
 
 import torch
 
-from lantern.backends.base import (Availability, BackendUnavailable, Capabilities, Runner, StaticSpec,
+from lantern.backends.base import (Abilities, Availability, BackendUnavailable, Capabilities, Runner, StaticSpec,
                                    StepOutput, parse_dtype)
 from lantern.backends.memory import AllocatorPeak
 from lantern.backends.gaudi_config import GaudiSettings, load_gaudi_config
 from lantern.backends.torch_eager import CPUBackend
-from lantern.backends.torch_graph import CapturedRunner, fusable
+from lantern.backends.torch_graph import CapturedRunner, FusingBackend, fusable
 
 INSTALL_HINT = "install Habana's PyTorch bridge, then pip install 'lantern-decoding[hpu]'"
 LAZY_ENV = "PT_HPU_LAZY_MODE"
@@ -130,11 +130,12 @@ class HPURunner(CapturedRunner):
         return {**super().profile(), "memory_stats": dict(self.hpu.memory_stats())}
 
 
-class HPUBackend(CPUBackend):
+class HPUBackend(FusingBackend, CPUBackend):
     """gaudi_config: a gaudi_config.json (or its folder) whose autocast op lists the steps run under; default
     $LANTERN_GAUDI_CONFIG, else none (see gaudi_config.py)."""
 
     name = "hpu"
+    abilities = Abilities(device_kind="hpu", preparation="capture", fused_step=True)
 
     def __init__(self, device_index: int = 0, gaudi_config: Optional[str] = None, fused_step: bool = False):
         """fused_step: the engine's whole decode step as one HPU graph per engine (lantern.engine.fused)."""

@@ -12,6 +12,8 @@ the most bytes held at any moment since, whatever freed them before the read:
   read the peak since the later reset).
 - AllocatorPeak: an accelerator allocator's statistics (torch.cuda, habana_frameworks.torch.hpu):
   reset_peak_memory_stats() and max_memory_allocated(), the peak of the tensors it held.
+
+The memory still free is read as a backend's abilities declare it (`memory_query`: the host's, CUDA's, or none).
 """
 from __future__ import annotations
 
@@ -92,15 +94,21 @@ class AllocatorPeak:
         return int(self.module.max_memory_allocated(*self._on_device()))
 
 
-def available_bytes(device: str) -> Optional[tuple[int, str]]:
-    """(bytes a new allocation can still take on `device` ("cpu", "cuda:0", ... as a backend's capabilities name
-    it), where that figure comes from), or None where lantern cannot tell (devices other than the CPU and CUDA)."""
-    kind = device.split(":")[0]
-    if kind == "cpu":
-        return psutil.virtual_memory().available, "psutil.virtual_memory().available"
-    if kind == "cuda":
-        gpu = torch.device(device)
-        cached = torch.cuda.memory_reserved(gpu) - torch.cuda.memory_allocated(gpu)  # torch's own free blocks
-        return (torch.cuda.mem_get_info(gpu)[0] + cached,
-                "torch.cuda.mem_get_info free + memory_reserved - memory_allocated")
-    return None
+def host_free(device: str) -> tuple[int, str]:
+    return psutil.virtual_memory().available, "psutil.virtual_memory().available"
+
+
+def cuda_free(device: str) -> tuple[int, str]:
+    gpu = torch.device(device)
+    cached = torch.cuda.memory_reserved(gpu) - torch.cuda.memory_allocated(gpu)  # torch's own free blocks
+    return torch.cuda.mem_get_info(gpu)[0] + cached, "torch.cuda.mem_get_info free + memory_reserved - memory_allocated"
+
+
+FREE_MEMORY = {"host": host_free, "cuda": cuda_free}  # a backend's declared memory query -> how it is read
+
+
+def available_bytes(backend) -> Optional[tuple[int, str]]:
+    """(bytes a new allocation can still take on the backend's device, where that figure comes from), read as its
+    abilities declare (`memory_query`), or None where they declare that lantern cannot tell."""
+    query = FREE_MEMORY.get(backend.abilities.memory_query)
+    return None if query is None else query(backend.capabilities().device)

@@ -22,8 +22,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from lantern.backends.base import (Availability, Backend, BackendUnavailable, Capabilities, MemoryReport, Runner,
-                                   StaticSpec, StepOutput, dummy_step_inputs, parse_dtype)
+from lantern.backends.base import (Abilities, Availability, Backend, BackendUnavailable, Capabilities, MemoryReport,
+                                   Runner, StaticSpec, StepOutput, dummy_step_inputs, parse_dtype)
 from lantern.backends.memory import HostPeak
 from lantern.backends.onnx_export import cache_rows, ensure_graphs
 
@@ -279,6 +279,7 @@ class ONNXBackend(Backend):
     """ONNX Runtime on its CPU execution provider."""
 
     name = "onnx"
+    abilities = Abilities(device_kind="cpu", preparation="export", memory_query="host")
     provider = "CPUExecutionProvider"
 
     def __init__(self, threads: Optional[int] = None, opt_level: str = "all", spin: bool = False,
@@ -333,6 +334,7 @@ class ONNXCUDABackend(ONNXBackend):
     provider is listed but cannot start (onnxruntime-gpu lists it even on machines without a GPU)."""
 
     name = "onnx-cuda"
+    abilities = Abilities(device_kind="cuda", preparation="export", memory_query="cuda")
     provider = "CUDAExecutionProvider"
 
     def __init__(self, device_index: int = 0, **options):

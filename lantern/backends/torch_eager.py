@@ -9,7 +9,7 @@ import contextlib
 
 import torch
 
-from lantern.backends.base import (Availability, Backend, Capabilities, MemoryReport, Runner,
+from lantern.backends.base import (Abilities, Availability, Backend, Capabilities, MemoryReport, Runner,
                                    StaticSpec, StepOutput, parse_dtype)
 from lantern.backends.memory import AllocatorPeak, HostPeak
 from lantern.backends.torch_steps import CacheCommit, DraftStep, TargetPrefill, TargetStep, make_caches
@@ -189,6 +189,7 @@ class TorchRunner(Runner):
 
 class CPUBackend(SharedWeights, Backend):
     name = "cpu"
+    abilities = Abilities(device_kind="cpu", preparation="none", memory_query="host")
     runner_cls = TorchRunner
 
     def __init__(self, threads: int | None = None):
@@ -233,6 +234,7 @@ class CUDABackend(CPUBackend):
     """cuda: bf16 by default; fp32 matrix products in TF32 unless `tf32=False`."""
 
     name = "cuda"
+    abilities = Abilities(device_kind="cuda", preparation="none", device_events=True, memory_query="cuda")
 
     def __init__(self, device_index: int = 0, tf32: bool = True):
         super().__init__()

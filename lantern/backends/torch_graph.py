@@ -64,14 +64,6 @@ def dynamic_length(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def forget_compiled() -> None:
-    """Drop what dynamo compiled in this process, as a new process starts without it: the next compile traces
-    again and reads the compile caches on disk, paying what a later process pays (how `lantern profile calibrate`
-    measures the preparation the prepare ledger keeps)."""
-    import torch._dynamo  # here, not at the top: importing dynamo costs seconds
-    torch._dynamo.reset()
-
-
 def fusable(spec: Optional[StaticSpec], target) -> Optional[str]:
     """Why the engine's step cannot run as one graph on a runner of this shape and target (None: it can)."""
     if target.config.model_type == "t2i":
@@ -158,6 +150,10 @@ class CapturedRunner(TorchRunner, FusedSteps):
 
     def mark_fused_warm(self, decode) -> None:
         self.__dict__.setdefault("_fused_warm", set()).add(decode)
+
+    def add_fused_warmup(self, seconds: float) -> None:
+        self.fused_warmup_seconds += seconds
+        self.warmup_seconds += seconds
 
     def inside(self) -> StepInside:
         """The view the fused step is traced against (one per runner)."""
@@ -336,10 +332,32 @@ class CompiledRunner(CapturedRunner):
         return CUDAGraphReplay(call) if self.mode == "reduce-overhead" else call
 
 
-class CPUGraphBackend(CPUBackend):
+class FusingBackend:
+    """What the graph backends of the torch steps share: the fused step, unless the target keeps the engine's step
+    apart (`fusable`)."""
+
+    @classmethod
+    def fused_step_problem(cls, target) -> Optional[str]:
+        return fusable(None, target)
+
+
+class CompilingBackend(FusingBackend):
+    """What the torch.compile backends share: a compile a new process pays again."""
+
+    @classmethod
+    def forget_prepared(cls) -> None:
+        """Drop what dynamo compiled in this process, as a new process starts without it: the next compile traces
+        again and reads the compile caches on disk, paying what a later process pays (how `lantern profile
+        calibrate` measures the preparation the prepare ledger keeps)."""
+        import torch._dynamo  # here, not at the top: importing dynamo costs seconds
+        torch._dynamo.reset()
+
+
+class CPUGraphBackend(CompilingBackend, CPUBackend):
     """cpu-graph: the CPU steps compiled once per static shape (inductor by default)."""
 
     name = "cpu-graph"
+    abilities = dataclasses.replace(CPUBackend.abilities, preparation="compile", fused_step=True)
 
     def __init__(self, threads: int | None = None, compiler: Union[str, Callable] = "inductor",
                  fused_step: bool = False):
@@ -354,10 +372,11 @@ class CPUGraphBackend(CPUBackend):
         return CompiledRunner(target, drafter, spec, device, compiler=self.compiler, fused=self.fused_step)
 
 
-class CUDAGraphBackend(CUDABackend):
+class CUDAGraphBackend(CompilingBackend, CUDABackend):
     """cuda-graph: inductor with mode="reduce-overhead", i.e. each static step replayed as a CUDA graph."""
 
     name = "cuda-graph"
+    abilities = dataclasses.replace(CUDABackend.abilities, preparation="compile", fused_step=True)
 
     def __init__(self, device_index: int = 0, fused_step: bool = False, tf32: bool = True):
         """fused_step: the engine's whole decode step recorded as one CUDA graph (lantern.engine.fused)."""

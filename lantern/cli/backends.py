@@ -42,7 +42,8 @@ def print_backends(out: dict) -> None:
         return
     for row in out["backends"]:
         if row["available"]:
-            print(f"{row['name']:<12} available    device={row['device']} dtypes={','.join(row['dtypes'])}")
+            print(f"{row['name']:<12} available    device={row['device']} dtypes={','.join(row['dtypes'])} "
+                  f"preparation={row['preparation']}" + (" fused-step" if row["fused_step"] else ""))
         else:
             print(f"{row['name']:<12} unavailable: {row['reason']}")
     print(f"selected ($LANTERN_BACKEND or auto): {out['selected']}")

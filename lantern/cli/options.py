@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Optional
 
-from lantern.backends import resolve_name
+from lantern.backends import backend_class, registered, resolve_name
 from lantern.cli.parsing import UsageError, number
 from lantern.cli.profile import profile_costs
 from lantern.cli.sampling_flags import add_sampling_options, sampling_from_args
@@ -64,9 +64,6 @@ def add_decode_options(p: argparse.ArgumentParser) -> None:
     add_sampling_options(g)
 
 
-FUSING_BACKENDS = ("cpu-graph", "cuda-graph", "hpu")  # backends that take fused_step
-
-
 def add_backend_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("backend")
     g.add_argument("--backend", help="auto | cpu | cuda | ... (default: $LANTERN_BACKEND, else auto)")
@@ -74,21 +71,22 @@ def add_backend_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gaudi-config", help="hpu backend only: a gaudi_config.json (or its folder) whose autocast op "
                                           "lists the steps run under (default: $LANTERN_GAUDI_CONFIG; docs/gaudi.md)")
     g.add_argument("--fused-step", action="store_true",
-                   help=f"graph backends ({', '.join(FUSING_BACKENDS)}): the whole decode step as one graph "
-                        "(docs/backends.md#fused-step)")
+                   help="backends that declare a fused step (`lantern backends` lists them): the whole decode step "
+                        "as one graph (docs/backends.md#fused-step)")
 
 
 def backend_options(args) -> dict:
     """Backend constructor options from the flags: --gaudi-config, which only the hpu backend takes, and
-    --fused-step, which graph backends take."""
+    --fused-step, which the backends that declare a fused step take (Backend.abilities)."""
     options = {}
     if args.gaudi_config or args.fused_step:
         name = resolve_name(args.backend)
         if args.gaudi_config and name != "hpu":
             raise UsageError(f"--gaudi-config is an option of the hpu backend; the backend here is {name!r}")
-        if args.fused_step and name not in FUSING_BACKENDS:
-            raise UsageError(f"--fused-step is an option of the graph backends ({', '.join(FUSING_BACKENDS)}); "
-                             f"the backend here is {name!r}")
+        if args.fused_step and not backend_class(name).abilities.fused_step:
+            fusing = [n for n in sorted(registered()) if backend_class(n).abilities.fused_step]
+            raise UsageError(f"--fused-step is an option of the backends that declare a fused step "
+                             f"({', '.join(fusing)}); the backend here is {name!r}")
         options = {"gaudi_config": args.gaudi_config} if args.gaudi_config else {}
         if args.fused_step:
             options["fused_step"] = True

@@ -77,9 +77,7 @@ class FusedStep:
             report = self._replay()
             if not self.runner.fused_warm(self.decode) and self.calls < WARM_CALLS:
                 self.runner.sync()
-                spent = time.perf_counter() - t0
-                self.runner.fused_warmup_seconds += spent
-                self.runner.warmup_seconds += spent
+                self.runner.add_fused_warmup(time.perf_counter() - t0)
         self.calls += 1
         if self.calls == WARM_CALLS:
             self.runner.mark_fused_warm(self.decode)

@@ -35,7 +35,6 @@ import statistics
 from typing import Callable, Optional, Sequence
 
 from lantern.backends.registry import ENV_VAR, backend_class, get_backend, registered, resolve_name
-from lantern.backends.torch_graph import forget_compiled, fusable
 from lantern.decoding.sampling import SamplingConfig
 from lantern.plan import calibration, acceptance_records as records
 from lantern.plan.calibration import FUSED  # a candidate name's suffix: the backend with fused_step=True
@@ -45,14 +44,11 @@ from lantern.plan.choose import (MIN_SPEEDUP, Choice, allowed_relaxation, choosa
 from lantern.files.user_cache import (cache_root, entry_folder, entry_lock, field_problem, is_number, read_entry,
                                       write_entry)
 
-# The modes auto weighs, per device family (the default backend first). CUDA's fused step (one CUDA graph per
+# A mode is named by what preparing its runners costs, as its backend declares it (Abilities.preparation); a
+# backend declaring a fused step is weighed with it too, as the mode "fused". CUDA's fused step (one CUDA graph per
 # engine) passed the conformance kit and AR's greedy parity on an H100 (results/gpu-nvidia-h100-80gb-hbm3.md): its
 # AR ran 4.7x faster than the per-module CUDA graphs; leaving it out would leave the default far behind plain AR.
-FAMILIES: dict[str, tuple[str, ...]] = {"cpu": ("cpu", "cpu-graph", "cpu-graph" + FUSED, "onnx"),
-                                        "cuda": ("cuda", "cuda-graph", "cuda-graph" + FUSED, "onnx-cuda")}
-MODES: dict[str, str] = {"cpu": "eager", "cuda": "eager", "cpu-graph": "compiled", "cuda-graph": "compiled",
-                         "cpu-graph" + FUSED: "fused", "cuda-graph" + FUSED: "fused", "onnx": "onnx",
-                         "onnx-cuda": "onnx", "hpu": "graphs"}
+MODE_OF_PREPARATION: dict[str, str] = {"none": "eager", "compile": "compiled", "export": "onnx", "capture": "graphs"}
 # Seconds to prepare one runner in a mode never prepared on this machine: a prior used only until the first
 # preparation is measured (inductor compiles of the embedded model's steps take tens of seconds on a CPU; its
 # fused steps 40-130 s cold, as tools/bench_fused_step.py reports them).
@@ -61,7 +57,9 @@ CROSS_PLANS = 2  # plans besides AR calibrated on another mode: the default back
 
 
 def mode_of(candidate: str) -> str:
-    return MODES.get(candidate, candidate)
+    """eager, compiled, onnx, graphs (its backend's declared preparation), or fused (with fused_step=True)."""
+    backend, options = backend_of(candidate)
+    return "fused" if options.get("fused_step") else MODE_OF_PREPARATION[backend_class(backend).abilities.preparation]
 
 
 def backend_of(candidate: str) -> tuple[str, dict]:
@@ -83,6 +81,19 @@ def pinned_backend(name: Optional[str]) -> Optional[str]:
     return None if raw == "auto" else raw
 
 
+def modes_with(default: str) -> list[str]:
+    """The modes auto weighs beside the default backend (first): every registered backend whose runners use the
+    default's kind of device, each also with its fused step where it declares one (as it declares them: no list of
+    names)."""
+    kind = backend_class(default).abilities.device_kind
+    out = []
+    for name in [default, *(n for n in registered() if n != default)]:
+        abilities = backend_class(name).abilities
+        if abilities.device_kind == kind:
+            out += [name, name + FUSED] if abilities.fused_step else [name]
+    return out
+
+
 def candidate_backends(dtype: Optional[str] = None) -> tuple[list[str], list[dict], str]:
     """The modes auto weighs here (the default backend first) for `dtype` (None: the default backend's
     preferred one), the others of the family with why they are left out, and the dtype."""
@@ -90,10 +101,8 @@ def candidate_backends(dtype: Optional[str] = None) -> tuple[list[str], list[dic
     if dtype is None:
         dtype = get_backend(default).capabilities().dtypes[0]
     names, left_out = [], []
-    for name in FAMILIES.get(default, (default,)):
+    for name in modes_with(default):
         backend = backend_of(name)[0]
-        if backend not in registered():
-            continue
         avail = backend_class(backend).availability()
         if not avail.ok:
             left_out.append(mode_row(name, status=f"unavailable: {avail.reason}"))
@@ -247,7 +256,7 @@ def _other_mode(pipe, mode: str, key: dict, ledger: dict, cross: list[Plan], sam
         return None, f"calibration disturbed ({disturbed}), not cached", spent
     if calibrate_all:  # ahead of time: prepare again, as a new process would with the compile / export caches warm
         pipe.release()
-        forget_compiled()  # else this process's own compiled graphs make the preparation read as free
+        pipe.backend.forget_prepared()  # else this process's own compiled graphs make the preparation read as free
         for plan in lacking:
             if not entry["plans"][plan.name].get("lower_bound"):
                 calibration.compile_fused_step(pipe, plan.decode(sampling), width)  # the runner (+ fused step)
@@ -290,7 +299,7 @@ def choose_backend(make_pipe: Callable[..., object], n_images: int, sampling: Sa
     rows, spent = list(left_out), base.calibrated_s
     for name in names[1:]:
         backend, backend_options = backend_of(name)
-        not_fusable = backend_options.get("fused_step") and fusable(None, base_pipe.target)
+        not_fusable = backend_options.get("fused_step") and backend_class(backend).fused_step_problem(base_pipe.target)
         if not_fusable:  # its runners would keep per-module graphs: the compiled mode, weighed already
             rows.append(mode_row(name, status=f"unavailable: {not_fusable}"))
             continue

@@ -31,6 +31,8 @@ from lantern.files.user_cache import usable_root
 MIN_SPEEDUP = 1.25  # a speculative plan must be predicted this much faster than AR: a prediction within 20% of
 # the measured speed-up (what auto is held to; on a 2-core VM whose wide steps have two speeds, misses reach 24%)
 # then still measures at least 1.0x, as 1.25 * (1 - 0.2) = 1. Hardware that times steadily can ask for less.
+LINE_MAX = 160  # characters of the decision's one stderr line (Choice.line)
+PROFILE_SCOPE = "hardware profile "  # a Choice's scope when a hardware profile's backend and calibration decided
 RECORD_IMAGES = 4  # images per plan when an acceptance record must be measured here
 WAITING = ("waits: not yet measured here at this sampling (acceptance or step cost); later requests measure it "
            "with their share of deciding, `lantern profile calibrate` now")
@@ -131,15 +133,29 @@ class Choice:
                 f"{self.relaxed})")
 
     def line(self) -> str:
-        """The decision in one line, for stderr (summary() and --json's "plan" give the whole account)."""
-        if self.baseline is not None:
-            head = (f"auto chose {self.plan.name} on {self.backend} ({self.mode}): predicted "
-                    f"{self.predicted_total_s:.2f} s, {self.speedup_over_fastest_ar:.2f}x the fastest AR")
-        else:
-            head = (f"auto chose {self.plan.name} at {self.width} image(s) per step: predicted {self.predicted_s:.2f} s, "
-                    f"{self.predicted_speedup:.2f}x AR")
+        """The decision in at most LINE_MAX characters, for stderr: the plan, where it runs, its prediction (the
+        one stdout quotes: generation seconds, preparing apart), its speed-up over the fastest AR weighed, what
+        narrowed the modes weighed (a hardware profile) and at most one next action; summary() and --json's "plan"
+        give the whole account."""
+        where = f"{self.backend} ({self.mode})" if self.mode else self.backend
+        prepare = f" + {self.prepare_s:.1f} s preparing" if self.prepare_s >= 0.05 else ""
+        speedup = (f"{self.speedup_over_fastest_ar:.2f}x the fastest AR" if self.baseline is not None
+                   else f"{self.predicted_speedup:.2f}x AR")
+        head = (f"auto chose {self.plan.name} on {where}, {self.width} image(s) per step: predicted "
+                f"{self.predicted_s:.2f} s{prepare}, {speedup}")
         n = sum(r.get("skipped") == WAITING for r in self.candidates)
-        return head + (f"; {n} plan(s) not measured here yet (`lantern profile calibrate`)" if n else "")
+        action = f"; {n} plan(s) not measured here yet: `lantern profile calibrate`" if n else ""
+        for scope in self.narrowed():
+            if len(head + scope + action) <= LINE_MAX:
+                return head + scope + action
+        return head + action if len(head + action) <= LINE_MAX else head[:LINE_MAX]
+
+    def narrowed(self) -> list[str]:
+        """What the line says of a hardware profile's narrowing auto to its backend, longest first ('' last)."""
+        if not self.scope.startswith(PROFILE_SCOPE):
+            return [""]
+        return [f"; {self.scope} narrowed auto to {self.backend}", f"; --profile narrowed auto to {self.backend}",
+                ""]
 
     def waiting(self) -> str:
         """How many plans were not weighed because they are not measured here yet, or ''."""
@@ -295,7 +311,7 @@ def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] =
                   predicted_s=best["predicted_seconds"], predicted_ar_s=ar_s, candidates=rows + skipped,
                   cost_source=source, relaxed=why, min_speedup=min_speedup, calibrated_s=spent,
                   prepared_s=prepared if profile is None else 0.0, disturbed=costs.get("disturbed", ""), pipeline=pipe,
-                  scope="pinned" if profile is None else f"hardware profile {profile.name}")
+                  scope="pinned" if profile is None else f"{PROFILE_SCOPE}{profile.name}")
 
 
 def steps_by_plan(pipe, plans: list[Plan], sampling: SamplingConfig, key: str, progress: bool, wanted: list,

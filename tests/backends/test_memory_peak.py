@@ -1,4 +1,5 @@
 """The true memory peak (lantern.backends.memory): a transient freed inside a step is in every peak reported."""
+import dataclasses
 import json
 
 import psutil
@@ -6,7 +7,8 @@ import torch
 
 from lantern.backends import memory
 from lantern.backends.memory import AllocatorPeak, HostPeak
-from lantern.backends.torch_eager import TorchRunner
+from lantern.backends.hpu import HPUBackend
+from lantern.backends.torch_eager import CPUBackend, CUDABackend, TorchRunner
 
 GIB = 1 << 30
 
@@ -104,6 +106,24 @@ def test_available_memory_per_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (3 * GIB, 80 * GIB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 5 * GIB)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 4 * GIB)
-    assert memory.available_bytes("cuda:0")[0] == 4 * GIB
-    assert 0 < memory.available_bytes("cpu")[0] <= psutil.virtual_memory().total
-    assert memory.available_bytes("hpu:0") is None
+    assert memory.available_bytes(CUDABackend())[0] == 4 * GIB
+    assert 0 < memory.available_bytes(CPUBackend())[0] <= psutil.virtual_memory().total
+    assert memory.available_bytes(HPUBackend()) is None
+
+
+class DeclaredBackend(CPUBackend):
+    """A LABELLED FAKE backend on a device no name list knows; only its declaration says how to read its memory."""
+
+    name = "declared"
+
+    def capabilities(self):
+        return dataclasses.replace(super().capabilities(), device="npu:0")
+
+
+def test_the_memory_query_is_what_the_backend_declares(monkeypatch):
+    """A backend on a device lantern has no name for is checked as its abilities declare, and not at all where they
+    declare nothing, whatever its device string says."""
+    host = DeclaredBackend()
+    assert memory.available_bytes(host)[1] == "psutil.virtual_memory().available"
+    monkeypatch.setattr(DeclaredBackend, "abilities", dataclasses.replace(CPUBackend.abilities, memory_query="none"))
+    assert memory.available_bytes(host) is None

@@ -1,5 +1,6 @@
 """`--method auto` across backends and modes (lantern.plan.backend_choice), against the fastest AR, with one-time
 compile costs counted; and the first-run probe that bounds a cold machine's deciding work (lantern.plan.choose)."""
+import dataclasses
 import json
 import statistics
 from types import SimpleNamespace
@@ -50,6 +51,7 @@ class TwinBackend(CPUBackend):
     pin the planner's costs, not graphs)."""
 
     name = "cpu-twin"
+    abilities = dataclasses.replace(CPUBackend.abilities, preparation="compile", fused_step=True)  # declared so
 
     def __init__(self, threads: int | None = None, fused_step: bool = False):
         super().__init__(threads)
@@ -97,7 +99,7 @@ def two_modes(monkeypatch):
     """This machine runs eager and a compiled mode (the eager backend under another name, so choosing it compiles
     nothing; ONNX left out, whether installed or not)."""
     out = [{"backend": "onnx", "mode": "onnx", "status": "unavailable: left out by the test"}]
-    monkeypatch.setitem(backend_choice.MODES, TwinBackend.name, "compiled")
+    monkeypatch.setitem(registry.BUILTIN, TwinBackend.name, f"{__name__}:TwinBackend")  # its modes: as declared
     monkeypatch.setattr(backend_choice, "candidate_backends",
                         lambda dtype=None: (["cpu", TwinBackend.name], out, dtype or "fp32"))
 
@@ -251,16 +253,15 @@ def test_candidate_modes_start_with_the_default_and_say_why_others_are_out(monke
 
 def test_on_cuda_auto_weighs_the_fused_step_too(monkeypatch):
     """A machine whose default backend is cuda: the fused CUDA-graph step is one of auto's modes, labelled fused."""
-    class Available:
-        @staticmethod
-        def availability():
-            return SimpleNamespace(ok=True, reason="")
+    def available(name):  # the registered class, as if its device were here
+        return type(name, (registry.backend_class(name),), {"availability": classmethod(
+            lambda cls: SimpleNamespace(ok=True, reason=""))})
 
     def backend(name, **options):
         dtypes = ("fp32",) if name.startswith("onnx") else ("bf16", "fp32")
         return SimpleNamespace(capabilities=lambda: SimpleNamespace(dtypes=dtypes))
     monkeypatch.setattr(backend_choice, "resolve_name", lambda name: "cuda")
-    monkeypatch.setattr(backend_choice, "backend_class", lambda name: Available)
+    monkeypatch.setattr(backend_choice, "backend_class", available)
     monkeypatch.setattr(backend_choice, "get_backend", backend)
     names, left_out, dtype = candidate_backends(None)
     assert names == ["cuda", "cuda-graph", "cuda-graph" + FUSED] and dtype == "bf16"
@@ -346,6 +347,7 @@ def test_the_full_calibration_does_more_work_than_the_probe(cache, tiny, monkeyp
 
 def test_another_mode_is_calibrated_when_the_request_pays_or_when_asked(cache, tiny, monkeypatch):
     monkeypatch.setattr(backend_choice, "candidate_backends", lambda dtype=None: (["cpu", "cpu-twin"], [], "fp32"))
+    monkeypatch.setitem(registry.BUILTIN, TwinBackend.name, f"{__name__}:TwinBackend")  # its mode: as declared
     make = make_pipe_factory(tiny)
     twin = make(TwinBackend.name, "fp32")
     eager = make("cpu", "fp32")
@@ -358,7 +360,8 @@ def test_another_mode_is_calibrated_when_the_request_pays_or_when_asked(cache, t
     # asked to (lantern profile calibrate): AR and the two best plans, in full rounds, then weighed; the preparation
     # the ledger keeps is measured after this process's compiled graphs are dropped, as a new process pays it
     forgotten = []
-    monkeypatch.setattr(backend_choice, "forget_compiled", lambda: forgotten.append(dict(twin.prepare_seconds)))
+    monkeypatch.setattr(TwinBackend, "forget_prepared",
+                        classmethod(lambda cls: forgotten.append(dict(twin.prepare_seconds))))
     asked = choose_backend(make, 1, SAMPLING, batch=1, progress=False, calibrate_all=True)
     assert len(forgotten) == 1
     entry = calibration.load_calibration(key)["widths"]["1"]
@@ -399,8 +402,7 @@ def three_modes(monkeypatch):
     """This machine runs eager, compiled and fused (the eager backend under another name, with and without
     fused_step: choosing either compiles nothing; ONNX left out)."""
     out = [{"backend": "onnx", "mode": "onnx", "status": "unavailable: left out by the test"}]
-    monkeypatch.setitem(backend_choice.MODES, TwinBackend.name, "compiled")
-    monkeypatch.setitem(backend_choice.MODES, TwinBackend.name + FUSED, "fused")
+    monkeypatch.setitem(registry.BUILTIN, TwinBackend.name, f"{__name__}:TwinBackend")  # its modes: as declared
     monkeypatch.setattr(backend_choice, "candidate_backends",
                         lambda dtype=None: (["cpu", TwinBackend.name, TwinBackend.name + FUSED], out, dtype or "fp32"))
 

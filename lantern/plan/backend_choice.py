@@ -295,7 +295,6 @@ def choose_backend(make_pipe: Callable[..., object], n_images: int, sampling: Sa
             rows.append(mode_row(name, status=f"unavailable: {not_fusable}"))
             continue
         pipe = make_pipe(backend, dtype, **backend_options)
-        pipe.__dict__["model_key"] = key  # the same models: hashed once
         key_c = calibration.pipe_key(pipe, sampling)  # the fused mode's calibration is its own
         ledgers[name] = load_ledger(key_c)
         entry, status, seconds = _other_mode(pipe, mode_of(name), key_c, ledgers[name], cross, sampling, width,

@@ -67,8 +67,7 @@ class ScriptedEngine:
 def make_worker(monkeypatch):
     monkeypatch.setattr(worker_module, "Engine", ScriptedEngine)
     ScriptedEngine.explode.clear()
-    pipeline = SimpleNamespace(runner=lambda dcfg, width: object(), lock=threading.RLock(),
-                               backend=SimpleNamespace(name="scripted"))
+    pipeline = SimpleNamespace(runner=lambda dcfg, width: object(), backend=SimpleNamespace(name="scripted"))
     made = []
 
     def make(max_engines, steps=3, widths=(2,), hold_s=0.0):
@@ -171,7 +170,7 @@ def test_a_burst_arriving_during_a_step_is_placed_by_its_whole_load(make_worker)
     deadline = time.monotonic() + WAIT_S
     while w._engines[ar][1].busy == 0 and time.monotonic() < deadline:
         time.sleep(0.005)
-    with w.pipeline.lock:  # the worker waits for it at its next step; the burst queues meanwhile
+    with w.quiet_turn(patience_s=0):  # the worker waits for it at its next step; the burst queues meanwhile
         time.sleep(0.05)
         burst = [submit(w, ar, 1, f"burst{i}")[0] for i in range(4)]
     assert [f.result(WAIT_S).width for f in burst] == [16] * 4

@@ -105,12 +105,13 @@ class Pipeline:
         pinned None: a backend named here or in $LANTERN_BACKEND is pinned, and a Backend given is."""
         self.target, self.drafter, self.proximity = target.eval(), drafter, proximity
         self.defaults = defaults or ModelDefaults()
-        self.backend = backend if isinstance(backend, Backend) else get_backend(backend, **backend_options)
         if isinstance(backend, Backend) and backend_options:
             raise ValueError(f"backend options {sorted(backend_options)} are for a backend named here; the "
                              f"{backend.name} backend given is built already")
-        self.pinned = (isinstance(backend, Backend) or pinned_backend(backend) is not None) if pinned is None \
-            else pinned
+        self.backend = backend if isinstance(backend, Backend) else get_backend(backend, **backend_options)
+        if pinned is None:
+            pinned = isinstance(backend, Backend) or pinned_backend(backend) is not None
+        self.pinned = pinned
         self._model_key: Optional[str] = None  # hashed on first use; a sibling shares it
         self._siblings: dict = {}  # (backend, dtype, options) -> the Pipeline of these models there (auto's modes)
         self.dtype = dtype or self.backend.capabilities().dtypes[0]
@@ -354,8 +355,9 @@ class Pipeline:
     def generate(self, conditions, dcfg: DecodeConfig | str, seed: int = 0, progress: bool = False,
                  batch: Optional[int] = None, tokens: Optional[int] = None) -> GenerationResult:
         """conditions: class ids (c2i), or caption embeddings (n, P, C) or prompts (with `text_encoder`) (t2i), or
-        what `conditions()` returned for them (checked once, not again). dcfg: a DecodeConfig, or "auto" (`plan()` with the bundle's sampling; it runs on the pipeline auto chose,
-        another mode's with no backend pinned, and the result's `plan` says which). Images run through the step
+        what `conditions()` returned for them (checked once, not again). dcfg: a DecodeConfig, or "auto" (`plan()`
+        with the bundle's sampling; it runs on the pipeline auto chose, another mode's with no backend pinned, and
+        the result's `plan` says which). Images run through the step
         engine `batch` slots wide (default 16): a slot whose image finishes takes the next image at the next
         step. Image i draws from its own seed `derive_seed(seed, i)` (image 0: `seed` itself), so its tokens
         do not depend on the other images, the width or the order; `generate([c_i], seed=derive_seed(seed, i))`

@@ -40,6 +40,7 @@ from lantern.decoding.sampling import SamplingConfig
 from lantern.plan import calibration, acceptance_records as records
 from lantern.plan.calibration import FUSED  # a candidate name's suffix: the backend with fused_step=True
 from lantern.plan.candidates import AR, Plan, candidate_plans
+from lantern.plan.host import PlanHost
 from lantern.plan.choose import (MIN_SPEEDUP, Choice, allowed_relaxation, choosable, choose, probe_rounds,
                                  steps_by_plan)
 from lantern.files.user_cache import (cache_root, entry_folder, entry_lock, field_problem, is_number, read_entry,
@@ -154,7 +155,7 @@ def prepare_cost(pipe, ledger: dict, plan: Plan, sampling: SamplingConfig, width
     return PRIOR_PREPARE_S.get(mode, PRIOR_PREPARE_S["compiled"]), "prior: never prepared here"
 
 
-def plan_request(pipe, n_images: int, sampling: SamplingConfig, make_pipe: Callable[..., object],
+def plan_request(pipe: PlanHost, n_images: int, sampling: SamplingConfig, make_pipe: Callable[..., PlanHost],
                  batch: Optional[int] = None, allow_relaxed: bool = False,
                  profile: Optional[calibration.ProfileCosts] = None, progress: bool = True,
                  classes: Optional[Sequence[int]] = None, min_speedup: Optional[float] = None, prompts=None) -> Choice:

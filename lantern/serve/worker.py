@@ -430,7 +430,7 @@ class EngineWorker:
             try:
                 job.engine = self._engine(job.key, width)
                 rid = job.engine.submit(job.request)
-                job.runs = (self.described[str(job.key)], self.pipeline.backend.name)  # every ladder's
+                job.runs = (self.described[str(job.key)], self.pipeline.backend.name)  # every ladder is built on it
             except (ValueError, EnginesBusy) as e:
                 self._resolve(job, error=e)
                 continue

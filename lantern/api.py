@@ -8,14 +8,13 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from functools import cached_property
 from typing import Optional, Sequence
 
 import torch
 from tqdm import tqdm
 
 from lantern.backends import Runner, get_backend
-from lantern.backends.base import parse_dtype
+from lantern.backends.base import Backend, parse_dtype
 from lantern.backends.memory import available_bytes
 from lantern.backends.torch_eager import module_bytes
 from lantern.decoding.config import DecodeConfig
@@ -24,6 +23,7 @@ from lantern.decoding.memory import PeakPrediction, predict_peak, refusal, wides
 from lantern.decoding.sampling import SamplingConfig
 from lantern.decoding.stats import GenerationStats
 from lantern.engine import run_batch
+from lantern.engine.host import Conditions
 from lantern.engine.step import acceptance_rule, static_spec
 from lantern.models.checkpoint import model_hash, weights_hash
 from lantern.models.drafter import prefix_pairs
@@ -64,6 +64,23 @@ def check_classes(classes: Sequence[int], num_classes: int) -> list[int]:
 DEFAULT_BATCH = 16  # images per static step unless the caller says otherwise
 
 
+class ImagesBar:
+    """A progress bar on stderr counting a generation's images, shown from the engine's first step on (its
+    run_batch's first update): a request refused before it shows none."""
+
+    def __init__(self, total: int, show: bool):
+        self.total, self.show, self.bar = total, show, None
+
+    def update(self, finished: int) -> None:
+        if self.bar is None:
+            self.bar = tqdm(total=self.total, desc="images", unit="image", disable=not self.show, file=sys.stderr)
+        self.bar.update(finished)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 @dataclass(frozen=True)
 class ModelDefaults:
     """What a bundle says about decoding its model: validated sampling, its validated relaxations per method
@@ -79,14 +96,23 @@ class Pipeline:
     `generate` calls on one Pipeline run one after another (a lock held for the whole call), each with its
     own engine, so their images never mix; a thread waits while another generates."""
 
-    def __init__(self, target, drafter=None, proximity: Optional[torch.Tensor] = None, backend: str | None = None,
-                 dtype: str | None = None, defaults: Optional[ModelDefaults] = None, **backend_options):
-        """dtype None = the backend's preferred one (fp32 on CPU, bf16 on CUDA and HPU). A backend named here or in
-        $LANTERN_BACKEND is `pinned`: auto plans on it alone; else auto weighs every mode of the machine (`plan`)."""
+    def __init__(self, target, drafter=None, proximity: Optional[torch.Tensor] = None,
+                 backend: str | Backend | None = None, dtype: str | None = None,
+                 defaults: Optional[ModelDefaults] = None, pinned: Optional[bool] = None, **backend_options):
+        """backend: a name (None: $LANTERN_BACKEND, else auto), or a Backend built already (a command line that
+        checked it before loading the models). dtype None = the backend's preferred one (fp32 on CPU, bf16 on CUDA
+        and HPU). `pinned`: auto plans on this backend alone; else it weighs every mode of the machine (`plan`).
+        pinned None: a backend named here or in $LANTERN_BACKEND is pinned, and a Backend given is."""
         self.target, self.drafter, self.proximity = target.eval(), drafter, proximity
         self.defaults = defaults or ModelDefaults()
-        self.backend = get_backend(backend, **backend_options)
-        self.pinned = pinned_backend(backend) is not None
+        if isinstance(backend, Backend) and backend_options:
+            raise ValueError(f"backend options {sorted(backend_options)} are for a backend named here; the "
+                             f"{backend.name} backend given is built already")
+        self.backend = backend if isinstance(backend, Backend) else get_backend(backend, **backend_options)
+        if pinned is None:
+            pinned = isinstance(backend, Backend) or pinned_backend(backend) is not None
+        self.pinned = pinned
+        self._model_key: Optional[str] = None  # hashed on first use; a sibling shares it
         self._siblings: dict = {}  # (backend, dtype, options) -> the Pipeline of these models there (auto's modes)
         self.dtype = dtype or self.backend.capabilities().dtypes[0]
         self.backend.check_dtype(self.dtype)
@@ -101,16 +127,16 @@ class Pipeline:
         self.prepare_seconds: dict = {}
         self._rules: dict = {}  # (rule parameters, device) -> Acceptance, its neighbourhood built once
         self.text_encoder = None  # t2i: a lantern.models.text.T5Conditioner, so generate() takes prompts
-        self.lock = threading.RLock()  # held by generate for the whole call (and by release)
+        self.lock = threading.RLock()  # held by generate for the whole call (and by runner, release)
 
     @classmethod
-    def from_bundle(cls, bundle, backend: str | None = None, dtype: str | None = None,
-                    **backend_options) -> "Pipeline":
+    def from_bundle(cls, bundle, backend: str | Backend | None = None, dtype: str | None = None,
+                    pinned: Optional[bool] = None, **backend_options) -> "Pipeline":
         """The bundle's models, with its validated sampling, relaxation settings and acceptance records."""
         defaults = ModelDefaults(SamplingConfig(**bundle.default_sampling), bundle.validations,
                                  bundle.acceptance_records)
         return cls(bundle.target, bundle.drafter, bundle.proximity, backend=backend, dtype=dtype, defaults=defaults,
-                   **backend_options)
+                   pinned=pinned, **backend_options)
 
     def plan(self, n_images: int, sampling: Optional[SamplingConfig] = None, batch: Optional[int] = None,
              allow_relaxed: bool = False, profile=None, progress: bool = True,
@@ -135,19 +161,25 @@ class Pipeline:
         """The Pipeline of these models, defaults and text encoder on another backend: built once, then reused."""
         key = (backend, dtype, tuple(sorted(backend_options.items())))
         if key not in self._siblings:
-            self._siblings[key] = Pipeline(self.target, self.drafter, self.proximity, backend, dtype, self.defaults,
-                                           **backend_options)
-            self._siblings[key].text_encoder = self.text_encoder
+            sibling = Pipeline(self.target, self.drafter, self.proximity, backend, dtype, self.defaults,
+                               **backend_options)
+            sibling.text_encoder, sibling._model_key = self.text_encoder, self.model_key  # the same models
+            self._siblings[key] = sibling
         return self._siblings[key]
 
     @property
     def config(self):
         return self.target.config
 
-    @cached_property
+    @property
     def model_key(self) -> str:
         """The identity that acceptance records and calibrations are keyed by: target (its weights, or a family
-        target's `identity`), drafter and proximity table (hashed once per pipeline)."""
+        target's `identity`), drafter and proximity table (hashed once per pipeline and its siblings)."""
+        if self._model_key is None:
+            self._model_key = self._hash_models()
+        return self._model_key
+
+    def _hash_models(self) -> str:
         identity = getattr(self.target, "identity", None)  # a family target: its folder's digest (family.py)
         if identity is None:
             h = hashlib.sha256(model_hash(self.target, self.drafter).encode())
@@ -164,20 +196,35 @@ class Pipeline:
         pairs this pipeline's drafter reads)."""
         return static_spec(dcfg, self.config, batch, self.dtype, draft_prefix=prefix_pairs(self.drafter, self.config))
 
-    def runner(self, dcfg: DecodeConfig, batch: int) -> Runner:
+    def runner(self, dcfg: DecodeConfig, batch: int, shared: bool = True) -> Runner:
         """The runner for this static shape (`batch` images per step): prepared and warmed up once, then reused;
-        refused before it is prepared where its predicted peak exceeds the memory available (check_fits)."""
-        spec = self.spec(dcfg, batch)
-        if spec not in self._runners:
-            if spec.draft_widths and self.drafter is None:
-                raise ValueError(f"drafting {dcfg.drafting!r} needs a drafter, and this pipeline has none")
-            self.check_fits(dcfg, batch)
-            t0 = time.perf_counter()
-            runner = self.backend.prepare(self.target, self.drafter if spec.draft_widths else None, spec)
-            runner.warmup()
-            self.prepare_seconds[spec] = time.perf_counter() - t0
-            self._runners[spec] = runner
-        return self._runners[spec]
+        refused before it is prepared where its predicted peak exceeds the memory available (check_fits).
+        shared=False: a runner of the caller's own, prepared the same way but not kept, for an engine beside the
+        one on the kept runner (no two engines share a KV cache: a service's second ladder of one shape)."""
+        with self.lock:
+            spec = self.spec(dcfg, batch)
+            if not shared:
+                return self._prepare(dcfg, batch, spec, what=f"a runner of its own at {batch} image(s) per step")
+            if spec not in self._runners:
+                self._runners[spec] = self._prepare(dcfg, batch, spec)
+            return self._runners[spec]
+
+    def _prepare(self, dcfg: DecodeConfig, batch: int, spec, what: str = "this request") -> Runner:
+        """A runner for `spec` prepared and warmed up, its seconds recorded (prepare_seconds), refused first where
+        it cannot fit beside what this process holds."""
+        if spec.draft_widths and self.drafter is None:
+            raise ValueError(f"drafting {dcfg.drafting!r} needs a drafter, and this pipeline has none")
+        self.check_fits(dcfg, batch, what=what, new_runner=True)
+        t0 = time.perf_counter()
+        runner = self.backend.prepare(self.target, self.drafter if spec.draft_widths else None, spec)
+        runner.warmup()
+        self.prepare_seconds[spec] = time.perf_counter() - t0
+        return runner
+
+    def add_prepare_seconds(self, spec, seconds: float) -> None:
+        """Count `seconds` more as preparing the runner of `spec` (a fused step's compile, paid at an engine's
+        first steps)."""
+        self.prepare_seconds[spec] = self.prepare_seconds.get(spec, 0.0) + seconds
 
     def prepared(self, dcfg: DecodeConfig, batch: int) -> bool:
         """Whether the runner for this static shape is already prepared (its compile or export paid; a fused
@@ -186,22 +233,28 @@ class Pipeline:
         fused = runner.fused_steps() if runner is not None else None
         return runner is not None and (fused is None or fused.fused_warm(dcfg))
 
-    def _rule(self, dcfg: DecodeConfig, runner: Runner) -> Acceptance:
+    def rule(self, dcfg: DecodeConfig, runner: Runner) -> Acceptance:
         """The acceptance rule of `dcfg` on the runner's device, built once and reused by every generation."""
         key = (dcfg.acceptance, dcfg.k, dcfg.delta, dcfg.lam, dcfg.form, str(runner.device))
         if key not in self._rules:
             self._rules[key] = acceptance_rule(dcfg, self.proximity, runner.device)
         return self._rules[key]
 
-    def _cond(self, conditions) -> torch.Tensor:
+    def conditions(self, conditions) -> Conditions:
+        """The images' conditions, checked: class ids (c2i), prompt token rows (n, P) (prompt), caption
+        embeddings (n, P, C) or prompts with `text_encoder` (t2i). A Conditions is returned as it is (checked
+        already)."""
+        if isinstance(conditions, Conditions):
+            return conditions
         if self.config.model_type == "c2i":
-            return torch.tensor(check_classes(list(conditions), self.config.num_classes), dtype=torch.long)
+            return Conditions(torch.tensor(check_classes(list(conditions), self.config.num_classes),
+                                           dtype=torch.long))
         if self.config.model_type == "prompt":
             rows = torch.as_tensor(conditions)
             if rows.dim() != 2 or rows.dtype != torch.long or rows.shape[1] != self.config.cls_token_num:
                 raise ValueError(f"prompt conditions must be token rows of shape (n, {self.config.cls_token_num}) "
                                  f"(int64), got {tuple(rows.shape)} {rows.dtype}")
-            return rows
+            return Conditions(rows)
         if isinstance(conditions, (list, tuple)) and conditions and all(isinstance(c, str) for c in conditions):
             if self.text_encoder is None:
                 raise ValueError("prompts need a text encoder: set pipeline.text_encoder = "
@@ -213,7 +266,7 @@ class Pipeline:
         if cond.dim() != 3 or tuple(cond.shape[1:]) != want:
             raise ValueError(f"t2i conditions must be caption embeddings of shape (n, {want[0]}, {want[1]}), "
                              f"got {tuple(cond.shape)}")
-        return cond
+        return Conditions(cond)
 
     def check(self, dcfg: DecodeConfig, batch: Optional[int] = None) -> int:
         """Refuse a configuration this pipeline cannot run, before any work; returns the batch width."""
@@ -301,9 +354,10 @@ class Pipeline:
 
     def generate(self, conditions, dcfg: DecodeConfig | str, seed: int = 0, progress: bool = False,
                  batch: Optional[int] = None, tokens: Optional[int] = None) -> GenerationResult:
-        """conditions: class ids (c2i), or caption embeddings (n, P, C) or prompts (with `text_encoder`) (t2i).
-        dcfg: a DecodeConfig, or "auto" (`plan()` with the bundle's sampling; it runs on the pipeline auto chose,
-        another mode's with no backend pinned, and the result's `plan` says which). Images run through the step
+        """conditions: class ids (c2i), or caption embeddings (n, P, C) or prompts (with `text_encoder`) (t2i), or
+        what `conditions()` returned for them (checked once, not again). dcfg: a DecodeConfig, or "auto" (`plan()`
+        with the bundle's sampling; it runs on the pipeline auto chose, another mode's with no backend pinned, and
+        the result's `plan` says which). Images run through the step
         engine `batch` slots wide (default 16): a slot whose image finishes takes the next image at the next
         step. Image i draws from its own seed `derive_seed(seed, i)` (image 0: `seed` itself), so its tokens
         do not depend on the other images, the width or the order; `generate([c_i], seed=derive_seed(seed, i))`
@@ -311,18 +365,21 @@ class Pipeline:
         tokens: stop each image after its first `tokens` tokens (default: the whole image; fewer to time steps).
         Concurrent calls on one Pipeline are serialised (see the class docstring)."""
         with self.lock:
-            cond = self._cond(conditions)
+            cond = self.conditions(conditions)
+            c2i = self.config.model_type == "c2i"
             if isinstance(dcfg, str):
                 if dcfg != "auto":
                     raise ValueError(f"decode {dcfg!r}: pass a DecodeConfig (method_preset) or 'auto'")
-                classes = cond.tolist() if self.config.model_type == "c2i" else None
-                choice = self.plan(cond.shape[0], batch=batch, progress=progress, classes=classes)
+                choice = self.plan(len(cond), batch=batch, progress=progress,
+                                   classes=cond.rows.tolist() if c2i else None)
                 return replace(choice.pipeline.generate(cond, choice.decode, seed, progress, choice.width, tokens),
                                plan=choice)
-            width, n, c2i = self.check(dcfg, batch), cond.shape[0], self.config.model_type == "c2i"
-            with tqdm(total=n, desc="images", unit="image", disable=not progress or n == 1, file=sys.stderr) as bar:
-                run = run_batch(self, dcfg, min(width, n), cond.tolist() if c2i else cond, seed, tokens, bar.update)
+            bar = ImagesBar(len(cond), show=progress and len(cond) > 1)
+            try:
+                run = run_batch(self, dcfg, batch, cond, seed, tokens, bar.update)
+            finally:
+                bar.close()
             return GenerationResult(tokens=torch.stack([r.tokens for r in run.results]),
-                                    conditions=cond.tolist() if c2i else list(range(n)), stats=run.stats,
+                                    conditions=cond.rows.tolist() if c2i else list(range(len(cond))), stats=run.stats,
                                     backend=self.backend.name, device=self.backend.capabilities().device,
                                     dtype=self.dtype, decode=dcfg, seed=seed, profile=run.profile)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lantern.api import Pipeline, check_classes
+from lantern.api import Pipeline
 from lantern.backends import get_backend
 from lantern.cli.family import cmd_generate_family
 from lantern.cli.options import (add_backend_options, add_decode_options, add_prompt_options, backend_options,
@@ -18,6 +18,7 @@ from lantern.files.atomic_io import check_writable
 from lantern.files.images import check_outputs, save_images
 from lantern.bundle import load_bundle
 from lantern.models.family import is_family_folder
+from lantern.plan.backend_choice import pinned_backend
 
 
 def add_arguments(g) -> None:
@@ -59,24 +60,25 @@ def cmd_generate(args) -> dict:
     check_method_flags(args)
     prompts = check_prompt_args(args) if wants_prompts(args) else None
     apply_profile(args)  # a --profile supplies backend, dtype, threads and the tree tuned for this batch width
-    options = backend_options(args)
-    get_backend(args.backend, **options)  # an unknown or unavailable backend fails before any loading or writing
+    # built once, here: an unknown or unavailable backend fails before any loading or writing
+    backend = get_backend(args.backend, **backend_options(args))
     if not args.no_images:
         check_writable(Path(args.out), "--out", folder=True)
     bundle = load_bundle(args.model)
     if prompts is None and bundle.target.config.model_type == "t2i":
         raise UsageError(f"{args.model} is a text-to-image bundle: give --prompt or --prompts-file (and --t5)")
-    if prompts is None:
-        check_classes(args.classes, bundle.target.config.num_classes)  # before auto measures anything
+    pipe = Pipeline.from_bundle(bundle, backend=backend, dtype=args.dtype,
+                                pinned=pinned_backend(args.backend) is not None)
     each = args.num_images  # images per class id or prompt, one after another
     classes = [c for c in args.classes for _ in range(each)]
-    conditions = classes if prompts is None else encode_prompts(args, bundle, prompts).repeat_interleave(each, 0)
+    # checked once, before auto measures anything; generate takes them checked
+    conditions = pipe.conditions(classes if prompts is None
+                                 else encode_prompts(args, bundle, prompts).repeat_interleave(each, 0))
     seeds = [derive_seed(args.seed, i) for i in range(len(conditions))]  # each image's own seed
     kind = "class" if prompts is None else "prompt"
     labels = classes if prompts is None else [i // each for i in range(len(conditions))]  # its class, its prompt
     if not args.no_images:
         check_outputs(Path(args.out), image_names(kind, labels, seeds), bundle.vq.config.image_size, args.scale)
-    pipe = Pipeline.from_bundle(bundle, backend=args.backend, dtype=args.dtype, **options)
     pipe, dcfg, batch, choice = decode_plan(args, bundle, pipe, len(conditions), None if prompts else classes)
     result = pipe.generate(conditions, dcfg, seed=args.seed, progress=not args.json, batch=batch)
     paths, grid = [], None

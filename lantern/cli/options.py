@@ -144,12 +144,13 @@ def relaxation_account(args, bundle) -> Optional[dict]:
 
 def decode_plan(args, bundle, pipe, n_images: int, classes: Optional[list[int]] = None):
     """(the pipeline to run on, decode config, batch width, auto's choice or None) for this request (classes: its
-    images' class ids in order, when known); auto (Pipeline.plan) may choose another mode's pipeline."""
+    images' class ids in order, when known); auto (Pipeline.plan) may choose another mode's pipeline. A named
+    method's config and --batch are checked by the generation that runs them (its engine), once."""
     if args.method != "auto":
         dcfg, relaxation = named_relaxation(args, bundle)
         for warning in (relaxation or {}).get("warnings", []):
             print(f"lantern: warning: this relaxation bounds nothing: {warning}", file=sys.stderr)
-        return pipe, dcfg, pipe.check(dcfg, args.batch), None
+        return pipe, dcfg, args.batch, None
     profile = profile_costs(args.profile) if getattr(args, "profile", None) else None
     choice = pipe.plan(n_images, sampling_from_args(args, bundle), batch=args.batch,
                        allow_relaxed=args.allow_relaxed, profile=profile, classes=classes,

@@ -18,6 +18,7 @@ from lantern.decoding.stats import GenerationStats
 from lantern.engine.caption_mask import CaptionMaskedRunner, caption_slots_visible, drafter_caption_mask
 from lantern.engine.draws import SlotDraws, check_seed, derive_seed
 from lantern.engine.fused import WARM_CALLS, FusedStep
+from lantern.engine.host import Conditions, Host
 from lantern.engine.host_values import to_device
 from lantern.engine.proposers import make_proposer
 from lantern.engine.slot_sampling import SamplingOverrides, SlotSampling, request_sampling
@@ -61,6 +62,7 @@ class _Ticket:
     request_id: str
     limit: int
     sampling: SamplingConfig
+    condition: torch.Tensor  # (1, ...) the request's condition, checked (Host.conditions)
     submitted_s: float
     started_s: float = 0.0
     cancelled: bool = False
@@ -73,21 +75,26 @@ class Engine:
     width, each width with its own runner). Every request's tokens depend on its condition and seed only, not on
     the slot, the width, the other requests or when it arrived."""
 
-    def __init__(self, pipeline, decode: DecodeConfig, width: int, runner=None):
-        """runner: (optional) a runner prepared for this shape elsewhere (backend parity tests and benchmarks);
-        default: the pipeline's own, prepared once."""
-        self._width = pipeline.check(decode, width)
-        self._decode, self.pipeline = decode, pipeline
-        self.runner = runner if runner is not None else pipeline.runner(decode, self._width)
-        rule = pipeline._rule(decode, self.runner)
-        cfg = pipeline.config
+    def __init__(self, host: Host, decode: DecodeConfig, width: Optional[int], runner=None,
+                 images: Optional[int] = None):
+        """host: the models and what is prepared for them (lantern.engine.host.Host: a Pipeline). width: slots
+        (None: the host's default). runner: (optional) a runner prepared for this shape elsewhere (a service's
+        second engine of a shape, backend parity tests); default: the host's own, prepared once. images:
+        (optional) how many requests it will run in all (run_batch): no more slots than those."""
+        self._width = host.check(decode, width)
+        if images is not None:
+            self._width = min(self._width, images)
+        self._decode, self.host = decode, host
+        self.runner = runner if runner is not None else host.runner(decode, self._width)
+        rule = host.rule(decode, self.runner)
+        cfg = host.config
         self._kind = cfg.model_type  # c2i: class ids; t2i: caption embeddings; prompt: token rows
         self._t2i = self._kind == "t2i"
         cond = neutral_conditions(cfg, self._width)
         # t2i: LlamaGen's caption mask per slot (host copy, updated at refill); steps run on `_run`
         self._visible = torch.ones(self._width, cfg.cls_token_num, dtype=torch.bool) if self._t2i else None
         # prompt targets whose rows carry padding (Chameleon's unconditional row) say which prefix slots are visible
-        self._prefix_visible = getattr(pipeline.target, "prefix_visible", None)
+        self._prefix_visible = getattr(host.target, "prefix_visible", None)
         self._run = self.runner
         draws = SlotDraws(self._width, self.runner.device)
         self.sampling = SlotSampling(decode.sampling, self._width, self.runner.device)
@@ -124,9 +131,12 @@ class Engine:
 
     def submit(self, request: Request) -> str:
         """Queue a request (checked first: condition, seed, tokens, sampling); returns its id."""
-        self._condition(request.condition)
+        return self._enqueue(request, self._condition(request.condition))
+
+    def _enqueue(self, request: Request, condition: torch.Tensor) -> str:
+        """Queue a request whose condition is checked already ((1, ...), Host.conditions); returns its id."""
         check_seed(request.seed)
-        block = self.pipeline.config.block_size
+        block = self.host.config.block_size
         limit = block if request.tokens is None else request.tokens
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= block:
             raise ValueError(f"tokens {request.tokens!r} must be an integer in 1..{block}")
@@ -135,7 +145,7 @@ class Engine:
         if rid in self._known:
             raise ValueError(f"request_id {rid!r} is already queued or running")
         self._known.add(rid)
-        self._queue.append(_Ticket(request, rid, limit, sampling, time.perf_counter()))
+        self._queue.append(_Ticket(request, rid, limit, sampling, condition, time.perf_counter()))
         return rid
 
     def cancel(self, request_id: str) -> bool:
@@ -190,7 +200,7 @@ class Engine:
         step has nothing to do. Call it while the engine is idle."""
         if self._fused is None:
             return
-        cfg = self.pipeline.config
+        cfg = self.host.config
         neutral = neutral_conditions(cfg, 1)[0]
         tokens = min(cfg.block_size, (WARM_CALLS + 1) * (self.proposer.depth + 1) + 1)
         for n in range(WARM_CALLS):  # one request is enough unless its image ends within its first steps
@@ -214,12 +224,12 @@ class Engine:
     # --- inside ---------------------------------------------------------------------------------------
 
     def _condition(self, condition) -> torch.Tensor:
-        """One request's condition, checked -> (1,) class id or (1, P, C) caption."""
+        """One request's condition, checked -> (1,) class id, (1, P) prompt row or (1, P, C) caption."""
         if self._kind == "c2i":
-            return self.pipeline._cond([condition])
+            return self.host.conditions([condition]).rows
         if self._kind == "prompt":
-            return self.pipeline._cond(torch.as_tensor(condition)[None])
-        return self.pipeline._cond(torch.as_tensor(condition, dtype=torch.float32)[None])
+            return self.host.conditions(torch.as_tensor(condition)[None]).rows
+        return self.host.conditions(torch.as_tensor(condition, dtype=torch.float32)[None]).rows
 
     def _refill(self) -> None:
         free = [i for i, t in enumerate(self._held) if t is None]
@@ -241,20 +251,20 @@ class Engine:
         dev, s = self.runner.device, self.slots
         slots = [slot for slot, _ in take]
         idx = to_device(slots, dev)
-        conds = torch.cat([self._condition(t.request.condition) for _, t in take])
+        conds = torch.cat([t.condition for _, t in take])
         s.cond[idx] = to_device(conds, dev, s.cond.dtype)
         if self._t2i:
             self._visible[slots] = caption_slots_visible(conds)  # both on the host
             visible = self._visible.repeat(self.sampling.rows_per_image, 1)
             self._run = self.runner if visible.all() else CaptionMaskedRunner(
-                self.runner, visible, drafter_caption_mask(self.pipeline.drafter))
+                self.runner, visible, drafter_caption_mask(self.host.drafter))
         s.limit[idx] = to_device([t.limit for _, t in take], dev)
         s.busy[idx] = True
         s.draws.admit(idx, to_device([t.request.seed for _, t in take], dev, torch.long))
         self.sampling.admit(idx, [t.sampling for _, t in take])
         fresh = torch.zeros(self._width, dtype=torch.bool, device=dev)
         fresh[idx] = True
-        null = self.pipeline.target.unconditional(s.cond)
+        null = self.host.target.unconditional(s.cond)
         rows = condition_rows(s.cond, self._decode, null)
         if self._prefix_visible is not None:
             visible = self._prefix_visible(rows).cpu()  # (rows, P)
@@ -268,10 +278,10 @@ class Engine:
         w = self.runner.spec.draft_prefix
         if not w:
             return None
-        target = self.pipeline.target
+        target = self.host.target
         visible = (self._prefix_visible(rows)[:, :w] if self._prefix_visible is not None
                    else torch.ones(rows.shape[0], w, dtype=torch.bool, device=rows.device))
-        return PrefixPairs(self.pipeline.drafter.prefix_tokens(target, rows), visible)
+        return PrefixPairs(self.host.drafter.prefix_tokens(target, rows), visible)
 
     def _collect(self, done: list[int]) -> list[RequestResult]:
         """The finished (or cancelled) slots' tokens and records: one transfer; the slots are free after."""
@@ -299,24 +309,31 @@ class BatchRun:
     profile: dict  # the runner's profile record (phases, memory, warm-up)
 
 
-def run_batch(pipeline, decode: DecodeConfig, width: int, conditions, seed: int = 0, tokens: Optional[int] = None,
-              progress=None) -> BatchRun:
+def run_batch(host: Host, decode: DecodeConfig, width: Optional[int], conditions, seed: int = 0,
+              tokens: Optional[int] = None, progress=None) -> BatchRun:
     """An image of each condition (image i from derive_seed(seed, i), its first `tokens` tokens; None: all) on a fresh
-    engine `width` slots wide, refused first where it would not fit: Pipeline.generate's images and auto's timed runs.
-    Wall seconds are the steps'; a fused step's compile at the engine's first steps counts as preparing the runner."""
-    pipeline.check_fits(decode, width)
-    engine = Engine(pipeline, decode, width)
+    engine `width` slots wide (None: the host's default), no wider than the images, refused before its first step
+    where it would not fit: Pipeline.generate's images and auto's timed runs. conditions: a Conditions the host
+    checked, or the caller's (checked here). progress: called with 0 once the engine is built and fits, then with
+    the requests each step finishes. Wall seconds are the steps'; a fused step's compile at the engine's first
+    steps counts as preparing the runner."""
+    checked = conditions if isinstance(conditions, Conditions) else host.conditions(conditions)
+    engine = Engine(host, decode, width, images=len(checked))
+    host.check_fits(decode, engine.width)
+    if progress is not None:
+        progress(0)
     runner = engine.runner
     runner.reset_times()
     runner.reset_peak_memory()
     compiled_before = runner.fused_warmup_seconds
-    ids = [engine.submit(Request(c, derive_seed(seed, i), tokens=tokens)) for i, c in enumerate(conditions)]
+    ids = [engine._enqueue(Request(row, derive_seed(seed, i), tokens=tokens), row[None])
+           for i, row in enumerate(checked.rows)]
     t0 = time.perf_counter()
     finished = {r.request_id: r for r in engine.run(progress)}
     wall = time.perf_counter() - t0
     compiled = runner.fused_warmup_seconds - compiled_before
     if compiled:
-        pipeline.prepare_seconds[runner.spec] = pipeline.prepare_seconds.get(runner.spec, 0.0) + compiled
+        host.add_prepare_seconds(runner.spec, compiled)
     results, profile = [finished[i] for i in ids], runner.profile()
     stats = GenerationStats([image for r in results for image in r.stats.images],
                             engine.steps_run * engine.proposer.drafter_calls, engine.width,

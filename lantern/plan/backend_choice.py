@@ -39,6 +39,7 @@ from lantern.decoding.sampling import SamplingConfig
 from lantern.plan import calibration, acceptance_records as records
 from lantern.plan.calibration import FUSED  # a candidate name's suffix: the backend with fused_step=True
 from lantern.plan.candidates import AR, Plan, candidate_plans
+from lantern.plan.host import PlanHost
 from lantern.plan.choose import (MIN_SPEEDUP, Choice, allowed_relaxation, choosable, choose, probe_rounds,
                                  steps_by_plan)
 from lantern.files.user_cache import (cache_root, entry_folder, entry_lock, field_problem, is_number, read_entry,
@@ -163,7 +164,7 @@ def prepare_cost(pipe, ledger: dict, plan: Plan, sampling: SamplingConfig, width
     return PRIOR_PREPARE_S.get(mode, PRIOR_PREPARE_S["compiled"]), "prior: never prepared here"
 
 
-def plan_request(pipe, n_images: int, sampling: SamplingConfig, make_pipe: Callable[..., object],
+def plan_request(pipe: PlanHost, n_images: int, sampling: SamplingConfig, make_pipe: Callable[..., PlanHost],
                  batch: Optional[int] = None, allow_relaxed: bool = False,
                  profile: Optional[calibration.ProfileCosts] = None, progress: bool = True,
                  classes: Optional[Sequence[int]] = None, min_speedup: Optional[float] = None, prompts=None) -> Choice:
@@ -304,7 +305,6 @@ def choose_backend(make_pipe: Callable[..., object], n_images: int, sampling: Sa
             rows.append(mode_row(name, status=f"unavailable: {not_fusable}"))
             continue
         pipe = make_pipe(backend, dtype, **backend_options)
-        pipe.__dict__["model_key"] = key  # the same models: hashed once
         key_c = calibration.pipe_key(pipe, sampling)  # the fused mode's calibration is its own
         ledgers[name] = load_ledger(key_c)
         entry, status, seconds = _other_mode(pipe, mode_of(name), key_c, ledgers[name], cross, sampling, width,

@@ -25,6 +25,7 @@ from lantern.engine import run_batch
 from lantern.plan import calibration, deciding, acceptance_records as records
 from lantern.plan.candidates import AR, Plan, candidate_plans
 from lantern.plan.cost_model import predict_seconds
+from lantern.plan.host import PlanHost
 from lantern.plan.validated import allowed_relaxations
 from lantern.files.user_cache import usable_root
 
@@ -220,7 +221,8 @@ def check_min_speedup(value) -> None:
                          f"predicted faster than AR; default {MIN_SPEEDUP})")
 
 
-def choose(pipe, n_images: int, sampling: SamplingConfig, batch: Optional[int] = None, allow_relaxed: bool = False,
+def choose(pipe: PlanHost, n_images: int, sampling: SamplingConfig, batch: Optional[int] = None,
+           allow_relaxed: bool = False,
            profile: Optional[calibration.ProfileCosts] = None, progress: bool = True,
            classes: Optional[Sequence[int]] = None, min_speedup: float = MIN_SPEEDUP,
            prompts: Optional[torch.Tensor] = None, measure_all: bool = False) -> Choice:

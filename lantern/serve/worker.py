@@ -5,7 +5,8 @@ Per (method, sampling overrides) requested the worker keeps a ladder of engines,
 `max_engines` ladders (the default one warmed up at every width before the service is ready, another built width by
 width on first use in this thread, replacing an idle ladder); a new image goes to the narrowest width that fits the
 ladder's load, or its highest load within `hold_s`, and never moves (docs/serving.md, "Engines"). Busy engines take
-turns, one step each, under their pipeline's lock (so nothing else uses its runners meanwhile).
+turns, one step each. The engines' runners come from their pipeline (Pipeline.runner, as a generation's do), and
+this thread is the only one that steps them: auto's background planner plans on pipelines of its own.
 
 Work from another thread that must not share the cores with the steps (a background calibration's timed runs)
 takes a turn (`quiet_turn`): it waits until no image is admitted, or TURN_PATIENCE_S under constant load (then it
@@ -274,9 +275,8 @@ class EngineWorker:
                     self._resolve(job, error=ShutDown("the service stopped before this image started"))
 
     def _build_default(self) -> None:
-        with self.pipeline.lock:
-            for width in self.widths:
-                self._engine(self.default, width)
+        for width in self.widths:
+            self._engine(self.default, width)
 
     def _serve(self) -> None:
         while not (self._stopping and not self._jobs):
@@ -358,17 +358,12 @@ class EngineWorker:
 
     def _runner(self, dcfg, width: int):
         """The pipeline's runner for this shape (prepared and warmed up once), unless another engine uses it:
-        then one of the engine's own, so no two engines share a KV cache (engines of other widths have other
-        shapes, so other runners). Either is refused before it is prepared where it cannot fit (MemoryRefused:
-        the request gets 422)."""
+        then one of the engine's own (Pipeline.runner, not shared), so no two engines share a KV cache (engines
+        of other widths have other shapes, so other runners). Either is refused before it is prepared where it
+        cannot fit (MemoryRefused: the request gets 422)."""
         runner = self.pipeline.runner(dcfg, width)
         if any(e.runner is runner for _, _, e in self._all_engines() + self._retiring):
-            self.pipeline.check_fits(dcfg, width, what=f"an engine of its own at {width} image(s) per step",
-                                     new_runner=True)
-            spec = runner.spec
-            runner = self.pipeline.backend.prepare(self.pipeline.target,
-                                                   self.pipeline.drafter if spec.draft_widths else None, spec)
-            runner.warmup()
+            runner = self.pipeline.runner(dcfg, width, shared=False)
         return runner
 
     def _next_command(self, block: bool):
@@ -433,10 +428,9 @@ class EngineWorker:
         for job in live:
             job.width = width
             try:
-                with self.pipeline.lock:
-                    job.engine = self._engine(job.key, width)
-                    rid = job.engine.submit(job.request)
-                job.runs = (self.described[str(job.key)], job.engine.pipeline.backend.name)
+                job.engine = self._engine(job.key, width)
+                rid = job.engine.submit(job.request)
+                job.runs = (self.described[str(job.key)], self.pipeline.backend.name)  # every ladder is built on it
             except (ValueError, EnginesBusy) as e:
                 self._resolve(job, error=e)
                 continue
@@ -455,8 +449,7 @@ class EngineWorker:
 
     def _step(self, key: EngineKey, width: int, engine: Engine) -> None:
         try:
-            with engine.pipeline.lock:
-                report = engine.step()
+            report = engine.step()
         except Exception as e:  # noqa: BLE001  the engine's state is unknown: fail its images, build it anew
             log.error("engine %s (width %d) failed a step: %s\n%s", key, width, e, traceback.format_exc())
             if self._engines.get(key, {}).get(width) is engine:

@@ -657,7 +657,7 @@ def test_auto_serves_ar_at_once_then_switches_to_its_background_choice_between_s
         assert asked == {"n_images": 64, "batch": BATCH, "pinned": False}
         chosen = service.pipe
         assert chosen is not before and worker.pipeline is chosen and chosen.backend.threads == 1
-        assert {e.pipeline for e in worker._engines[worker.default].values()} == {chosen}
+        assert {e.host for e in worker._engines[worker.default].values()} == {chosen}
         assert worker._retiring == [] and worker.switches == 1
         ready = httpx.get(f"{server.url}/ready", timeout=WAIT_S).json()
         assert ready["calibration"] == "done" and ready["methods"]["auto"] == "auto: eagle2"

@@ -67,11 +67,10 @@ class ScriptedEngine:
 def make_worker(monkeypatch):
     monkeypatch.setattr(worker_module, "Engine", ScriptedEngine)
     ScriptedEngine.explode.clear()
-    pipeline = SimpleNamespace(runner=lambda dcfg, width: object(), lock=threading.RLock(),
-                               backend=SimpleNamespace(name="scripted"))
+    pipeline = SimpleNamespace(runner=lambda dcfg, width: object(), backend=SimpleNamespace(name="scripted"))
     made = []
 
-    def make(max_engines, steps=3, widths=(2,), hold_s=0.0):
+    def make(max_engines, steps=3, widths=(2,), hold_s=0.0, pipeline=pipeline):
         w = EngineWorker(pipeline, lambda key: ({"steps": steps}, str(key)), EngineKey("ar"), widths=widths,
                          queue_limit=8, max_engines=max_engines, metrics=ServeMetrics(), hold_s=hold_s)
         w.start()
@@ -101,6 +100,33 @@ def test_a_new_key_replaces_an_idle_engine_and_is_refused_while_all_are_busy(mak
     assert set(w.described) == {"ar", "eagle2", "mc-sjd"} and len(w._engines) == 2
     assert ("lantern:slots", (("engine", "eagle2"), ("width", "2"))) not in samples(w)  # its gauges went with it
     assert w.outstanding == 0
+
+
+class OneShapePipeline:
+    """Keeps one runner for every shape; a runner of a caller's own (shared=False) is a new one each time."""
+
+    backend = SimpleNamespace(name="scripted")
+
+    def __init__(self):
+        self.kept, self.own = object(), []
+
+    def runner(self, dcfg, width, shared=True):
+        if shared:
+            return self.kept
+        self.own.append(object())
+        return self.own[-1]
+
+
+def test_a_second_engine_of_a_shape_gets_a_runner_of_its_own_from_the_pipeline(make_worker):
+    """One way to prepare a runner: an engine of another key on a shape whose kept runner the default engine holds
+    gets a runner of its own from Pipeline.runner (shared=False), as the library's runners come, not prepared by the
+    worker beside it; and the worker steps without the pipeline's lock (this pipeline has none)."""
+    pipe = OneShapePipeline()
+    w = make_worker(max_engines=2, pipeline=pipe)
+    other = EngineKey("ar", (("top_k", 3),))
+    assert submit(w, other, 1, "own")[0].result(WAIT_S).request_id == "own-0"
+    assert w._engines[EngineKey("ar")][2].runner is pipe.kept
+    assert len(pipe.own) == 1 and w._engines[other][2].runner is pipe.own[0]
 
 
 def test_an_engine_that_raises_fails_its_own_images_and_is_built_anew(make_worker):
@@ -171,7 +197,7 @@ def test_a_burst_arriving_during_a_step_is_placed_by_its_whole_load(make_worker)
     deadline = time.monotonic() + WAIT_S
     while w._engines[ar][1].busy == 0 and time.monotonic() < deadline:
         time.sleep(0.005)
-    with w.pipeline.lock:  # the worker waits for it at its next step; the burst queues meanwhile
+    with w.quiet_turn(patience_s=0):  # the worker waits for it at its next step; the burst queues meanwhile
         time.sleep(0.05)
         burst = [submit(w, ar, 1, f"burst{i}")[0] for i in range(4)]
     assert [f.result(WAIT_S).width for f in burst] == [16] * 4

@@ -51,6 +51,18 @@ class CoupledNoise:
         return -torch.log(-torch.log(u))
 
 
+def nearest_candidate(bonus: torch.Tensor, candidates: torch.Tensor, valid: torch.Tensor,
+                      proximity: torch.Tensor) -> torch.Tensor:
+    """bonus (B,) the token drawn after every candidate at its position was rejected, candidates (B, C) those
+    candidates in rank order, valid (B, C) -> (B,) the column of the candidate nearest the bonus in the codebook
+    (earliest in the bonus's proximity list, (V, n) neighbours by distance), 0 (rank 0, the chain's draft) where no
+    valid candidate is among the bonus's n neighbours."""
+    listed = proximity[bonus].long()  # (B, n)
+    at = listed[:, None, :] == candidates[..., None]  # (B, C, n)
+    rank = torch.where(at.any(-1) & valid, at.int().argmax(-1), listed.shape[1])  # (B, C): n where not listed
+    return torch.where(rank.amin(-1) < listed.shape[1], rank.argmin(-1), 0)
+
+
 def spatial_prior(q: Support, fresh: torch.Tensor, decided: torch.Tensor, emitted: torch.Tensor, grid: int,
                   vocab: int) -> Support:
     """q (B, L, K) of the window, whose slot w holds image token emitted + w -> the same, but where `fresh`
@@ -102,7 +114,7 @@ class WindowTree:
         # -1 past the window (a position no node predicts yet)
         successor = torch.full((len(nodes), 2 * window + 2), -1, dtype=torch.long)
         for i, p in enumerate(nodes):
-            for e in range(len(p) + 1, 2 * window + 2):
+            for e in range(len(p), 2 * window + 2):  # at its own depth, the node itself
                 successor[i, e] = node.get(p + (0,) * (e - len(p)), node.get((0,) * e, -1))
         object.__setattr__(self, "compiled", compiled)
         object.__setattr__(self, "draft", torch.tensor([0] + [(len(p) - 1) * k + p[-1] for p in nodes[1:]]))

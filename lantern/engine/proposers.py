@@ -25,7 +25,7 @@ import torch
 from lantern.decoding.acceptance import Acceptance, DraftedTree, StepAcceptance, accept
 from lantern.decoding.config import DecodeConfig
 from lantern.decoding.drafting import DraftRunner, PrefixPairs, draft_dynamic, draft_static, on_rows
-from lantern.decoding.jacobi import CoupledNoise, redraw, spatial_prior
+from lantern.decoding.jacobi import CoupledNoise, nearest_candidate, redraw, spatial_prior
 from lantern.decoding.sampling import GuidedLogits, Support, combine_cfg, draw, target_support
 from lantern.decoding.strategy import StaticTree
 
@@ -174,6 +174,11 @@ class WindowProposal(Proposer):
         self.chain_end = int(layout.successor[0, self.window])  # the chain's last node
         t = layout.compiled
         self.parent_slot = t.node_depth[t.parent_nodes].to(dev)  # (M,) the window slot each parent's children fill
+        # a tree's window goes on from the candidate nearest the bonus (the codebook's proximity lists), if any
+        self.near = rule.proximity if self.commits else None
+        kids_of = torch.full((t.size, t.children_table.shape[1]), -1, dtype=torch.long)
+        kids_of[t.parent_nodes] = t.children_table
+        self.kids_of = kids_of.to(dev)  # (N, C) each node's children in rank order
         self._tree = dict(depth=t.node_depth.to(dev)[None], ancestors=t.mask.to(dev)[None],
                           parents=t.parent_nodes.to(dev)[None], children=t.children_table.to(dev),
                           rank=t.rank.to(dev)[None], chain=t.is_chain)
@@ -214,13 +219,24 @@ class WindowProposal(Proposer):
                            valid=torch.cat([torch.ones_like(self.offered[:, :1]), self.offered[:, self.draft_at]], 1),
                            q=q, max_depth=self.window, **self._tree)
 
+    def _stand_in(self, step: Stepped, last: torch.Tensor) -> torch.Tensor:
+        """(B, 1) the last accepted nodes -> the node whose descendants predict the window: where the bonus was drawn
+        after the last node's candidates were rejected, the candidate nearest it in the codebook (its p after a
+        token much like the bonus), else the last node. Lossless: the choice reads only decided positions."""
+        kids = self.kids_of[last[:, 0]]  # (B, C)
+        at = kids.clamp_min(0)
+        valid = (kids >= 0) & step.tree.valid.gather(1, at)
+        col = nearest_candidate(step.acc.bonus, step.tree.tokens.gather(1, at), valid, self.near)
+        return torch.where(valid.any(-1, keepdim=True), kids.gather(1, col[:, None]), last)
+
     def advance(self, slots, step: Stepped) -> None:
         # window slot w now holds position root + 1 + w; the node predicting it is the one at depth advance + w
         # ahead of the last accepted node, on its rank-0 descendants while they last, then on the window's chain
         b = slots.root.shape[0]
         last = step.acc.path.gather(1, step.acc.accepted.clamp_min(0)[:, None])  # (B, 1)
+        origin = last if self.near is None else self._stand_in(step, last)
         ahead = (step.advance[:, None] + self.slots_ahead - 1).clamp(max=self.successor.shape[1] - 1)  # (B, L)
-        predicted_by = self.successor[last.expand(b, self.window), ahead]  # (B, L); -1: no node predicts it yet
+        predicted_by = self.successor[origin.expand(b, self.window), ahead]  # (B, L); -1: no node predicts it yet
         fresh = predicted_by < 0
         # never predicted: the last p on the window's chain (MC-SJD's "last"), or the spatial prior below
         q = step.p_nodes.index(torch.where(fresh, self.chain_end, predicted_by))

@@ -36,6 +36,15 @@ def flat():
     return Pipeline(target, None, None, backend="cpu"), expected
 
 
+@pytest.fixture(scope="module")
+def flat_near(flat):
+    """The same target with a codebook's proximity lists: a branching window goes on from the candidate nearest
+    the bonus."""
+    pipe, expected = flat
+    codebook = torch.randn(pipe.target.config.vocab_size, 4, generator=torch.Generator().manual_seed(5))
+    return Pipeline(pipe.target, None, build_proximity_table(codebook, 5), backend="cpu"), expected
+
+
 def run_lossless(flat, method, batch, window=2):
     pipe, expected = flat
     dcfg = DecodeConfig(sampling=SAMPLING, window=window, **JACOBI[method])
@@ -59,6 +68,31 @@ def test_jacobi_sampling_reproduces_ar_for_every_image(flat, method, batch, wind
     (draws without replacement from the window's q, on the coupled noise) and commits paths off its chain.
     (B = 1 runs the coupled form only: its window state is the one with more to get wrong.)"""
     assert min(run_lossless(flat, method, batch, window)) > LEVEL
+
+
+@pytest.mark.parametrize("method, batch, window", [("mc-sjd-pac full", 1, 2), ("mc-sjd-pac full", 6000, 3),
+                                                   ("mc-sjd-pac tail", 6000, 2)])
+def test_a_branching_window_going_on_from_the_candidate_nearest_the_bonus_reproduces_ar(flat_near, method, batch,
+                                                                                         window):
+    """With a proximity table, after the candidates of a position are rejected, the window's next q comes from
+    the candidate nearest the bonus (its subtree) instead of the chain's: still AR's distribution."""
+    assert min(run_lossless(flat_near, method, batch, window)) > LEVEL
+
+
+def test_drafts_not_drawn_from_the_stand_in_they_are_tested_against_fail_the_lossless_test(flat_near, monkeypatch):
+    """A broken stand-in: the window's q comes from the candidate nearest the bonus, but its drafts are still
+    the chain's (drawn from the chain's q). The test must notice."""
+    real_advance = proposers.WindowProposal.advance
+
+    def drafts_from_the_chain(self, slots, step):
+        monkeypatch.setattr(self, "_stand_in", lambda step, last: last, raising=False)
+        real_advance(self, slots, step)
+        drafts, offered = self.drafts, self.offered
+        monkeypatch.delattr(self, "_stand_in")
+        real_advance(self, slots, step)
+        self.drafts, self.offered = drafts, offered
+    monkeypatch.setattr(proposers.WindowProposal, "advance", drafts_from_the_chain)
+    assert min(run_lossless(flat_near, "mc-sjd-pac full", 6000, window=3)) < LEVEL
 
 
 def test_testing_against_the_wrong_distribution_fails_the_lossless_test(flat, monkeypatch):

@@ -41,13 +41,21 @@ def micro():
 @pytest.fixture(autouse=True, scope="session")
 def private_cache(tmp_path_factory):
     """Calibrations, acceptance records and ONNX graphs go to a folder of this test session, never the user's. Auto
-    measures whatever it lacks, as it did before deciding had a share (a tiny model's requests are too short to pay
-    for measuring anything): tests/plan/test_deciding.py tests the share itself."""
+    decides on the users' measuring budget (the default share of deciding, whatever the environment running the
+    tests says); a test that needs another budget sets $LANTERN_DECIDING_SHARE itself and says why."""
     mp = pytest.MonkeyPatch()
     mp.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("lantern-cache")))
-    mp.setenv(SHARE_ENV, "inf")
+    mp.delenv(SHARE_ENV, raising=False)
     yield
     mp.undo()
+
+
+@pytest.fixture
+def unlimited_deciding(monkeypatch):
+    """For a test of what auto does with what it measures, not of how much it may measure: the tiny models'
+    requests are too short for the users' share of deciding (lantern.plan.deciding) to pay for any measuring, so
+    the test grants auto an unlimited share, as `lantern profile calibrate` has."""
+    monkeypatch.setenv(SHARE_ENV, "inf")
 
 
 # The modules that take longest, longest first. CI hands whole modules to its two xdist workers (--dist loadscope):

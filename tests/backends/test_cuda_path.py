@@ -260,11 +260,63 @@ def test_onnx_cuda_says_its_step_tensors_cross_to_the_host_where_torch_has_no_cu
     assert runner.profile()["ort"]["io_device"] == "cpu" and set(fake.bound) == {"cpu"}
 
 
-def test_onnx_step_tensors_live_on_the_providers_gpu_where_torch_has_cuda():
-    from lantern.backends.onnx_runtime import io_device
-    assert io_device(("cuda", 1), torch_has_cuda=True) == torch.device("cuda", 1)
-    assert io_device(("cuda", 1), torch_has_cuda=False) == torch.device("cpu")
-    assert io_device(("cpu", 0), torch_has_cuda=True) == torch.device("cpu")
+class BindingSpy:
+    """Real onnxruntime, its sessions' IO bindings wrapped to record the device every step tensor (bind_input,
+    bind_output) and every cache (bind_ortvalue_*) is bound on."""
+
+    def __init__(self, real):
+        self.real, self.bound = real, []
+        spy = self
+
+        class Binding:
+            def __init__(self, binding):
+                self.binding = binding
+
+            def bind_input(self, name, device, *rest):
+                spy.bound.append((name, device))
+                self.binding.bind_input(name, device, *rest)
+
+            def bind_output(self, name, device, *rest):
+                spy.bound.append((name, device))
+                self.binding.bind_output(name, device, *rest)
+
+            def bind_ortvalue_input(self, name, value):
+                spy.bound.append((name, value.device_name().lower()))
+                self.binding.bind_ortvalue_input(name, value)
+
+            def bind_ortvalue_output(self, name, value):
+                spy.bound.append((name, value.device_name().lower()))
+                self.binding.bind_ortvalue_output(name, value)
+
+        class Session(real.InferenceSession):
+            def io_binding(self):
+                return Binding(super().io_binding())
+
+            def run_with_iobinding(self, binding, *rest):
+                super().run_with_iobinding(binding.binding, *rest)
+        self.InferenceSession = Session
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def test_onnx_cuda_binds_every_step_tensor_on_the_providers_gpu(small, monkeypatch, tmp_path):
+    """A real GPU, torch with CUDA and onnxruntime's CUDA provider (skipped where any is missing): the runner's step
+    tensors live on the provider's GPU, and every input, output and cache its steps bind is bound there, none on
+    the host; what it reports (device, the profile's io_device) is where they were bound."""
+    ort = pytest.importorskip("onnxruntime")
+    if not torch.cuda.is_available() or "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("needs a GPU that torch and onnxruntime's CUDA provider both reach")
+    from lantern.backends import onnx_runtime
+    from lantern.backends.base import StaticSpec, run_every_static_step
+    spy = BindingSpy(ort)
+    monkeypatch.setattr(onnx_runtime, "_import_ort", lambda name: (spy, ""))
+    spec = StaticSpec(batch=1, max_len=20, prefix_len=1, verify_widths=(1,))
+    runner = onnx_runtime.ONNXCUDABackend(cache_dir=str(tmp_path)).prepare(small[0], None, spec)
+    run_every_static_step(runner)
+    assert runner.provider == "CUDAExecutionProvider" and runner.device == torch.device("cuda", 0)
+    assert runner.profile()["ort"]["io_device"] == "cuda:0"
+    assert spy.bound and {device for _, device in spy.bound} == {"cuda"}, spy.bound
 
 
 def test_every_tensor_a_step_holds_lives_on_the_runners_device(small):

@@ -68,36 +68,53 @@ def test_host_peak_falls_back_to_the_lifetime_peak_labelled_so(monkeypatch, tmp_
 
 
 class FakeAllocator:
-    """A LABELLED FAKE of torch.cuda / habana_frameworks.torch.hpu's peak statistics: a peak that only a reset
-    lowers, raised by `hold`."""
+    """A LABELLED FAKE of torch.cuda's peak statistics: per device, the bytes in use and a peak that `hold` raises
+    and only a reset of that same device lowers (to what is in use)."""
 
     def __init__(self):
-        self.in_use = self.peak = 0
-        self.devices = []
+        self.in_use: dict = {}
+        self.peak: dict = {}
 
-    def hold(self, nbytes: int) -> None:
-        self.peak = max(self.peak, self.in_use + nbytes)
+    def hold(self, device, nbytes: int) -> None:
+        self.peak[device] = max(self.peak.get(device, 0), self.in_use.get(device, 0) + nbytes)
 
-    def reset_peak_memory_stats(self, *device):
-        self.devices.append(device)
-        self.peak = self.in_use
+    def reset_peak_memory_stats(self, device=None):
+        self.peak[device] = self.in_use.get(device, 0)
 
-    def max_memory_allocated(self, *device):
-        self.devices.append(device)
-        return self.peak
+    def max_memory_allocated(self, device=None):
+        return self.peak.get(device, 0)
 
 
-def test_allocator_peak_is_reset_per_window_on_its_device():
+def test_each_generation_reports_the_allocator_peak_of_its_own_window_on_its_runners_device(tiny, monkeypatch):
+    """A runner that takes itself for CUDA (torch.cuda's timing and peak statistics replaced by LABELLED FAKES)
+    reads its peak from the allocator: a generation whose verify step held 1 GiB for a moment reports it on top of
+    what stays in use, the next generation reports only its own window, and another device's use never counts."""
+    from lantern.api import Pipeline
+    from lantern.decoding.config import method_preset
+    from lantern.decoding.sampling import SamplingConfig
+    from test_cuda_path import FakeCUDATiming
     fake = FakeAllocator()
-    cuda = AllocatorPeak(fake, "torch.cuda", torch.device("cuda", 1))
-    fake.hold(5 * GIB)
-    cuda.reset()
-    fake.hold(GIB)
-    assert cuda.read() == GIB and cuda.source == "torch.cuda.max_memory_allocated"
-    assert fake.devices == [(torch.device("cuda", 1),)] * 2
-    hpu = AllocatorPeak(fake, "habana_frameworks.torch.hpu")  # the bridge's calls take no device
-    hpu.reset()
-    assert hpu.read() == 0 and fake.devices[-2:] == [(), ()]
+    FakeCUDATiming().install(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", fake.reset_peak_memory_stats)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", fake.max_memory_allocated)
+    pipe = Pipeline(tiny[0], backend="cpu")
+    dcfg = method_preset("ar", SamplingConfig())
+    runner = pipe.runner(dcfg, 1)  # prepared under the fakes: its meter is torch.cuda's
+    device, elsewhere = runner.device, torch.device("cuda", 7)
+    fake.in_use[device] = 3 * GIB  # weights and caches, held throughout
+    transient = {"bytes": GIB}
+    original = TorchRunner.verify
+
+    def verify(self, *args):
+        fake.hold(device, transient["bytes"])
+        fake.hold(elsewhere, 8 * GIB)
+        return original(self, *args)
+    monkeypatch.setattr(TorchRunner, "verify", verify)
+    first = pipe.generate([0], dcfg, batch=1, tokens=4).profile["memory"]
+    transient["bytes"] = GIB // 4
+    second = pipe.generate([1], dcfg, batch=1, tokens=4).profile["memory"]
+    assert first["source"] == second["source"] == "torch.cuda.max_memory_allocated"
+    assert (first["peak_bytes"], second["peak_bytes"]) == (4 * GIB, 3 * GIB + GIB // 4)
 
 
 def test_available_memory_per_device(monkeypatch):

@@ -546,6 +546,7 @@ def test_a_results_file_missing_a_field_names_file_case_and_field(tmp_path, caps
     assert code == 2 and "has no result field 'memory'" in err and "Traceback" not in err
 
 
+@pytest.mark.usefixtures("unlimited_deciding")
 def test_a_run_whose_calibration_was_disturbed_keeps_ar(tiny, tmp_path, monkeypatch):
     """A timing that makes MC-SJD look 100x cheaper than AR, with its AR references 50x apart: auto keeps AR, says
     why, and stores nothing."""

@@ -2,6 +2,7 @@
 compile costs counted; and the first-run probe that bounds a cold machine's deciding work (lantern.plan.choose)."""
 import dataclasses
 import json
+import math
 import statistics
 from types import SimpleNamespace
 
@@ -104,6 +105,7 @@ def two_modes(monkeypatch):
                         lambda dtype=None: (["cpu", TwinBackend.name], out, dtype or "fp32"))
 
 
+@pytest.mark.usefixtures("unlimited_deciding")
 def test_compile_cost_decides_between_eager_and_compiled(cache, tiny, two_modes):
     make = make_pipe_factory(tiny)
     eager, compiled = make("cpu", "fp32"), make(TwinBackend.name, "fp32")
@@ -134,6 +136,7 @@ def test_compile_cost_decides_between_eager_and_compiled(cache, tiny, two_modes)
     assert backend_choice.load_ledger(key)["widths"]["1"]["mc-sjd/L4"] < 1.0
 
 
+@pytest.mark.usefixtures("unlimited_deciding")
 def test_a_plan_must_beat_the_fastest_ar_not_its_own_backends(cache, tiny, two_modes):
     make = make_pipe_factory(tiny)
     eager, compiled = make("cpu", "fp32"), make(TwinBackend.name, "fp32")
@@ -179,6 +182,7 @@ def test_anchoring_scales_every_cost_of_an_entry_alike():
     assert backend_choice.anchored({k: v for k, v in entry.items() if k != "ar_to_anchor"}, 0.001)["fixed_s"] == 0.1
 
 
+@pytest.mark.usefixtures("unlimited_deciding")
 def test_an_uncalibrated_mode_is_calibrated_only_when_the_request_pays_for_it(cache, tiny, two_modes):
     make = make_pipe_factory(tiny)
     eager, compiled = make("cpu", "fp32"), make(TwinBackend.name, "fp32")
@@ -191,11 +195,14 @@ def test_an_uncalibrated_mode_is_calibrated_only_when_the_request_pays_for_it(ca
     assert not compiled.prepare_seconds and c.backend == "cpu" and f"not weighed: {TwinBackend.name}" in c.why
 
 
-def test_the_cli_the_service_and_an_unpinned_pipeline_make_one_choice(cache, two_modes, tmp_path, monkeypatch,
-                                                                       capsys):
-    """One meaning of auto: on the same calibrations (the compiled mode's steps a fifth of eager's and its runners
-    cheap to prepare), `lantern generate`, the service's background planner and Pipeline.generate(..., "auto")
-    with no backend pinned all weigh the modes and run MC-SJD L=4 on the compiled mode; a pinned pipeline plans on
+@pytest.mark.usefixtures("unlimited_deciding")  # the tiny bundle's acceptance record: measured, not weighed here
+def test_the_cli_weighs_a_compile_over_its_request_and_the_service_over_its_plan_images(cache, two_modes, tmp_path,
+                                                                                         monkeypatch, capsys):
+    """Two horizons, on the same calibrations (the compiled mode's steps a fifth of eager's, each of its runners
+    COMPILE_S to prepare): `lantern generate` and an unpinned Pipeline.generate(..., "auto") weigh the compile over
+    the images they were asked for, the service over its `plan_images` (4096 by default). One image does not pay
+    for the compile, so the CLI and the pipeline run MC-SJD L=4 eager while the service compiles; a CLI request
+    past the break-even (recomputed from the candidates the CLI reports) compiles too; a pinned pipeline plans on
     its own backend."""
     pytest.importorskip("prometheus_client")  # the serve extra
     from lantern.bundle import load_bundle
@@ -208,23 +215,34 @@ def test_the_cli_the_service_and_an_unpinned_pipeline_make_one_choice(cache, two
     folder = write_tiny_bundle(tmp_path / "tiny")
     bundle = load_bundle(str(folder))
     eager = Pipeline.from_bundle(bundle, backend="cpu")
-    # steps of tenths of a second: preparing the tiny model's runners (milliseconds, then in the ledger) counts little
-    served = eager.defaults.sampling  # what all three plan at
+    served = eager.defaults.sampling  # what all of them plan at
+    compile_s = 100.0
     seed(eager, 1, {**everything(1e5), "ar": 1000.0, "mc-sjd/L4": 500.0}, prepare_s=FREE, sampling=served)
-    seed(eager, 1, {"ar": 200.0, "mc-sjd/L4": 100.0}, prepare_s=FREE, candidate=TwinBackend.name, sampling=served)
-    assert main(["generate", "--model", str(folder), "--classes", "1", "--batch", "1", "--no-images", "--json"]) == 0
-    cli = json.loads(capsys.readouterr().out)
-    service = Service(ServeConfig(model=str(folder), batch=1, plan_images=1, threads=1))  # built, not started
-    served_by, serving = service._plan()
-    unpinned = Pipeline.from_bundle(bundle)
+    seed(eager, 1, {**everything(1e5), "ar": 200.0, "mc-sjd/L4": 100.0},  # every plan: none left to calibrate
+         prepare_s={"ar": compile_s, "mc-sjd/L4": compile_s}, candidate=TwinBackend.name, sampling=served)
+
+    def cli(*classes: int) -> dict:
+        assert main(["generate", "--model", str(folder), "--classes", *map(str, classes), "--batch", "1",
+                     "--no-images", "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+    one = cli(1)
+    rows = {c["plan"]: c for c in one["plan"]["candidates"]}
+    steps_per_image = (rows["mc-sjd/L4"]["predicted_seconds"] / 0.5)  # eager L=4: 0.5 s a step, no fixed cost
+    break_even = compile_s / (steps_per_image * (0.5 - 0.1))  # images whose saved steps pay for the compile
+    assert 1 < break_even < ServeConfig().plan_images, break_even
+    unpinned = Pipeline.from_bundle(bundle)  # before the service prepares (compiles) the compiled mode's runners
     result = unpinned.generate([1], "auto", batch=1)
-    assert (cli["plan"]["plan"], cli["backend"], cli["plan"]["mode"]) == ("mc-sjd/L4", TwinBackend.name, "compiled")
+    service = Service(ServeConfig(model=str(folder), batch=1, threads=1))  # built, not started; its own horizon
+    served_by, serving = service._plan()
+    assert (one["plan"]["plan"], one["backend"], one["plan"]["mode"]) == ("mc-sjd/L4", "cpu", "eager")
+    assert (result.plan.plan.name, result.backend, result.plan.mode) == ("mc-sjd/L4", "cpu", "eager")
+    assert not unpinned.pinned and result.decode == result.plan.decode
     assert (serving.name, served_by.backend.name) == ("mc-sjd/L4", TwinBackend.name)
     assert serving.why.startswith(f"mc-sjd/L4 on {TwinBackend.name} (compiled)")
-    assert (result.backend, result.decode.drafting, result.decode.window) == (TwinBackend.name, "jacobi", 4)
-    assert (result.plan.plan.name, result.plan.mode) == ("mc-sjd/L4", "compiled")
-    assert not unpinned.pinned and unpinned.backend.name == "cpu" and result.decode == result.plan.decode
-    assert result.plan.pipeline is unpinned.sibling(TwinBackend.name, "fp32")
+    assert f"weighed over {ServeConfig().plan_images} images" in serving.why
+    many = cli(*[c % 4 for c in range(math.ceil(break_even) + 1)])  # past the break-even: the CLI compiles too
+    assert (many["plan"]["plan"], many["backend"], many["plan"]["mode"]) == ("mc-sjd/L4", TwinBackend.name,
+                                                                             "compiled")
     pinned = eager.plan(1, batch=1, progress=False)
     assert pinned.pipeline is eager and pinned.backend == "cpu" and pinned.plan.name == "mc-sjd/L4"
     assert pinned.why == "mc-sjd/L4 on cpu (pinned)" and "backend" not in pinned.to_dict()  # as before

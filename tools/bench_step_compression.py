@@ -5,12 +5,16 @@ image per step and all of them in one batch. A count, not a timing: it holds on 
 (the wall-clock side is tools/bench_scale.py, on a quiet machine). Writes results/step-compression.{json,md}.
 
     python tools/bench_step_compression.py [--images 20] [--sampling bundle llamagen-c2i] [--batch 1 20]
-        [--rows sjd:window=16 mc-sjd:window=16 mc-sjd-pac:branching=2:branch_depth=1 ...]
+        [--rows sjd:window=16 mc-sjd:window=16 mc-sjd-pac:branching=2:branch_depth=1 ...] [--resume]
+
+Each finished row is kept in <out>.partial.json; `--resume` takes the rows it holds for the same settings and
+commit instead of counting them again.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 from pathlib import Path
 
 import torch
@@ -18,7 +22,9 @@ from tqdm import tqdm
 
 from lantern.api import Pipeline
 from lantern.bundle import load_bundle
+from lantern.backends.environment import provenance
 from lantern.decoding import method_preset
+from lantern.files import atomic_io
 from results_io import utc_now, write_results
 from samplings import NAMES as SAMPLING_NAMES, describe, sampling_settings
 
@@ -58,6 +64,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--out", default=str(ROOT / "results" / "step-compression"))
+    ap.add_argument("--resume", action="store_true", help="keep the rows <out>.partial.json holds for these settings")
     args = ap.parse_args()
     rows = [(text, *parse_row(text)) for text in args.rows]  # refused before any work
     if args.threads:
@@ -67,17 +74,29 @@ def main() -> None:
     n_classes = bundle.target.config.num_classes
     classes = [i % n_classes for i in range(args.images)]
     settings = sampling_settings(bundle.default_sampling, args.sampling)
+    partial = Path(args.out).with_suffix(".partial.json")
+    key = {"commit": provenance()["commit"], "images": args.images, "seed": args.seed}
+    done = {}
+    if args.resume and partial.exists():
+        kept = json.loads(partial.read_text())
+        if kept.get("key") == key:
+            done = {(r["sampling"], r["batch"], r["row"]): r for r in kept["rows"]}
     results = []
     jobs = [(s, b, r) for s in settings for b in args.batch for r in rows]
     for name, batch, (text, method, overrides) in tqdm(jobs, desc="rows"):
-        dcfg = method_preset(method, settings[name], **overrides)
-        counted = measure(pipe, dcfg, classes, batch, args.seed)
-        results.append({"sampling": name, "batch": batch, "row": text, "method": method, "settings": overrides,
-                        "verify_width": dcfg.verify_width,
-                        "step_compression": counted["tokens"] / counted["target_forwards"], **counted})
+        if (name, batch, text) not in done:
+            dcfg = method_preset(method, settings[name], **overrides)
+            counted = measure(pipe, dcfg, classes, batch, args.seed)
+            done[name, batch, text] = {"sampling": name, "batch": batch, "row": text, "method": method,
+                                       "settings": overrides, "verify_width": dcfg.verify_width,
+                                       "step_compression": counted["tokens"] / counted["target_forwards"],
+                                       **counted}
+            atomic_io.write_text(partial, json.dumps({"key": key, "rows": list(done.values())}))
+        results.append(done[name, batch, text])
     record = {"date": utc_now(), "images": args.images, "seed": args.seed,
               "samplings": {n: describe(s) for n, s in settings.items()}, "rows": results}
     write_results(args.out, record, markdown)
+    partial.unlink(missing_ok=True)
 
 
 def markdown(rec: dict) -> str:

@@ -32,6 +32,9 @@ from lantern.files.user_cache import usable_root
 MIN_SPEEDUP = 1.25  # a speculative plan must be predicted this much faster than AR: a prediction within 20% of
 # the measured speed-up (what auto is held to; on a 2-core VM whose wide steps have two speeds, misses reach 24%)
 # then still measures at least 1.0x, as 1.25 * (1 - 0.2) = 1. Hardware that times steadily can ask for less.
+SERVICE_HORIZON = 4096  # the images a service weighs auto's one-time costs (calibration, compiles) over: its life,
+# not one request (under an hour of full load of the embedded model on 2 CPU cores); a command and Pipeline.plan
+# weigh them over the request's own images
 LINE_MAX = 160  # characters of the decision's one stderr line (Choice.line)
 PROFILE_SCOPE = "hardware profile "  # a Choice's scope when a hardware profile's backend and calibration decided
 RECORD_IMAGES = 4  # images per plan when an acceptance record must be measured here

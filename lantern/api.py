@@ -85,10 +85,11 @@ class ImagesBar:
 @dataclass(frozen=True)
 class ModelDefaults:
     """What a bundle says about decoding its model: validated sampling, its validated relaxations per method
-    (Bundle.validations), and its acceptance records by dtype (`--method auto`)."""
+    (Bundle.validations; None: no bundle's record, relaxed configs run as given), and its acceptance records by
+    dtype (`--method auto`)."""
 
     sampling: Optional[SamplingConfig] = None
-    relaxation: dict = field(default_factory=dict)
+    relaxation: Optional[dict] = None
     acceptance_records: dict = field(default_factory=dict)
 
 
@@ -365,8 +366,8 @@ class Pipeline:
         do not depend on the other images, the width or the order; `generate([c_i], seed=derive_seed(seed, i))`
         reproduces it alone (same backend and dtype). With `progress`, a bar on stderr counts images.
         tokens: stop each image after its first `tokens` tokens (default: the whole image; fewer to time steps).
-        A relaxed dcfg runs relaxed only where the bundle validated it at its sampling, or with `allow_relaxed`;
-        else lossless (lantern.plan.validated.guarded): the result's `decode` is what ran.
+        On a bundle's pipeline (from_bundle), a relaxed dcfg runs relaxed only where the bundle validated it at its
+        sampling, or with `allow_relaxed`; else lossless (lantern.plan.validated.guarded). `decode`: what ran.
         Concurrent calls on one Pipeline are serialised (see the class docstring)."""
         with self.lock:
             cond = self.conditions(conditions)

@@ -72,7 +72,7 @@ def setting(models, bundle, shape: str, dtype: str, n: int, modes: list[str], me
     jobs = [(mode, m) for mode, names in plan.items() for m in names]
     for i, seed in enumerate(seeds):
         for mode, m in jobs[i % len(jobs):] + jobs[:i % len(jobs)]:  # a rotating order
-            result = pipes[mode].generate(classes, configs[m], seed=seed, batch=n, tokens=tokens, allow_relaxed=True)
+            result = pipes[mode].generate(classes, configs[m], seed=seed, batch=n, tokens=tokens)
             s = result.stats.summary()
             runs.setdefault((mode, m), []).append({
                 "wall_seconds": s["wall_seconds"], "step_compression": s["step_compression"],

@@ -73,7 +73,7 @@ def run(pipe, bundle, dcfg, per_class: int, seed: int, batch: int):
     stats = []
 
     def generate(class_ids, s):
-        res = pipe.generate(class_ids.tolist(), dcfg, seed=s, batch=batch, allow_relaxed=True)
+        res = pipe.generate(class_ids.tolist(), dcfg, seed=s, batch=batch)
         stats.append(res.stats)
         return res.tokens
 

@@ -77,7 +77,7 @@ def cmd_generate_family(args) -> dict:
     for i, r in enumerate(rows):  # each prompt's memory is predicted before its first runner (Pipeline.runner)
         info.check_prompt_tokens(r.shape[1], f"prompt {i + 1} ({prompts[i][:40]!r}, {r.shape[1]} tokens)")
     auto = args.method == "auto"
-    dcfg = None if auto else named_decode(args, family)
+    dcfg = None if auto else named_decode(args, family)  # its pipelines carry no bundle's record: run as named
     table = getattr(family, "proximity_table", None)  # Chameleon: from its VQGAN's codebook
     proximity = None
     if dcfg is not None and dcfg.acceptance != "exact":
@@ -100,9 +100,7 @@ def cmd_generate_family(args) -> dict:
     tokens, stats, result = [], GenerationStats(), None
     for r in rows:
         pipe = pipeline(r.shape[1])
-        # nothing is validated for a family's models, so naming a relaxed method allows it (--allow-relaxed is auto's)
-        result = pipe.generate(r, dcfg, seed=args.seed, progress=not args.json, batch=pipe.check(dcfg, batch),
-                               allow_relaxed=not auto)
+        result = pipe.generate(r, dcfg, seed=args.seed, progress=not args.json, batch=pipe.check(dcfg, batch))
         tokens.append(result.tokens)
         stats.merge(result.stats)
     tokens = torch.cat(tokens)
@@ -115,7 +113,7 @@ def cmd_generate_family(args) -> dict:
     return {
         "backend": result.backend, "device": result.device, "dtype": result.dtype, "mode": args.method,
         "family": family.family, "prompts": prompts, "prompt_tokens": [r.shape[1] for r in rows],
-        "decode": result.decode.to_dict(), "seed": args.seed, "image_paths": paths, "grid_path": grid,
+        "decode": dcfg.to_dict(), "seed": args.seed, "image_paths": paths, "grid_path": grid,
         "tokens": tokens.tolist(), "batch": s["batch"], "num_tokens": s["tokens"],
         "target_forwards": s["target_forwards"], "step_compression": s["step_compression"],
         "mean_accepted_length": s["mean_accepted_length"], "phase_seconds": s["phase_seconds"],

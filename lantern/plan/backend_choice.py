@@ -285,7 +285,7 @@ def choose_backend(make_pipe: Callable[..., object], n_images: int, sampling: Sa
                                 measure_all=calibrate_all, **common)}
     base, key = choices[names[0]], base_pipe.model_key
     width = base.width
-    allowed, _ = allowed_relaxation(allow_relaxed, base_pipe.defaults.relaxation, sampling,
+    allowed, _ = allowed_relaxation(allow_relaxed, base_pipe.defaults.relaxation or {}, sampling,
                                     base_pipe.config.vocab_size)
     by_name = {p.name: p for p in candidate_plans(base_pipe.drafter is not None, base_pipe.proximity is not None,
                                                   allowed)}

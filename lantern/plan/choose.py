@@ -251,7 +251,7 @@ def choose(pipe: PlanHost, n_images: int, sampling: SamplingConfig, batch: Optio
     # only where they fit (lantern.decoding.memory)
     pipe.check_fits(AR.decode(sampling), width, what=f"--method auto at {width} image(s) per step (AR, its "
                                                      f"smallest plan)")
-    allowed, why = allowed_relaxation(allow_relaxed, pipe.defaults.relaxation, sampling, pipe.config.vocab_size)
+    allowed, why = allowed_relaxation(allow_relaxed, pipe.defaults.relaxation or {}, sampling, pipe.config.vocab_size)
     plans, skipped = runnable(pipe, candidate_plans(pipe.drafter is not None, pipe.proximity is not None, allowed),
                               sampling, width)
     key = pipe.model_key

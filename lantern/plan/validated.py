@@ -179,15 +179,17 @@ def relaxed_method(dcfg: DecodeConfig) -> Optional[str]:
     return "mc-sjd-relaxed" if dcfg.jacobi else "lantern" if dcfg.drafting == "dynamic" else "lantern++"
 
 
-def guarded(dcfg: DecodeConfig, validations: dict, vocab: int,
+def guarded(dcfg: DecodeConfig, validations: Optional[dict], vocab: int,
             allow_relaxed: bool) -> tuple[DecodeConfig, Optional[dict]]:
     """The decode config that runs for `dcfg` (Pipeline.generate applies it; the command line and the service ask
     it) and, for a relaxed one, what relaxation applied and why (None for the others). A relaxed config at its
     method's preset settings takes relaxation_for's: the bundle's validated at its sampling, else (allow_relaxed)
     the bundle's or the preset's within k_limit, else exact acceptance (lossless). Settings other than the
-    preset's run as given with allow_relaxed (a warning where they bound nothing), else as the preset's do."""
+    preset's run as given with allow_relaxed (a warning where they bound nothing), else as the preset's do.
+    validations None: models without a bundle's record (a bare Pipeline, a model family's folder), which claims
+    nothing to hold them to: `dcfg` runs as given."""
     method = relaxed_method(dcfg)
-    if method is None:
+    if method is None or validations is None:
         return dcfg, None
     relaxation = relaxation_for(method, validations, dcfg.sampling, vocab, allow_relaxed)
     preset = {k: getattr(method_preset(method, dcfg.sampling), k) for k in RELAXATION_FIELDS}

@@ -90,12 +90,12 @@ def side_by_side(pipe, dcfgs: dict, conditions: list, seed: int, warmup: int, re
     batch = len(conditions)
     for dcfg in dcfgs.values():
         for _ in range(warmup):
-            pipe.generate(conditions, dcfg, seed=seed, batch=batch, allow_relaxed=True)
+            pipe.generate(conditions, dcfg, seed=seed, batch=batch)
     names = list(dcfgs)
     results = {name: [] for name in names}
     for r in range(repeats):
         for name in (names if r % 2 == 0 else names[::-1]):
-            results[name].append(pipe.generate(conditions, dcfgs[name], seed=seed + r, batch=batch, allow_relaxed=True))
+            results[name].append(pipe.generate(conditions, dcfgs[name], seed=seed + r, batch=batch))
     return {name: _summary(dcfgs[name], results[name], batch) for name in names}
 
 
@@ -180,7 +180,7 @@ def acceptance_probe(pipe, dcfg: DecodeConfig, paths: Paths, classes, seed: int)
     t0 = time.perf_counter()
     ranks, taus, walls, steps = [], [], [], 0
     for c in classes:
-        res = pipe.generate([c], dcfg, seed=seed, allow_relaxed=True)
+        res = pipe.generate([c], dcfg, seed=seed)
         ranks.append(res.stats.accepted_ranks)
         taus.append(res.stats.mean_accepted_length)
         walls.append(res.stats.wall_seconds)

@@ -30,6 +30,7 @@ from lantern.models.drafter import prefix_pairs
 from lantern.models.text import check_encoder_fits
 from lantern.plan.backend_choice import pinned_backend, plan_request
 from lantern.plan.choose import Choice
+from lantern.plan.validated import guarded
 
 
 @dataclass
@@ -84,10 +85,11 @@ class ImagesBar:
 @dataclass(frozen=True)
 class ModelDefaults:
     """What a bundle says about decoding its model: validated sampling, its validated relaxations per method
-    (Bundle.validations), and its acceptance records by dtype (`--method auto`)."""
+    (Bundle.validations; None: no bundle's record, relaxed configs run as given), and its acceptance records by
+    dtype (`--method auto`)."""
 
     sampling: Optional[SamplingConfig] = None
-    relaxation: dict = field(default_factory=dict)
+    relaxation: Optional[dict] = None
     acceptance_records: dict = field(default_factory=dict)
 
 
@@ -353,7 +355,8 @@ class Pipeline:
             self._runners = {spec: r for spec, r in self._runners.items() if spec == kept}
 
     def generate(self, conditions, dcfg: DecodeConfig | str, seed: int = 0, progress: bool = False,
-                 batch: Optional[int] = None, tokens: Optional[int] = None) -> GenerationResult:
+                 batch: Optional[int] = None, tokens: Optional[int] = None,
+                 allow_relaxed: bool = False) -> GenerationResult:
         """conditions: class ids (c2i), or caption embeddings (n, P, C) or prompts (with `text_encoder`) (t2i), or
         what `conditions()` returned for them (checked once, not again). dcfg: a DecodeConfig, or "auto" (`plan()`
         with the bundle's sampling; it runs on the pipeline auto chose, another mode's with no backend pinned, and
@@ -363,6 +366,8 @@ class Pipeline:
         do not depend on the other images, the width or the order; `generate([c_i], seed=derive_seed(seed, i))`
         reproduces it alone (same backend and dtype). With `progress`, a bar on stderr counts images.
         tokens: stop each image after its first `tokens` tokens (default: the whole image; fewer to time steps).
+        On a bundle's pipeline (from_bundle), a relaxed dcfg runs relaxed only where the bundle validated it at its
+        sampling, or with `allow_relaxed`; else lossless (lantern.plan.validated.guarded). `decode`: what ran.
         Concurrent calls on one Pipeline are serialised (see the class docstring)."""
         with self.lock:
             cond = self.conditions(conditions)
@@ -371,9 +376,10 @@ class Pipeline:
                 if dcfg != "auto":
                     raise ValueError(f"decode {dcfg!r}: pass a DecodeConfig (method_preset) or 'auto'")
                 choice = self.plan(len(cond), batch=batch, progress=progress,
-                                   classes=cond.rows.tolist() if c2i else None)
-                return replace(choice.pipeline.generate(cond, choice.decode, seed, progress, choice.width, tokens),
-                               plan=choice)
+                                   classes=cond.rows.tolist() if c2i else None, allow_relaxed=allow_relaxed)
+                return replace(choice.pipeline.generate(cond, choice.decode, seed, progress, choice.width, tokens,
+                                                        allow_relaxed), plan=choice)
+            dcfg = guarded(dcfg, self.defaults.relaxation, self.config.vocab_size, allow_relaxed)[0]
             bar = ImagesBar(len(cond), show=progress and len(cond) > 1)
             try:
                 run = run_batch(self, dcfg, batch, cond, seed, tokens, bar.update)

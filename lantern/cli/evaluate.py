@@ -8,7 +8,7 @@ from tqdm import tqdm
 from lantern.api import Pipeline, check_classes
 from lantern.backends import get_backend
 from lantern.cli.options import (add_backend_options, add_decode_options, backend_options, check_method_flags,
-                                 decode_plan, relaxation_account)
+                                 decode_plan, relaxation_account, relaxation_allowed)
 from lantern.cli.parsing import UsageError, number
 from lantern.embedded.evaluate import EVAL_CHUNK, evaluate
 from lantern.engine.seeds import SEED_RANGE
@@ -53,7 +53,8 @@ def cmd_eval(args) -> dict:
     bar = tqdm(total=n_classes * args.n_per_class, desc="eval", unit="image", file=sys.stderr)
 
     def generate_fn(class_ids, seed):
-        result = pipe.generate(class_ids.tolist(), dcfg, seed=seed, batch=batch)
+        result = pipe.generate(class_ids.tolist(), dcfg, seed=seed, batch=batch,
+                               allow_relaxed=relaxation_allowed(args))
         stats.append(result.stats.summary())
         bar.update(len(class_ids))
         return result.tokens

@@ -9,7 +9,7 @@ import torch
 
 from lantern.api import Pipeline
 from lantern.backends import get_backend
-from lantern.cli.options import backend_options, check_method_flags, decode_config_from_args, sampling_from_args
+from lantern.cli.options import backend_options, check_method_flags, named_decode, sampling_from_args
 from lantern.cli.parsing import UsageError
 from lantern.decoding.stats import GenerationStats
 from lantern.files.atomic_io import check_writable
@@ -77,7 +77,7 @@ def cmd_generate_family(args) -> dict:
     for i, r in enumerate(rows):  # each prompt's memory is predicted before its first runner (Pipeline.runner)
         info.check_prompt_tokens(r.shape[1], f"prompt {i + 1} ({prompts[i][:40]!r}, {r.shape[1]} tokens)")
     auto = args.method == "auto"
-    dcfg = None if auto else decode_config_from_args(args, family)
+    dcfg = None if auto else named_decode(args, family)  # its pipelines carry no bundle's record: run as named
     table = getattr(family, "proximity_table", None)  # Chameleon: from its VQGAN's codebook
     proximity = None
     if dcfg is not None and dcfg.acceptance != "exact":

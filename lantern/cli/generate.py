@@ -9,7 +9,7 @@ from lantern.backends import get_backend
 from lantern.cli.family import cmd_generate_family
 from lantern.cli.options import (add_backend_options, add_decode_options, add_prompt_options, backend_options,
                                  check_method_flags, check_prompt_args, decode_plan, encode_prompts,
-                                 relaxation_account, wants_prompts)
+                                 relaxation_account, relaxation_allowed, wants_prompts)
 from lantern.cli.parsing import UsageError, number
 from lantern.cli.profile import apply_profile
 from lantern.engine import derive_seed
@@ -80,7 +80,8 @@ def cmd_generate(args) -> dict:
     if not args.no_images:
         check_outputs(Path(args.out), image_names(kind, labels, seeds), bundle.vq.config.image_size, args.scale)
     pipe, dcfg, batch, choice = decode_plan(args, bundle, pipe, len(conditions), None if prompts else classes)
-    result = pipe.generate(conditions, dcfg, seed=args.seed, progress=not args.json, batch=batch)
+    result = pipe.generate(conditions, dcfg, seed=args.seed, progress=not args.json, batch=batch,
+                           allow_relaxed=relaxation_allowed(args))
     paths, grid = [], None
     if not args.no_images:
         images = bundle.decode_images(result.tokens)

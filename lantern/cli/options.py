@@ -11,11 +11,11 @@ from lantern.cli.parsing import UsageError, number
 from lantern.cli.profile import profile_costs
 from lantern.cli.sampling_flags import add_sampling_options, sampling_from_args
 from lantern.decoding.acceptance import FORMS, KINDS
-from lantern.decoding.config import COUPLINGS, INITIAL_DRAFTS, METHODS, method_preset
+from lantern.decoding.config import COUPLINGS, INITIAL_DRAFTS, METHODS, DecodeConfig, method_preset
 from lantern.models.text import T5Conditioner, check_encoder_fits, read_prompts, require_transformers, t5_folder
 from lantern.plan.candidates import RELAXED_METHODS
 from lantern.plan.choose import MIN_SPEEDUP
-from lantern.plan.validated import allowed_relaxations, named_config
+from lantern.plan.validated import RELAXATION_FIELDS, allowed_relaxations, guarded
 
 
 def add_decode_options(p: argparse.ArgumentParser) -> None:
@@ -113,23 +113,24 @@ def check_method_flags(args) -> None:
                          f"whatever its speed-up")
 
 
-def decode_config_from_args(args, model):
-    """The decode config of a named method (model: a bundle, or a model family's folder, which validates no
-    relaxation and runs a named relaxed method at its preset)."""
-    if not hasattr(model, "validations"):
-        overrides = {name: getattr(args, name) for name in AUTO_CHOOSES if getattr(args, name) is not None}
-        return method_preset(args.method, sampling_from_args(args, model), **overrides)
-    return named_relaxation(args, model)[0]
+def named_decode(args, model) -> DecodeConfig:
+    """A named method's preset with the flags given (model: a bundle, or a model family's folder); what runs of it
+    is Pipeline.generate's to decide (lantern.plan.validated.guarded)."""
+    overrides = {name: getattr(args, name) for name in AUTO_CHOOSES if getattr(args, name) is not None}
+    return method_preset(args.method, sampling_from_args(args, model), **overrides)
+
+
+def relaxation_allowed(args) -> bool:
+    """Whether the command allows relaxation: --allow-relaxed, or relaxation settings named (--acceptance, --k,
+    --delta, --lam, --form), which run as named."""
+    return bool(args.allow_relaxed) or any(getattr(args, name) is not None for name in RELAXATION_FIELDS)
 
 
 def named_relaxation(args, bundle):
-    """(decode config, its relaxation or None) of a named method on a bundle: a relaxed method's k / delta /
-    lambda / form left out take the bundle's relaxation validated at this sampling, else (lossless) exact
-    acceptance unless --allow-relaxed (lantern.plan.validated); relaxation flags named run as named, a warning
-    where they bound nothing."""
-    overrides = {name: getattr(args, name) for name in AUTO_CHOOSES if getattr(args, name) is not None}
-    return named_config(args.method, sampling_from_args(args, bundle), overrides, bundle.validations,
-                        bundle.target.config.vocab_size, bool(getattr(args, "allow_relaxed", False)))
+    """(the decode config that runs, its relaxation or None) of a named method on a bundle: what Pipeline.generate
+    runs for it (lantern.plan.validated.guarded), a warning where named settings bound nothing."""
+    return guarded(named_decode(args, bundle), bundle.validations, bundle.target.config.vocab_size,
+                   relaxation_allowed(args))
 
 
 def relaxation_account(args, bundle) -> Optional[dict]:

@@ -169,7 +169,8 @@ def plan_request(pipe: PlanHost, n_images: int, sampling: SamplingConfig, make_p
                  profile: Optional[calibration.ProfileCosts] = None, progress: bool = True,
                  classes: Optional[Sequence[int]] = None, min_speedup: Optional[float] = None, prompts=None) -> Choice:
     """What `--method auto` means for the command line, the service and Pipeline alike: the plan for n_images on
-    `pipe` (a Pipeline), on its backend alone (choose) where pinned (`pipe.pinned`), given a hardware profile's
+    `pipe` (a Pipeline), its one-time costs weighed over them (a request's images; a service's SERVICE_HORIZON of
+    lantern.plan.choose), on its backend alone (choose) where pinned (`pipe.pinned`), given a hardware profile's
     calibration or a model family's target (prompt rows, no relaxation validated); else over every mode
     (choose_backend), pipe the default mode's pipeline and make_pipe(backend, dtype, **options) the others'."""
     common = dict(batch=batch, allow_relaxed=allow_relaxed, progress=progress, classes=classes,
@@ -284,7 +285,7 @@ def choose_backend(make_pipe: Callable[..., object], n_images: int, sampling: Sa
                                 measure_all=calibrate_all, **common)}
     base, key = choices[names[0]], base_pipe.model_key
     width = base.width
-    allowed, _ = allowed_relaxation(allow_relaxed, base_pipe.defaults.relaxation, sampling,
+    allowed, _ = allowed_relaxation(allow_relaxed, base_pipe.defaults.relaxation or {}, sampling,
                                     base_pipe.config.vocab_size)
     by_name = {p.name: p for p in candidate_plans(base_pipe.drafter is not None, base_pipe.proximity is not None,
                                                   allowed)}

@@ -32,6 +32,9 @@ from lantern.files.user_cache import usable_root
 MIN_SPEEDUP = 1.25  # a speculative plan must be predicted this much faster than AR: a prediction within 20% of
 # the measured speed-up (what auto is held to; on a 2-core VM whose wide steps have two speeds, misses reach 24%)
 # then still measures at least 1.0x, as 1.25 * (1 - 0.2) = 1. Hardware that times steadily can ask for less.
+SERVICE_HORIZON = 4096  # the images a service weighs auto's one-time costs (calibration, compiles) over: its life,
+# not one request (under an hour of full load of the embedded model on 2 CPU cores); a command and Pipeline.plan
+# weigh them over the request's own images
 LINE_MAX = 160  # characters of the decision's one stderr line (Choice.line)
 PROFILE_SCOPE = "hardware profile "  # a Choice's scope when a hardware profile's backend and calibration decided
 RECORD_IMAGES = 4  # images per plan when an acceptance record must be measured here
@@ -248,7 +251,7 @@ def choose(pipe: PlanHost, n_images: int, sampling: SamplingConfig, batch: Optio
     # only where they fit (lantern.decoding.memory)
     pipe.check_fits(AR.decode(sampling), width, what=f"--method auto at {width} image(s) per step (AR, its "
                                                      f"smallest plan)")
-    allowed, why = allowed_relaxation(allow_relaxed, pipe.defaults.relaxation, sampling, pipe.config.vocab_size)
+    allowed, why = allowed_relaxation(allow_relaxed, pipe.defaults.relaxation or {}, sampling, pipe.config.vocab_size)
     plans, skipped = runnable(pipe, candidate_plans(pipe.drafter is not None, pipe.proximity is not None, allowed),
                               sampling, width)
     key = pipe.model_key

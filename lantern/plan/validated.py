@@ -16,7 +16,7 @@ explicitly run as named, with a warning.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from lantern.decoding.config import DecodeConfig, method_preset
@@ -167,24 +167,41 @@ def allowed_relaxations(validations: dict, sampling: SamplingConfig, vocab: int,
     return {m: relaxation_for(m, validations, sampling, vocab, allow_relaxed) for m in RELAXED_METHODS}
 
 
-def named_config(method: str, sampling: SamplingConfig, overrides: dict, validations: dict, vocab: int,
-                 allow_relaxed: bool) -> tuple[DecodeConfig, Optional[dict]]:
-    """A named method's decode config and, for a relaxed method, what relaxation applied and why (None for the
-    others). Relaxation flags the caller names run as named (a warning where they bound nothing); those left out
-    take relaxation_for's settings, or the method's drafting with exact acceptance."""
-    if method not in RELAXED_METHODS:
-        return method_preset(method, sampling, **overrides), None
-    relaxation = relaxation_for(method, validations, sampling, vocab, allow_relaxed)
-    named = {k: v for k, v in overrides.items() if k in ("acceptance", "k", "delta", "lam", "form")}
-    base = LOSSLESS if relaxation.settings is None and not named else relaxation.settings or {}
-    dcfg = method_preset(method, sampling, **{**base, **overrides})
+RELAXATION_FIELDS = ("acceptance", "k", "delta", "lam", "form")
+
+
+def relaxed_method(dcfg: DecodeConfig) -> Optional[str]:
+    """The relaxed method whose validations govern `dcfg`, by its drafting (a Jacobi window: mc-sjd-relaxed;
+    EAGLE-2's dynamic tree: lantern; a static tree: lantern++, as auto's relaxed trees); None where its acceptance
+    is exact or nothing is drafted."""
+    if dcfg.acceptance == "exact" or not dcfg.speculative:
+        return None
+    return "mc-sjd-relaxed" if dcfg.jacobi else "lantern" if dcfg.drafting == "dynamic" else "lantern++"
+
+
+def guarded(dcfg: DecodeConfig, validations: Optional[dict], vocab: int,
+            allow_relaxed: bool) -> tuple[DecodeConfig, Optional[dict]]:
+    """The decode config that runs for `dcfg` (Pipeline.generate applies it; the command line and the service ask
+    it) and, for a relaxed one, what relaxation applied and why (None for the others). A relaxed config at its
+    method's preset settings takes relaxation_for's: the bundle's validated at its sampling, else (allow_relaxed)
+    the bundle's or the preset's within k_limit, else exact acceptance (lossless). Settings other than the
+    preset's run as given with allow_relaxed (a warning where they bound nothing), else as the preset's do.
+    validations None: models without a bundle's record (a bare Pipeline, a model family's folder), which claims
+    nothing to hold them to: `dcfg` runs as given."""
+    method = relaxed_method(dcfg)
+    if method is None or validations is None:
+        return dcfg, None
+    relaxation = relaxation_for(method, validations, dcfg.sampling, vocab, allow_relaxed)
+    preset = {k: getattr(method_preset(method, dcfg.sampling), k) for k in RELAXATION_FIELDS}
+    given = {k: getattr(dcfg, k) for k in RELAXATION_FIELDS}
     info = relaxation.to_dict()
-    if named:
-        info.update(applied=dcfg.acceptance != "exact", settings={k: getattr(dcfg, k) for k in
-                                                                  ("acceptance", "k", "delta", "lam", "form")},
-                    why=f"as named ({', '.join(f'--{k}' for k in named)})")
-    problems = bound_problems(dcfg, vocab)
-    info["allows"] = describe_bound(dcfg, vocab)
+    run = replace(dcfg, **{**preset, **(LOSSLESS if relaxation.settings is None else relaxation.settings)})
+    if allow_relaxed and given not in (preset, {k: getattr(run, k) for k in RELAXATION_FIELDS}):
+        run = dcfg
+        named = ", ".join(f"{k} {v}" for k, v in given.items() if v != preset[k])
+        info.update(applied=True, settings=given, validated_at=None, why=f"as given ({named}), relaxation allowed")
+    problems = bound_problems(run, vocab)
+    info["allows"] = describe_bound(run, vocab)
     if problems:
         info["warnings"] = problems
-    return dcfg, info
+    return run, info

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from lantern.api import DEFAULT_BATCH
+from lantern.plan.choose import SERVICE_HORIZON
 
 
 @dataclass(frozen=True)
@@ -29,8 +30,7 @@ class ServeConfig:
     vq: Optional[str] = None  # Chameleon folders: the VQGAN folder (None: found beside the model, as generate finds it)
     max_prompt_tokens: int = 128  # family folders: the longest prompt row (the model's own tokens around the prompt
     # included); every row is left-padded to it, one static shape for prompts of any length
-    plan_images: int = 4096  # auto: the images its one-time costs (calibration, compiles) are weighed against:
-    # a service's life, not one request (4096 images: under an hour of full load of the embedded model on 2 CPU cores)
+    plan_images: int = SERVICE_HORIZON  # auto: the images its one-time costs are weighed against (lantern.plan)
     queue: int = 64  # images that may wait for a slot; beyond, 429
     timeout_s: float = 300.0  # a request's deadline unless it asks for less (its `timeout`)
     max_timeout_s: float = 3600.0  # the most a request's `timeout` may ask for

@@ -29,13 +29,13 @@ from PIL import Image
 
 from lantern.api import Pipeline
 from lantern.backends import backend_class, resolve_name
-from lantern.decoding.config import supported_methods
+from lantern.decoding.config import method_preset, supported_methods
 from lantern.decoding.sampling import SamplingConfig
 from lantern.engine import Request, SamplingOverrides, derive_seed
 from lantern.engine.slot_sampling import PER_REQUEST
 from lantern.models.text import T5Conditioner, check_encoder_fits
 from lantern.plan.backend_choice import plan_request
-from lantern.plan.validated import named_config
+from lantern.plan.validated import guarded
 from lantern.serve.config import ServeConfig
 from lantern.serve.families import FamilyModel, check_model, load_model
 from lantern.serve.metrics import ServeMetrics
@@ -177,10 +177,10 @@ class Service:
         return True
 
     def _decode_named(self, method: str):
-        """A named method at the service's sampling: a relaxed one relaxed only where the bundle validated it (or
-        with allow_relaxed), else lossless (lantern.plan.validated)."""
-        return named_config(method, self.sampling, {}, self.model.validations, self.model.target.config.vocab_size,
-                            self.config.allow_relaxed)[0]
+        """A named method at the service's sampling, as Pipeline.generate runs it: a relaxed one relaxed only where
+        the bundle validated it (or with allow_relaxed), else lossless (lantern.plan.validated.guarded)."""
+        return guarded(method_preset(method, self.sampling), self.model.validations,
+                       self.model.target.config.vocab_size, self.config.allow_relaxed)[0]
 
     def _decode(self, key: EngineKey) -> tuple:
         """(DecodeConfig, what runs) of an engine key (worker thread). auto plans once, for a full batch of slots

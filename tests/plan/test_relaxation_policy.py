@@ -2,6 +2,7 @@
 import json
 import math
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,8 +11,8 @@ from lantern.bundle import DEFAULT_BUNDLE, load_bundle
 from lantern.decoding import SamplingConfig, method_preset
 from lantern.embedded import quality_gate
 from lantern.plan.choose import allowed_relaxation
-from lantern.plan.validated import (Validation, bound_problems, describe_bound, k_limit, named_config,
-                                    read_validations, relaxation_for, same_sampling, sampling_record)
+from lantern.plan.validated import (Validation, bound_problems, describe_bound, guarded, k_limit, read_validations,
+                                    relaxation_for, same_sampling, sampling_record)
 
 REPO = Path(__file__).resolve().parents[2]
 V = 1024
@@ -71,15 +72,67 @@ def test_old_entries_are_validated_nowhere_and_meaningless_ones_never_apply():
 
 
 def test_named_method_falls_back_to_lossless_and_says_why():
-    dcfg, info = named_config("mc-sjd-relaxed", WHOLE, {}, AT_OWN, V, allow_relaxed=False)
+    dcfg, info = guarded(method_preset("mc-sjd-relaxed", WHOLE), AT_OWN, V, allow_relaxed=False)
     assert dcfg.acceptance == "exact" and dcfg.drafting == "jacobi" and not info["applied"]
     assert info["allows"].startswith("lossless")
-    dcfg, info = named_config("mc-sjd-relaxed", OWN, {}, AT_OWN, V, allow_relaxed=False)
+    dcfg, info = guarded(method_preset("mc-sjd-relaxed", OWN), AT_OWN, V, allow_relaxed=False)
     assert (dcfg.acceptance, dcfg.k, dcfg.delta) == ("lantern", 64, 0.2) and info["applied"]
     assert info["validated_at"] == sampling_record(OWN)
-    dcfg, info = named_config("lantern", WHOLE, {"delta": 1.0, "k": 1000}, {}, V, allow_relaxed=False)
-    assert (dcfg.delta, dcfg.k) == (1.0, 1000) and "as named" in info["why"] and len(info["warnings"]) == 2
-    assert named_config("ar", WHOLE, {}, AT_OWN, V, False)[1] is None
+    dcfg, info = guarded(method_preset("lantern", WHOLE, delta=1.0, k=1000), {}, V, allow_relaxed=True)
+    assert (dcfg.delta, dcfg.k) == (1.0, 1000) and "as given" in info["why"] and len(info["warnings"]) == 2
+    assert guarded(method_preset("ar", WHOLE), AT_OWN, V, False)[1] is None
+
+
+def test_settings_of_ones_own_run_as_given_only_where_allowed():
+    """Settings other than the preset's are the caller's: relaxation allowed, they run as given; else they get
+    what the preset would (the validated settings at this sampling, or lossless)."""
+    own = method_preset("mc-sjd-relaxed", OWN, k=32, lam=2.0)
+    assert guarded(own, AT_OWN, V, allow_relaxed=True)[0] == own
+    validated = guarded(own, AT_OWN, V, allow_relaxed=False)[0]
+    assert (validated.acceptance, validated.k, validated.delta, validated.window) == ("lantern", 64, 0.2, 16)
+    assert guarded(replace(own, sampling=WHOLE), AT_OWN, V, allow_relaxed=False)[0].acceptance == "exact"
+    # auto's relaxed tree of the lantern++ method, at its validated settings, runs as it is
+    tree = method_preset("lantern++", OWN, drafting="chain-5", k=8, lam=2.0)
+    assert guarded(tree, {"lantern++": (Validation({"k": 8, "lam": 2.0}, sampling_record(OWN)),)}, V,
+                   allow_relaxed=False)[0] == tree
+    for dcfg in (own, validated, tree):  # what runs, guarded again, runs unchanged
+        for allowed in (False, True):
+            once = guarded(dcfg, AT_OWN, V, allowed)[0]
+            assert guarded(once, AT_OWN, V, allowed)[0] == once
+
+
+CLI_RUN = ["generate", "--method", "mc-sjd-relaxed", "--top-k", "0"]
+
+
+def library_and_cli_runs(flags: list, allow_relaxed: bool):
+    """(the decode config Pipeline.generate ran for the bare preset at the flags' sampling, the CLI's for them)."""
+    from lantern.api import Pipeline
+    from lantern.cli import build_parser
+    from lantern.cli.options import named_relaxation, sampling_from_args
+    bundle = load_bundle()
+    args = build_parser().parse_args([*CLI_RUN, *flags])
+    preset = method_preset("mc-sjd-relaxed", sampling_from_args(args, bundle))
+    pipe = Pipeline.from_bundle(bundle, backend="cpu")
+    ran = pipe.generate([3], preset, tokens=2, **({"allow_relaxed": True} if allow_relaxed else {})).decode
+    return ran, named_relaxation(args, bundle)[0]
+
+
+def test_the_library_runs_an_unvalidated_relaxed_preset_lossless_as_the_cli_does():
+    """CFG 7.5 over the whole vocabulary: the embedded bundle validated no relaxation there."""
+    ran, cli = library_and_cli_runs(["--cfg-scale", "7.5"], allow_relaxed=False)
+    assert ran.acceptance == "exact" and ran.drafting == "jacobi" and ran == cli
+
+
+def test_the_library_runs_it_relaxed_when_allowed_as_the_cli_does():
+    ran, cli = library_and_cli_runs(["--cfg-scale", "7.5", "--allow-relaxed"], allow_relaxed=True)
+    assert ran.acceptance != "exact" and not bound_problems(ran, V) and ran == cli
+
+
+def test_the_library_takes_the_validated_settings_where_the_bundle_has_them_as_the_cli_does():
+    ran, cli = library_and_cli_runs(["--cfg-scale", "4.0"], allow_relaxed=False)
+    validated = load_bundle().validations["mc-sjd-relaxed"]
+    at_whole = next(v.settings for v in validated if v.sampling and same_sampling(v.sampling, WHOLE, V))
+    assert {k: getattr(ran, k) for k in at_whole} == at_whole and ran == cli
 
 
 def test_cli_named_method_relaxes_only_where_the_bundle_validated_it():

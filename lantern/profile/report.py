@@ -3,8 +3,6 @@ plots (step latency vs N per batch size, speed-up per method and tree, speed-up 
 parts). Every speed-up is over AR at the same batch size B (images decoded together) in the same file."""
 from __future__ import annotations
 
-import json
-import re
 from pathlib import Path
 from typing import Optional
 
@@ -14,7 +12,6 @@ from lantern.profile.schema import (batch_sizes, generation_case_id, load_result
 
 MIB = 2 ** 20
 MEMORY_PARTS = ("weights_bytes", "kv_cache_bytes", "tree_buffer_bytes", "workspace_bytes")
-TUNED_LABEL = re.compile(r"tuned-N\d+-[0-9a-f]+")  # suite.tree_label's name of a tuned tree
 
 
 def label(data: dict) -> str:
@@ -33,11 +30,8 @@ def draft_curve(data: dict, batch: int) -> dict:
 
 
 def variant(params: dict) -> str:
-    """A generate case's method and tree, without its batch size; every tuned tree is `tuned` (each batch
-    size's own)."""
+    """A generate case's method and tree, without its batch size."""
     tree = params.get("tree")
-    if tree and TUNED_LABEL.fullmatch(tree):
-        tree = "tuned"
     return params["method"] + (f"/{tree}" if tree else "")
 
 
@@ -67,8 +61,7 @@ def generation_rows(data: dict) -> list[dict]:
 
 
 def speedup_by_batch(data: dict) -> dict[str, dict[int, float]]:
-    """{method/tree: {batch size: speed-up over AR at that batch size}} of the ok non-AR generations (with several
-    tunings, the last measured tuned tree)."""
+    """{method/tree: {batch size: speed-up over AR at that batch size}} of the ok non-AR generations."""
     out: dict[str, dict[int, float]] = {}
     for r in generation_rows(data):
         if r["status"] == "ok" and r["method"] != "ar" and r["speedup"] is not None:
@@ -104,31 +97,11 @@ def speedup_table(measured: list[tuple[str, dict]]) -> list[str]:
     if not sizes:
         return []
     out = ["## Speed-up vs batch size", "", "Speed-up over AR at the same batch size B (wall time of B images decoded "
-           "together; `tuned` is each B's own tuned tree).", "",
+           "together).", "",
            "| run | method / tree | " + " | ".join(f"B = {b}" for b in sizes) + " |", "|---|---|" + "---|" * len(sizes)]
     for n, by in by_run.items():
         for v, speedups in sorted(by.items()):
             out.append(f"| {n} | {v} | " + " | ".join(_fmt(speedups.get(b), ".2f") for b in sizes) + " |")
-    return out + [""]
-
-
-def tuned_section(run: str, batch: int, tuned: dict) -> list[str]:
-    """Markdown: one batch size's tuned tree, the presets under the same model, and its side-by-side timing."""
-    ch = tuned["choice"]
-    out = [f"**{run}**, B = {batch}: chose N {ch['N']}, depth {ch['depth']}: `{json.dumps(ch['paths'])}`", "",
-           "| tree | N | predicted tau | predicted step ms | predicted speed-up vs AR |", "|---|---|---|---|---|"]
-    for name, row in [("tuned", ch), *tuned["presets"].items()]:
-        out.append(f"| {name} | {row['N']} | {row['tau']:.2f} | {row['step_s'] * 1e3:.1f} | "
-                   f"{_fmt(row.get('predicted_speedup_vs_ar'), '.2f')}x |")
-    side = tuned.get("measured")
-    if side:
-        out += ["", f"Measured side by side in one run ({side['repeats']} generation(s) of classes {side['classes']} "
-                    "decoded together, interleaved):", ""]
-        out += ["| tree | wall s per generation (min..max) | tau |", "|---|---|---|"]
-        for k, v in side["runs"].items():
-            w = v["wall"]
-            out.append(f"| {k} | {w['median_s']:.2f} ({w['min_s']:.2f}..{w['max_s']:.2f}) | {v['tau']:.2f} |")
-        out += ["", f"Tuned / default wall time: **{side['tuned_over_default']:.2f}**"]
     return out + [""]
 
 
@@ -203,15 +176,6 @@ def markdown(files: list[tuple[str, dict]], plots: dict) -> str:
                 out.append(f"| {n} | {m['case']} | {m['batch']} | {m['N']} | {m['peak_bytes'] / MIB:.1f} | "
                            + " | ".join(f"{m[k] / MIB:.2f}" for k in MEMORY_PARTS) + f" | {m['source']} |")
         out.append("")
-    tuned = [(n, d["tune"]) for n, d in measured if d.get("tune")]
-    if tuned:
-        out += ["## Tuned trees", "", "One tree per batch size B, predicted from the verify and drafter curves at B, "
-                "the host overhead fitted on the generations at B and the batch-1 probe's acceptance per (depth, "
-                "rank); tau is per image and verify step, speed-up per image over AR at the same B (at B > 1 an upper "
-                "bound: the batched loop waits for its slowest image).", ""]
-        for n, t in tuned:
-            for b, tb in sorted(t["batches"].items(), key=lambda kv: int(kv[0])):
-                out += tuned_section(n, int(b), tb)
     fails = [(n, cid, err) for n, d in files for cid, err in failures(d)]
     if fails:
         out += ["## Failed cases", "", "| run | case | error |", "|---|---|---|"]
@@ -277,7 +241,7 @@ def plot_speedup(plt, measured: list[tuple[str, dict]]):
     fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(cases) + 2), 4.2))
     width = 0.8 / max(len(gen), 1)
     for i, (n, rows) in enumerate(gen.items()):
-        by = {r["variant"]: r for r in rows}  # each profile's own tuned tree in one group (the last tuning)
+        by = {r["variant"]: r for r in rows}
         heights = [(by[c]["speedup"] or 0) if c in by else 0 for c in cases]
         ax.bar([k + i * width for k in range(len(cases))], heights, width, label=n)
     ax.axhline(1.0, color="k", lw=0.8, ls="--")

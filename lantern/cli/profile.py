@@ -18,7 +18,6 @@ from lantern.api import Pipeline
 from lantern.cli.parsing import number
 from lantern.cli.sampling_flags import add_sampling_options, sampling_from_args
 from lantern.exit_codes import EXIT_FAILED_CASES, EXIT_OK, EXIT_UNAVAILABLE
-from lantern.extras import available, install_hint, require
 from lantern.files.atomic_io import check_writable
 from lantern.files.reading import UnreadableFile
 from lantern.bundle import load_bundle
@@ -45,13 +44,9 @@ def add_arguments(prof) -> None:
     r.add_argument("--json", action="store_true", help="print one JSON object")
     r.set_defaults(func=cmd_run, show=print_run)
 
-    c = sub.add_parser("compare", help="merge results files into report.md and PNG plots")
+    c = sub.add_parser("compare", help="merge results files into one Markdown report")
     c.add_argument("files", nargs="+", help="results files (any machines and backends)")
-    c.add_argument("--out", default="results/report", help="folder for report.md and the plots")
-    shown = c.add_mutually_exclusive_group()
-    shown.add_argument("--plots", action="store_true", help="require the PNG plots: exit 2 if matplotlib is missing "
-                                                            "(default: plots when matplotlib is installed)")
-    shown.add_argument("--no-plots", action="store_true", help="Markdown only")
+    c.add_argument("--out", default="results/report", help="folder for report.md")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_compare, show=print_compare)
 
@@ -111,21 +106,12 @@ def print_calibrate(out: dict) -> None:
 
 
 def cmd_compare(args) -> dict:
-    if args.plots:
-        require("matplotlib", "lantern profile compare --plots")
-    with_plots = not args.no_plots and available("matplotlib")
     check_writable(Path(args.out), "--out", folder=True)
-    out = compare(args.files, args.out, with_plots=with_plots)
-    out["plots_skipped"] = None if with_plots or args.no_plots else install_hint("matplotlib")
-    return out
+    return compare(args.files, args.out)
 
 
 def print_compare(out: dict) -> None:
     print(f"report: {out['report']}  ({len(out['runs'])} runs)")
-    if out["plots_skipped"]:
-        print(f"plots skipped: {out['plots_skipped']}")
-    for name, path in out["plots"].items():
-        print(f"plot {name}: {path}")
 
 
 def apply_profile(args: argparse.Namespace) -> None:

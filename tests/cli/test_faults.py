@@ -515,7 +515,7 @@ def unreadable(path: Path, content: bytes | None) -> Path:
 @pytest.mark.parametrize("content, problem", UNREADABLE_JSON)
 def test_an_unreadable_results_file_is_refused_naming_it(tmp_path, capsys, content, problem):
     results = unreadable(tmp_path / "results.json", content)
-    code, err = run(capsys, "profile", "compare", str(results), "--out", str(tmp_path / "report"), "--no-plots")
+    code, err = run(capsys, "profile", "compare", str(results), "--out", str(tmp_path / "report"))
     assert code == 2 and f"results file {results} {problem}" in err and "Traceback" not in err, err
     assert not (tmp_path / "report").exists()
 

@@ -13,7 +13,6 @@ DISTRIBUTION = "lantern-decoding"
 # import name -> (package on the index, the extra that installs it by default)
 EXTRAS = {
     "sklearn": ("scikit-learn", "eval"),  # the embedded digits data: `eval` (and `train`, which also has it)
-    "matplotlib": ("matplotlib", "plots"),
     "onnx": ("onnx", "onnx"),
     "onnxruntime": ("onnxruntime", "onnx"),
     "transformers": ("transformers", "families"),  # model-family folders; T5 prompts take it from `t2i`

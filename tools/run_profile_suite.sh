@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# The committed profile suite of this repo: measure the CPU profiles, tune the fp32 and bf16 CPU trees, one per
-# batch size (timing each against the default 57-node tree side by side at its batch size), and regenerate the
-# compare report under results/.
+# The committed profile suite of this repo: measure the CPU profiles and regenerate the compare report under
+# results/.
 #   tools/run_profile_suite.sh            resume the results files (only missing or failed cases run)
 #   tools/run_profile_suite.sh --fresh    start over (needed when the model changed, e.g. a trained bundle landed)
 # Exit code: 0 when every step succeeded or only reported an unavailable backend (3), else the first failure's.
@@ -19,12 +18,6 @@ step() {
 }
 for p in "${PROFILES[@]}"; do
     step lantern profile run --profile "$p" "$@"
-done
-# tune both torch profiles: their verify curves differ, and so should their trees
-for p in cpu cpu-bf16; do
-    step lantern profile tune --profile "$p" --measure --repeats 2
-    # the tuned tree as one more case of the run (resumed: only that case runs)
-    step lantern profile run --profile "$p"
 done
 step lantern profile compare "${RESULTS[@]}" --out results/report
 exit $status

@@ -30,7 +30,7 @@ COMMANDS = {
     "generate": ("lantern.cli.generate", "generate images (default model: the embedded bundle)"),
     "eval": ("lantern.cli.evaluate", "class accuracy and Frechet distance of generated images"),
     "backends": ("lantern.cli.backends", "list backends: available or why not, device, dtypes"),
-    "profile": ("lantern.cli.profile", "cross-hardware profile suite: run, compare, tune"),
+    "profile": ("lantern.cli.profile", "cross-hardware profile suite: run, compare, calibrate"),
     "train": ("lantern.cli.train", "train one stage of a bundle (tokenizer, target, drafter, evaluator)"),
     "info": ("lantern.cli.info", "what a bundle or model-family folder is, and what runs on it"),
     "export-onnx": ("lantern.cli.export_onnx", "export the ONNX graphs of a generation setup into a folder"),

@@ -253,12 +253,11 @@ def cached_or_measured(key: dict, width: int, names: Sequence[str], measure: Cal
             why = disturbance(entry)
             if not why:
                 break
-            if attempt < tries:
-                print(f"lantern: calibration disturbed ({why}: another process loaded the machine?); measuring "
-                      f"it again (try {attempt + 1} of {tries})", file=sys.stderr)
+            # one short line; how it was disturbed is the returned `why`, which --json's plan carries
+            print("lantern: calibration disturbed (another process loaded the machine?); "
+                  + (f"measuring it again (try {attempt + 1} of {tries})" if attempt < tries
+                     else "not cached; this run keeps AR"), file=sys.stderr)
         if why:
-            print(f"lantern: calibration disturbed ({why}: another process loaded the machine?); not cached, "
-                  f"measured again next run; this run keeps AR", file=sys.stderr)
             return entry, str(path), why
         data["widths"][str(width)] = entry
         save_calibration(data)

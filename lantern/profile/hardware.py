@@ -1,8 +1,6 @@
-"""Hardware profiles: one TOML file per target (backend, device, dtype, threads, what to measure, and the
-trees `lantern profile tune` chose for it). Every field and its default is in `HardwareProfile`; the lookup of
-`--profile NAME|FILE`, the batch sizes and the `[tuned]` / `[tuned.bB]` tables `tune` writes (rewriting them keeps
-every comment above them; a profile tuned before per-batch tuning has one `tree_file` in [tuned], counted as
-[tuned.b1]) are in docs/profiles.md.
+"""Hardware profiles: one TOML file per target (backend, device, dtype, threads, what to measure). Every field and
+its default is in `HardwareProfile`; the lookup of `--profile NAME|FILE` and the batch sizes are in
+docs/profiles.md.
 """
 from __future__ import annotations
 
@@ -11,22 +9,17 @@ import hashlib
 import importlib.util
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from lantern.files import atomic_io
 from lantern.decoding.config import METHODS
 from lantern.decoding.sampling import SamplingConfig
 from lantern.decoding.trees import TREE_PRESETS
-from lantern.files.reading import read_text, read_toml
+from lantern.files.reading import read_toml
 
 PROFILES_ENV = "LANTERN_PROFILES"
-TUNED_TREE = "tuned"  # the name a profile's `trees` list uses for its own tuned tree
 SHIPPED_PACKAGE = "lantern.hardware_profiles"
-TUNED_BATCH_TABLE = re.compile(r"b([1-9][0-9]*)")  # [tuned.b4]: the tree tuned for 4 images per step
-TUNED_BATCH_HEADER = re.compile(r"\[tuned\.b[1-9][0-9]*\]")
 
 
 def sampling_table(table: dict) -> dict:
@@ -37,16 +30,6 @@ def sampling_table(table: dict) -> dict:
         raise ValueError(f"unknown keys {unknown} in [sampling]; allowed: "
                          f"{[f.name for f in dataclasses.fields(SamplingConfig)]}")
     return {**dataclasses.asdict(SamplingConfig()), "cfg_scale": None, **table}
-
-
-@dataclass(frozen=True)
-class ProbeSettings:
-    """The big tree whose walks measure acceptance per (depth, rank): `fanout` children for each of the
-    `expand[d]` most likely nodes at depth d (ranked by the sum of their path's ranks)."""
-
-    depth: int = 6
-    fanout: int = 10
-    expand: tuple[int, ...] = (1, 3, 3, 2, 2, 2)
 
 
 @dataclass(frozen=True)
@@ -64,8 +47,8 @@ class HardwareProfile:
     verify_sizes_by_batch: dict = field(default_factory=dict)  # {B: its own tree sizes}; others use verify_sizes
     draft_sizes: tuple[int, ...] = (1, 2, 4, 6, 8, 10)  # drafter step widths
     methods: tuple[str, ...] = ("ar", "eagle2", "lantern", "lantern++")
-    trees: tuple[str, ...] = ("lantern++-57", "eagle1-25", "chain-5", TUNED_TREE)  # for static-tree methods
-    classes: tuple[int, ...] = (0,)  # a generation of B images decodes the first B of these, cycled; the probe each
+    trees: tuple[str, ...] = ("lantern++-57", "eagle1-25", "chain-5")  # for static-tree methods
+    classes: tuple[int, ...] = (0,)  # a generation of B images decodes the first B of these, cycled
     seed: int = 0
     warmup: int = 2  # untimed calls before each step benchmark
     repeats: int = 5  # timed calls per step benchmark
@@ -73,8 +56,6 @@ class HardwareProfile:
     generation_repeats: int = 1  # timed generations per method and batch size
     sampling: dict = field(default_factory=lambda: sampling_table({}))  # SamplingConfig fields; cfg_scale None:
     # the model's default
-    probe: ProbeSettings = field(default_factory=ProbeSettings)
-    tuned: dict = field(default_factory=dict)  # written by `lantern profile tune`
     path: Optional[Path] = field(default=None, compare=False)  # the file it came from
 
     def __post_init__(self):
@@ -96,9 +77,8 @@ class HardwareProfile:
             if m not in METHODS:
                 raise ValueError(f"profile {self.name!r}: unknown method {m!r}; allowed: {', '.join(METHODS)}")
         for t in self.trees:
-            if t not in TREE_PRESETS and t != TUNED_TREE:
-                raise ValueError(f"profile {self.name!r}: unknown tree {t!r}; allowed: "
-                                 f"{', '.join(list(TREE_PRESETS) + [TUNED_TREE])}")
+            if t not in TREE_PRESETS:
+                raise ValueError(f"profile {self.name!r}: unknown tree {t!r}; allowed: {', '.join(TREE_PRESETS)}")
         for name in ("warmup", "generation_warmup"):
             if getattr(self, name) < 0:
                 raise ValueError(f"profile {self.name!r}: {name} must be >= 0, got {getattr(self, name)}")
@@ -111,11 +91,6 @@ class HardwareProfile:
             self.sampling_config(model_cfg_scale=1.0)  # SamplingConfig refuses bad values, naming them
         except (TypeError, ValueError) as e:
             raise ValueError(f"profile {self.name!r}: [sampling] {e}") from None
-        p = self.probe
-        if p.depth < 1 or p.fanout < 1 or len(p.expand) != p.depth or min(p.expand) < 1:
-            raise ValueError(f"profile {self.name!r}: probe needs depth >= 1, fanout >= 1 and one expand count "
-                             f">= 1 per depth, got depth {p.depth}, fanout {p.fanout}, expand {list(p.expand)}")
-        self.tuned_tree_names()  # refuses a malformed [tuned] table
 
     def sampling_config(self, model_cfg_scale: float) -> SamplingConfig:
         """The sampling the profile measures with, given the model's default guidance scale."""
@@ -128,10 +103,10 @@ class HardwareProfile:
         return d
 
     def settings_hash(self) -> str:
-        """What decides the measurements (not the name, description or tuned tree): a results file measured
+        """What decides the measurements (not the name, description, trees or methods): a results file measured
         under other settings is not resumed."""
         d = self.to_dict()
-        for key in ("name", "description", "device", "tuned", "path", "trees", "methods"):
+        for key in ("name", "description", "device", "path", "trees", "methods"):
             d.pop(key)
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -142,34 +117,6 @@ class HardwareProfile:
     def classes_at(self, batch: int) -> list[int]:
         """The class of each image of a whole generation of `batch` images: `classes` cycled to that length."""
         return [self.classes[i % len(self.classes)] for i in range(batch)]
-
-    def tuned_tree_names(self) -> dict[int, str]:
-        """{batch size: tree file name, relative to the profile's folder} from [tuned] (see the module doc)."""
-        trees = {}
-        if "tree_file" in self.tuned:  # tuned before per-batch tuning, at batch 1
-            trees[1] = self.tuned["tree_file"]
-        for key, table in self.tuned.items():
-            if not isinstance(table, dict):
-                continue
-            match = TUNED_BATCH_TABLE.fullmatch(key)
-            if match is None:
-                raise ValueError(f"profile {self.name!r}: unknown table [tuned.{key}]; the tables under [tuned] are "
-                                 f"named b<batch size>, e.g. [tuned.b4]")
-            if not isinstance(table.get("tree_file"), str):
-                raise ValueError(f"profile {self.name!r}: [tuned.{key}] needs tree_file, the name of its tree's "
-                                 f"file, got {table.get('tree_file')!r}")
-            trees[int(match[1])] = table["tree_file"]
-        return dict(sorted(trees.items()))
-
-    def tuned_tree_file(self, batch: int) -> Optional[Path]:
-        """The tree tuned for decoding `batch` images per step: the one of the largest tuned batch size <= batch,
-        else of the smallest; None before any tuning (or for a profile not read from a file)."""
-        trees = self.tuned_tree_names()
-        if not trees or self.path is None:
-            return None
-        fitting = [b for b in trees if b <= batch]
-        return self.path.parent / trees[max(fitting) if fitting else min(trees)]
-
 
 def shipped_dir() -> Path:
     """The folder of the profiles installed with lantern."""
@@ -205,7 +152,7 @@ def load_profile(spec: str) -> HardwareProfile:
 FIELD_TYPES = {**dict.fromkeys(("name", "description", "backend", "device", "dtype", "model"), str),
                **dict.fromkeys(("threads", "seed", "warmup", "repeats", "generation_warmup", "generation_repeats"),
                                int),
-               **dict.fromkeys(("backend_options", "verify_sizes_by_batch", "sampling", "probe", "tuned"), dict),
+               **dict.fromkeys(("backend_options", "verify_sizes_by_batch", "sampling"), dict),
                **dict.fromkeys(("batch_sizes", "verify_sizes", "draft_sizes", "methods", "trees", "classes"),
                                list)}  # what each key of a profile file holds (TOML: table = dict, array = list)
 
@@ -225,10 +172,6 @@ def profile_from_dict(data: dict, path: Optional[Path] = None) -> HardwareProfil
             raise ValueError(f"{where}: {key} must be {what}, got {value!r}")
     try:
         data["sampling"] = sampling_table(data.get("sampling", {}))
-        probe = dict(data.get("probe", {}))
-        if "expand" in probe:
-            probe["expand"] = tuple(probe["expand"])
-        data["probe"] = ProbeSettings(**probe)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: {e}") from None
     for key in ("batch_sizes", "verify_sizes", "draft_sizes", "methods", "trees", "classes"):
@@ -250,46 +193,3 @@ def _sizes_by_batch(table: dict, where: str) -> dict[int, tuple]:
                              f"got {sizes!r}")
         out[int(key)] = tuple(sizes)
     return out
-
-
-def _toml_value(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)  # a JSON string is a valid TOML basic string
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise ValueError(f"cannot write {type(v).__name__} {v!r} into a profile (allowed: bool, int, float, str, list)")
-
-
-def write_tuned(profile_path: Path, tuned: dict, trees: dict) -> dict[int, Path]:
-    """Write each batch size's tree, trees = {B: (fields, paths)}, to `<name>.tuned.b{B}.json`, and replace (or
-    append) the profile's trailing [tuned] table: `tuned`'s fields, then a [tuned.b{B}] table per tree naming
-    its file, with its fields. Everything above [tuned] is kept byte for byte. Returns {B: tree file}."""
-    lines = read_text(profile_path, "profile").splitlines()
-    if "[tuned]" in (line.strip() for line in lines):
-        start = next(i for i, line in enumerate(lines) if line.strip() == "[tuned]")
-        rest = [i for i in range(start + 1, len(lines)) if lines[i].lstrip().startswith("[")
-                and not TUNED_BATCH_HEADER.match(lines[i].strip())]
-        if rest:
-            raise ValueError(f"{profile_path}: [tuned] must be the last table (found {lines[rest[0]].strip()} "
-                             "after it)")
-        lines = lines[:start]
-        while lines and lines[-1].strip().startswith("# written by `lantern profile tune`"):
-            lines.pop()
-    while lines and not lines[-1].strip():
-        lines.pop()
-    table = ["", "# written by `lantern profile tune`; decoding B images per step uses the tree of the largest "
-             "tuned.bK with K <= B", "[tuned]"]
-    table += [f"{k} = {_toml_value(v)}" for k, v in tuned.items()]
-    files = {}
-    for batch, (fields, paths) in sorted(trees.items()):
-        files[batch] = profile_path.with_suffix(f".tuned.b{batch}.json")
-        atomic_io.write_json(files[batch], [list(p) for p in paths], indent=None)
-        table += ["", f"[tuned.b{batch}]", f"tree_file = {_toml_value(files[batch].name)}"]
-        table += [f"{k} = {_toml_value(v)}" for k, v in fields.items()]
-    atomic_io.write_text(profile_path, "\n".join(lines + table) + "\n")
-    read_toml(profile_path, "profile")  # what we wrote must read back
-    return files

@@ -1,12 +1,11 @@
-"""The measurements behind one results file: step latencies on prepared runners, whole generations of B images
-decoded together, and acceptance per (depth, rank) from walks over a big probe tree.
+"""The measurements behind one results file: step latencies on prepared runners and whole generations of B images
+decoded together.
 
 Step latencies use the runner's own `phase()` timer (the device synced on both ends), after the runner's
 warm-up plus `warmup` untimed calls; spread is reported as min/max and the inter-quartile range.
 """
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 import torch
@@ -14,7 +13,6 @@ import torch
 from lantern.backends.base import Backend, StaticSpec, dummy_step_inputs, parse_dtype
 from lantern.backends.torch_graph import CUDAGraphReplay
 from lantern.decoding.config import DecodeConfig
-from lantern.decoding.trees import Paths, compile_tree
 
 
 def summarize(samples: list[float]) -> dict:
@@ -80,23 +78,11 @@ def generation(pipe, dcfg: DecodeConfig, conditions: list, seed: int, warmup: in
     """Whole generations of len(conditions) images decoded together (one batched loop, every step advancing
     all of them): `repeats` timed generations, the same seeds for every method. Wall time is the decode
     loop's (VQ decode and warm-up excluded)."""
-    return side_by_side(pipe, {"only": dcfg}, conditions, seed, warmup, repeats)["only"]
-
-
-def side_by_side(pipe, dcfgs: dict, conditions: list, seed: int, warmup: int, repeats: int) -> dict:
-    """Several decode configs timed in one run, interleaved generation by generation (the order alternating
-    between passes), so that drift in the machine's load falls on all of them alike. Each generation decodes
-    all `conditions` together, in one chunk of that many images. Returns {name: summary}."""
     batch = len(conditions)
-    for dcfg in dcfgs.values():
-        for _ in range(warmup):
-            pipe.generate(conditions, dcfg, seed=seed, batch=batch)
-    names = list(dcfgs)
-    results = {name: [] for name in names}
-    for r in range(repeats):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            results[name].append(pipe.generate(conditions, dcfgs[name], seed=seed + r, batch=batch))
-    return {name: _summary(dcfgs[name], results[name], batch) for name in names}
+    for _ in range(warmup):
+        pipe.generate(conditions, dcfg, seed=seed, batch=batch)
+    return _summary(dcfg, [pipe.generate(conditions, dcfg, seed=seed + r, batch=batch) for r in range(repeats)],
+                    batch)
 
 
 def loop_steps(stats) -> int:
@@ -134,57 +120,3 @@ def _summary(dcfg: DecodeConfig, results: list, images: int) -> dict:
         "spec": last["spec"],
         "memory": last["memory"],  # the last generation's true peak (lantern.backends.memory) and its parts
     }
-
-
-def probe_paths(depth: int, fanout: int, expand: tuple[int, ...]) -> Paths:
-    """`fanout` children under each of the `expand[d]` most likely nodes of depth d (root = depth 0), the
-    most likely being those whose path has the smallest rank sum (ties: the lexicographically first)."""
-    paths, level = [], [()]
-    for d in range(depth):
-        parents = sorted(level, key=lambda p: (sum(p), p))[: expand[d]]
-        level = [p + (j,) for p in parents for j in range(fanout)]
-        paths += level
-    return tuple(paths)
-
-
-def count_acceptance(paths: Paths, ranks_per_image: list[list[tuple[int, ...]]], block: int) -> dict:
-    """From each verify step's accepted ranks on the probe tree: offered[d][j] = steps whose walk reached a
-    depth-d parent that has a rank-j child; accepted[d][j] = steps that accepted that child (d from 0 =
-    depth 1). The walk tried a node's children unless it was a leaf or the image's token budget capped the
-    path (max_accept = tokens left - 1, replayed here), so such steps add no rejection count."""
-    tree = compile_tree(paths)
-    offered = [[0] * tree.max_children for _ in range(tree.depth)]
-    accepted = [[0] * tree.max_children for _ in range(tree.depth)]
-    for steps in ranks_per_image:
-        produced = 1  # the prefill's token
-        for ranks in steps:
-            node = 0
-            for d, j in enumerate(ranks):
-                kids = tree.children[node]
-                for jj in range(len(kids)):
-                    offered[d][jj] += 1
-                accepted[d][j] += 1
-                node = kids[j]
-            m = len(ranks)
-            kids = tree.children[node]
-            if kids and m < block - produced - 1:
-                for jj in range(len(kids)):
-                    offered[m][jj] += 1
-            produced += m + 1
-    rates = [[a / o if o else 0.0 for a, o in zip(acc_row, off_row)] for acc_row, off_row in zip(accepted, offered)]
-    return {"offered": offered, "accepted": accepted, "rates": rates}
-
-
-def acceptance_probe(pipe, dcfg: DecodeConfig, paths: Paths, classes, seed: int) -> dict:
-    """LANTERN++ generations over the probe tree, recording each verify step's accepted ranks."""
-    t0 = time.perf_counter()
-    ranks, taus, walls, steps = [], [], [], 0
-    for c in classes:
-        res = pipe.generate([c], dcfg, seed=seed)
-        ranks.append(res.stats.accepted_ranks)
-        taus.append(res.stats.mean_accepted_length)
-        walls.append(res.stats.wall_seconds)
-        steps += len(res.stats.accepted_ranks)
-    counts = count_acceptance(paths, ranks, pipe.config.block_size)
-    return {**counts, "tree_size": len(paths) + 1, "verify_steps": steps, "tau": sum(taus) / len(taus),
-            "wall_s": sum(walls), "seconds": time.perf_counter() - t0}

@@ -1,10 +1,8 @@
-"""`lantern profile compare`: results files from any machines and backends -> one Markdown report and PNG
-plots (step latency vs N per batch size, speed-up per method and tree, speed-up vs batch size, memory and its
-parts). Every speed-up is over AR at the same batch size B (images decoded together) in the same file."""
+"""`lantern profile compare`: results files from any machines and backends -> one Markdown report (step latency
+vs N per batch size, every generation, speed-up per method and tree vs batch size, memory and its parts). Every
+speed-up is over AR at the same batch size B (images decoded together) in the same file."""
 from __future__ import annotations
 
-import json
-import re
 from pathlib import Path
 from typing import Optional
 
@@ -14,7 +12,6 @@ from lantern.profile.schema import (batch_sizes, generation_case_id, load_result
 
 MIB = 2 ** 20
 MEMORY_PARTS = ("weights_bytes", "kv_cache_bytes", "tree_buffer_bytes", "workspace_bytes")
-TUNED_LABEL = re.compile(r"tuned-N\d+-[0-9a-f]+")  # suite.tree_label's name of a tuned tree
 
 
 def label(data: dict) -> str:
@@ -33,11 +30,8 @@ def draft_curve(data: dict, batch: int) -> dict:
 
 
 def variant(params: dict) -> str:
-    """A generate case's method and tree, without its batch size; every tuned tree is `tuned` (each batch
-    size's own)."""
+    """A generate case's method and tree, without its batch size."""
     tree = params.get("tree")
-    if tree and TUNED_LABEL.fullmatch(tree):
-        tree = "tuned"
     return params["method"] + (f"/{tree}" if tree else "")
 
 
@@ -67,8 +61,7 @@ def generation_rows(data: dict) -> list[dict]:
 
 
 def speedup_by_batch(data: dict) -> dict[str, dict[int, float]]:
-    """{method/tree: {batch size: speed-up over AR at that batch size}} of the ok non-AR generations (with several
-    tunings, the last measured tuned tree)."""
+    """{method/tree: {batch size: speed-up over AR at that batch size}} of the ok non-AR generations."""
     out: dict[str, dict[int, float]] = {}
     for r in generation_rows(data):
         if r["status"] == "ok" and r["method"] != "ar" and r["speedup"] is not None:
@@ -104,7 +97,7 @@ def speedup_table(measured: list[tuple[str, dict]]) -> list[str]:
     if not sizes:
         return []
     out = ["## Speed-up vs batch size", "", "Speed-up over AR at the same batch size B (wall time of B images decoded "
-           "together; `tuned` is each B's own tuned tree).", "",
+           "together).", "",
            "| run | method / tree | " + " | ".join(f"B = {b}" for b in sizes) + " |", "|---|---|" + "---|" * len(sizes)]
     for n, by in by_run.items():
         for v, speedups in sorted(by.items()):
@@ -112,27 +105,7 @@ def speedup_table(measured: list[tuple[str, dict]]) -> list[str]:
     return out + [""]
 
 
-def tuned_section(run: str, batch: int, tuned: dict) -> list[str]:
-    """Markdown: one batch size's tuned tree, the presets under the same model, and its side-by-side timing."""
-    ch = tuned["choice"]
-    out = [f"**{run}**, B = {batch}: chose N {ch['N']}, depth {ch['depth']}: `{json.dumps(ch['paths'])}`", "",
-           "| tree | N | predicted tau | predicted step ms | predicted speed-up vs AR |", "|---|---|---|---|---|"]
-    for name, row in [("tuned", ch), *tuned["presets"].items()]:
-        out.append(f"| {name} | {row['N']} | {row['tau']:.2f} | {row['step_s'] * 1e3:.1f} | "
-                   f"{_fmt(row.get('predicted_speedup_vs_ar'), '.2f')}x |")
-    side = tuned.get("measured")
-    if side:
-        out += ["", f"Measured side by side in one run ({side['repeats']} generation(s) of classes {side['classes']} "
-                    "decoded together, interleaved):", ""]
-        out += ["| tree | wall s per generation (min..max) | tau |", "|---|---|---|"]
-        for k, v in side["runs"].items():
-            w = v["wall"]
-            out.append(f"| {k} | {w['median_s']:.2f} ({w['min_s']:.2f}..{w['max_s']:.2f}) | {v['tau']:.2f} |")
-        out += ["", f"Tuned / default wall time: **{side['tuned_over_default']:.2f}**"]
-    return out + [""]
-
-
-def markdown(files: list[tuple[str, dict]], plots: dict) -> str:
+def markdown(files: list[tuple[str, dict]]) -> str:
     out = ["# lantern profile report", "",
            f"{len(files)} results file(s). Speed-up = AR wall time / method wall time at the same batch size B "
            "(images decoded together), same backend, model, classes and seeds, from the same file; latencies are "
@@ -203,145 +176,15 @@ def markdown(files: list[tuple[str, dict]], plots: dict) -> str:
                 out.append(f"| {n} | {m['case']} | {m['batch']} | {m['N']} | {m['peak_bytes'] / MIB:.1f} | "
                            + " | ".join(f"{m[k] / MIB:.2f}" for k in MEMORY_PARTS) + f" | {m['source']} |")
         out.append("")
-    tuned = [(n, d["tune"]) for n, d in measured if d.get("tune")]
-    if tuned:
-        out += ["## Tuned trees", "", "One tree per batch size B, predicted from the verify and drafter curves at B, "
-                "the host overhead fitted on the generations at B and the batch-1 probe's acceptance per (depth, "
-                "rank); tau is per image and verify step, speed-up per image over AR at the same B (at B > 1 an upper "
-                "bound: the batched loop waits for its slowest image).", ""]
-        for n, t in tuned:
-            for b, tb in sorted(t["batches"].items(), key=lambda kv: int(kv[0])):
-                out += tuned_section(n, int(b), tb)
     fails = [(n, cid, err) for n, d in files for cid, err in failures(d)]
     if fails:
         out += ["## Failed cases", "", "| run | case | error |", "|---|---|---|"]
         out += [f"| {n} | {cid} | {err.replace('|', '/')[:200]} |" for n, cid, err in fails] + [""]
-    if plots:
-        out += ["## Plots", ""] + [f"![{k}]({Path(v).name})" for k, v in plots.items()] + [""]
     return "\n".join(out)
 
 
-def plot(files: list[tuple[str, dict]], out_dir: Path) -> dict:
-    import matplotlib  # the plots extra
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # the plots extra
-
-    measured = [(n, d) for n, d in files if d["backend"].get("available")]
-    makers = {"latency vs N": (plot_latency, "latency_vs_n.png"), "speed-up": (plot_speedup, "speedup.png"),
-              "speed-up vs batch": (plot_speedup_vs_batch, "speedup_vs_batch.png"),
-              "memory": (plot_memory, "memory.png")}
-    plots = {}
-    for name, (make, file_name) in makers.items():
-        fig = make(plt, measured)
-        if fig is not None:
-            plots[name] = out_dir / file_name
-            fig.tight_layout()
-            fig.savefig(plots[name], dpi=110)
-            plt.close(fig)
-    return plots
-
-
-def plot_latency(plt, measured: list[tuple[str, dict]]):
-    """Verify latency vs N and drafter latency vs W, one line per run and batch size."""
-    lines = [(f"{n}, B={b}" if len(batch_sizes(d, "verify")) > 1 else n, d, b)
-             for n, d in measured for b in batch_sizes(d, "verify")]
-    if not lines:
-        return None
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for name, d, b in lines:
-        c = verify_curve(d, b)
-        xs = list(c)
-        below = [(c[x][0] - c[x][1]) * 1e3 for x in xs]  # median - p25
-        above = [(c[x][2] - c[x][0]) * 1e3 for x in xs]  # p75 - median
-        axes[0].errorbar(xs, [c[x][0] * 1e3 for x in xs], yerr=[below, above], marker="o", ms=3, capsize=2,
-                         label=name)
-        dc = draft_curve(d, b)
-        if dc:
-            axes[1].plot(list(dc), [v * 1e3 for v in dc.values()], marker="o", ms=3, label=name)
-    axes[0].set(xlabel="tree size N (nodes verified, root included)", ylabel="verify latency (ms)",
-                title="Target verify latency vs N (B images per step)")
-    axes[1].set(xlabel="drafter width W", ylabel="drafter step latency (ms)", title="Drafter step latency vs W")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    return fig
-
-
-def plot_speedup(plt, measured: list[tuple[str, dict]]):
-    """Bars: speed-up per method and tree at batch size 1, one bar per run."""
-    gen = {n: [r for r in generation_rows(d) if r["status"] == "ok" and r["method"] != "ar" and r["batch"] == 1]
-           for n, d in measured}
-    cases = sorted({r["variant"] for rows in gen.values() for r in rows})
-    if not cases:
-        return None
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(cases) + 2), 4.2))
-    width = 0.8 / max(len(gen), 1)
-    for i, (n, rows) in enumerate(gen.items()):
-        by = {r["variant"]: r for r in rows}  # each profile's own tuned tree in one group (the last tuning)
-        heights = [(by[c]["speedup"] or 0) if c in by else 0 for c in cases]
-        ax.bar([k + i * width for k in range(len(cases))], heights, width, label=n)
-    ax.axhline(1.0, color="k", lw=0.8, ls="--")
-    ax.set_xticks([k + width * (len(gen) - 1) / 2 for k in range(len(cases))], cases, rotation=25, ha="right",
-                  fontsize=8)
-    ax.set(ylabel="speed-up over AR (wall time)", title="Whole-generation speed-up per method and tree (B = 1)")
-    ax.legend(fontsize=7)
-    ax.grid(axis="y", alpha=0.3)
-    return fig
-
-
-def plot_speedup_vs_batch(plt, measured: list[tuple[str, dict]]):
-    """One panel per run: speed-up over AR at the same batch size vs the batch size, one line per method / tree."""
-    runs = [(n, speedup_by_batch(d)) for n, d in measured]
-    runs = [(n, by) for n, by in runs if by]
-    if not runs:
-        return None
-    fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 4.2), sharey=True, squeeze=False)
-    for ax, (n, by) in zip(axes[0], runs):
-        for v, speedups in sorted(by.items()):
-            ax.plot(list(speedups), list(speedups.values()), marker="o", ms=4, label=v)
-        sizes = sorted({b for speedups in by.values() for b in speedups})
-        ax.axhline(1.0, color="k", lw=0.8, ls="--")
-        ax.set_xticks(sizes, [str(b) for b in sizes])
-        ax.set(xlabel="batch size B (images decoded together)", title=n)
-        ax.title.set_fontsize(8)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    axes[0][0].set_ylabel("speed-up over AR at the same B")
-    fig.suptitle("Whole-generation speed-up vs batch size", fontsize=10)
-    return fig
-
-
-def plot_memory(plt, measured: list[tuple[str, dict]]):
-    """Stacked parts of the widest generation's memory, and its peak beyond them, per run."""
-    mem = {n: memory_parts(d) for n, d in measured}
-    mem = {n: m for n, m in mem.items() if m}
-    if not mem:
-        return None
-    names = list(mem)
-    fig, axes = plt.subplots(1, 2, figsize=(max(9.0, 2.4 * len(mem) + 4), 4.2))
-    bottom = [0.0] * len(names)
-    for part in MEMORY_PARTS[:-1]:  # what the model and its static shapes hold
-        vals = [mem[n][part] / MIB for n in names]
-        axes[0].bar(names, vals, bottom=bottom, label=part.removesuffix("_bytes").replace("_", " "))
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    axes[0].set(ylabel="MiB", title="Weights, KV cache and tree buffers")
-    fixed = [sum(mem[n][p] for p in MEMORY_PARTS[:-1]) / MIB for n in names]
-    work = [mem[n]["workspace_bytes"] / MIB for n in names]
-    # what the backend's peak holds beyond its parts (on CPU: the interpreter and libraries in the process)
-    other = [max(mem[n]["peak_bytes"] / MIB - f - w, 0.0) for n, f, w in zip(names, fixed, work)]
-    axes[1].bar(names, fixed, label="weights + KV + tree buffers")
-    axes[1].bar(names, work, bottom=fixed, label="workspace (as the backend reports it)")
-    axes[1].bar(names, other, bottom=[f + w for f, w in zip(fixed, work)], label="rest of the peak")
-    axes[1].set(ylabel="MiB", title="Peak memory (sources: see the report's table)")
-    for ax in axes:
-        ax.tick_params(axis="x", labelsize=7)
-        ax.legend(fontsize=7)
-    fig.suptitle("Memory of the widest generation of each run", fontsize=10)
-    return fig
-
-
-def compare(paths: list[str | Path], out_dir: str | Path, with_plots: bool = True) -> dict:
-    """Load (validating each: an incompatible schema version is refused), then write report.md and PNGs."""
+def compare(paths: list[str | Path], out_dir: str | Path) -> dict:
+    """Load (validating each: an incompatible schema version is refused), then write report.md."""
     if not paths:
         raise ValueError("compare needs at least one results file")
     files, seen = [], {}
@@ -352,7 +195,6 @@ def compare(paths: list[str | Path], out_dir: str | Path, with_plots: bool = Tru
         files.append((name if seen[name] == 1 else f"{name} #{seen[name]}", data))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    plots = plot(files, out_dir) if with_plots else {}
     report = out_dir / "report.md"
-    atomic_io.write_text(report, markdown(files, plots))
-    return {"report": str(report), "plots": {k: str(v) for k, v in plots.items()}, "runs": [n for n, _ in files]}
+    atomic_io.write_text(report, markdown(files))
+    return {"report": str(report), "runs": [n for n, _ in files]}

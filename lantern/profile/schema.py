@@ -16,23 +16,20 @@ Schema version 2 (`"schema": "lantern-profile-results"`, `"schema_version": 2`):
                      "draft/b{B}/W{W}"        one drafter step of width W
                      "generate/b{B}/{method}"         B images decoded together (one batched loop), e.g.
                      "generate/b{B}/{method}/{tree}"  "generate/b4/ar", "generate/b4/lantern++/chain-5"
-                                              (static-tree methods once per tree; a tuned tree is
-                                              "tuned-N{N}-{hash of its paths}")
-                     "acceptance/probe"       acceptance per (depth, rank), always at batch 1
+                                              (static-tree methods once per tree)
                      "calibration/b{B}"       `--method auto`'s cost model at B: fixed_s and each candidate
                                               plan's step_s (lantern.plan.calibration), also cached for the machine
                    (the second part of a step or generate id is always "b" and the batch size)
-    tune           (optional) the last `lantern profile tune`: {"tuned_at", "acceptance_rates", "batches":
-                   {"B": {"choice", "presets", "ar_seconds_per_token", "cost_model", "tree_file",
-                   "measured" (with --measure)}}}
 
-A case is {"kind": verify | draft | generate | acceptance | calibration | backend, "status": ok | failed,
+A case is {"kind": verify | draft | generate | calibration | backend, "status": ok | failed,
 "params": {...}, "result": {...} (ok) or "error": "..." (failed), "seconds": wall time of the case,
 "measured_at": ISO time, "load_average": the 1/5/15-minute load when the case ended}. Every step, generate and
 calibration case has params["batch"] = B.
 Latencies are {"median_s", "min_s", "max_s", "p25_s", "p75_s", "repeats", "samples_s"}; memory is the
 backend's MemoryReport: the true peak (lantern.backends.memory; its "source" says which) and its parts. Files
-measured before it also hold "process_peak_rss_bytes" (the process's lifetime peak), which nothing reads.
+measured before it also hold "process_peak_rss_bytes" (the process's lifetime peak), and files measured while
+lantern had `lantern profile tune` its "tune" object, "acceptance/probe" case (kind "acceptance") and tuned trees'
+"generate/bB/lantern++/tuned-N{N}-{hash}" cases, which nothing reads now.
 A generate result holds "wall" (a latency record over the timed passes, each pass decoding the B images once),
 "images" (B), "tokens_per_pass", "tokens_per_s" (all images' tokens over all passes' wall time), "tau" (per
 image and verify step), "step_compression" (per image), "verify_steps" (steps of the batched loop, each
@@ -57,8 +54,8 @@ CASE_KINDS = ("backend", "verify", "draft", "generate", "acceptance", "calibrati
 BATCHED_KINDS = ("verify", "draft", "generate")  # measured per batch size: params["batch"]
 CASE_STATUSES = ("ok", "failed")
 RESULT_FIELDS = {"backend": (), "verify": ("latency", "memory"), "draft": ("latency", "memory"),
-                 "generate": ("wall", "images", "verify_steps"), "acceptance": ("offered", "accepted", "rates"),
-                 "calibration": ("fixed_s", "plans")}  # what the report, the tuner and auto read of an ok case
+                 "generate": ("wall", "images", "verify_steps"), "acceptance": (),
+                 "calibration": ("fixed_s", "plans")}  # what the report and auto read of an ok case
 STEP_SIZE = {"verify": "N", "draft": "W"}  # the param that sizes a step case
 TOP_LEVEL = {"schema": str, "schema_version": int, "profile": dict, "backend": dict, "model": dict,
              "environment": dict, "started_at": str, "updated_at": str, "complete": bool, "cases": dict}
@@ -85,8 +82,6 @@ def validate(data, where: str) -> dict:
             raise SchemaError(f"{where}: field {key!r} must be a {typ.__name__}, got {data.get(key)!r:.80}")
     for case_id, case in data["cases"].items():
         _validate_case(case_id, case, where)
-    if "tune" in data and not isinstance(data["tune"], dict):
-        raise SchemaError(f"{where}: field 'tune' must be an object")
     return data
 
 
@@ -134,7 +129,7 @@ def generation_case_id(batch: int, method: str, tree: Optional[str] = None) -> s
     return f"generate/b{batch}/{method}" + (f"/{tree}" if tree else "")
 
 
-# -- reading: the one place the tuner and the report take measurements from -------------------------------------
+# -- reading: the one place the report and auto take measurements from -----------------------------------------------
 def ok_cases(data: dict, kind: str) -> dict[str, dict]:
     return {cid: c for cid, c in data["cases"].items() if c["kind"] == kind and c["status"] == "ok"}
 
@@ -154,11 +149,6 @@ def step_latencies(data: dict, kind: str, batch: int) -> dict[int, dict]:
 def batch_sizes(data: dict, kind: str) -> list[int]:
     """The batch sizes with an ok case of `kind` (verify, draft or generate), ascending."""
     return sorted({c["params"]["batch"] for c in ok_cases(data, kind).values()})
-
-
-def generations(data: dict, batch: int) -> dict[str, dict]:
-    """{case id: case} of the ok generate cases at `batch` images."""
-    return {cid: c for cid, c in ok_cases(data, "generate").items() if c["params"]["batch"] == batch}
 
 
 def seconds_per_step(result: dict) -> float:

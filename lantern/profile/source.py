@@ -50,7 +50,7 @@ def load_source(spec: str = "auto") -> ModelSource:
 
 def _bundle_source(path: Optional[str]) -> ModelSource:
     b = load_bundle(path)
-    # the name is a valid source spec, so `tune --measure` reloads exactly this bundle; the embedded one is named
+    # the name is a valid source spec, which reloads exactly this bundle; the embedded one is named
     # "bundle", never by the folder it happens to be installed in (its files' hashes say which model it was)
     info = {"kind": "bundle", "name": f"bundle:{path}" if path else "bundle", "config": b.target.config.to_dict(),
             "has_drafter": b.drafter is not None, "has_proximity": b.proximity is not None,

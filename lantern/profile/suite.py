@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import datetime
 import gc
-import hashlib
 import inspect
-import json
 import os
 import sys
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -23,12 +20,11 @@ from tqdm import tqdm
 from lantern.api import Pipeline
 from lantern.backends import BackendUnavailable, backend_class, environment, get_backend, resolve_name
 from lantern.decoding.config import method_preset
-from lantern.decoding.trees import load_tree
 from lantern.plan import calibration, acceptance_records as records
 from lantern.plan.candidates import AR, candidate_plans
 from lantern.plan.choose import allowed_relaxation, runnable
 from lantern.profile import measure
-from lantern.profile.hardware import TUNED_TREE, HardwareProfile, shipped_dir
+from lantern.profile.hardware import HardwareProfile, shipped_dir
 from lantern.profile.schema import (SCHEMA, SCHEMA_VERSION, generation_case_id, load_results, save_results,
                                     step_case_id)
 from lantern.profile.source import load_source
@@ -65,20 +61,6 @@ def backend_options(name: str, profile: HardwareProfile) -> dict:
     return options
 
 
-def tree_label(tree: str, profile: HardwareProfile, batch: int) -> Optional[tuple[str, str]]:
-    """(label, drafting spec) of a profile tree at `batch` images per step; None for `tuned` when the profile has
-    no tuned tree yet. `tuned` is the tree `generate --profile` would use at that batch width; its label carries
-    a hash of its paths, so a new tuning is a new case."""
-    if tree != TUNED_TREE:
-        return tree, tree
-    tree_file = profile.tuned_tree_file(batch)
-    if tree_file is None:
-        return None
-    paths = load_tree(str(tree_file))
-    digest = hashlib.sha256(repr(paths).encode()).hexdigest()[:8]
-    return f"tuned-N{len(paths) + 1}-{digest}", str(tree_file)
-
-
 class Suite:
     def __init__(self, profile: HardwareProfile, backend: Optional[str] = None, model: Optional[str] = None,
                  out: Optional[Path] = None, fresh: bool = False, progress: bool = True):
@@ -93,7 +75,7 @@ class Suite:
     def plan(self) -> list[Case]:
         """Every case of the profile, in run order. Each kind of case has its planner; another kind is one more
         planner in this list (and its kind in schema.CASE_KINDS)."""
-        planners = (self.step_cases, self.generation_cases, self.probe_cases, self.calibration_cases)
+        planners = (self.step_cases, self.generation_cases, self.calibration_cases)
         return [case for planner in planners for case in planner()]
 
     def step_cases(self) -> list[Case]:
@@ -124,31 +106,15 @@ class Suite:
         for b in p.batch_sizes:
             classes = p.classes_at(b)
             for method in p.methods:
-                trees = [tree_label(t, p, b) for t in p.trees] if method in STATIC_TREE_METHODS else [None]
-                for tree in trees:
-                    if method in STATIC_TREE_METHODS and tree is None:
-                        continue  # `tuned` before any tuning: nothing to measure yet
-                    label, drafting = tree if tree else (None, None)
-                    overrides = {"drafting": drafting} if drafting else {}
-                    dcfg = method_preset(method, self.sampling, **overrides)
-                    params = {"batch": b, "method": method, "tree": label, "decode": dcfg.to_dict(),
+                for tree in p.trees if method in STATIC_TREE_METHODS else [None]:
+                    dcfg = method_preset(method, self.sampling, **({"drafting": tree} if tree else {}))
+                    params = {"batch": b, "method": method, "tree": tree, "decode": dcfg.to_dict(),
                               "classes": classes, "seed": p.seed, "repeats": p.generation_repeats}
-                    cases.append(Case(generation_case_id(b, method, label), "generate", params,
+                    cases.append(Case(generation_case_id(b, method, tree), "generate", params,
                                       lambda dcfg=dcfg, classes=classes: measure.generation(
                                           self.make_pipe(), dcfg, classes, p.seed, p.generation_warmup,
                                           p.generation_repeats)))
         return cases
-
-    def probe_cases(self) -> list[Case]:
-        """Acceptance per (depth, rank), at batch 1 (acceptance does not depend on the batch width); needs the
-        drafter and the proximity table."""
-        src, p = self.source, self.profile
-        if src.drafter is None or src.proximity is None:
-            return []
-        pr = p.probe
-        params = {"method": "lantern++", "depth": pr.depth, "fanout": pr.fanout, "expand": list(pr.expand),
-                  "classes": list(p.classes), "seed": p.seed}
-        return [Case("acceptance/probe", "acceptance", params, self._probe)]
 
     def calibration_cases(self) -> list[Case]:
         """`--method auto`'s cost model at every batch size: one decode step of each candidate plan (relaxed
@@ -171,16 +137,6 @@ class Suite:
         model = pipe.model_key
         cached = calibration.refresh_cache(pipe, self.sampling, width, entry)
         return {**entry, "model": model, "cache": str(cached)}
-
-    def _probe(self) -> dict:
-        pr = self.profile.probe
-        paths = measure.probe_paths(pr.depth, pr.fanout, pr.expand)
-        with tempfile.TemporaryDirectory() as tmp:
-            tree_file = Path(tmp) / "probe.json"
-            tree_file.write_text(json.dumps([list(x) for x in paths]))
-            dcfg = method_preset("lantern++", self.sampling, drafting=str(tree_file))
-            return measure.acceptance_probe(self.make_pipe(), dcfg, paths, list(self.profile.classes),
-                                            self.profile.seed)
 
     def make_pipe(self):
         """A new Pipeline per case: the runners an earlier case prepared are freed first, so each case's
@@ -214,7 +170,7 @@ class Suite:
             if was != now_:
                 raise ValueError(f"{self.out} was measured with another {what} ({was!r}, now {now_!r}); pass "
                                  f"--fresh to start over or --out to write elsewhere")
-        # this machine's environment and provenance; the same settings, whose names and tuned tree may have changed
+        # this machine's environment and provenance; the same settings, whose names may have changed
         old.update({key: fresh[key] for key in ("environment", "provenance", "profile")})
         return old
 

@@ -108,7 +108,7 @@ def test_bad_numbers_exit_2_before_any_work(tmp_path, capsys, args, message):
 
 
 def test_bad_flags_of_other_commands_exit_2_in_process(tmp_path, capsys):
-    """eval, export-onnx and profile tune take the same checked numbers (in process: these exit before any
+    """eval, export-onnx and profile calibrate take the same checked numbers (in process: these exit before any
     model is loaded)."""
     from lantern.cli import main
     cases = [(["eval", "--n-per-class", "0", "--json"], "argument --n-per-class: 0 is not allowed"),
@@ -117,8 +117,6 @@ def test_bad_flags_of_other_commands_exit_2_in_process(tmp_path, capsys):
               "argument --cfg-scale: inf is not allowed"),
              (["export-onnx", "--out", str(tmp_path / "g"), "--batch", "0", "--json"],
               "argument --batch: 0 is not allowed; allowed: an integer >= 1"),
-             (["profile", "tune", "--profile", "cpu", "--max-nodes", "1", "--json"],
-              "argument --max-nodes: 1 is not allowed; allowed: an integer >= 2"),
              (["profile", "calibrate", "--top-k", "-1", "--json"],
               "argument --top-k: -1 is not allowed; allowed: an integer >= 0")]
     for argv, message in cases:

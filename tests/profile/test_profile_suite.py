@@ -1,6 +1,5 @@
 """The profile suite end to end on the tiny random model: results schema, resumable runs, failed cases, the
-batch dimension (step curves, generations and tuned trees per batch size), compare report with plots, and tree
-tuning from synthetic and measured numbers."""
+batch dimension (step curves and generations per batch size), and the compare report."""
 import json
 from argparse import Namespace
 import os
@@ -9,14 +8,11 @@ from pathlib import Path
 import pytest
 
 from lantern.cli import main
-from lantern.decoding.trees import TREE_PRESETS, load_tree
 from lantern.profile import measure
 from lantern.profile.hardware import load_profile
 from lantern.profile.report import compare
 from lantern.profile.schema import SCHEMA_VERSION, SchemaError, load_results, save_results
 from lantern.profile.suite import Suite
-from lantern.plan.cost_model import CostModel
-from lantern.profile.tune import AcceptanceRates, choose_tree, evaluate
 
 TINY_PROFILE = """\
 # a tiny profile: every kind of case, in seconds
@@ -30,15 +26,10 @@ verify_sizes = [1, 2, 4, 8, 16]
 verify_sizes_by_batch = {2 = [1, 2, 4, 8]}
 draft_sizes = [1, 2, 4]
 methods = ["ar", "eagle2", "lantern++"]
-trees = ["chain-5", "tuned"]
+trees = ["chain-5"]
 classes = [0, 1]
 warmup = 1
 repeats = 1
-
-[probe]  # keep this comment
-depth = 3
-fanout = 3
-expand = [1, 2, 2]
 """
 
 
@@ -64,7 +55,7 @@ def test_run_writes_a_valid_results_file(tiny_run):
     data = load_results(results)
     assert data["schema_version"] == SCHEMA_VERSION and data["model"]["kind"] == "random"
     kinds = {c["kind"] for c in data["cases"].values()}
-    assert kinds == {"verify", "draft", "generate", "acceptance", "calibration"}
+    assert kinds == {"verify", "draft", "generate", "calibration"}  # no acceptance probe: nothing reads it
     verify = data["cases"]["verify/b1/N8"]["result"]
     assert verify["latency"]["repeats"] == 1 and verify["latency"]["median_s"] > 0
     assert verify["memory"]["weights_bytes"] > 0 and verify["memory"]["kv_cache_bytes"] > 0
@@ -73,11 +64,8 @@ def test_run_writes_a_valid_results_file(tiny_run):
     prefills = gen["target_forwards"] - gen["verify_steps"]  # each image's first token comes from its prefill
     tokens = gen["tau"] * gen["verify_steps"] + prefills  # tau counts accepted drafts + bonus per verify
     assert gen["step_compression"] == pytest.approx(tokens / gen["target_forwards"])
-    probe = data["cases"]["acceptance/probe"]["result"]
-    assert len(probe["rates"]) == 3 and all(0 <= r <= 1 for row in probe["rates"] for r in row)
     env = data["environment"]
     assert env["torch"] and env["logical_cores"] >= 1 and "cpu_model" in env
-    assert not any("tuned" in k for k in data["cases"])  # no tuned tree yet: nothing planned
 
 
 def test_generations_and_step_curves_at_every_batch_size(tiny_run):
@@ -101,7 +89,6 @@ def test_generations_and_step_curves_at_every_batch_size(tiny_run):
     image_steps = two["target_forwards"] - 2  # each image's steps (its forwards but the prefill), added up
     assert image_steps / 2 <= two["verify_steps"] < image_steps
     assert two["tau"] == pytest.approx((32 - 2) / image_steps)  # each image's first token comes from its prefill
-    assert cases["acceptance/probe"]["params"]["classes"] == [0, 1]  # the probe decodes each class, at batch 1
 
 
 def test_classes_are_cycled_to_the_batch_size_and_step_sizes_can_differ_per_batch():
@@ -190,170 +177,57 @@ def test_bad_profile_is_exit_code_2(capsys):
     assert code == 2 and "no-such-profile" in out["error"] and "known:" in out["error"]
 
 
-def test_compare_writes_markdown_and_plots(tiny_run, tmp_path, capsys):
+def test_compare_writes_one_markdown_report(tiny_run, tmp_path, capsys):
     code, unavailable = run_cli("profile", "run", "--profile", str(tiny_run[0]), "--backend", "nope",
                                 "--out", str(tmp_path / "nope.json"), capsys=capsys)
-    out = compare([tiny_run[1], tmp_path / "nope.json"], tmp_path / "report")
+    compare([tiny_run[1], tmp_path / "nope.json"], tmp_path / "report")
     report = (tmp_path / "report" / "report.md").read_text()
     for heading in ("Verify latency vs tree size N", "Whole generation", "Memory", "Unavailable backends",
                     "Failed cases"):
         assert heading in report
     assert "lantern++/chain-5" in report and "unknown backend 'nope'" in report
-    assert set(out["plots"]) == {"latency vs N", "speed-up", "speed-up vs batch", "memory"}
+    assert [p.name for p in (tmp_path / "report").iterdir()] == ["report.md"]  # every number is in its tables
     # speed-up vs batch size: over AR at the same batch size, one column per batch size
     data = load_results(tiny_run[1])
     wall = {cid: c["result"]["wall"]["median_s"] for cid, c in data["cases"].items() if c["kind"] == "generate"}
     speedups = [wall[f"generate/b{b}/ar"] / wall[f"generate/b{b}/lantern++/chain-5"] for b in (1, 2)]
     assert "## Speed-up vs batch size" in report and "| run | method / tree | B = 1 | B = 2 |" in report
     assert f"| lantern++/chain-5 | {speedups[0]:.2f} | {speedups[1]:.2f} |" in report
-    for png in out["plots"].values():
-        with open(png, "rb") as f:
-            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-def synthetic_acceptance(depth=6, ranks=10) -> AcceptanceRates:
-    """Rank j accepted given its parent reached: 0.5 * 0.6**j, a little lower at each depth."""
-    return AcceptanceRates(tuple(tuple(0.5 * 0.6 ** j * 0.95 ** d for j in range(ranks)) for d in range(depth)))
-
-
-def test_flat_verify_latency_gets_a_bigger_tree_than_steep():
-    sizes = [1, 2, 4, 8, 16, 32, 64, 128]
-    draft = {1: 1e-3, 4: 1e-3, 8: 1.1e-3, 16: 1.2e-3}
-    flat = CostModel.from_curves({n: 10e-3 for n in sizes}, draft)
-    steep = CostModel.from_curves({n: 1e-3 + 1e-3 * n for n in sizes}, draft)
-    acc = synthetic_acceptance()
-    wide, small = choose_tree(acc, flat), choose_tree(acc, steep)
-    assert wide["N"] > 2 * small["N"]
-    assert wide["N"] > 57 and small["N"] < 26
-    assert wide["tokens_per_s"] == pytest.approx(evaluate(wide["paths"], acc, flat)["tokens_per_s"])
-    # on its own device, the chosen tree beats every preset under the same model
-    for cost, chosen in ((flat, wide), (steep, small)):
-        for paths in TREE_PRESETS.values():
-            assert chosen["tokens_per_s"] >= evaluate(paths, acc, cost)["tokens_per_s"] - 1e-9
-
-
-@pytest.mark.parametrize("name", ["cpu.json", "cpu-bf16.json"])
-def test_tune_chooses_again_the_trees_the_committed_results_recorded(name):
-    """A change to the tuner keeps the choices of the recorded measurements (the committed files' own tune tables),
-    or says so here."""
-    from lantern.profile.tune import tune_results
-    data = load_results(Path(__file__).resolve().parents[2] / "results" / name)
-    tuned = tune_results(data, TREE_PRESETS)
-    for b, recorded in data["tune"]["batches"].items():
-        assert [list(p) for p in tuned["batches"][int(b)]["choice"]["paths"]] == recorded["choice"]["paths"], b
-
-
-def generate_args(profile, classes, batch=None) -> Namespace:
-    """The flags of `lantern generate --profile` that apply_profile reads, after apply_profile."""
+def test_a_profile_supplies_generate_its_backend_dtype_and_threads_and_no_tree(tmp_path, monkeypatch):
+    """`lantern generate --profile NAME` takes the profile's backend and dtype (unless given) and its threads; the
+    tree stays the method's own (`--drafting` or the preset), as no profile holds a tuned tree any more."""
     from lantern.cli.profile import apply_profile
-    args = Namespace(profile=str(profile), backend=None, dtype=None, drafting=None, method="lantern++",
-                     classes=classes, batch=batch)
+    threads = []
+    monkeypatch.setattr("torch.set_num_threads", threads.append)
+    (tmp_path / "p.toml").write_text('name = "p"\nbackend = "cpu"\ndtype = "bf16"\nthreads = 3\n')
+    args = Namespace(profile=str(tmp_path / "p.toml"), backend=None, dtype="fp32", drafting=None, method="lantern++",
+                     classes=[0], batch=None)
     apply_profile(args)
-    return args
+    assert (args.backend, args.dtype, args.drafting, threads) == ("cpu", "fp32", None, [3])
 
 
-def test_tune_writes_a_tree_per_batch_size_keeping_comments_and_runs_pick_them_up(tiny_run, tmp_path, capsys):
-    path, results, _ = tiny_run
-    profile = tmp_path / "tiny.toml"
-    profile.write_text(path.read_text())
-    (tmp_path / "results").mkdir()
-    (tmp_path / "results" / "tiny.json").write_text(results.read_text())
-    for _ in range(2):  # tuning twice replaces the [tuned] table
-        code, out = run_cli("profile", "tune", "--profile", str(profile), capsys=capsys)
-        assert code == 0 and list(out["batches"]) == ["1", "2"]
-    text = profile.read_text()
-    assert text.startswith(TINY_PROFILE) and "# keep this comment" in text
-    assert [text.count(t) for t in ("[tuned]", "[tuned.b1]", "[tuned.b2]")] == [1, 1, 1]
-    tuned = load_profile(str(profile))
-    trees = {b: tmp_path / f"tiny.tuned.b{b}.json" for b in (1, 2)}
-    assert tuned.tuned_tree_names() == {b: f.name for b, f in trees.items()}
-    saved = load_results(tmp_path / "results" / "tiny.json")["tune"]["batches"]
-    for b, tree_file in trees.items():
-        chosen = out["batches"][str(b)]
-        assert load_tree(str(tree_file)) == tuple(map(tuple, chosen["tree"])) and chosen["N"] == len(chosen["tree"]) + 1
-        assert tuned.tuned[f"b{b}"]["N"] == chosen["N"] and saved[str(b)]["choice"]["N"] == chosen["N"]
-        assert saved[str(b)]["cost_model"]["verify"][-1][0] == (16 if b == 1 else 8)  # the curve measured at b
-        assert out["written"]["tree_files"][str(b)] == str(tree_file)
-
-    again = Suite(tuned, progress=False).run()  # `tuned` is now a tree at each batch size: two new cases
-    assert again["ran"] == 2 and again["failed"] == []
-    ran = load_results(again["results"])["cases"]
-    for b in (1, 2):
-        label = f"generate/b{b}/lantern++/tuned-N{out['batches'][str(b)]['N']}-"
-        assert [k for k in ran if k.startswith(label)] and ran[next(k for k in ran if k.startswith(label))]["params"][
-            "decode"]["drafting"] == str(trees[b])
-
-    report = compare([again["results"]], tmp_path / "report", with_plots=False)["report"]
-    for b in (1, 2):  # the report lists each batch size's tuned tree
-        assert f", B = {b}: chose N {out['batches'][str(b)]['N']}, depth" in open(report).read()
-
-    args = generate_args(profile, classes=[0, 1, 2, 3])  # 4 images, default --batch 16: width 4, tuned at 2
-    assert args.backend == "cpu" and args.dtype == "fp32" and args.drafting == str(trees[2])
-    assert generate_args(profile, classes=[0]).drafting == str(trees[1])  # width 1
-    assert generate_args(profile, classes=[0, 1, 2], batch=1).drafting == str(trees[1])  # --batch 1: width 1
+@pytest.mark.parametrize("table", ["[tuned]\ntree_file = \"p.tuned.json\"\n", "[probe]\ndepth = 2\n"])
+def test_a_profile_with_a_table_of_the_removed_tuner_is_refused_naming_it(tmp_path, capsys, table):
+    """`lantern profile tune` wrote [tuned] and read the [probe] case's acceptance; both are gone, so a profile
+    that still has one is bad input (exit 2, the key named), not silently half-read."""
+    (tmp_path / "p.toml").write_text(f'name = "p"\n{table}')
+    key = table[1:table.index("]")]
+    with pytest.raises(ValueError, match=rf"unknown keys \['{key}'\]"):
+        load_profile(str(tmp_path / "p.toml"))
+    code, out = run_cli("profile", "run", "--profile", str(tmp_path / "p.toml"), capsys=capsys)
+    assert code == 2 and f"'{key}'" in out["error"]
 
 
-def test_the_tree_for_a_batch_width_is_the_largest_tuned_one_not_above_it(tmp_path):
-    from lantern.profile.hardware import write_tuned
-    profile = tmp_path / "p.toml"
-    profile.write_text('name = "p"\n# above [tuned]\n')
-    write_tuned(profile, {"results": "p.json"}, {4: ({"N": 3}, ((0,), (1,))), 10: ({"N": 2}, ((0,),))})
-    p = load_profile(str(profile))
-    picked = {b: p.tuned_tree_file(b).name for b in (1, 3, 4, 9, 10, 16)}
-    assert picked == {1: "p.tuned.b4.json", 3: "p.tuned.b4.json", 4: "p.tuned.b4.json", 9: "p.tuned.b4.json",
-                      10: "p.tuned.b10.json", 16: "p.tuned.b10.json"}  # below every tuned size: the smallest
-    assert profile.read_text().startswith('name = "p"\n# above [tuned]\n')
-    # a profile tuned before per-batch tuning: its one tree was tuned at batch 1 and serves every width
-    (tmp_path / "old.tuned.json").write_text("[[0]]\n")
-    (tmp_path / "old.toml").write_text('name = "old"\n[tuned]\ntree_file = "old.tuned.json"\nN = 2\n')
-    old = load_profile(str(tmp_path / "old.toml"))
-    assert old.tuned_tree_names() == {1: "old.tuned.json"}
-    assert generate_args(tmp_path / "old.toml", classes=[0] * 8).drafting == str(tmp_path / "old.tuned.json")
-    (tmp_path / "old.tuned.json").unlink()
-    with pytest.raises(ValueError, match="its tuned tree .*old.tuned.json is missing; rerun `lantern profile tune"):
-        generate_args(tmp_path / "old.toml", classes=[0])
-    (tmp_path / "bad.toml").write_text('name = "bad"\n[tuned]\n[tuned.batch4]\ntree_file = "x.json"\n')
-    with pytest.raises(ValueError, match=r"unknown table \[tuned.batch4\]; the tables under \[tuned\] are named "
-                                         r"b<batch size>"):
-        load_profile(str(tmp_path / "bad.toml"))
-
-
-def test_each_batch_size_gets_the_tree_its_own_curves_call_for():
-    """Tuning from a results file: at B = 1 the verify curve is flat (a big tree is nearly free), at B = 4 steep
-    (every node must pay for itself), so B = 4 gets a much smaller tree; the acceptance rates are shared."""
-    from lantern.profile.tune import tune_results
-
-    def step(kind, b, size, seconds):
-        key = {"verify": "N", "draft": "W"}[kind]
-        return {"kind": kind, "status": "ok", "params": {"batch": b, key: size},
-                "result": {"latency": {"median_s": seconds}}}
-
-    sizes = [1, 2, 4, 8, 16, 32, 64, 128]
-    cases = {f"verify/b1/N{n}": step("verify", 1, n, 10e-3) for n in sizes}
-    cases |= {f"verify/b4/N{n}": step("verify", 4, n, 1e-3 + 1e-3 * n) for n in sizes}
-    cases |= {f"draft/b{b}/W{w}": step("draft", b, w, 1e-3) for b in (1, 4) for w in (1, 4, 8, 16)}
-    cases["acceptance/probe"] = {"kind": "acceptance", "status": "ok", "params": {},
-                                 "result": {"rates": [list(r) for r in synthetic_acceptance().rates]}}
-    tuned = tune_results({"cases": cases}, TREE_PRESETS)["batches"]
-    assert list(tuned) == [1, 4]
-    assert tuned[1]["choice"]["N"] > 57 and tuned[4]["choice"]["N"] < 26
-    assert tuned[4]["choice"]["step_s"] == pytest.approx(1e-3 + 1e-3 * tuned[4]["choice"]["N"]
-                                                         + tuned[4]["choice"]["depth"] * 1e-3)
-    assert tuned[1]["ar_seconds_per_token"] is None  # no AR generation in this file: no predicted speed-up
-
-
-def test_acceptance_counts_per_depth_and_rank():
-    paths = measure.probe_paths(depth=2, fanout=2, expand=(1, 1))
-    assert paths == ((0,), (1,), (0, 0), (0, 1))
-    # an 8-token image: the prefill gives token 1; the steps accept ranks (0, 1) (tokens 2-4), (1,) (5-6), and
-    # nothing (7: every child of the root rejected, with max_accept = 8 - 6 - 1 = 1 not binding)
-    counts = measure.count_acceptance(paths, [[(0, 1), (1,), ()]], block=8)
-    assert counts["offered"] == [[3, 3], [1, 1]]
-    assert counts["accepted"] == [[1, 1], [0, 1]]
-    assert counts["rates"] == [[1 / 3, 1 / 3], [0.0, 1.0]]
-    # a path cut by the image's token budget says nothing about the children after it
-    capped = measure.count_acceptance(paths, [[(0,)]], block=3)  # max_accept = 3 - 1 - 1 = 1 = accepted length
-    assert capped["offered"] == [[1, 1], [0, 0]]
+def test_committed_results_measured_with_the_tuner_still_load_and_compare(tmp_path):
+    """results/cpu.json holds a `tune` object, the acceptance probe and tuned trees' generations: they load, and
+    compare reports the tuned generations as cases like any other."""
+    committed = Path(__file__).resolve().parents[2] / "results" / "cpu.json"
+    data = load_results(committed)
+    assert "tune" in data and "acceptance/probe" in data["cases"]
+    report = Path(compare([committed], tmp_path / "report")["report"]).read_text()
+    assert "| lantern++/tuned-N8-58ec7020 |" in report and "Tuned trees" not in report
 
 
 def test_auto_source_prefers_the_embedded_bundle(tmp_path, monkeypatch, tiny):

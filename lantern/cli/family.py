@@ -45,7 +45,7 @@ def check_family_request(args) -> tuple[FolderInfo, list[str]]:
         raise UsageError(f"--allow-relaxed: no relaxation is validated for {info.family} models, so auto runs "
                          f"lossless plans only; name a relaxed method (--method mc-sjd-relaxed, ...) to run one")
     if args.profile:
-        raise UsageError("--profile tunes LlamaGen bundles; leave it out for a model-family folder")
+        raise UsageError("--profile applies to LlamaGen bundles; leave it out for a model-family folder")
     if args.drafter is not None:
         if info.family != "chameleon":
             raise UsageError(f"--drafter takes LANTERN's Anole drafters, for Chameleon folders; {args.model} is a "

@@ -43,8 +43,8 @@ def add_arguments(g) -> None:
                                        "(top_8191_indices.npy) for the relaxed methods (default: computed from the "
                                        "VQGAN's codebook)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
-    g.add_argument("--profile", help="hardware profile NAME or .toml FILE: its backend, dtype, threads, the tree "
-                                     "tuned for this batch width, and for --method auto its calibration")
+    g.add_argument("--profile", help="hardware profile NAME or .toml FILE: its backend, dtype, threads, and for "
+                                     "--method auto its calibration (auto then weighs that backend's modes only)")
     add_prompt_options(g)
     add_decode_options(g)
     add_backend_options(g)
@@ -59,7 +59,7 @@ def cmd_generate(args) -> dict:
                          "own VQ model, drafter and proximity table")
     check_method_flags(args)
     prompts = check_prompt_args(args) if wants_prompts(args) else None
-    apply_profile(args)  # a --profile supplies backend, dtype, threads and the tree tuned for this batch width
+    apply_profile(args)  # a --profile supplies backend, dtype and threads
     # built once, here: an unknown or unavailable backend fails before any loading or writing
     backend = get_backend(args.backend, **backend_options(args))
     if not args.no_images:

@@ -137,8 +137,8 @@ def test_fused_step_is_a_graph_backend_option(capsys):
     from lantern.cli import build_parser, main
     from lantern.cli.options import backend_options
     assert main(["generate", "--backend", "cpu", "--fused-step", "--json"]) == 2
-    assert ("--fused-step is an option of the graph backends (cpu-graph, cuda-graph, hpu); the backend here is "
-            "'cpu'") in json.loads(capsys.readouterr().out)["error"]
+    assert ("--fused-step is an option of the backends that declare a fused step (cpu-graph, cuda-graph, hpu); the "
+            "backend here is 'cpu'") in json.loads(capsys.readouterr().out)["error"]
     args = build_parser().parse_args(["generate", "--backend", "cpu-graph", "--fused-step"])
     assert backend_options(args) == {"fused_step": True}
 

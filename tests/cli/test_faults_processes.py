@@ -172,7 +172,9 @@ def test_stopped_generation_and_calibration_leave_whole_files_and_a_usable_cache
     for sig in STOPS:  # one at a time and alone: others' load could end a calibration early (disturbed)
         calibrators[sig] = calibrator = Lantern(
             tmp_path, f"calibrate-{sig.name}", "generate", "--model", str(bundle_dir), "--classes", "1",
-            "--no-images", LANTERN_CACHE_DIR=str(tmp_path / f"cache-{sig.name}"), **{calibration.BUDGET_ENV: "60"})
+            "--no-images", LANTERN_CACHE_DIR=str(tmp_path / f"cache-{sig.name}"),
+            # stopped while refining in full: a share of deciding that lets the first request refine
+            **{calibration.BUDGET_ENV: "60", deciding.SHARE_ENV: "inf"})
         calibrator.wait_until(lambda: "calibrating 1 image(s) per step" in calibrator.stderr, "calibration")
         calibrator.proc.send_signal(sig)
         calibrator.wait()

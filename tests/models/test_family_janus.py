@@ -338,7 +338,7 @@ def test_a_janus_folder_whose_rope_changes_with_length_exits_2(janus, tmp_path, 
 
 
 def test_the_default_method_auto_chooses_a_lossless_plan_and_caches_what_it_measured(janus, tmp_path, monkeypatch,
-                                                                                    capsys):
+                                                                                    capsys, unlimited_deciding):
     """`lantern generate --model <janus folder> --prompt ...` with no --method: auto measures the acceptance
     record on the request's prompts and probes the step costs, keyed by the folder; a second run reuses both."""
     from lantern.plan import calibration

@@ -37,7 +37,8 @@ def run(embedded, dcfg, seed: int) -> tuple[Scored, float | None]:
     tv = []
 
     def generate(ids, s):
-        result = pipe.generate(ids.tolist(), dcfg, seed=s, batch=IMAGES)
+        # the config as given: the gate judges it (the library's policy would run an unvalidated one lossless)
+        result = pipe.generate(ids.tolist(), dcfg, seed=s, batch=IMAGES, allow_relaxed=True)
         tv.extend(result.stats.token_tv)
         return result.tokens
 

@@ -4,7 +4,12 @@ stderr once it waits there. PAUSE:
 
     import:MODULE   the first import of MODULE (import:torch: amid the command's own imports, its first second)
     exit            the command done, the interpreter ending the process (a thread the exit waits for holds it)
+    call:MODULE:NAME:N
+                    the Nth call of MODULE's function NAME (a dotted name for a method: Image.save), at its entry
+                    (the module is imported first and the name replaced in it, where callers look it up)
 """
+import functools
+import importlib
 import runpy
 import sys
 import threading
@@ -37,10 +42,30 @@ def pause_at_exit() -> None:
     threading.Thread(target=hold, name="paused-at-exit").start()
 
 
+def pause_at_call(where: str) -> None:
+    module_name, qualname, nth = where.split(":")
+    *owners, name = qualname.split(".")
+    owner = importlib.import_module(module_name)
+    for attribute in owners:
+        owner = getattr(owner, attribute)
+    original, calls = getattr(owner, name), []
+
+    @functools.wraps(original)
+    def held(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == int(nth):
+            say_paused(f"call:{where}")
+            time.sleep(HOLD_S)  # in the main thread: the signal's handler runs here
+        return original(*args, **kwargs)
+    setattr(owner, name, held)
+
+
 if __name__ == "__main__":
     pause, args = sys.argv[1], sys.argv[2:]
     if pause == "exit":
         pause_at_exit()
+    elif pause.startswith("call:"):
+        pause_at_call(pause.removeprefix("call:"))
     else:
         pause_at_import(pause.removeprefix("import:"))
     sys.argv = ["lantern", *args]

@@ -21,6 +21,7 @@ from tiny_bundle import write_tiny_bundle  # noqa: E402
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="POSIX signals (SIGKILL) and process semantics")
 TIMEOUT_S = 240  # a loaded CI machine is slow; a hung process fails the test instead of hanging it
 STOPS = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGKILL: -signal.SIGKILL}
+PAUSED = Path(__file__).with_name("paused_lantern.py")
 
 
 @pytest.fixture(scope="module")
@@ -31,11 +32,12 @@ def bundle_dir(tmp_path_factory):
 class Lantern:
     """`lantern *args` in a process of its own; its stderr goes to a file the test polls."""
 
-    def __init__(self, tmp: Path, name: str, *args, code: str = "", **env):
-        """code: Python the process runs instead of `python -m lantern.cli` (it then runs lantern.cli itself)."""
+    def __init__(self, tmp: Path, name: str, *args, code: str = "", pause: str = "", **env):
+        """code: Python the process runs instead of `python -m lantern.cli` (it then runs lantern.cli itself);
+        pause: where paused_lantern.py holds the process (a test signals it there, whatever the machine's speed)."""
         self.err_path = tmp / f"{name}.stderr"
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2]), **env}
-        command = ["-c", code] if code else ["-m", "lantern.cli"]
+        command = ["-c", code] if code else [str(PAUSED), pause] if pause else ["-m", "lantern.cli"]
         with open(self.err_path, "w") as err:
             self.proc = subprocess.Popen([sys.executable, *command, *args], stdout=subprocess.DEVNULL,
                                          stderr=err, env=full_env)
@@ -155,17 +157,21 @@ def test_stopped_generation_and_calibration_leave_whole_files_and_a_usable_cache
     opens, every cache entry present is whole and of its shape (the stopped calibration stored nothing), a stopped
     run leaves no temporary, and the next run into the killed ones' folder and cache succeeds: it calibrates (the
     killed run's lock does not hold it) and clears the temporaries the kill left."""
-    classes = [str(c % 4) for c in range(48)]  # writing them lasts long after the first PNG appears
+    classes = [str(c % 4) for c in range(4)]
+    second_image = "call:PIL.Image:Image.save:2"  # the first PNG written whole, the next one's temporary begun
     caches = [tmp_path / f"cache-{sig.name}" for sig in STOPS]
     seed_acceptance_record(bundle_dir, caches, monkeypatch)
     probe = seed_probe_to_refine(bundle_dir, caches, monkeypatch)
     writers = {}
-    for sig in STOPS:  # one at a time, so that each is signalled while it is still writing
+    for sig in STOPS:
         out = tmp_path / f"out-{sig.name}"
-        writers[sig] = writer = Lantern(tmp_path, f"write-{sig.name}", "generate", "--model", str(bundle_dir),
-                                        "--method", "ar", "--classes", *classes, "--scale", "16", "--out", str(out),
-                                        LANTERN_CACHE_DIR=str(tmp_path / "unused"))
-        writer.wait_until(lambda: out.is_dir() and any(out.glob("*.png")), "image written")
+        writers[sig] = Lantern(tmp_path, f"write-{sig.name}", "generate", "--model", str(bundle_dir), "--method",
+                               "ar", "--classes", *classes, "--scale", "16", "--out", str(out), pause=second_image,
+                               LANTERN_CACHE_DIR=str(tmp_path / "unused"))
+    for sig, writer in writers.items():
+        writer.wait_until(lambda: f"paused at {second_image}" in writer.stderr, "image written")
+        out = tmp_path / f"out-{sig.name}"
+        assert len(list(out.glob("*.png"))) == 1 and temporaries(out)
         writer.proc.send_signal(sig)
     check_stopped(writers)
     calibrators = {}
@@ -201,17 +207,20 @@ def test_stopped_generation_and_calibration_leave_whole_files_and_a_usable_cache
 
 @pytest.mark.slow
 def test_stopped_export_leaves_whole_graphs(tmp_path):
-    """Stopped while exporting ONNX graphs: every graph folder present matches its manifest, no temporary folder
-    is left by a stopped run, and the next export into the killed one's folder succeeds and clears it."""
+    """Stopped while exporting ONNX graphs (held at the second graph's export, the first one whole): every graph
+    folder present matches its manifest, no temporary folder is left by a stopped run, and the next export into the
+    killed one's folder succeeds and clears it."""
     from lantern.backends.onnx_export import MANIFEST, folder_sha256
+    second_graph = "call:lantern.backends.onnx_export:export_graph:2"
 
-    def export(name: str, out: Path) -> Lantern:
+    def export(name: str, out: Path, pause: str = "") -> Lantern:
         return Lantern(tmp_path, name, "export-onnx", "--preset", "GPT-test", "--method", "ar", "--cfg-scale",
-                       "1", "--batch", "1", "--out", str(out))
-    victims = {sig: export(sig.name, tmp_path / sig.name) for sig in STOPS}
+                       "1", "--batch", "1", "--out", str(out), pause=pause)
+    victims = {sig: export(sig.name, tmp_path / sig.name, second_graph) for sig in STOPS}
     for sig, victim in victims.items():
         out = tmp_path / sig.name
-        victim.wait_until(lambda: out.is_dir() and temporaries(out), "export under way")
+        victim.wait_until(lambda: f"paused at {second_graph}" in victim.stderr, "export under way")
+        assert temporaries(out) and list(out.glob(f"*/{MANIFEST}"))  # one graph whole, the next one under way
         victim.proc.send_signal(sig)
     check_stopped(victims)
     for sig in STOPS:

@@ -1,13 +1,8 @@
 """Latency calibration: what one decode step of each plan costs on this machine, backend and dtype, at a batch
-width, measured with the real decode loop (drafting, verify, acceptance and commit included).
-
-A step attends over the whole preallocated KV cache on most backends, so it costs the same at any position, and
-a few steps at the start of an image time it. CPU runners (eager, and cpu-graph's bounded verify) attend only
-the slots in use (up to the furthest image of the chunk), which makes an image's first steps cheaper than its
-average (AR's most: its step is mostly attention and per-op overhead); calibration times them at the width a
-plan's steps attend on average over a chunk (`Runner.attend_at_least`, records.attended_fraction: the middle of
-an image for one image or for AR, further for a chunk whose first images finish early and pad at full length),
-as attention's cost grows with the slots it reads. Per width w:
+width, measured with the real decode loop (drafting, verify, acceptance and commit included). CPU runners attend
+only the cache slots in use, so an image's first steps are cheaper than its average: steps are timed attending as
+many slots as a plan's steps do on average over a chunk (`Runner.attend_at_least`, records.attended_fraction).
+Per width w:
 
     fixed_s            one chunk's prefill, first draw and statistics (AR with a one-token image)
     plans[name].step_s (wall time of a short generation - fixed_s) / its loop steps, relative to an AR run of
@@ -18,11 +13,8 @@ as attention's cost grows with the slots it reads. Per width w:
     seconds            the timing; prepare_s: preparing runners and exporting graphs, which later runs reuse
 
 Cached per (machine, backend, dtype, threads, model, sampling cost: `sampling_costs`) in the user cache
-(calibration/<key>.json), measured once per missing (plan, width) and refreshed by `lantern profile run`. One
-process measures a calibration at a time (the others wait for it, then read it: `cached_or_measured`). A calibration
-whose repeated runs of the same thing disagree beyond what its pairing can absorb (`disturbance`: another process
-loaded the machine while it timed) is not stored, and the run that measured it keeps AR. LANTERN_CALIBRATION_BUDGET
-sets BUDGET_S.
+(calibration/<key>.json), measured once per missing (plan, width), by one process at a time
+(`cached_or_measured`), and not stored when disturbed (`disturbance`: the run that measured it keeps AR).
 """
 from __future__ import annotations
 
@@ -374,36 +366,23 @@ def measure_width(pipe, plans: Sequence[Plan], sampling: SamplingConfig, width: 
                   clock: Callable[[], float] = time.perf_counter, rounds: int = ROUNDS,
                   max_rounds: int = MAX_ROUNDS, budget: float | None = None,
                   prompts: torch.Tensor | None = None, anchor: Callable[[int], float] | None = None) -> dict:
-    """Time every plan `entry` lacks at this width. steps_per_chunk: plan name -> the loop steps a chunk of
-    `width` images needs (E[max] over its images, from the acceptance record; the block where unknown), to
-    size the runs and to see which plans contend; attended: plan name -> the fraction of an image its steps
-    attend on average (1/2 where not given).
+    """Time every plan `entry` lacks at this width; returns the width's entry. steps_per_chunk: plan name -> the
+    loop steps a chunk of `width` images needs (E[max] over its images; the block where unknown), to size the runs
+    and see which plans contend; attended: plan name -> the fraction of an image its steps attend (1/2 if not given).
 
-    A shared machine speeds up and slows down for seconds at a time, so every timed run of a plan is paired
-    with an AR run just before it: the plan's cost is the median of its ratios to that AR step, times AR's
-    median step.
-    - Round 1 goes from the narrowest verify to the widest. A plan is timed (FIRST_STEPS) unless it cannot
-      contend even at the step cost (WIDER_SLACK of it) of a plan timed so far that verifies no wider and
-      drafts nothing (its step is a verify and an acceptance, which every plan's step has at least): then
-      it is kept as that lower bound (`lower_bound`), never chosen, and never timed.
-    - Rounds 2..ROUNDS time again (TIMED_STEPS), in alternating order, the contenders only: estimated
-      seconds per chunk within CONTENDER of the best, AR always. More rounds, up to MAX_ROUNDS, time only
-      the plans within CLOSE of the best contender (by their medians so far; the leader alone if no other is
-      that close): the winner of a close race is the plan a noisy estimate flatters most, and more runs of
-      the close ones shrink that, as they sharpen the leader's predicted speed-up over AR.
-    - No run starts that is expected to end past BUDGET_S of timing (expected: a plan's run and its AR
-      reference as long per step as its last ones; a first run, warm-up included, as long as the last
-      first run). A plan whose first run does not fit is kept as its floor (`lower_bound`); the rounds stop
-      at the first run that does not fit.
-    rounds / max_rounds / budget replace ROUNDS / MAX_ROUNDS / budget_s() (the first-run probe of choose.py);
-    prompts: the request's prompt rows, for a prompt-conditioned target (`conditions`).
-    anchor (ar_step_timer of another pipeline, e.g. the default mode's): timed just before each AR reference
-    when AR is among the plans timed; `ar_to_anchor` keeps each reference's ratio to it, which puts this
-    entry's costs on the anchor's time scale (backend_choice.anchored).
-    Preparing runners (and exporting graphs, for ONNX; compiling a fused step) is counted apart (`prepare_s`):
-    every later run reuses what it made. The runners stay prepared, so the plan chosen runs on the very runner
-    that was timed (on a 2-core EPYC VM the same plan's step has differed by 10-20% between runners and
-    processes); the caller frees the others. Returns the width's entry."""
+    Each timed run of a plan is paired with an AR run just before it (a shared machine's speed drifts for seconds
+    at a time): its cost is the median of its ratios to that AR step, times AR's median step. Round 1 goes from
+    the narrowest verify to the widest, FIRST_STEPS each; a plan that cannot contend even at the step cost
+    (WIDER_SLACK of it) of a plan timed so far that verifies no wider and drafts nothing is kept as that
+    `lower_bound`, never timed or chosen. Rounds 2..`rounds` time the contenders again (within CONTENDER of the
+    best, AR always; TIMED_STEPS, alternating order), later rounds up to `max_rounds` only the plans within CLOSE
+    of the best, as a close race's winner is the plan noise flatters most. No run starts that is expected to end
+    past `budget` (budget_s()) of timing; a plan whose first run does not fit is kept as its floor. prompts: a
+    prompt-conditioned target's rows (`conditions`). anchor (ar_step_timer of the default mode): timed before
+    each AR reference when AR is timed; `ar_to_anchor` keeps the ratios (backend_choice.anchored). Preparing
+    runners (exporting graphs, compiling a fused step) is counted apart (`prepare_s`); the runners stay prepared,
+    so the plan chosen runs on the very runner timed (the same plan's step has differed by 10-20% between runners
+    on a 2-core EPYC VM); the caller frees the others."""
     block = pipe.config.block_size
     entry = entry or {"plans": {}}
     t0 = clock()

@@ -385,19 +385,14 @@ def machine_costs(pipe, plans: list[Plan], sampling: SamplingConfig, key: str, w
                   steps: dict[str, list[list[float]]], progress: bool, prompts: Optional[torch.Tensor] = None,
                   credit: Optional[deciding.Credit] = None,
                   ar_costs: Optional[dict] = None) -> tuple[dict, str, float, float]:
-    """This machine's calibration at `width` (plans it lacks measured here, once; steps: each requested image's
-    steps per plan: a plan is timed over the steps and at the attention width of the request's first chunk),
-    where it is kept, and the seconds spent timing and preparing runners for it (0, 0 when it was cached).
-
-    Deciding must not cost more than a share of the generation it decides for: a measurement runs only when the
-    request's `credit` (lantern.plan.deciding; None: unlimited) covers it. A width never calibrated (or plans new
-    to a first-run entry) gets the first-run probe (PROBE_ROUNDS): every plan timed once, a bounded amount of
-    work (probe_cost_s), kept as a `provisional` entry. Until the credit covers it, the request weighs what is
-    cached (AR alone, from `ar_costs`, its quick estimate, when nothing is) and the plans not timed wait. A
-    provisional entry is refined (timed again in full, up to calibration.budget_s()) once the credit covers that
-    budget, the probing request itself included (a service weighing thousands of images probes, then times in
-    full). Either is measured under the calibration's lock and not stored when disturbed
-    (calibration.cached_or_measured)."""
+    """This machine's calibration at `width`, where it is kept, and the seconds spent timing and preparing runners
+    for it (0, 0 when cached). steps: each requested image's steps per plan (a plan is timed over the steps and at
+    the attention width of the request's first chunk). A measurement runs only when the request's `credit`
+    (lantern.plan.deciding; None: unlimited) covers it: a width never calibrated (or plans new to a first-run
+    entry) gets the first-run probe (PROBE_ROUNDS, probe_cost_s), kept `provisional` and refined in full rounds
+    once the credit covers calibration.budget_s(); until then the request weighs what is cached (AR alone, from
+    `ar_costs`, when nothing is) and the plans not timed wait. Measured under the calibration's lock, not stored
+    when disturbed (calibration.cached_or_measured)."""
     credit = credit or deciding.Credit(None, unlimited=True)
     key_c = calibration.pipe_key(pipe, sampling)
     path = calibration.calibration_path(key_c)

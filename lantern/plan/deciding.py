@@ -1,13 +1,8 @@
-"""How much measuring a `--method auto` request may do before it generates: acceptance records at a sampling the
-bundle did not ship, the calibration's first-run probe, refining it in full.
-
-Deciding must not cost more than a share of the generation it decides for, counted over a machine's requests. Each
-request banks SHARE ($LANTERN_DECIDING_SHARE) of its predicted AR seconds in a credit kept with the calibration
-(per machine, backend, dtype and model; at most one full calibration's budget, calibration.budget_s(), is banked);
-a measurement runs only when the credit covers what it is expected to cost, and what it took is taken off (an
-overrun is a debt later requests repay). What does not fit waits: short requests run AR, or the best plan measured
-so far, and learn a little at a time; a long one (a service weighing thousands of images) pays for everything at
-once; `lantern profile calibrate` measures everything now (an unlimited credit)."""
+"""How much measuring a `--method auto` request may do before it generates (docs/auto.md#the-prediction): each
+request banks SHARE ($LANTERN_DECIDING_SHARE) of its predicted AR seconds in a credit kept with the calibration (at
+most calibration.budget_s()); a measurement runs only when the credit covers it, and what it took is taken off (an
+overrun is a debt later requests repay). What does not fit waits; `lantern profile calibrate` has an unlimited
+credit."""
 from __future__ import annotations
 
 import math

@@ -1,15 +1,9 @@
-"""`--method auto` in a service: ready at once, planned in the background.
-
-A service cannot wait for auto's calibration before it answers: on a new machine it times every plan and may
-compile or export graphs at every width, minutes an orchestrator's readiness probe does not give it. So the
-service serves the safe plan at once -- AR on the backend it loaded (the pinned one, else the default: eager on a
-CPU) -- and a background thread plans as `lantern generate --method auto` does, over the service's `plan_images`:
-the plan on the pinned backend, or with none pinned the backend and mode as well (lantern.plan.backend_choice),
-then prepares the chosen plan's runners at every width (a compile or an export, a fused step's compile), and
-hands the pipeline to the engine worker, which switches at a step boundary (lantern.serve.worker). Calibration
-shares the cores with the steps: its timed runs take turns (the worker's quiet_turn: they wait until the service
-has no image in flight, or TURN_PATIENCE_S under constant load, and hold the steps off while they run, so neither
-disturbs the other's timing); measuring acceptance records and compiling or exporting graphs run beside the steps.
+"""`--method auto` in a service: ready at once, planned in the background. The service serves AR on the backend
+it loaded at once, and a background thread plans as `lantern generate --method auto` does, over the service's
+`plan_images` (lantern.plan.backend_choice), prepares the chosen plan's runners at every width and hands the
+pipeline to the engine worker, which switches at a step boundary (lantern.serve.worker). Calibration's timed runs
+take turns with the steps (the worker's quiet_turn: they wait until no image is in flight, or TURN_PATIENCE_S
+under constant load, and hold the steps off while they run); acceptance records and compiles run beside them.
 """
 from __future__ import annotations
 

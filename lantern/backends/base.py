@@ -28,8 +28,9 @@ and `supports_graphs` tells the conformance kit to count graphs.
 
 What a backend can do is declared once on its class, `Backend.abilities` (an `Abilities`): the device kind its
 runners use, what preparing a runner costs, whether it runs the fused step, whether phases are timed by device
-events, how the memory still free is read. The planner (lantern.plan.backend_choice), the command line and the
-memory checks (lantern.backends.memory) read these declarations, never a list of backend names.
+events, how the memory still free is read, which dtypes it computes in. The planner (lantern.plan.backend_choice),
+the command line and the memory checks (lantern.backends.memory) read these declarations, never a list of backend
+names.
 """
 from __future__ import annotations
 
@@ -88,6 +89,8 @@ class Abilities:
     device_events: bool = False  # phases are timed by device events, resolved when read (else the host clock with
     # the device synced on both ends)
     memory_query: str = "none"  # how the memory still free is read (MEMORY_QUERIES; none: lantern cannot tell)
+    dtypes: tuple[str, ...] = ("fp32",)  # the dtypes its runners compute in, its preferred one first (auto weighs the
+    # modes that run the request's dtype without building a backend to ask)
 
     def __post_init__(self):
         if self.preparation not in PREPARATIONS:

@@ -135,7 +135,7 @@ class HPUBackend(FusingBackend, CPUBackend):
     $LANTERN_GAUDI_CONFIG, else none (see gaudi_config.py)."""
 
     name = "hpu"
-    abilities = Abilities(device_kind="hpu", preparation="capture", fused_step=True)
+    abilities = Abilities(device_kind="hpu", preparation="capture", fused_step=True, dtypes=("bf16", "fp32"))
 
     def __init__(self, device_index: int = 0, gaudi_config: Optional[str] = None, fused_step: bool = False):
         """fused_step: the engine's whole decode step as one HPU graph per engine (lantern.engine.fused)."""
@@ -165,7 +165,7 @@ class HPUBackend(FusingBackend, CPUBackend):
         return Availability(True)
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(device=f"{DEVICE_TYPE}:{self.device_index}", dtypes=("bf16", "fp32"),
+        return Capabilities(device=f"{DEVICE_TYPE}:{self.device_index}", dtypes=self.abilities.dtypes,
                             supports_graphs=True,
                             timer="habana_frameworks.torch.hpu.synchronize + time.perf_counter",
                             memory_source="habana_frameworks.torch.hpu.max_memory_allocated")

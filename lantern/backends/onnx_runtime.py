@@ -300,7 +300,7 @@ class ONNXBackend(Backend):
         return Availability(True)
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(device="cpu", dtypes=("fp32",), supports_graphs=True,
+        return Capabilities(device="cpu", dtypes=self.abilities.dtypes, supports_graphs=True,
                             timer="time.perf_counter (run_with_iobinding is synchronous)",
                             memory_source=HostPeak().source + " + ORT profiler mem_in_use_peak")
 
@@ -342,7 +342,7 @@ class ONNXCUDABackend(ONNXBackend):
         self.device_index = device_index
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(device=f"cuda:{self.device_index}", dtypes=("fp32",), supports_graphs=True,
+        return Capabilities(device=f"cuda:{self.device_index}", dtypes=self.abilities.dtypes, supports_graphs=True,
                             timer="time.perf_counter (run_with_iobinding is synchronous)",
                             memory_source=HostPeak().source + HOST_ONLY + " + ORT profiler mem_in_use_peak")
 

@@ -189,7 +189,7 @@ class TorchRunner(Runner):
 
 class CPUBackend(SharedWeights, Backend):
     name = "cpu"
-    abilities = Abilities(device_kind="cpu", preparation="none", memory_query="host")
+    abilities = Abilities(device_kind="cpu", preparation="none", memory_query="host", dtypes=("fp32", "bf16"))
     runner_cls = TorchRunner
 
     def __init__(self, threads: int | None = None):
@@ -201,7 +201,7 @@ class CPUBackend(SharedWeights, Backend):
         return Availability(True)
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(device="cpu", dtypes=("fp32", "bf16"), supports_graphs=False,
+        return Capabilities(device="cpu", dtypes=self.abilities.dtypes, supports_graphs=False,
                             timer="time.perf_counter", memory_source=HostPeak().source)
 
     def prepare(self, target, drafter, spec: StaticSpec) -> Runner:
@@ -234,7 +234,8 @@ class CUDABackend(CPUBackend):
     """cuda: bf16 by default; fp32 matrix products in TF32 unless `tf32=False`."""
 
     name = "cuda"
-    abilities = Abilities(device_kind="cuda", preparation="none", device_events=True, memory_query="cuda")
+    abilities = Abilities(device_kind="cuda", preparation="none", device_events=True, memory_query="cuda",
+                          dtypes=("bf16", "fp32", "fp16"))
 
     def __init__(self, device_index: int = 0, tf32: bool = True):
         super().__init__()
@@ -248,7 +249,7 @@ class CUDABackend(CPUBackend):
         return Availability(True)
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(device=f"cuda:{self.device_index}", dtypes=("bf16", "fp32", "fp16"),
+        return Capabilities(device=f"cuda:{self.device_index}", dtypes=self.abilities.dtypes,
                             supports_graphs=False,
                             timer="torch.cuda.Event elapsed_time",
                             memory_source="torch.cuda.max_memory_allocated",

@@ -34,7 +34,7 @@ import os
 import statistics
 from typing import Callable, Optional, Sequence
 
-from lantern.backends.registry import ENV_VAR, backend_class, get_backend, registered, resolve_name
+from lantern.backends.registry import ENV_VAR, backend_class, registered, resolve_name
 from lantern.decoding.sampling import SamplingConfig
 from lantern.plan import calibration, acceptance_records as records
 from lantern.plan.calibration import FUSED  # a candidate name's suffix: the backend with fused_step=True
@@ -97,17 +97,17 @@ def modes_with(default: str) -> list[str]:
 
 def candidate_backends(dtype: Optional[str] = None) -> tuple[list[str], list[dict], str]:
     """The modes auto weighs here (the default backend first) for `dtype` (None: the default backend's
-    preferred one), the others of the family with why they are left out, and the dtype."""
+    preferred one), the others of the family with why they are left out, and the dtype: as the backend classes
+    declare them (Abilities.dtypes), none built."""
     default = resolve_name("auto")
-    if dtype is None:
-        dtype = get_backend(default).capabilities().dtypes[0]
+    dtype = dtype or backend_class(default).abilities.dtypes[0]
     names, left_out = [], []
     for name in modes_with(default):
         backend = backend_of(name)[0]
         avail = backend_class(backend).availability()
         if not avail.ok:
             left_out.append(mode_row(name, status=f"unavailable: {avail.reason}"))
-        elif dtype not in get_backend(backend).capabilities().dtypes:
+        elif dtype not in backend_class(backend).abilities.dtypes:
             left_out.append(mode_row(name, status=f"unavailable: no {dtype}"))
         else:
             names.append(name)
@@ -153,10 +153,11 @@ def record_prepared(pipe, key: dict, width: int, plans: Sequence[Plan], sampling
     return ledger
 
 
-def prepare_cost(pipe, ledger: dict, plan: Plan, sampling: SamplingConfig, width: int,
+def prepare_cost(pipe: Optional[PlanHost], ledger: dict, plan: Plan, sampling: SamplingConfig, width: int,
                  mode: str) -> tuple[float, str]:
-    """(seconds, source) of the one-time cost `plan` adds to a request on this pipeline (of `mode`)."""
-    if pipe.prepared(plan.decode(sampling), width):
+    """(seconds, source) of the one-time cost `plan` adds to a request on this pipeline (of `mode`; None: a
+    pipeline not built yet, which holds nothing prepared)."""
+    if pipe is not None and pipe.prepared(plan.decode(sampling), width):
         return 0.0, "prepared in this process"
     last = ledger["widths"].get(str(width), {}).get(plan.name)
     if last is not None:
@@ -207,17 +208,16 @@ def anchored(entry: dict, anchor_ar_step_s: float) -> dict:
     return {**entry, "fixed_s": entry["fixed_s"] * scale, "plans": plans, "anchor_scale": scale}
 
 
-def _other_mode(pipe, mode: str, key: dict, ledger: dict, cross: list[Plan], sampling: SamplingConfig, width: int,
-                request_s: float, calibrate_all: bool, progress: bool,
+def _other_mode(pipe_of: Callable[[], PlanHost], mode: str, key: dict, cross: list[Plan],
+                sampling: SamplingConfig, width: int, request_s: float, calibrate_all: bool, progress: bool,
                 steps_of: Callable[[list[Plan]], dict],
                 anchor: Callable[[int], float]) -> tuple[Optional[dict], str, float]:
     """Another mode's (`mode`) calibration at `width` for the plans `cross`: (entry or None, why not, seconds spent).
-    What it lacks is measured (under the calibration's lock; not stored and not weighed when disturbed) when
-    preparing its runners is expected to cost no more than the request (`request_s`), or when `calibrate_all`:
-    in full rounds when the request pays for them (as the default mode's calibration: its predicted time at
-    least calibration.budget_s(), e.g. a service weighing thousands of images, or `calibrate_all`), which also
-    refines a first-run probe's entry; else one round, as the first-run probe (a `provisional` entry). Its AR
-    references are paired with `anchor` (calibration.ar_step_timer of the default mode)."""
+    What it lacks is measured (under the calibration's lock; not kept when disturbed) when preparing its runners is
+    expected to cost no more than the request (`request_s`), or `calibrate_all`: in full rounds when the request
+    pays for them (its predicted time at least calibration.budget_s(), as the default mode's), refining a probe's
+    entry; else as a first-run probe (`provisional`). Its AR references are paired with `anchor`
+    (calibration.ar_step_timer of the default mode). pipe_of() -> its pipeline, built only when it is measured."""
     entry = calibration.load_calibration(key)["widths"].get(str(width))
     full = calibrate_all or request_s >= calibration.budget_s()
 
@@ -226,12 +226,13 @@ def _other_mode(pipe, mode: str, key: dict, ledger: dict, cross: list[Plan], sam
     lacking = [p for p in cross if not entry or p.name not in entry["plans"]]
     if not lacking and not refines(entry or {}):
         return entry, "", 0.0
-    cost = sum(prepare_cost(pipe, ledger, p, sampling, width, mode)[0] for p in lacking)
+    cost = sum(prepare_cost(None, load_ledger(key), p, sampling, width, mode)[0] for p in lacking)
     if not calibrate_all and cost > request_s:
         if entry and AR.name in entry["plans"]:
             return entry, "", 0.0  # weighed on what it has
         return None, (f"not calibrated: preparing it, about {cost:.0f} s, would cost more than this request's "
                       f"predicted {request_s:.1f} s; `lantern profile calibrate` calibrates it ahead"), 0.0
+    pipe = pipe_of()
     before: list[float] = []  # seconds timing and preparing in the entry before measuring; empty: nothing was
 
     def measure(entry: Optional[dict]) -> dict:
@@ -299,19 +300,23 @@ def choose_backend(make_pipe: Callable[..., object], n_images: int, sampling: Sa
     anchor = calibration.ar_step_timer(base_pipe, sampling, width)
     anchor_ar_step_s = next(r["step_ms"] for r in base.candidates if r["plan"] == AR.name) / 1e3
     rows, spent = list(left_out), base.calibrated_s
+
+    def pipe_of(name: str) -> PlanHost:  # another mode's pipeline, built once it is measured or weighed
+        if name not in pipes:
+            pipes[name] = make_pipe(backend_of(name)[0], dtype, **backend_of(name)[1])
+        return pipes[name]
     for name in names[1:]:
         backend, backend_options = backend_of(name)
         not_fusable = backend_options.get("fused_step") and backend_class(backend).fused_step_problem(base_pipe.target)
         if not_fusable:  # its runners would keep per-module graphs: the compiled mode, weighed already
             rows.append(mode_row(name, status=f"unavailable: {not_fusable}"))
             continue
-        pipe = make_pipe(backend, dtype, **backend_options)
-        key_c = calibration.pipe_key(pipe, sampling)  # the fused mode's calibration is its own
-        ledgers[name] = load_ledger(key_c)
-        entry, status, seconds = _other_mode(pipe, mode_of(name), key_c, ledgers[name], cross, sampling, width,
-                                             request_s, calibrate_all, progress,
-                                             lambda plans, p=pipe: steps_by_plan(p, plans, sampling, key, False,
-                                                                                 wanted)[0],
+        # the fused mode's calibration is its own; a candidate's name is its costs' (calibration.costs_name)
+        key_c = calibration.calibration_key(name, dtype, key, sampling, base_pipe.config.vocab_size)
+        entry, status, seconds = _other_mode(lambda n=name: pipe_of(n), mode_of(name), key_c, cross,
+                                             sampling, width, request_s, calibrate_all, progress,
+                                             lambda plans, n=name: steps_by_plan(pipe_of(n), plans, sampling, key,
+                                                                                 False, wanted)[0],
                                              anchor)
         spent += seconds
         if entry is None:
@@ -321,12 +326,12 @@ def choose_backend(make_pipe: Callable[..., object], n_images: int, sampling: Sa
         entry = anchored(entry, anchor_ar_step_s)
         profile = calibration.ProfileCosts(f"{name} calibration on this machine",
                                            {str(width): {**entry, "model": key}})
-        choices[name] = choose(pipe, n_images, sampling, batch=batch, progress=False, profile=profile, **common)
+        choices[name] = choose(pipe_of(name), n_images, sampling, batch=batch, progress=False, profile=profile,
+                               **common)
         kind = "first-run probe " if entry.get("provisional") else ""
         scale = (f", x{entry['anchor_scale']:.2f} onto {names[0]}'s time scale" if "anchor_scale" in entry
                  else f", not anchored to {names[0]}")
         choices[name].cost_source = f"{kind}calibration cached in {calibration.calibration_path(key_c)}{scale}"
-        pipes[name] = pipe
 
     options = []  # (total seconds, candidate mode, plan's row, prepare seconds, its source)
     for name, ch in choices.items():

@@ -270,17 +270,13 @@ def test_candidate_modes_start_with_the_default_and_say_why_others_are_out(monke
 
 
 def test_on_cuda_auto_weighs_the_fused_step_too(monkeypatch):
-    """A machine whose default backend is cuda: the fused CUDA-graph step is one of auto's modes, labelled fused."""
+    """A machine whose default backend is cuda: the fused CUDA-graph step is one of auto's modes, labelled fused
+    (each mode's dtypes as its class declares them: none is built, so no device is needed)."""
     def available(name):  # the registered class, as if its device were here
         return type(name, (registry.backend_class(name),), {"availability": classmethod(
             lambda cls: SimpleNamespace(ok=True, reason=""))})
-
-    def backend(name, **options):
-        dtypes = ("fp32",) if name.startswith("onnx") else ("bf16", "fp32")
-        return SimpleNamespace(capabilities=lambda: SimpleNamespace(dtypes=dtypes))
     monkeypatch.setattr(backend_choice, "resolve_name", lambda name: "cuda")
     monkeypatch.setattr(backend_choice, "backend_class", available)
-    monkeypatch.setattr(backend_choice, "get_backend", backend)
     names, left_out, dtype = candidate_backends(None)
     assert names == ["cuda", "cuda-graph", "cuda-graph" + FUSED] and dtype == "bf16"
     assert [(r["backend"], r["status"]) for r in left_out] == [("onnx-cuda", "unavailable: no bf16")]

@@ -28,7 +28,7 @@ from lantern.engine.step import acceptance_rule, static_spec
 from lantern.models.checkpoint import model_hash, weights_hash
 from lantern.models.drafter import prefix_pairs
 from lantern.models.text import check_encoder_fits
-from lantern.plan.backend_choice import pinned_backend, plan_request
+from lantern.plan.backend_choice import pinned_backend, plan_request, record_run
 from lantern.plan.choose import Choice
 from lantern.plan.validated import guarded
 
@@ -385,6 +385,8 @@ class Pipeline:
                 run = run_batch(self, dcfg, batch, cond, seed, tokens, bar.update)
             finally:
                 bar.close()
+            if self.defaults.sampling is not None:  # a bundle's: a later auto weighs this plan on this mode
+                record_run(self, dcfg, run.stats)
             return GenerationResult(tokens=torch.stack([r.tokens for r in run.results]),
                                     conditions=cond.rows.tolist() if c2i else list(range(len(cond))), stats=run.stats,
                                     backend=self.backend.name, device=self.backend.capabilities().device,

@@ -1,34 +1,19 @@
-"""`--method auto` for the command line, the service and Pipeline (plan_request). When the user pins no backend (no
---backend, no $LANTERN_BACKEND, no Pipeline backend), auto weighs every mode this machine runs -- eager, compiled
-(`cpu-graph`: one graph per static step), fused (`cpu-graph` with `fused_step=True`: the engine's whole step as one
-graph), ONNX Runtime -- with the same measured cost model, and counts a mode's one-time cost against the request:
+"""`--method auto` for the command line, the service and Pipeline (plan_request). With no backend pinned, auto
+weighs every mode this machine runs (eager, compiled, fused, onnx; docs/auto.md#backend-and-mode) by one cost model,
+each plan's one-time cost counted against the request:
 
     T(backend, plan) = prepare(backend, plan) + the plan's predicted generation seconds there (choose.py)
 
-prepare is 0 when this process already holds the prepared runner; else the seconds its last preparation on this
-machine took (compile or export included; a warm compile or ONNX cache makes a later one cheaper, and the
-ledger keeps the latest: the chosen runner is prepared here and its seconds recorded); else PRIOR_PREPARE_S of
-its mode until measured. A fused runner's preparation includes its step's compile, which lands at an engine's
-first steps: calibration and the chosen runner's preparation run those steps (calibration.compile_fused_step).
-The baseline is the fastest AR over the modes, its own prepare counted: a speculative plan must be predicted
-min_speedup times faster than that.
-
-Deciding must not cost more than the generation it decides for. The default backend (eager) is calibrated as
-choose.py does it (a bounded first-run probe on a cold machine). Another mode is calibrated -- AR and the
-CROSS_PLANS plans the default backend ranks best, one round -- only when preparing its runners (by the ledger,
-else the prior) is expected to cost no more than the request's predicted seconds; otherwise it is reported as
-not calibrated, and `calibrate_all` (`lantern profile calibrate`) calibrates it ahead of time, then prepares
-its runners once more to record what a later process pays with the compile and export caches warm. So the fused
-mode, whose compiles take minutes cold, is measured within a request only once the ledger says its compile is
-cheap (inductor's FX graph and AOTAutograd caches warm) or the request is long enough to pay for it; its step
-costs are never guessed from another mode's.
-
-A candidate is a backend name, or a graph backend's name + FUSED (the same backend with fused_step=True): its
-calibration and ledger are its own (calibration.costs_name), make_pipe(backend, dtype, **options) builds its
-pipeline.
+prepare is 0 when this process holds the prepared runner or the plan was prepared and run here before (_ran), else
+what its last preparation here took (the ledger), else PRIOR_PREPARE_S of its mode. A speculative plan must be
+predicted min_speedup times faster than the fastest AR over the modes. Another mode is calibrated (AR and the
+CROSS_PLANS plans the default backend ranks best) only when preparing its runners is expected to cost no more than
+the request, or ahead of time (`calibrate_all`). A candidate is a backend name, or a graph backend's name + FUSED
+(fused_step=True), whose calibration and ledger are its own (calibration.costs_name).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import statistics
@@ -36,14 +21,15 @@ from typing import Callable, Optional, Sequence
 
 from lantern.backends.registry import ENV_VAR, backend_class, registered, resolve_name
 from lantern.decoding.sampling import SamplingConfig
-from lantern.plan import calibration, acceptance_records as records
+from lantern.plan import calibration, deciding, acceptance_records as records
 from lantern.plan.calibration import FUSED  # a candidate name's suffix: the backend with fused_step=True
 from lantern.plan.candidates import AR, Plan, candidate_plans
+from lantern.plan.cost_model import predict_seconds
 from lantern.plan.host import PlanHost
 from lantern.plan.choose import (MIN_SPEEDUP, Choice, allowed_relaxation, choosable, choose, probe_rounds,
                                  steps_by_plan)
-from lantern.files.user_cache import (cache_root, entry_folder, entry_lock, field_problem, is_number, read_entry,
-                                      write_entry)
+from lantern.files.user_cache import (CacheUnusable, cache_root, entry_folder, entry_lock, field_problem, is_number,
+                                      read_entry, write_entry)
 
 # A mode is named by what preparing its runners costs, as its backend declares it (Abilities.preparation); a
 # backend declaring a fused step is weighed with it too, as the mode "fused". CUDA's fused step (one CUDA graph per
@@ -115,22 +101,25 @@ def candidate_backends(dtype: Optional[str] = None) -> tuple[list[str], list[dic
 
 
 # --- the prepare ledger: seconds the last preparation of each plan's runner took on this machine ---------------
+RUNS_KEPT = 5  # and ("ran") the seconds per step of its last generations here (wall over its chunks' steps)
+RAN = "prepared and run here before (its compile kept on disk), timed in its generations"
+
+
 def ledger_path(key: dict):
     return cache_root() / "prepare" / calibration.calibration_path(key).name
 
 
 def ledger_problem(data: dict) -> str:
     """'' if `data` has a prepare ledger's shape, else what is wrong (the ledger is then started again)."""
-    wrong = field_problem(data, "key", dict) or field_problem(data, "widths", dict)
-    if wrong:
-        return wrong
-    for width, entry in data["widths"].items():
-        if not isinstance(entry, dict):
-            return f"widths[{width!r}] must be an object"
-        for name, seconds in entry.items():
-            if not is_number(seconds) or seconds < 0:
-                return f"widths[{width!r}][{name!r}] must be a finite number of seconds >= 0"
-    return ""
+    wrong = (field_problem(data, "key", dict) or field_problem(data, "widths", dict)
+             or field_problem({"ran": {}, **data}, "ran", dict))
+    for field in ("widths", "ran") if not wrong else ():  # widths: seconds per plan; ran: a list of them per plan
+        for width, entry in data[field].items() if field in data else ():
+            for name, value in entry.items() if isinstance(entry, dict) else [("", None)]:
+                values = value if field == "ran" else [value]
+                if not isinstance(values, list) or not all(is_number(s) and s >= 0 for s in values):
+                    return f"{field}[{width!r}][{name!r}] must be {'a list of ' * (field == 'ran')}seconds >= 0"
+    return wrong
 
 
 def load_ledger(key: dict) -> dict:
@@ -138,19 +127,38 @@ def load_ledger(key: dict) -> dict:
     return data if data and data.get("key") == key else {"key": key, "widths": {}}
 
 
-def record_prepared(pipe, key: dict, width: int, plans: Sequence[Plan], sampling: SamplingConfig) -> dict:
-    """Store the prepare seconds of every plan's runner this pipeline prepared (at `width`); returns the ledger."""
+def record_prepared(pipe, key: dict, width: int, plans: Sequence[Plan], sampling: SamplingConfig,
+                    step_s: Optional[float] = None) -> dict:
+    """Store the prepare seconds of every plan's runner this pipeline prepared (at `width`), and `step_s`, the
+    seconds per step a generation of plans[0] took; returns the ledger."""
     seen = {pipe.spec(p.decode(sampling), width): p.name for p in plans}
     fresh = {seen[spec]: s for spec, s in pipe.prepare_seconds.items() if spec in seen}
-    if not fresh:
+    if not fresh and step_s is None:
         return load_ledger(key)
     path = ledger_path(key)
     entry_folder(path.parent.name)
     with entry_lock(path, "the prepare ledger"):  # read, update and write as one: another process may add to it
         ledger = load_ledger(key)
         ledger["widths"].setdefault(str(width), {}).update(fresh)
+        if step_s is not None:
+            runs = ledger.setdefault("ran", {}).setdefault(str(width), {})
+            runs[plans[0].name] = [*runs.get(plans[0].name, []), step_s][-RUNS_KEPT:]
         write_entry(path, ledger)
     return ledger
+
+
+def record_run(pipe: PlanHost, decode, stats) -> None:
+    """After a generation of `decode` on `pipe` (stats: its GenerationStats), a named method's or auto's: where it
+    is one of auto's plans, the ledger keeps what preparing its runner took and the seconds per step it ran, for a
+    later auto to weigh it here as prepared (record_prepared). An unusable cache records nothing."""
+    allowed = allowed_relaxation(True, pipe.defaults.relaxation or {}, decode.sampling, pipe.config.vocab_size)[0]
+    plan = next((p for p in candidate_plans(pipe.drafter is not None, pipe.proximity is not None, allowed)
+                 if p.decode(decode.sampling) == decode), None)
+    steps = predict_seconds(stats.batch, 0.0, 1.0, [[i.target_forwards - 1] for i in stats.images])
+    with contextlib.suppress(CacheUnusable):  # (auto refuses that cache itself, naming it)
+        if plan is not None and steps > 0:
+            record_prepared(pipe, calibration.pipe_key(pipe, decode.sampling), stats.batch, [plan],
+                            decode.sampling, stats.wall_seconds / steps)
 
 
 def prepare_cost(pipe: Optional[PlanHost], ledger: dict, plan: Plan, sampling: SamplingConfig, width: int,
@@ -267,6 +275,25 @@ def _other_mode(pipe_of: Callable[[], PlanHost], mode: str, key: dict, cross: li
     return entry, "", spent
 
 
+def _ran(options: dict, ledgers: dict, by_name: dict, pipe, sampling: SamplingConfig, width: int,
+         wanted: list) -> dict:
+    """The plans each mode ran in generations here (the ledger's "ran"), weighed as prepared (no preparation): by
+    their calibration where it timed them, else (or where AR's quick estimate alone knows them) by the median of
+    their runs' seconds per step; a plan with no acceptance record here is left out, not measured."""
+    out = {}
+    for name, ledger in ledgers.items():
+        runs = {p: r for p, r in ledger.get("ran", {}).get(str(width), {}).items() if p in by_name}
+        steps = steps_by_plan(pipe, [by_name[p] for p in runs], sampling, pipe.model_key, False, wanted,
+                              credit=deciding.Credit(None), record_s=float("inf"))[0] if runs else {}
+        for plan in steps:
+            old = options.get((name, plan), (0, name, {"estimate": True}))[2]
+            row = old if not old.get("estimate") else {
+                "plan": plan, "predicted_seconds": predict_seconds(width, 0.0, statistics.median(runs[plan]),
+                                                                   steps[plan]), "timed_runs": len(runs[plan])}
+            out[name, plan] = (row["predicted_seconds"], name, row, 0.0, RAN)
+    return out
+
+
 def choose_backend(make_pipe: Callable[..., object], n_images: int, sampling: SamplingConfig,
                    batch: Optional[int] = None, allow_relaxed: bool = False, progress: bool = True,
                    classes: Optional[Sequence[int]] = None, min_speedup: Optional[float] = None,
@@ -299,9 +326,9 @@ def choose_backend(make_pipe: Callable[..., object], n_images: int, sampling: Sa
     cross = [AR, *(by_name[r["plan"]] for r in ranked[:CROSS_PLANS])]
     anchor = calibration.ar_step_timer(base_pipe, sampling, width)
     anchor_ar_step_s = next(r["step_ms"] for r in base.candidates if r["plan"] == AR.name) / 1e3
-    rows, spent = list(left_out), base.calibrated_s
+    rows, unweighed, spent = list(left_out), {}, base.calibrated_s
 
-    def pipe_of(name: str) -> PlanHost:  # another mode's pipeline, built once it is measured or weighed
+    def pipe_of(name: str) -> PlanHost:  # another mode's pipeline, built once it is measured, weighed or run
         if name not in pipes:
             pipes[name] = make_pipe(backend_of(name)[0], dtype, **backend_of(name)[1])
         return pipes[name]
@@ -319,10 +346,10 @@ def choose_backend(make_pipe: Callable[..., object], n_images: int, sampling: Sa
                                                                                  False, wanted)[0],
                                              anchor)
         spent += seconds
-        if entry is None:
-            rows.append(mode_row(name, status=status))
-            continue
         ledgers[name] = load_ledger(key_c)
+        if entry is None:
+            unweighed[name] = mode_row(name, status=status)
+            continue
         entry = anchored(entry, anchor_ar_step_s)
         profile = calibration.ProfileCosts(f"{name} calibration on this machine",
                                            {str(width): {**entry, "model": key}})
@@ -333,25 +360,30 @@ def choose_backend(make_pipe: Callable[..., object], n_images: int, sampling: Sa
                  else f", not anchored to {names[0]}")
         choices[name].cost_source = f"{kind}calibration cached in {calibration.calibration_path(key_c)}{scale}"
 
-    options = []  # (total seconds, candidate mode, plan's row, prepare seconds, its source)
+    options = {}  # (candidate mode, plan) -> (total seconds, candidate mode, plan's row, prepare seconds, its source)
     for name, ch in choices.items():
         for r in _weighable(ch):
             prep, source = prepare_cost(pipes[name], ledgers[name], by_name[r["plan"]], sampling, width,
                                         mode_of(name))
-            options.append((prep + r["predicted_seconds"], name, r, prep, source))
-        ar = next(o for o in options if o[1] == name and o[2]["plan"] == AR.name)
-        best = min((o for o in options if o[1] == name), key=lambda o: o[0])
-        rows.append(mode_row(name, status="weighed", cost_source=ch.cost_source, ar_seconds=ar[0],
-                             ar_prepare_seconds=ar[3], best_plan=best[2]["plan"], best_seconds=best[0],
-                             best_prepare_seconds=best[3]))
+            options[name, r["plan"]] = (prep + r["predicted_seconds"], name, r, prep, source)
+    options.update(_ran(options, ledgers, by_name, base_pipe, sampling, width, wanted))
+    weighed = dict.fromkeys(o[1] for o in options.values())
+    rows += [row for name, row in unweighed.items() if name not in weighed]
+    for name in weighed:
+        ar = options.get((name, AR.name), (None, name, {}, None))
+        best = min((o for o in options.values() if o[1] == name), key=lambda o: o[0])
+        rows.append(mode_row(name, status="weighed", cost_source=choices[name].cost_source if name in choices
+                             else RAN, ar_seconds=ar[0], ar_prepare_seconds=ar[3], best_plan=best[2]["plan"],
+                             best_seconds=best[0], best_prepare_seconds=best[3]))
+    options = list(options.values())
     fastest_ar = min((o for o in options if o[2]["plan"] == AR.name), key=lambda o: o[0])
     best = min(options, key=lambda o: o[0])
     if best[2]["plan"] != AR.name and fastest_ar[0] < min_speedup * best[0]:
         best = fastest_ar  # not fast enough against the fastest AR: that AR
     total, name, row, prep, source = best
     plan = by_name[row["plan"]]
-    chosen = dataclasses.replace(choices[name], plan=plan, decode=plan.decode(sampling),
-                                 predicted_s=row["predicted_seconds"], pipeline=pipes[name], mode=mode_of(name),
+    chosen = dataclasses.replace(choices.get(name, base), plan=plan, decode=plan.decode(sampling),
+                                 predicted_s=row["predicted_seconds"], pipeline=pipe_of(name), mode=mode_of(name),
                                  baseline=mode_row(fastest_ar[1], predicted_seconds=fastest_ar[0],
                                                    prepare_seconds=fastest_ar[3]),
                                  prepare_s=prep, prepare_source=source, calibrated_s=spent,

@@ -327,7 +327,7 @@ def ar_estimate(pipe, sampling: SamplingConfig, width: int,
         return {"fixed_s": costs["fixed_s"], "plans": {AR.name: costs["plans"][AR.name]}}, 0.0
     quick = data.get(QUICK_AR, {}).get(str(width))
     if isinstance(quick, dict) and is_number(quick.get("fixed_s")) and is_number(quick.get("step_s")):
-        return {"fixed_s": quick["fixed_s"], "plans": {AR.name: {"step_s": quick["step_s"]}}}, 0.0
+        return {"fixed_s": quick["fixed_s"], "plans": {AR.name: {"step_s": quick["step_s"], "estimate": True}}}, 0.0
     t0 = time.perf_counter()
     ar, block = AR.decode(sampling), pipe.config.block_size
     fixed = _ar_fixed_s(pipe, ar, width, prompts)
@@ -338,7 +338,7 @@ def ar_estimate(pipe, sampling: SamplingConfig, width: int,
         data = load_calibration(key)
         data.setdefault(QUICK_AR, {})[str(width)] = {"fixed_s": fixed, "step_s": step}
         save_calibration(data)
-    return {"fixed_s": fixed, "plans": {AR.name: {"step_s": step}}}, time.perf_counter() - t0
+    return {"fixed_s": fixed, "plans": {AR.name: {"step_s": step, "estimate": True}}}, time.perf_counter() - t0
 
 
 def compile_fused_step(pipe, dcfg, width: int, prompts: torch.Tensor | None = None) -> None:

@@ -303,7 +303,7 @@ def choose(pipe: PlanHost, n_images: int, sampling: SamplingConfig, batch: Optio
         t = predict_seconds(width, costs["fixed_s"], cost["step_s"], steps[p.name])
         rows.append({"plan": p.name, "lossless": p.lossless, "predicted_seconds": t,
                      "steps_per_image": mean_steps[p.name], "step_ms": 1e3 * cost["step_s"],
-                     **{flag: True for flag in ("lower_bound", "unconfirmed") if cost.get(flag)}})
+                     **{flag: True for flag in ("lower_bound", "unconfirmed", "estimate") if cost.get(flag)}})
     ar_s = rows[0]["predicted_seconds"]  # AR is the first candidate
     for r in rows:
         r["predicted_speedup"] = ar_s / r["predicted_seconds"] if r["predicted_seconds"] else 1.0

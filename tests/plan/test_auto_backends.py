@@ -151,6 +151,100 @@ def test_a_plan_must_beat_the_fastest_ar_not_its_own_backends(cache, tiny, two_m
     assert c.plan == AR and c.backend == TwinBackend.name and c.baseline["backend"] == TwinBackend.name
 
 
+def ran(key: dict, width: int, step_ms: dict, prepare_s: dict) -> None:
+    """A synthetic prepare ledger (made by the test) as generations leave it: each plan's last preparation seconds
+    and the seconds per step its runs took (`ran`, a list per plan)."""
+    write_json(ledger_path(key), {"key": key, "widths": {str(width): prepare_s},
+                                  "ran": {str(width): {name: [ms / 1e3 for ms in runs]
+                                                       for name, runs in step_ms.items()}}})
+
+
+def twin_key(pipe) -> dict:
+    return calibration.calibration_key(TwinBackend.name, pipe.dtype, pipe.model_key, SAMPLING, pipe.config.vocab_size)
+
+
+@pytest.mark.usefixtures("unlimited_deciding")  # the tiny model's acceptance record: measured, not weighed here
+def test_a_compiled_ar_prepared_and_run_here_is_the_bar_without_a_calibration_of_its_mode(cache, tiny, two_modes):
+    """The issue's scenario, as the files leave it: a `--method ar` run compiled AR on the compiled mode (its cold
+    compile, 100 s, in the ledger) and timed its steps; its mode was never calibrated. The next auto weighs that AR
+    as prepared (its compile is on disk) at its measured step, and so does not run an eager plan slower than it."""
+    make = make_pipe_factory(tiny)
+    eager = make("cpu", "fp32")
+    seed(eager, 1, {**everything(1000.0), "ar": 1.0, "mc-sjd/L4": 0.5}, prepare_s=FREE)
+    ran(twin_key(eager), 1, {"ar": [0.3, 0.25, 0.4]}, prepare_s={"ar": 100.0})
+    c = choose_backend(make, 1, SAMPLING, batch=1, progress=False)
+    assert (c.plan, c.backend, c.mode) == (AR, TwinBackend.name, "compiled")
+    assert c.prepare_s == 0.0 and c.prepare_source == backend_choice.RAN
+    steps = next(r["steps_per_image"] for r in c.candidates if r["plan"] == "ar")
+    assert c.predicted_s == pytest.approx(steps * 0.3e-3)  # the median of its runs' steps, x AR's steps
+    row = {r["backend"]: r for r in c.backends}[TwinBackend.name]
+    assert row["status"] == "weighed" and row["cost_source"] == backend_choice.RAN and row["ar_prepare_seconds"] == 0
+    assert c.baseline["backend"] == TwinBackend.name and len(c.line()) <= choose_mod.LINE_MAX
+    # a plan faster than that AR by the margin still wins over it (the ledger as the run left it: that choice
+    # prepared the compiled AR again, and a cheap preparation would have this request calibrate its mode)
+    seed(eager, 1, {**everything(1000.0), "ar": 1.0, "mc-sjd/L4": 0.05}, prepare_s=FREE)
+    ran(twin_key(eager), 1, {"ar": [0.3, 0.25, 0.4]}, prepare_s={"ar": 100.0})
+    faster = choose_backend(make, 1, SAMPLING, batch=1, progress=False)
+    assert (faster.plan.name, faster.backend) == ("mc-sjd/L4", "cpu")
+    assert faster.baseline["backend"] == TwinBackend.name
+
+
+def test_measured_runs_displace_a_quick_estimate_but_not_a_calibration(cache, tiny, two_modes):
+    """Before any calibration, eager AR is known by a quick estimate of a few steps only, which can read it
+    cheap: where eager AR also ran here, its measured runs weigh it, and the faster measured AR is chosen. A
+    calibrated plan keeps its calibration's prediction: a run only says it is prepared."""
+    make = make_pipe_factory(tiny)
+    eager = make("cpu", "fp32")
+    key = calibration.pipe_key(eager, SAMPLING)
+    calibration.save_calibration({"key": key, "widths": {}, calibration.QUICK_AR: {"1": {"fixed_s": 0.0,
+                                                                                       "step_s": 0.1e-3}}})
+    ran(key, 1, {"ar": [1.0, 1.1, 0.9]}, prepare_s={"ar": 0.0})
+    ran(twin_key(eager), 1, {"ar": [0.5]}, prepare_s={"ar": 100.0})
+    c = choose_backend(make, 1, SAMPLING, batch=1, progress=False)
+    assert (c.plan, c.backend) == (AR, TwinBackend.name)
+    rows = {r["backend"]: r for r in c.backends}
+    assert rows["cpu"]["ar_seconds"] == pytest.approx(2 * rows[TwinBackend.name]["ar_seconds"])
+    # eager calibrated (AR at 0.4 ms): its calibration weighs it, not its runs, and it is the faster AR
+    seed(eager, 1, {**everything(1000.0), "ar": 0.4}, prepare_s=FREE)
+    ran(key, 1, {"ar": [1.0]}, prepare_s={"ar": 0.0})
+    calibrated = choose_backend(make, 1, SAMPLING, batch=1, progress=False)
+    assert (calibrated.plan, calibrated.backend) == (AR, "cpu")
+
+
+@pytest.mark.usefixtures("two_modes")
+def test_a_named_run_leaves_what_the_next_auto_weighs_it_by(cache, tmp_path, monkeypatch, capsys):
+    """The command line: `--method ar --backend <compiled mode>` leaves its mode's ledger holding what preparing
+    AR took and its measured step; the next default request weighs that AR prepared at its measured step. The
+    step times are then seeded (this test asserts the decision, not the machine's speed): eager AR measured
+    slower than the compiled AR, so the default runs the compiled AR, saying so in one line."""
+    from lantern.bundle import load_bundle
+    from lantern.cli import main
+    from tiny_bundle import write_tiny_bundle
+    monkeypatch.delenv("LANTERN_BACKEND", raising=False)
+    folder = write_tiny_bundle(tmp_path / "tiny")
+    eager = Pipeline.from_bundle(load_bundle(str(folder)), backend="cpu")
+    sampling = eager.defaults.sampling
+
+    def generate(*flags: str) -> tuple[dict, str]:
+        assert main(["generate", "--model", str(folder), "--classes", "3", "--no-images", "--json", *flags]) == 0
+        out = capsys.readouterr()
+        return json.loads(out.out), out.err
+    assert generate("--method", "ar", "--backend", TwinBackend.name)[0]["backend"] == TwinBackend.name
+    key = calibration.calibration_key(TwinBackend.name, "fp32", eager.model_key, sampling, eager.config.vocab_size)
+    ledger = backend_choice.load_ledger(key)
+    assert set(ledger["widths"]["1"]) == {"ar"} and len(ledger["ran"]["1"]["ar"]) == 1
+    assert ledger["ran"]["1"]["ar"][0] > 0
+    # seeded: a compile's cold seconds (the twin compiles nothing; cpu-graph's take tens of seconds here, more than
+    # a one-image request pays to calibrate the mode), and step times the decision is read from
+    ran(key, 1, {"ar": [0.5]}, prepare_s={"ar": 100.0})
+    ran(calibration.pipe_key(eager, sampling), 1, {"ar": [1.0]}, prepare_s={"ar": 0.0})
+    out, err = generate()
+    assert (out["plan"]["plan"], out["backend"], out["plan"]["mode"]) == ("ar", TwinBackend.name, "compiled")
+    assert out["plan"]["prepare_seconds"] == 0.0
+    line = next(x for x in err.splitlines() if x.startswith("lantern: auto chose"))
+    assert f"ar on {TwinBackend.name} (compiled)" in line and len(line) <= len("lantern: ") + choose_mod.LINE_MAX
+
+
 def test_modes_timed_at_different_moments_are_compared_on_the_default_modes_time_scale(cache, tiny, two_modes):
     """Each mode is calibrated at another moment of a machine whose speed drifts; its AR references were paired
     with the default mode's AR (`ar_to_anchor`), and that ratio, not the absolute seconds, compares them."""

@@ -386,7 +386,7 @@ class Pipeline:
             finally:
                 bar.close()
             if self.defaults.sampling is not None:  # a bundle's: a later auto weighs this plan on this mode
-                record_run(self, dcfg, run.stats)
+                record_run(self, dcfg, run)
             return GenerationResult(tokens=torch.stack([r.tokens for r in run.results]),
                                     conditions=cond.rows.tolist() if c2i else list(range(len(cond))), stats=run.stats,
                                     backend=self.backend.name, device=self.backend.capabilities().device,

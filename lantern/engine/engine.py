@@ -210,12 +210,15 @@ class Engine:
             self.run()
         self.steps_run = 0  # the warm-up's steps are not the engine's work
 
-    def run(self, progress=None) -> list[RequestResult]:
+    def run(self, progress=None, step_seconds: Optional[list] = None) -> list[RequestResult]:
         """Step until the queue and the slots are empty; results in finishing order. progress: called with
-        the number of requests finished by each step."""
+        the number of requests finished by each step. step_seconds: each step's wall seconds are appended."""
         out = []
         while self._queue or self.busy or self._dropped:
+            start = time.perf_counter()
             finished = self.step().finished
+            if step_seconds is not None:
+                step_seconds.append(time.perf_counter() - start)
             out += finished
             if progress is not None and finished:
                 progress(len(finished))
@@ -307,6 +310,7 @@ class BatchRun:
     results: list[RequestResult]  # in the order of the conditions
     stats: GenerationStats  # width, the steps' wall seconds, drafter forwards, phases, every image in order
     profile: dict  # the runner's profile record (phases, memory, warm-up)
+    step_seconds: list[float] = field(default_factory=list)  # each step's wall seconds, in order
 
 
 def run_batch(host: Host, decode: DecodeConfig, width: Optional[int], conditions, seed: int = 0,
@@ -328,8 +332,8 @@ def run_batch(host: Host, decode: DecodeConfig, width: Optional[int], conditions
     compiled_before = runner.fused_warmup_seconds
     ids = [engine._enqueue(Request(row, derive_seed(seed, i), tokens=tokens), row[None])
            for i, row in enumerate(checked.rows)]
-    t0 = time.perf_counter()
-    finished = {r.request_id: r for r in engine.run(progress)}
+    t0, step_seconds = time.perf_counter(), []
+    finished = {r.request_id: r for r in engine.run(progress, step_seconds)}
     wall = time.perf_counter() - t0
     compiled = runner.fused_warmup_seconds - compiled_before
     if compiled:
@@ -338,4 +342,4 @@ def run_batch(host: Host, decode: DecodeConfig, width: Optional[int], conditions
     stats = GenerationStats([image for r in results for image in r.stats.images],
                             engine.steps_run * engine.proposer.drafter_calls, engine.width,
                             {k: v["total_s"] for k, v in profile["phases"].items()}, wall)
-    return BatchRun(results, stats, profile)
+    return BatchRun(results, stats, profile, step_seconds)

@@ -101,7 +101,7 @@ def candidate_backends(dtype: Optional[str] = None) -> tuple[list[str], list[dic
 
 
 # --- the prepare ledger: seconds the last preparation of each plan's runner took on this machine ---------------
-RUNS_KEPT = 5  # and ("ran") the seconds per step of its last generations here (wall over its chunks' steps)
+RUNS_KEPT = 5  # and ("ran") the median step seconds of its last generations here
 RAN = "prepared and run here before (its compile kept on disk), timed in its generations"
 
 
@@ -147,18 +147,18 @@ def record_prepared(pipe, key: dict, width: int, plans: Sequence[Plan], sampling
     return ledger
 
 
-def record_run(pipe: PlanHost, decode, stats) -> None:
-    """After a generation of `decode` on `pipe` (stats: its GenerationStats), a named method's or auto's: where it
-    is one of auto's plans, the ledger keeps what preparing its runner took and the seconds per step it ran, for a
-    later auto to weigh it here as prepared (record_prepared). An unusable cache records nothing."""
+def record_run(pipe: PlanHost, decode, run) -> None:
+    """After a generation of `decode` on `pipe` (run: its lantern.engine.BatchRun), a named method's or auto's:
+    where it is one of auto's plans, the ledger keeps what preparing its runner took and its median step (compiles
+    at a runner's first steps fall outside it), for a later auto to weigh it here as prepared. An unusable cache
+    records nothing (auto refuses it itself, naming it)."""
     allowed = allowed_relaxation(True, pipe.defaults.relaxation or {}, decode.sampling, pipe.config.vocab_size)[0]
     plan = next((p for p in candidate_plans(pipe.drafter is not None, pipe.proximity is not None, allowed)
                  if p.decode(decode.sampling) == decode), None)
-    steps = predict_seconds(stats.batch, 0.0, 1.0, [[i.target_forwards - 1] for i in stats.images])
-    with contextlib.suppress(CacheUnusable):  # (auto refuses that cache itself, naming it)
-        if plan is not None and steps > 0:
-            record_prepared(pipe, calibration.pipe_key(pipe, decode.sampling), stats.batch, [plan],
-                            decode.sampling, stats.wall_seconds / steps)
+    with contextlib.suppress(CacheUnusable):
+        if plan is not None and run.step_seconds:
+            record_prepared(pipe, calibration.pipe_key(pipe, decode.sampling), run.stats.batch, [plan],
+                            decode.sampling, statistics.median(run.step_seconds))
 
 
 def prepare_cost(pipe: Optional[PlanHost], ledger: dict, plan: Plan, sampling: SamplingConfig, width: int,

@@ -211,6 +211,19 @@ def test_measured_runs_displace_a_quick_estimate_but_not_a_calibration(cache, ti
     assert (calibrated.plan, calibrated.backend) == (AR, "cpu")
 
 
+def test_a_run_records_its_median_step_not_the_compile_at_its_first_steps(cache, tiny):
+    """A compiled runner's first generation can compile at its first steps (a fused step does; a graph recompiled
+    for a new shape): its wall over its steps would read that compile as a slow step. The ledger keeps the median
+    step (here a generation whose first step took 30 s of compiling, its others 10 ms)."""
+    make = make_pipe_factory(tiny)
+    eager = make("cpu", "fp32")
+    run = SimpleNamespace(stats=SimpleNamespace(batch=2), step_seconds=[30.0, 0.011, 0.01, 0.009, 0.01])
+    backend_choice.record_run(eager, AR.decode(SAMPLING), run)
+    backend_choice.record_run(eager, method_preset("mc-sjd", SAMPLING, window=7), run)  # not one of auto's plans
+    ledger = backend_choice.load_ledger(calibration.pipe_key(eager, SAMPLING))
+    assert ledger["ran"] == {"2": {"ar": [0.01]}}
+
+
 @pytest.mark.usefixtures("two_modes")
 def test_a_named_run_leaves_what_the_next_auto_weighs_it_by(cache, tmp_path, monkeypatch, capsys):
     """The command line: `--method ar --backend <compiled mode>` leaves its mode's ledger holding what preparing

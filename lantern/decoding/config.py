@@ -100,7 +100,7 @@ def method_preset(method: str, sampling: SamplingConfig, **overrides) -> DecodeC
         "lantern++": dict(drafting="lantern++-57", acceptance="lantern++", k=10, lam=3.0),
         "sjd": dict(drafting="jacobi", coupling="none"),
         "mc-sjd": dict(drafting="jacobi", coupling="gumbel"),
-        "mc-sjd-pac": dict(drafting="jacobi", coupling="gumbel", branching=2, branch_depth=2),
+        "mc-sjd-pac": dict(drafting="jacobi", coupling="gumbel", window=32, branching=4, branch_depth=2),
         "mc-sjd-relaxed": dict(drafting="jacobi", coupling="gumbel", acceptance="lantern++", k=10, lam=3.0),
     }
     if method == "auto":

@@ -58,7 +58,7 @@ def candidate_plans(has_drafter: bool, has_proximity: bool, relaxation: dict | N
     """Every plan the model can run: lossless ones always; relaxed ones (which need the proximity table) for the
     methods in `relaxation` (method -> its settings, {} for the preset's). AR first: on a tie it wins."""
     relaxation = relaxation or {}
-    plans = [AR, *(jacobi(w) for w in JACOBI_WINDOWS)]
+    plans = [AR, *(jacobi(w) for w in JACOBI_WINDOWS), Plan("mc-sjd-pac", "mc-sjd-pac")]
     if has_drafter:
         plans += [Plan("eagle2", "eagle2"), *(tree(t) for t in EXACT_TREES)]
     if not has_proximity:

@@ -7,15 +7,20 @@ stderr once it waits there. PAUSE:
     call:MODULE:NAME:N
                     the Nth call of MODULE's function NAME (a dotted name for a method: Image.save), at its entry
                     (the module is imported first and the name replaced in it, where callers look it up)
+
+A call held in another thread than the main one (the service's engine worker) is not ended by a signal: with
+$PAUSED_LANTERN_RELEASE naming a file, the held call goes on once the test creates that file.
 """
 import functools
 import importlib
+import os
 import runpy
 import sys
 import threading
 import time
 
 HOLD_S = 3600  # far longer than any test waits: the signal the test sends ends the hold
+RELEASE_ENV = "PAUSED_LANTERN_RELEASE"
 
 
 def say_paused(where: str) -> None:
@@ -42,6 +47,17 @@ def pause_at_exit() -> None:
     threading.Thread(target=hold, name="paused-at-exit").start()
 
 
+def hold_call() -> None:
+    """Until the signal the test sends (its handler runs in the main thread, here), or until the release file the
+    test names exists."""
+    release = os.environ.get(RELEASE_ENV)
+    deadline = time.monotonic() + HOLD_S
+    if not release:
+        time.sleep(HOLD_S)  # in the main thread: the signal's handler runs here
+    while release and not os.path.exists(release) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def pause_at_call(where: str) -> None:
     module_name, qualname, nth = where.split(":")
     *owners, name = qualname.split(".")
@@ -55,7 +71,7 @@ def pause_at_call(where: str) -> None:
         calls.append(None)
         if len(calls) == int(nth):
             say_paused(f"call:{where}")
-            time.sleep(HOLD_S)  # in the main thread: the signal's handler runs here
+            hold_call()
         return original(*args, **kwargs)
     setattr(owner, name, held)
 

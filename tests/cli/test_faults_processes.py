@@ -174,16 +174,18 @@ def test_stopped_generation_and_calibration_leave_whole_files_and_a_usable_cache
         assert len(list(out.glob("*.png"))) == 1 and temporaries(out)
         writer.proc.send_signal(sig)
     check_stopped(writers)
-    calibrators = {}
-    for sig in STOPS:  # one at a time and alone: others' load could end a calibration early (disturbed)
-        calibrators[sig] = calibrator = Lantern(
-            tmp_path, f"calibrate-{sig.name}", "generate", "--model", str(bundle_dir), "--classes", "1",
-            "--no-images", LANTERN_CACHE_DIR=str(tmp_path / f"cache-{sig.name}"),
-            # stopped while refining in full: a share of deciding that lets the first request refine
-            **{calibration.BUDGET_ENV: "60", deciding.SHARE_ENV: "inf"})
-        calibrator.wait_until(lambda: "calibrating 1 image(s) per step" in calibrator.stderr, "calibration")
+    first_timing = "call:lantern.plan.calibration:_step_seconds:1"  # the calibration's first timed run
+    calibrators = {sig: Lantern(tmp_path, f"calibrate-{sig.name}", "generate", "--model", str(bundle_dir),
+                                "--classes", "1", "--no-images", pause=first_timing,
+                                LANTERN_CACHE_DIR=str(tmp_path / f"cache-{sig.name}"),
+                                # stopped while refining in full: a share of deciding that lets the first request
+                                # refine
+                                **{calibration.BUDGET_ENV: "60", deciding.SHARE_ENV: "inf"})
+                   for sig in STOPS}
+    for sig, calibrator in calibrators.items():
+        calibrator.wait_until(lambda: f"paused at {first_timing}" in calibrator.stderr, "calibration under way")
+        assert "calibrating 1 image(s) per step" in calibrator.stderr
         calibrator.proc.send_signal(sig)
-        calibrator.wait()
     check_stopped(calibrators)
     assert all("per step, in full" in c.stderr for c in calibrators.values())  # refining, not a probe
     for sig in STOPS:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -139,15 +140,22 @@ def test_concurrent_requests_get_decodable_pngs_and_same_seed_gives_same_image_u
     assert under_load[0]["tokens"] != under_load[1]["tokens"]  # image i of a request has its own seed
 
 
-def test_a_request_alone_runs_the_narrowest_width_and_gets_the_same_tokens_at_a_wider_one(served, slow_steps):
+def test_a_request_alone_runs_the_narrowest_width_and_gets_the_same_tokens_at_a_wider_one(served):
+    """The burst and the request again arrive while the test holds the worker's turn (no step, nothing placed), so
+    they are placed together by their load, 4, whatever the machine's speed."""
     alone = generate(served.url, class_id=1, seed=21, return_tokens=True).json()["data"][0]
     assert alone["stats"]["width"] == 1
-    burst = {}
-    sender = threading.Thread(target=lambda: burst.update(r=generate(served.url, class_id=0, n=3, seed=3)))
-    sender.start()
-    wait_until(lambda: served.service.worker.outstanding >= 3, "the burst to be admitted")
-    again = generate(served.url, class_id=1, seed=21, return_tokens=True).json()["data"][0]  # load 4: width 4
-    sender.join(WAIT_S)
+    worker, answers = served.service.worker, {}
+    requests = [threading.Thread(target=lambda: answers.update(burst=generate(served.url, class_id=0, n=3, seed=3))),
+                threading.Thread(target=lambda: answers.update(again=generate(served.url, class_id=1, seed=21,
+                                                                               return_tokens=True)))]
+    with worker.quiet_turn(patience_s=0):
+        for request in requests:
+            request.start()
+        wait_until(lambda: worker._commands.qsize() == 2, "both requests submitted")
+    for request in requests:
+        request.join(WAIT_S)
+    burst, again = {"r": answers["burst"]}, answers["again"].json()["data"][0]  # load 4: width 4
     assert burst["r"].status_code == 200 and {d["stats"]["width"] for d in burst["r"].json()["data"]} == {BATCH}
     assert again["stats"]["width"] == BATCH
     assert again["tokens"] == alone["tokens"] and again["b64_json"] == alone["b64_json"]
@@ -467,11 +475,20 @@ def run_lantern(*args, env=None, **kwargs):
     return subprocess.Popen([sys.executable, "-m", "lantern.cli", *args], stderr=subprocess.PIPE, text=True,
                             env=env or {**os.environ, "OMP_NUM_THREADS": "1"}, **kwargs)
 
+PAUSED = Path(__file__).parents[1] / "cli" / "paused_lantern.py"
+
+
 @contextlib.contextmanager
-def subprocess_service(bundle_dir, batch: int, max_n: int):
-    """`lantern serve` in a process of its own (AR, one thread), ready: (process, url); killed if still running."""
-    proc = run_lantern("serve", "--model", str(bundle_dir), "--method", "ar", "--batch", str(batch), "--max-n",
-                       str(max_n), "--queue", str(max_n), "--port", "0", "--threads", "1")
+def subprocess_service(bundle_dir, batch: int, max_n: int, held_at: str = "", release: Path | None = None):
+    """`lantern serve` in a process of its own (AR, one thread), ready: (process, url); killed if still running.
+    held_at: a call where tests/cli/paused_lantern.py holds it until the file `release` exists."""
+    args = ("serve", "--model", str(bundle_dir), "--method", "ar", "--batch", str(batch), "--max-n", str(max_n),
+            "--queue", str(max_n), "--port", "0", "--threads", "1")
+    if held_at:
+        proc = subprocess.Popen([sys.executable, str(PAUSED), held_at, *args], stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", "PAUSED_LANTERN_RELEASE": str(release)})
+    else:
+        proc = run_lantern(*args)
     try:
         url = json.loads(proc.stderr.readline())["url"]
         wait_until(lambda: _ready(url), "the subprocess service to be ready")
@@ -505,16 +522,25 @@ def first_ready(url) -> dict:
 
 
 
-def test_sigterm_finishes_the_requests_in_flight_then_exits_0(bundle_dir):
-    with subprocess_service(bundle_dir, batch=2, max_n=8) as (proc, url):
+def test_sigterm_finishes_the_requests_in_flight_then_exits_0(bundle_dir, tmp_path):
+    """The engine worker held at its third step (mid-request) until the test releases it: the signal comes while
+    the request decodes, however fast the machine, and the drain finishes it."""
+    held_at, release = "call:lantern.serve.worker:EngineWorker._step:3", tmp_path / "release"
+    with subprocess_service(bundle_dir, batch=2, max_n=8, held_at=held_at, release=release) as (proc, url):
         request, answer = request_in_thread(url, 8)
-        wait_until(lambda: metric_samples(url)[("lantern:requests_in_flight", ())] == 1, "the request in flight")
+        said = []
+        for line in proc.stderr:  # until the worker is held
+            said.append(line)
+            if line.startswith(f"paused at {held_at}"):
+                break
         proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: not _ready(url), "the service to drain")
         assert request.is_alive()  # still decoding when the signal came
+        release.touch()
         request.join(WAIT_S)
         assert answer["r"].status_code == 200 and len(answer["r"].json()["data"]) == 8
         assert proc.wait(WAIT_S) == 0
-        lines = [json.loads(line) for line in proc.stderr.read().splitlines() if line.startswith("{")]
+        lines = [json.loads(line) for line in said + proc.stderr.read().splitlines() if line.startswith("{")]
         assert [x["status"] for x in lines if x.get("event") == "request"] == [200]
         assert lines[-1]["event"] == "stopped" and lines[-1]["exit_code"] == 0
         with pytest.raises(httpx.TransportError):
@@ -636,15 +662,17 @@ def test_auto_serves_ar_at_once_then_switches_to_its_background_choice_between_s
 
         worker, step = service.worker, service.worker._step
 
-        def slow(key, width, engine):  # a request is still decoding when the switch comes
-            time.sleep(0.05)
-            step(key, width, engine)
-        monkeypatch.setattr(worker, "_step", slow)
+        def held(key, width, engine):  # no step until the switch: the request is still decoding when it comes
+            if service.planner.state == "done":
+                step(key, width, engine)
+            else:
+                time.sleep(0.001)
+        monkeypatch.setattr(worker, "_step", held)
         answer = {}
         sender = threading.Thread(target=lambda: answer.update(
             r=generate(server.url, class_id=2, seed=7, return_tokens=True)))
         sender.start()
-        wait_until(lambda: worker.outstanding == 1, "the request in flight")
+        wait_until(lambda: len(worker._jobs) == 1, "the request placed on the plan before the switch")
         go.set()
         wait_until(lambda: service.planner.state == "done", "the switch")
         assert sender.is_alive()  # switched while its image was decoding

@@ -16,14 +16,18 @@ WAIT_S = 60  # a bound for a wait that hangs, not a speed: every wait below ends
 
 
 class ScriptedEngine:
-    """Finishes each request after `steps_per_request` steps; raises at a step while `explode` is set."""
+    """Finishes each request after `steps_per_request` steps; raises at a step while `explode` is set; while `hold`
+    is set, an image stops short of its last step, so it stays in flight until the test clears `hold` (whatever the
+    machine's speed). Counts its steps."""
 
     explode = threading.Event()
+    hold = threading.Event()
 
     def __init__(self, pipeline, decode, width, runner=None):
         self.pipeline, self.decode, self.width, self.runner = pipeline, decode, width, runner
         self.queue, self.held = [], {}
         self.warmed = False
+        self.steps_taken = 0
 
     def warm_up(self):
         assert not (self.queue or self.held), "warmed up while it had work"
@@ -48,11 +52,14 @@ class ScriptedEngine:
     def step(self):
         if self.explode.is_set():
             raise RuntimeError("scripted failure")
+        self.steps_taken += 1
         while self.queue and len(self.held) < self.width:
             r = self.queue.pop(0)
             self.held[r.request_id] = [r, self.decode["steps"]]
         finished = []
         for rid, entry in list(self.held.items()):
+            if entry[1] == 1 and self.hold.is_set():
+                continue
             entry[1] -= 1
             if entry[1] == 0:
                 del self.held[rid]
@@ -67,6 +74,7 @@ class ScriptedEngine:
 def make_worker(monkeypatch):
     monkeypatch.setattr(worker_module, "Engine", ScriptedEngine)
     ScriptedEngine.explode.clear()
+    ScriptedEngine.hold.clear()
     pipeline = SimpleNamespace(runner=lambda dcfg, width: object(), backend=SimpleNamespace(name="scripted"))
     made = []
 
@@ -87,15 +95,34 @@ def submit(w, key, n, tag):
     return w.submit(key, [SimpleNamespace(request_id=f"{tag}-{i}") for i in range(n)])
 
 
+def wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} in {WAIT_S} s"
+        time.sleep(0.005)
+
+
+def engine_of(w, key, width):
+    """The engine of `key` at `width`, once the worker has built it (None before)."""
+    return w._engines.get(key, {}).get(width)
+
+
+def in_flight(w, key, width, n: int) -> bool:
+    engine = engine_of(w, key, width)
+    return engine is not None and engine.busy == n
+
+
 def test_a_new_key_replaces_an_idle_engine_and_is_refused_while_all_are_busy(make_worker):
-    w = make_worker(max_engines=2, steps=200)
+    w = make_worker(max_engines=2, steps=3)
+    ScriptedEngine.hold.set()
     slow = submit(w, EngineKey("eagle2"), 1, "slow")  # the second engine, kept busy
-    time.sleep(0.1)
+    wait_for(lambda: in_flight(w, EngineKey("eagle2"), 2, 1), "eagle2 image in flight")
     with pytest.raises(EnginesBusy, match="all 2 engines are busy"):
         submit(w, EngineKey("mc-sjd"), 1, "third")[0].result(WAIT_S)
     w.cancel(["slow-0"])
     with pytest.raises(worker_module.Cancelled):
         slow[0].result(WAIT_S)
+    ScriptedEngine.hold.clear()
     assert submit(w, EngineKey("mc-sjd"), 1, "again")[0].result(WAIT_S).request_id == "again-0"  # eagle2 replaced
     assert set(w.described) == {"ar", "eagle2", "mc-sjd"} and len(w._engines) == 2
     assert ("lantern:slots", (("engine", "eagle2"), ("width", "2"))) not in samples(w)  # its gauges went with it
@@ -130,14 +157,16 @@ def test_a_second_engine_of_a_shape_gets_a_runner_of_its_own_from_the_pipeline(m
 
 
 def test_an_engine_that_raises_fails_its_own_images_and_is_built_anew(make_worker):
-    w = make_worker(max_engines=2, steps=50)
+    w = make_worker(max_engines=2, steps=3)
+    ScriptedEngine.hold.set()
     doomed = submit(w, EngineKey("ar"), 2, "doomed")
-    time.sleep(0.05)
+    wait_for(lambda: in_flight(w, EngineKey("ar"), 2, 2), "both images in flight")
     ScriptedEngine.explode.set()
     for f in doomed:
         with pytest.raises(EngineFailed, match="scripted failure"):
             f.result(WAIT_S)
     ScriptedEngine.explode.clear()
+    ScriptedEngine.hold.clear()
     assert [f.result(WAIT_S).request_id for f in submit(w, EngineKey("ar"), 2, "after")] == ["after-0", "after-1"]
     assert w.alive and w.outstanding == 0
 
@@ -145,9 +174,11 @@ def test_an_engine_that_raises_fails_its_own_images_and_is_built_anew(make_worke
 def test_abandon_fails_the_images_in_flight_and_later_ones_at_once(make_worker):
     """A second stop signal: every image admitted raises ShutDown, the thread ends without finishing them, and an
     image submitted afterwards is answered at once instead of waiting for a thread that is gone."""
-    w = make_worker(max_engines=1, steps=10_000)
-    running = submit(w, EngineKey("ar"), 4, "running")  # 2 decoding, 2 queued
-    time.sleep(0.05)
+    w = make_worker(max_engines=1, steps=3)
+    ScriptedEngine.hold.set()
+    running = submit(w, EngineKey("ar"), 4, "running")
+    wait_for(lambda: in_flight(w, EngineKey("ar"), 2, 2) and engine_of(w, EngineKey("ar"), 2).waiting == 2,
+             "2 images decoding, 2 queued")
     w.abandon()
     for f in running:
         with pytest.raises(ShutDown, match="stopped"):
@@ -167,15 +198,16 @@ def samples(w) -> dict:
 
 def test_new_images_take_the_narrowest_width_that_fits_the_load_and_never_move(make_worker):
     assert [worker_module.fitting_width((1, 4, 16), n) for n in (1, 2, 4, 5, 16, 40)] == [1, 4, 4, 16, 16, 16]
-    w = make_worker(max_engines=1, steps=60, widths=(1, 4))
+    w = make_worker(max_engines=1, steps=3, widths=(1, 4))
     ar = EngineKey("ar")
     assert sorted(w._engines[ar]) == [1, 4]  # the default ladder is built before ready
     assert all(e.warmed for e in w._engines[ar].values())  # and warmed up (a fused step compiles then)
+    ScriptedEngine.hold.set()
     alone = submit(w, ar, 1, "alone")  # load 1: the width-1 engine
-    deadline = time.monotonic() + WAIT_S
-    while w._engines[ar][1].busy == 0 and time.monotonic() < deadline:
-        time.sleep(0.005)
+    wait_for(lambda: in_flight(w, ar, 1, 1), "the first image in flight")
     more = submit(w, ar, 2, "more")  # load 3 with the one in flight: width 4; the first stays where it is
+    wait_for(lambda: in_flight(w, ar, 4, 2), "the next two in flight")
+    ScriptedEngine.hold.clear()
     assert alone[0].result(WAIT_S).width == 1
     assert [f.result(WAIT_S).width for f in more] == [4, 4]
     burst = submit(w, ar, 5, "burst")  # more than the widest: the widest, one image queued there
@@ -191,15 +223,15 @@ def test_new_images_take_the_narrowest_width_that_fits_the_load_and_never_move(m
 def test_a_burst_arriving_during_a_step_is_placed_by_its_whole_load(make_worker):
     """Requests that arrive while the worker steps are placed together: with one image in flight, four more
     arriving at once fit width 16 only, so all four go there (one at a time they would split: 4, 4, 4, 16)."""
-    w = make_worker(max_engines=1, steps=400, widths=(1, 4, 16))
+    w = make_worker(max_engines=1, steps=3, widths=(1, 4, 16))
     ar = EngineKey("ar")
+    ScriptedEngine.hold.set()
     first = submit(w, ar, 1, "first")
-    deadline = time.monotonic() + WAIT_S
-    while w._engines[ar][1].busy == 0 and time.monotonic() < deadline:
-        time.sleep(0.005)
+    wait_for(lambda: in_flight(w, ar, 1, 1), "the first image in flight")
     with w.quiet_turn(patience_s=0):  # the worker waits for it at its next step; the burst queues meanwhile
-        time.sleep(0.05)
         burst = [submit(w, ar, 1, f"burst{i}")[0] for i in range(4)]
+    wait_for(lambda: in_flight(w, ar, 16, 4), "the burst in flight")
+    ScriptedEngine.hold.clear()
     assert [f.result(WAIT_S).width for f in burst] == [16] * 4
     assert first[0].result(WAIT_S).width == 1
 
@@ -255,14 +287,16 @@ def test_recent_load_keeps_the_highest_load_for_its_hold():
 
 
 def test_calls_run_in_the_worker_thread_between_steps_and_inline_once_it_has_ended(make_worker):
-    w = make_worker(max_engines=1, steps=400, widths=(2,))  # 2 s or more: running still when a busy machine lets
-    # the test look
+    w = make_worker(max_engines=1, steps=3, widths=(2,))
+    ScriptedEngine.hold.set()  # running still when the test looks, however busy the machine
     running = submit(w, EngineKey("ar"), 2, "running")
+    wait_for(lambda: in_flight(w, EngineKey("ar"), 2, 2), "both images in flight")
     where = w.call(threading.current_thread).result(WAIT_S)
     assert where is w._thread  # not the caller's, not a pool's: no torch work beside the steps
     assert not any(f.done() for f in running)  # ran between two steps of images still in flight
     with pytest.raises(ZeroDivisionError):
         w.call(lambda: 1 / 0).result(WAIT_S)  # what it raised reaches the caller
+    ScriptedEngine.hold.clear()
     assert all(f.result(WAIT_S).width == 2 for f in running)
     w.stop(WAIT_S)
     assert not w.alive
@@ -331,15 +365,15 @@ def test_calibration_does_not_count_the_seconds_it_waits_for_a_turn(monkeypatch)
 def test_a_quiet_turn_comes_between_two_steps_when_the_service_never_idles(make_worker):
     """Under constant load a turn waits `patience_s` at most, then comes between two steps: the image in flight
     is held (not stepped) while the turn lasts, and finishes after it."""
-    w = make_worker(max_engines=1, steps=400, widths=(2,))  # 400 steps of at least 5 ms: 2 s or more
+    w = make_worker(max_engines=1, steps=3, widths=(2,))
+    ScriptedEngine.hold.set()  # in flight until the test clears it: the service never idles
     running = submit(w, EngineKey("ar"), 1, "running")
     engine = w._engines[EngineKey("ar")][2]
-    wait_until_held = time.monotonic() + WAIT_S
-    while not engine.held and time.monotonic() < wait_until_held:
-        time.sleep(0.01)
+    wait_for(lambda: engine.held, "the image in flight")
     with w.quiet_turn(patience_s=0.2):
         assert not running[0].done()
-        left = engine.held["running-0"][1]
+        taken = engine.steps_taken
         time.sleep(0.2)
-        assert engine.held["running-0"][1] == left  # not stepped during the turn
+        assert engine.steps_taken == taken  # not stepped during the turn
+    ScriptedEngine.hold.clear()
     assert running[0].result(WAIT_S).request_id == "running-0"

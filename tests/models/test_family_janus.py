@@ -355,7 +355,8 @@ def test_the_default_method_auto_chooses_a_lossless_plan_and_caches_what_it_meas
     plan = first["plan"]
     assert first["mode"] == "auto" and first["family"] == "janus" and len(first["tokens"]) == 2
     assert plan["plan"] in {r["plan"] for r in plan["candidates"] if "skipped" not in r}
-    assert {r["plan"] for r in plan["candidates"]} == {"ar", "mc-sjd/L4", "mc-sjd/L8", "mc-sjd/L16", "mc-sjd/L32"}
+    assert {r["plan"] for r in plan["candidates"]} == {"ar", "mc-sjd/L4", "mc-sjd/L8", "mc-sjd/L16", "mc-sjd/L32",
+                                                          "mc-sjd-pac"}
     assert all(r["lossless"] for r in plan["candidates"] if "skipped" not in r)
     assert plan["why"].startswith(f"auto chose {plan['plan']}") and "no relaxation is validated for janus" in \
         plan["why"]

@@ -140,19 +140,27 @@ def test_concurrent_requests_get_decodable_pngs_and_same_seed_gives_same_image_u
     assert under_load[0]["tokens"] != under_load[1]["tokens"]  # image i of a request has its own seed
 
 
-def test_a_request_alone_runs_the_narrowest_width_and_gets_the_same_tokens_at_a_wider_one(served):
+def test_a_request_alone_runs_the_narrowest_width_and_gets_the_same_tokens_at_a_wider_one(served, monkeypatch):
     """The burst and the request again arrive while the test holds the worker's turn (no step, nothing placed), so
-    they are placed together by their load, 4, whatever the machine's speed."""
+    they are placed together by their load, 4, whatever the machine's speed. Both are counted as submitted, not
+    seen in the queue: the worker may take the first command off it while it waits for its turn."""
     alone = generate(served.url, class_id=1, seed=21, return_tokens=True).json()["data"][0]
     assert alone["stats"]["width"] == 1
-    worker, answers = served.service.worker, {}
+    worker, answers, submitted = served.service.worker, {}, []
+    submit = worker.submit
+
+    def counted(*args):
+        futures = submit(*args)
+        submitted.append(args)  # once queued
+        return futures
+    monkeypatch.setattr(worker, "submit", counted)
     requests = [threading.Thread(target=lambda: answers.update(burst=generate(served.url, class_id=0, n=3, seed=3))),
                 threading.Thread(target=lambda: answers.update(again=generate(served.url, class_id=1, seed=21,
                                                                                return_tokens=True)))]
     with worker.quiet_turn(patience_s=0):
         for request in requests:
             request.start()
-        wait_until(lambda: worker._commands.qsize() == 2, "both requests submitted")
+        wait_until(lambda: len(submitted) == 2, "both requests submitted")
     for request in requests:
         request.join(WAIT_S)
     burst, again = {"r": answers["burst"]}, answers["again"].json()["data"][0]  # load 4: width 4

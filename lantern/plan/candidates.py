@@ -1,5 +1,5 @@
-"""The plans `--method auto` chooses among: AR, Jacobi windows, drafter trees (static and EAGLE-2), each a named
-method preset plus overrides. Relaxed plans join only when the caller allows relaxation."""
+"""The plans `--method auto` chooses among: AR, Jacobi windows (mc-sjd-pac's too), drafter trees (static and
+EAGLE-2), each a named method preset plus overrides. Relaxed plans join only when the caller allows relaxation."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -127,6 +127,7 @@ class Pipeline:
         # StaticSpec -> seconds its runner took to prepare and warm up (compile): a fused step's compile, paid at
         # an engine's first steps (lantern.engine.fused), is added once a generation has paid it
         self.prepare_seconds: dict = {}
+        self.prepare_started: dict = {}  # StaticSpec -> when (time.time()) its runner's preparation started
         self._rules: dict = {}  # (rule parameters, device) -> Acceptance, its neighbourhood built once
         self.text_encoder = None  # t2i: a lantern.models.text.T5Conditioner, so generate() takes prompts
         self.lock = threading.RLock()  # held by generate for the whole call (and by runner, release)
@@ -217,7 +218,7 @@ class Pipeline:
         if spec.draft_widths and self.drafter is None:
             raise ValueError(f"drafting {dcfg.drafting!r} needs a drafter, and this pipeline has none")
         self.check_fits(dcfg, batch, what=what, new_runner=True)
-        t0 = time.perf_counter()
+        t0, self.prepare_started[spec] = time.perf_counter(), time.time()
         runner = self.backend.prepare(self.target, self.drafter if spec.draft_widths else None, spec)
         runner.warmup()
         self.prepare_seconds[spec] = time.perf_counter() - t0

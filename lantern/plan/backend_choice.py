@@ -4,8 +4,9 @@ each plan's one-time cost counted against the request:
 
     T(backend, plan) = prepare(backend, plan) + the plan's predicted generation seconds there (choose.py)
 
-prepare is 0 when this process holds the prepared runner or the plan was prepared and run here before (_ran), else
-what its last preparation here took (the ledger), else PRIOR_PREPARE_S of its mode. A speculative plan must be
+prepare is 0 when this process holds the prepared runner; for a plan prepared here before, what preparing it again
+took here (its compile on disk: a re-trace; the ledger's `again`), else its first preparation x WARM_SHARE; else
+PRIOR_PREPARE_S of its mode. A speculative plan must be
 predicted min_speedup times faster than the fastest AR over the modes. Another mode is calibrated (AR and the
 CROSS_PLANS plans the default backend ranks best) only when preparing its runners is expected to cost no more than
 the request, or ahead of time (`calibrate_all`). A candidate is a backend name, or a graph backend's name + FUSED
@@ -40,6 +41,10 @@ MODE_OF_PREPARATION: dict[str, str] = {"none": "eager", "compile": "compiled", "
 # preparation is measured (inductor compiles of the embedded model's steps take tens of seconds on a CPU; its
 # fused steps 40-130 s cold, as tools/bench_fused_step.py reports them).
 PRIOR_PREPARE_S: dict[str, float] = {"eager": 1.0, "compiled": 30.0, "fused": 60.0, "onnx": 20.0, "graphs": 30.0}
+# A preparation repeated once the first one's compile (or export) is on disk costs a re-trace against torch's caches:
+# on a 2-core AMD EPYC, 8.6 s after a 44.7 s cold compile of the embedded model's AR (results/second-request-cpu.md).
+# A prior used until a second preparation of the plan is measured here.
+WARM_SHARE = 0.2
 CROSS_PLANS = 2  # plans besides AR calibrated on another mode: the default backend's best
 
 
@@ -100,9 +105,9 @@ def candidate_backends(dtype: Optional[str] = None) -> tuple[list[str], list[dic
     return names, left_out, dtype
 
 
-# --- the prepare ledger: seconds the last preparation of each plan's runner took on this machine ---------------
-RUNS_KEPT = 5  # and ("ran") the median step seconds of its last generations here
-RAN = "prepared and run here before (its compile kept on disk), timed in its generations"
+# --- the prepare ledger: what preparing each plan's runner cost on this machine, and how fast its runs went ------
+RUNS_KEPT = 5  # preparations repeated ("again") and step seconds of generations ("ran") kept per plan
+RAN = "prepared and run here before, timed in its generations"
 
 
 def ledger_path(key: dict):
@@ -110,15 +115,17 @@ def ledger_path(key: dict):
 
 
 def ledger_problem(data: dict) -> str:
-    """'' if `data` has a prepare ledger's shape, else what is wrong (the ledger is then started again)."""
-    wrong = (field_problem(data, "key", dict) or field_problem(data, "widths", dict)
-             or field_problem({"ran": {}, **data}, "ran", dict))
-    for field in ("widths", "ran") if not wrong else ():  # widths: seconds per plan; ran: a list of them per plan
-        for width, entry in data[field].items() if field in data else ():
+    """'' if `data` has a prepare ledger's shape, else what is wrong (the ledger is then started again). Per width
+    and plan: the last preparation's seconds (widths) and when it started, the seconds of the preparations that
+    repeated an earlier one (again) and the step seconds of generations (ran)."""
+    wrong = field_problem(data, "key", dict) or field_problem(data, "widths", dict)
+    for field in ("widths", "started", "again", "ran"):
+        wrong = wrong or field_problem({field: {}, **data}, field, dict)
+        for width, entry in data.get(field, {}).items() if not wrong else ():
             for name, value in entry.items() if isinstance(entry, dict) else [("", None)]:
-                values = value if field == "ran" else [value]
+                values = value if field in ("again", "ran") else [value]
                 if not isinstance(values, list) or not all(is_number(s) and s >= 0 for s in values):
-                    return f"{field}[{width!r}][{name!r}] must be {'a list of ' * (field == 'ran')}seconds >= 0"
+                    return f"{field}[{width!r}][{name!r}] must be {'a list of ' * (value is values)}seconds >= 0"
     return wrong
 
 
@@ -128,18 +135,27 @@ def load_ledger(key: dict) -> dict:
 
 
 def record_prepared(pipe, key: dict, width: int, plans: Sequence[Plan], sampling: SamplingConfig,
-                    step_s: Optional[float] = None) -> dict:
+                    step_s: Optional[float] = None, again: bool = False) -> dict:
     """Store the prepare seconds of every plan's runner this pipeline prepared (at `width`), and `step_s`, the
-    seconds per step a generation of plans[0] took; returns the ledger."""
+    seconds per step a generation of plans[0] took; returns the ledger. A preparation of a plan prepared here
+    before (by another preparation: each is known by when it started), or `again` (prepared a second time on
+    purpose), is kept among the repeated ones, which are what preparing it costs from then on."""
     seen = {pipe.spec(p.decode(sampling), width): p.name for p in plans}
-    fresh = {seen[spec]: s for spec, s in pipe.prepare_seconds.items() if spec in seen}
+    fresh = {seen[spec]: (pipe.prepare_started[spec], s) for spec, s in pipe.prepare_seconds.items() if spec in seen}
     if not fresh and step_s is None:
         return load_ledger(key)
     path = ledger_path(key)
     entry_folder(path.parent.name)
     with entry_lock(path, "the prepare ledger"):  # read, update and write as one: another process may add to it
         ledger = load_ledger(key)
-        ledger["widths"].setdefault(str(width), {}).update(fresh)
+        last, started, repeated = (ledger.setdefault(f, {}).setdefault(str(width), {})
+                                   for f in ("widths", "started", "again"))
+        for name, (t, seconds) in fresh.items():
+            if again or (name in last and started.get(name) != t):
+                repeated[name] = [*repeated.get(name, []), seconds][-RUNS_KEPT:]
+            elif repeated.get(name):  # the latest repeated preparation, grown since (a fused step's compile)
+                repeated[name][-1] = seconds
+            last[name], started[name] = seconds, t
         if step_s is not None:
             runs = ledger.setdefault("ran", {}).setdefault(str(width), {})
             runs[plans[0].name] = [*runs.get(plans[0].name, []), step_s][-RUNS_KEPT:]
@@ -164,12 +180,17 @@ def record_run(pipe: PlanHost, decode, run) -> None:
 def prepare_cost(pipe: Optional[PlanHost], ledger: dict, plan: Plan, sampling: SamplingConfig, width: int,
                  mode: str) -> tuple[float, str]:
     """(seconds, source) of the one-time cost `plan` adds to a request on this pipeline (of `mode`; None: a
-    pipeline not built yet, which holds nothing prepared)."""
+    pipeline not built yet, which holds nothing prepared). A plan prepared here before is prepared again against
+    its compile (or export) kept on disk: at what that cost here, else at WARM_SHARE of its first preparation."""
     if pipe is not None and pipe.prepared(plan.decode(sampling), width):
         return 0.0, "prepared in this process"
+    repeated = ledger.get("again", {}).get(str(width), {}).get(plan.name)
+    if repeated:
+        return (statistics.median(repeated),
+                "prepared here before: the median of its preparations again here (its compile on disk)")
     last = ledger["widths"].get(str(width), {}).get(plan.name)
     if last is not None:
-        return float(last), "its last preparation here"
+        return WARM_SHARE * float(last), f"prepared here before: {WARM_SHARE:g} x its first preparation here"
     return PRIOR_PREPARE_S.get(mode, PRIOR_PREPARE_S["compiled"]), "prior: never prepared here"
 
 
@@ -271,26 +292,24 @@ def _other_mode(pipe_of: Callable[[], PlanHost], mode: str, key: dict, cross: li
         for plan in lacking:
             if not entry["plans"][plan.name].get("lower_bound"):
                 calibration.compile_fused_step(pipe, plan.decode(sampling), width)  # the runner (+ fused step)
-    record_prepared(pipe, key, width, lacking, sampling)
+    record_prepared(pipe, key, width, lacking, sampling, again=calibrate_all)
     return entry, "", spent
 
 
-def _ran(options: dict, ledgers: dict, by_name: dict, pipe, sampling: SamplingConfig, width: int,
+def _ran(weighed: dict, ledgers: dict, by_name: dict, base_pipe, sampling: SamplingConfig, width: int,
          wanted: list) -> dict:
-    """The plans each mode ran in generations here (the ledger's "ran"), weighed as prepared (no preparation): by
-    their calibration where it timed them, else (or where AR's quick estimate alone knows them) by the median of
-    their runs' seconds per step; a plan with no acceptance record here is left out, not measured."""
-    out = {}
+    """weighed ((mode, plan) -> its prediction row) with the plans each mode ran in generations here (the
+    ledger's "ran"): by their calibration where it timed them, else (or where AR's quick estimate alone knows
+    them) by the median of their runs' seconds per step; a plan with no acceptance record here is left out."""
+    out = dict(weighed)
     for name, ledger in ledgers.items():
         runs = {p: r for p, r in ledger.get("ran", {}).get(str(width), {}).items() if p in by_name}
-        steps = steps_by_plan(pipe, [by_name[p] for p in runs], sampling, pipe.model_key, False, wanted,
+        steps = steps_by_plan(base_pipe, [by_name[p] for p in runs], sampling, base_pipe.model_key, False, wanted,
                               credit=deciding.Credit(None), record_s=float("inf"))[0] if runs else {}
         for plan in steps:
-            old = options.get((name, plan), (0, name, {"estimate": True}))[2]
-            row = old if not old.get("estimate") else {
-                "plan": plan, "predicted_seconds": predict_seconds(width, 0.0, statistics.median(runs[plan]),
-                                                                   steps[plan]), "timed_runs": len(runs[plan])}
-            out[name, plan] = (row["predicted_seconds"], name, row, 0.0, RAN)
+            if out.get((name, plan), {"estimate": True}).get("estimate"):
+                out[name, plan] = {"plan": plan, "timed_runs": len(runs[plan]), "predicted_seconds": predict_seconds(
+                    width, 0.0, statistics.median(runs[plan]), steps[plan])}
     return out
 
 
@@ -361,12 +380,11 @@ def choose_backend(make_pipe: Callable[..., object], n_images: int, sampling: Sa
         choices[name].cost_source = f"{kind}calibration cached in {calibration.calibration_path(key_c)}{scale}"
 
     options = {}  # (candidate mode, plan) -> (total seconds, candidate mode, plan's row, prepare seconds, its source)
-    for name, ch in choices.items():
-        for r in _weighable(ch):
-            prep, source = prepare_cost(pipes[name], ledgers[name], by_name[r["plan"]], sampling, width,
-                                        mode_of(name))
-            options[name, r["plan"]] = (prep + r["predicted_seconds"], name, r, prep, source)
-    options.update(_ran(options, ledgers, by_name, base_pipe, sampling, width, wanted))
+    rows_by = _ran({(n, r["plan"]): r for n, ch in choices.items() for r in _weighable(ch)}, ledgers, by_name,
+                   base_pipe, sampling, width, wanted)
+    for (name, plan), r in rows_by.items():
+        prep, source = prepare_cost(pipes.get(name), ledgers[name], by_name[plan], sampling, width, mode_of(name))
+        options[name, plan] = (prep + r["predicted_seconds"], name, r, prep, source)
     weighed = dict.fromkeys(o[1] for o in options.values())
     rows += [row for name, row in unweighed.items() if name not in weighed]
     for name in weighed:

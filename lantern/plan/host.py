@@ -23,6 +23,7 @@ class PlanHost(Host, Protocol):
     defaults: Any  # lantern.api.ModelDefaults: validated sampling, relaxations, acceptance records
     pinned: bool  # its backend was named by the user: auto plans on it alone
     prepare_seconds: Mapping  # StaticSpec -> seconds its runner took to prepare (compile included)
+    prepare_started: Mapping  # StaticSpec -> when (time.time()) its runner's preparation started: its identity
 
     @property
     def model_key(self) -> str:

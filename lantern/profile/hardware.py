@@ -60,12 +60,10 @@ class HardwareProfile:
 
     def __post_init__(self):
         for name in ("batch_sizes", "verify_sizes", "draft_sizes", "classes"):
-            values = getattr(self, name)
-            if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
-                raise ValueError(f"profile {self.name!r}: {name} must be a non-empty list of integers >= 0, "
+            values, low = getattr(self, name), int(name != "classes")
+            if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < low for v in values):
+                raise ValueError(f"profile {self.name!r}: {name} must be a non-empty list of integers >= {low}, "
                                  f"got {list(values)}")
-        if min(self.batch_sizes + self.verify_sizes + self.draft_sizes) < 1:
-            raise ValueError(f"profile {self.name!r}: batch, verify and draft sizes must be >= 1")
         for b, sizes in self.verify_sizes_by_batch.items():
             if b not in self.batch_sizes:
                 raise ValueError(f"profile {self.name!r}: verify_sizes_by_batch has batch size {b!r}, which is not "
@@ -79,14 +77,10 @@ class HardwareProfile:
         for t in self.trees:
             if t not in TREE_PRESETS:
                 raise ValueError(f"profile {self.name!r}: unknown tree {t!r}; allowed: {', '.join(TREE_PRESETS)}")
-        for name in ("warmup", "generation_warmup"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"profile {self.name!r}: {name} must be >= 0, got {getattr(self, name)}")
-        for name in ("repeats", "generation_repeats"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"profile {self.name!r}: {name} must be >= 1, got {getattr(self, name)}")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"profile {self.name!r}: threads must be >= 1, got {self.threads}")
+        least = {"warmup": 0, "generation_warmup": 0, "repeats": 1, "generation_repeats": 1, "threads": 1}
+        for name, low in least.items():
+            if getattr(self, name) is not None and getattr(self, name) < low:
+                raise ValueError(f"profile {self.name!r}: {name} must be >= {low}, got {getattr(self, name)}")
         try:
             self.sampling_config(model_cfg_scale=1.0)  # SamplingConfig refuses bad values, naming them
         except (TypeError, ValueError) as e:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 from lantern.files import atomic_io
-from lantern.profile.schema import (batch_sizes, generation_case_id, load_results, ok_cases, ok_result,
+from lantern.profile.schema import (STEP_SIZE, batch_sizes, generation_case_id, load_results, ok_cases, ok_result,
                                     seconds_per_step, step_latencies)
 
 MIB = 2 ** 20
@@ -19,14 +19,18 @@ def label(data: dict) -> str:
     return f"{p['name']} ({b.get('name')}, {p['dtype']}, {data['environment'].get('hostname', '?')})"
 
 
-def verify_curve(data: dict, batch: int) -> dict:
-    """{N: (median, p25, p75) seconds} at `batch` images."""
-    return {n: (lat["median_s"], lat["p25_s"], lat["p75_s"])
-            for n, lat in step_latencies(data, "verify", batch).items()}
-
-
-def draft_curve(data: dict, batch: int) -> dict:
-    return {w: lat["median_s"] for w, lat in step_latencies(data, "draft", batch).items()}
+def curve_tables(measured: list[tuple[str, dict]], kind: str, title: str, cell) -> list[str]:
+    """Markdown: per batch size, the step latency of each run (columns) by step size (rows: N for verify, W for
+    draft); title: the heading, formatted with b (the batch size) and s (its plural); cell(latency record)."""
+    out = []
+    for b in sorted({b for _, d in measured for b in batch_sizes(d, kind)}):
+        curves = {n: step_latencies(d, kind, b) for n, d in measured}
+        out += [title.format(b=b, s="s" if b > 1 else ""), "", f"| {STEP_SIZE[kind]} | " + " | ".join(curves)
+                + " |", "|---|" + "---|" * len(curves)]
+        for k in sorted({k for c in curves.values() for k in c}):
+            out.append(f"| {k} | " + " | ".join(cell(c[k]) if k in c else "-" for c in curves.values()) + " |")
+        out.append("")
+    return out
 
 
 def variant(params: dict) -> str:
@@ -130,23 +134,11 @@ def markdown(files: list[tuple[str, dict]]) -> str:
         out += ["## Unavailable backends", ""] + [f"- **{n}**: {r}" for n, r in unavailable] + [""]
 
     measured = [(n, d) for n, d in files if d["backend"].get("available")]
-    for b in sorted({b for _, d in measured for b in batch_sizes(d, "verify")}):
-        curves = {n: verify_curve(d, b) for n, d in measured}
-        out += [f"## Verify latency vs tree size N (ms, batch {b} image{'s' if b > 1 else ''})", "",
-                "AR decode step = N 1.", ""]
-        out += ["| N | " + " | ".join(curves) + " |", "|---|" + "---|" * len(curves)]
-        for n in sorted({k for c in curves.values() for k in c}):
-            cells = [f"{c[n][0] * 1e3:.2f} ({c[n][1] * 1e3:.1f}..{c[n][2] * 1e3:.1f})" if n in c else "-"
-                     for c in curves.values()]
-            out.append(f"| {n} | " + " | ".join(cells) + " |")
-        out.append("")
-    for b in sorted({b for _, d in measured for b in batch_sizes(d, "draft")}):
-        drafts = {n: draft_curve(d, b) for n, d in measured}
-        out += [f"## Drafter step latency vs width W (ms, batch {b} image{'s' if b > 1 else ''})", ""]
-        out += ["| W | " + " | ".join(drafts) + " |", "|---|" + "---|" * len(drafts)]
-        for w in sorted({k for c in drafts.values() for k in c}):
-            out.append(f"| {w} | " + " | ".join(f"{c[w] * 1e3:.2f}" if w in c else "-" for c in drafts.values()) + " |")
-        out.append("")
+    out += curve_tables(measured, "verify", "## Verify latency vs tree size N (ms, batch {b} image{s})\n\n"
+                        "AR decode step = N 1.", lambda lat: f"{lat['median_s'] * 1e3:.2f} ({lat['p25_s'] * 1e3:.1f}.."
+                                                 f"{lat['p75_s'] * 1e3:.1f})")
+    out += curve_tables(measured, "draft", "## Drafter step latency vs width W (ms, batch {b} image{s})",
+                        lambda lat: f"{lat['median_s'] * 1e3:.2f}")
     if measured:
         out += ["## Whole generation", "", "Wall time of one generation of B images decoded together (the profile's "
                 "classes cycled to B images; every step of the batched loop advances all B); step ms = wall / steps "

@@ -79,13 +79,26 @@ def make_pipe_factory(models):
 def seed(pipe, width: int, step_ms: dict, fixed_s: float = 0.0, prepare_s: dict | None = None,
          candidate: str | None = None, sampling: SamplingConfig = SAMPLING) -> None:
     """A synthetic calibration (made by the test) for this pipeline's backend (or the candidate mode named) at
-    `sampling`: the plans named in step_ms only; prepare_s: the ledger's last preparation seconds per plan."""
+    `sampling`: the plans named in step_ms only; prepare_s: what preparing each plan again costs (the ledger)."""
     key = calibration.calibration_key(candidate or pipe.backend.name, pipe.dtype, pipe.model_key, sampling,
                                       pipe.config.vocab_size)
     plans = {name: {"step_s": ms / 1e3} for name, ms in step_ms.items()}
     calibration.save_calibration({"key": key, "widths": {str(width): {"fixed_s": fixed_s, "plans": plans}}})
     if prepare_s is not None:
-        write_json(ledger_path(key), {"key": key, "widths": {str(width): prepare_s}})
+        write_ledger(key, width, prepare_s)
+
+
+def write_ledger(key: dict, width: int, prepare_s: dict, first_s: dict | None = None,
+                 step_ms: dict | None = None) -> None:
+    """A synthetic prepare ledger (made by the test): prepare_s, what preparing each plan again here took (one
+    repeated preparation each); first_s, plans prepared once only (their first preparation's seconds); step_ms,
+    the seconds per step of each plan's runs (`ran`, a list per plan)."""
+    first_s = first_s or {}
+    ledger = {"key": key, "widths": {str(width): {**prepare_s, **first_s}},
+              "again": {str(width): {name: [s] for name, s in prepare_s.items()}}}
+    if step_ms:
+        ledger["ran"] = {str(width): {name: [ms / 1e3 for ms in runs] for name, runs in step_ms.items()}}
+    write_json(ledger_path(key), ledger)
 
 
 FREE = {"ar": 0.0, "mc-sjd/L4": 0.0}  # eager runners' last preparation, negligible
@@ -151,42 +164,94 @@ def test_a_plan_must_beat_the_fastest_ar_not_its_own_backends(cache, tiny, two_m
     assert c.plan == AR and c.backend == TwinBackend.name and c.baseline["backend"] == TwinBackend.name
 
 
-def ran(key: dict, width: int, step_ms: dict, prepare_s: dict) -> None:
-    """A synthetic prepare ledger (made by the test) as generations leave it: each plan's last preparation seconds
-    and the seconds per step its runs took (`ran`, a list per plan)."""
-    write_json(ledger_path(key), {"key": key, "widths": {str(width): prepare_s},
-                                  "ran": {str(width): {name: [ms / 1e3 for ms in runs]
-                                                       for name, runs in step_ms.items()}}})
-
-
 def twin_key(pipe) -> dict:
     return calibration.calibration_key(TwinBackend.name, pipe.dtype, pipe.model_key, SAMPLING, pipe.config.vocab_size)
 
 
 @pytest.mark.usefixtures("unlimited_deciding")  # the tiny model's acceptance record: measured, not weighed here
-def test_a_compiled_ar_prepared_and_run_here_is_the_bar_without_a_calibration_of_its_mode(cache, tiny, two_modes):
+def test_a_compiled_ar_prepared_and_run_here_is_weighed_at_its_runs_and_its_preparation_again(cache, tiny,
+                                                                                               two_modes):
     """The issue's scenario, as the files leave it: a `--method ar` run compiled AR on the compiled mode (its cold
     compile, 100 s, in the ledger) and timed its steps; its mode was never calibrated. The next auto weighs that AR
-    as prepared (its compile is on disk) at its measured step, and so does not run an eager plan slower than it."""
+    at its measured step plus preparing it again against its compile on disk: WARM_SHARE of the cold compile
+    until a second preparation is measured, then what that took. Never 0: a new process re-traces. (Steps of tens
+    of milliseconds, so that the tiny model's real preparations here, a few milliseconds, decide nothing.)"""
     make = make_pipe_factory(tiny)
     eager = make("cpu", "fp32")
-    seed(eager, 1, {**everything(1000.0), "ar": 1.0, "mc-sjd/L4": 0.5}, prepare_s=FREE)
-    ran(twin_key(eager), 1, {"ar": [0.3, 0.25, 0.4]}, prepare_s={"ar": 100.0})
+    seed(eager, 1, {**everything(1e5), "ar": 100.0, "mc-sjd/L4": 60.0}, prepare_s=FREE)
+    write_ledger(twin_key(eager), 1, {}, first_s={"ar": 100.0}, step_ms={"ar": [30.0, 25.0, 40.0]})
+    one = choose_backend(make, 1, SAMPLING, batch=1, progress=False)
+    row = {r["backend"]: r for r in one.backends}[TwinBackend.name]
+    assert row["status"] == "weighed" and row["cost_source"] == backend_choice.RAN
+    assert row["ar_prepare_seconds"] == pytest.approx(backend_choice.WARM_SHARE * 100.0)
+    assert one.backend == "cpu"  # a re-trace of 20 s outweighs what one image saves
+    # a second preparation measured cheap: the compiled AR is the bar, at the median of its runs' steps
+    write_ledger(twin_key(eager), 1, {"ar": 0.02}, step_ms={"ar": [30.0, 25.0, 40.0]})
     c = choose_backend(make, 1, SAMPLING, batch=1, progress=False)
     assert (c.plan, c.backend, c.mode) == (AR, TwinBackend.name, "compiled")
-    assert c.prepare_s == 0.0 and c.prepare_source == backend_choice.RAN
+    assert c.prepare_s == pytest.approx(0.02) and c.prepare_source.startswith("prepared here before")
     steps = next(r["steps_per_image"] for r in c.candidates if r["plan"] == "ar")
-    assert c.predicted_s == pytest.approx(steps * 0.3e-3)  # the median of its runs' steps, x AR's steps
-    row = {r["backend"]: r for r in c.backends}[TwinBackend.name]
-    assert row["status"] == "weighed" and row["cost_source"] == backend_choice.RAN and row["ar_prepare_seconds"] == 0
+    assert c.predicted_s == pytest.approx(steps * 30e-3)  # the median of its runs' steps, x AR's steps
     assert c.baseline["backend"] == TwinBackend.name and len(c.line()) <= choose_mod.LINE_MAX
-    # a plan faster than that AR by the margin still wins over it (the ledger as the run left it: that choice
-    # prepared the compiled AR again, and a cheap preparation would have this request calibrate its mode)
-    seed(eager, 1, {**everything(1000.0), "ar": 1.0, "mc-sjd/L4": 0.05}, prepare_s=FREE)
-    ran(twin_key(eager), 1, {"ar": [0.3, 0.25, 0.4]}, prepare_s={"ar": 100.0})
+    # a plan faster than that AR by the margin still wins over it
+    seed(eager, 1, {**everything(1e5), "ar": 100.0, "mc-sjd/L4": 5.0}, prepare_s=FREE)
+    write_ledger(twin_key(eager), 1, {"ar": 0.02}, step_ms={"ar": [30.0, 25.0, 40.0]})
     faster = choose_backend(make, 1, SAMPLING, batch=1, progress=False)
     assert (faster.plan.name, faster.backend) == ("mc-sjd/L4", "cpu")
     assert faster.baseline["backend"] == TwinBackend.name
+
+
+@pytest.mark.usefixtures("unlimited_deciding")
+def test_a_request_large_enough_pays_for_preparing_the_compiled_ar_again(cache, tiny, two_modes):
+    """Preparing the compiled AR again (a re-trace) is a one-time cost: a one-image request runs eager AR, one
+    whose images save more than that re-trace runs the compiled AR."""
+    make = make_pipe_factory(tiny)
+    eager = make("cpu", "fp32")
+    seed(eager, 1, {**everything(1e5), "ar": 1.0}, prepare_s=FREE)
+    write_ledger(twin_key(eager), 1, {"ar": 0.5}, step_ms={"ar": [0.3]})
+    one = choose_backend(make, 1, SAMPLING, batch=1, progress=False)
+    assert (one.plan, one.backend) == (AR, "cpu")
+    steps = next(r["steps_per_image"] for r in one.candidates if r["plan"] == "ar")
+    many = choose_backend(make, int(3 * 0.5 / (steps * 0.7e-3)) + 1, SAMPLING, batch=1, progress=False)
+    assert (many.plan, many.backend, many.prepare_s) == (AR, TwinBackend.name, 0.5)
+
+
+@pytest.mark.parametrize("field,value", [("again", 3.0), ("again", [-1.0]), ("started", [1.0]), ("ran", [None])])
+def test_a_ledger_of_the_wrong_shape_is_started_again(cache, tiny, field, value):
+    """A ledger field of the wrong shape (a hand-edited file) is not read as costs: the ledger starts again,
+    instead of a crash or a cost from a malformed entry."""
+    key = calibration.pipe_key(make_pipe_factory(tiny)("cpu", "fp32"), SAMPLING)
+    write_json(ledger_path(key), {"key": key, "widths": {"1": {"ar": 1.0}}, field: {"1": {"ar": value}}})
+    assert backend_choice.load_ledger(key) == {"key": key, "widths": {}}
+
+
+def test_the_ledger_tells_a_preparation_repeated_from_the_same_one_recorded_again(cache, tiny):
+    """A process records its preparation more than once (when auto chose it, after its generation, grown by a
+    fused step's compile): that is its first preparation still. A later preparation of the same plan (a new
+    process, against the compile on disk), or one made again on purpose, is a repeated one."""
+    make = make_pipe_factory(tiny)
+    eager = make("cpu", "fp32")
+    key = calibration.pipe_key(eager, SAMPLING)
+    decode, spec = AR.decode(SAMPLING), eager.spec(AR.decode(SAMPLING), 1)
+    eager.runner(decode, 1)
+    record_prepared(eager, key, 1, [AR], SAMPLING)
+    eager.add_prepare_seconds(spec, 5.0)
+    ledger = record_prepared(eager, key, 1, [AR], SAMPLING, step_s=0.01)
+    assert ledger["widths"]["1"]["ar"] >= 5.0 and not ledger["again"]["1"]
+    assert prepare_cost(None, ledger, AR, SAMPLING, 1, "eager")[0] == pytest.approx(
+        backend_choice.WARM_SHARE * ledger["widths"]["1"]["ar"])
+    eager.release()
+    eager.runner(decode, 1)  # prepared again: a new preparation
+    ledger = record_prepared(eager, key, 1, [AR], SAMPLING)
+    assert len(ledger["again"]["1"]["ar"]) == 1 and ledger["widths"]["1"]["ar"] < 5.0
+    assert prepare_cost(None, ledger, AR, SAMPLING, 1, "eager")[0] == ledger["widths"]["1"]["ar"]
+    eager.add_prepare_seconds(spec, 1.0)  # the repeated one grown: updated, not counted twice
+    ledger = record_prepared(eager, key, 1, [AR], SAMPLING)
+    assert len(ledger["again"]["1"]["ar"]) == 1 and ledger["again"]["1"]["ar"][0] >= 1.0
+    fresh = make("cpu", "bf16")  # a first preparation made again on purpose (calibrate: warm caches)
+    fresh_key = calibration.pipe_key(fresh, SAMPLING)
+    fresh.runner(AR.decode(SAMPLING), 1)
+    assert record_prepared(fresh, fresh_key, 1, [AR], SAMPLING, again=True)["again"]["1"]["ar"]
 
 
 def test_measured_runs_displace_a_quick_estimate_but_not_a_calibration(cache, tiny, two_modes):
@@ -198,15 +263,17 @@ def test_measured_runs_displace_a_quick_estimate_but_not_a_calibration(cache, ti
     key = calibration.pipe_key(eager, SAMPLING)
     calibration.save_calibration({"key": key, "widths": {}, calibration.QUICK_AR: {"1": {"fixed_s": 0.0,
                                                                                        "step_s": 0.1e-3}}})
-    ran(key, 1, {"ar": [1.0, 1.1, 0.9]}, prepare_s={"ar": 0.0})
-    ran(twin_key(eager), 1, {"ar": [0.5]}, prepare_s={"ar": 100.0})
+    write_ledger(key, 1, {"ar": 0.0}, step_ms={"ar": [1.0, 1.1, 0.9]})
+    # preparing the compiled AR again: more than the quick estimate's request pays to calibrate its mode
+    write_ledger(twin_key(eager), 1, {"ar": 0.004}, step_ms={"ar": [0.5]})
     c = choose_backend(make, 1, SAMPLING, batch=1, progress=False)
     assert (c.plan, c.backend) == (AR, TwinBackend.name)
-    rows = {r["backend"]: r for r in c.backends}
-    assert rows["cpu"]["ar_seconds"] == pytest.approx(2 * rows[TwinBackend.name]["ar_seconds"])
+    twin = {r["backend"]: r for r in c.backends}[TwinBackend.name]
+    assert {r["backend"]: r for r in c.backends}["cpu"]["ar_seconds"] == pytest.approx(
+        2 * (twin["ar_seconds"] - twin["ar_prepare_seconds"]))
     # eager calibrated (AR at 0.4 ms): its calibration weighs it, not its runs, and it is the faster AR
     seed(eager, 1, {**everything(1000.0), "ar": 0.4}, prepare_s=FREE)
-    ran(key, 1, {"ar": [1.0]}, prepare_s={"ar": 0.0})
+    write_ledger(key, 1, {"ar": 0.0}, step_ms={"ar": [1.0]})
     calibrated = choose_backend(make, 1, SAMPLING, batch=1, progress=False)
     assert (calibrated.plan, calibrated.backend) == (AR, "cpu")
 
@@ -246,14 +313,16 @@ def test_a_named_run_leaves_what_the_next_auto_weighs_it_by(cache, tmp_path, mon
     key = calibration.calibration_key(TwinBackend.name, "fp32", eager.model_key, sampling, eager.config.vocab_size)
     ledger = backend_choice.load_ledger(key)
     assert set(ledger["widths"]["1"]) == {"ar"} and len(ledger["ran"]["1"]["ar"]) == 1
-    assert ledger["ran"]["1"]["ar"][0] > 0
-    # seeded: a compile's cold seconds (the twin compiles nothing; cpu-graph's take tens of seconds here, more than
-    # a one-image request pays to calibrate the mode), and step times the decision is read from
-    ran(key, 1, {"ar": [0.5]}, prepare_s={"ar": 100.0})
-    ran(calibration.pipe_key(eager, sampling), 1, {"ar": [1.0]}, prepare_s={"ar": 0.0})
+    assert ledger["ran"]["1"]["ar"][0] > 0 and not ledger["again"]["1"]  # its first preparation
+    generate("--method", "ar", "--backend", TwinBackend.name)  # another process: the same AR prepared again
+    assert len(backend_choice.load_ledger(key)["again"]["1"]["ar"]) == 1
+    # seeded: preparing it again (the twin compiles nothing; cpu-graph re-traces its compile for seconds: more
+    # than this request pays to calibrate the mode), and step times the decision is read from
+    write_ledger(key, 1, {"ar": 0.3}, step_ms={"ar": [50.0]})
+    write_ledger(calibration.pipe_key(eager, sampling), 1, {"ar": 0.0}, step_ms={"ar": [100.0]})
     out, err = generate()
     assert (out["plan"]["plan"], out["backend"], out["plan"]["mode"]) == ("ar", TwinBackend.name, "compiled")
-    assert out["plan"]["prepare_seconds"] == 0.0
+    assert out["plan"]["prepare_seconds"] == pytest.approx(0.3)
     line = next(x for x in err.splitlines() if x.startswith("lantern: auto chose"))
     assert f"ar on {TwinBackend.name} (compiled)" in line and len(line) <= len("lantern: ") + choose_mod.LINE_MAX
 
@@ -545,18 +614,18 @@ def test_the_fused_mode_wins_when_its_costs_do_and_its_compile_counts_until_cach
     assert row["best_prepare_seconds"] == row["ar_prepare_seconds"] == PRIOR_PREPARE_S["fused"]
     assert cold.mode != "fused" and not cold.to_dict()["fused_step"]
     assert not fused.prepare_seconds  # weighed from its cached calibration: nothing prepared or compiled
-    # its last preparation here was slow (a cold compile): still counted, still loses
+    # preparing it again here was slow: still counted, still loses
     seed(fused, 1, fast_steps, candidate=TwinBackend.name + FUSED, prepare_s={"ar": 100.0, "mc-sjd/L4": 100.0})
     slow = choose_backend(make, 1, SAMPLING, batch=1, progress=False)
     assert slow.mode != "fused"
     slow_rows = {(r["backend"], r["mode"]): r for r in slow.backends}
     assert slow_rows[TwinBackend.name, "fused"]["ar_prepare_seconds"] == 100.0
-    # the compile cached (its last preparation took next to nothing): the fused mode wins, and the plan says so
+    # the compile cached (preparing it again took next to nothing): the fused mode wins, and the plan says so
     seed(fused, 1, fast_steps, candidate=TwinBackend.name + FUSED, prepare_s={"ar": 1e-4, "mc-sjd/L4": 1e-4})
     warm = choose_backend(make, 1, SAMPLING, batch=1, progress=False)
     assert warm.pipeline is fused and warm.pipeline.backend.fused_step
     assert warm.backend == TwinBackend.name and warm.mode == "fused" and warm.fused_step
-    assert warm.plan.name == "mc-sjd/L4" and warm.prepare_source == "its last preparation here"
+    assert warm.plan.name == "mc-sjd/L4" and warm.prepare_source.startswith("prepared here before")
     out = json.loads(json.dumps(warm.to_dict()))  # the --json plan: plain data naming backend, mode and why
     assert (out["backend"], out["mode"], out["fused_step"]) == (TwinBackend.name, "fused", True)
     assert out["why"].startswith(f"mc-sjd/L4 on {TwinBackend.name} (fused)")

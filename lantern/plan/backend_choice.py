@@ -402,6 +402,7 @@ def choose_backend(make_pipe: Callable[..., object], n_images: int, sampling: Sa
     plan = by_name[row["plan"]]
     chosen = dataclasses.replace(choices.get(name, base), plan=plan, decode=plan.decode(sampling),
                                  predicted_s=row["predicted_seconds"], pipeline=pipe_of(name), mode=mode_of(name),
+                                 scope="every mode",  # (another mode's costs reach choose as a profile's: no narrowing)
                                  baseline=mode_row(fastest_ar[1], predicted_seconds=fastest_ar[0],
                                                    prepare_seconds=fastest_ar[3]),
                                  prepare_s=prep, prepare_source=source, calibrated_s=spent,

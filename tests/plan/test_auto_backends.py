@@ -597,6 +597,7 @@ def three_modes(monkeypatch):
                         lambda dtype=None: (["cpu", TwinBackend.name, TwinBackend.name + FUSED], out, dtype or "fp32"))
 
 
+@pytest.mark.usefixtures("unlimited_deciding")  # the tiny model's acceptance record: measured, not weighed here
 def test_the_fused_mode_wins_when_its_costs_do_and_its_compile_counts_until_cached(cache, tiny, three_modes):
     make = make_pipe_factory(tiny)
     eager, compiled = make("cpu", "fp32"), make(TwinBackend.name, "fp32")
@@ -625,6 +626,7 @@ def test_the_fused_mode_wins_when_its_costs_do_and_its_compile_counts_until_cach
     warm = choose_backend(make, 1, SAMPLING, batch=1, progress=False)
     assert warm.pipeline is fused and warm.pipeline.backend.fused_step
     assert warm.backend == TwinBackend.name and warm.mode == "fused" and warm.fused_step
+    assert "narrowed" not in warm.line()  # every mode was weighed: no --profile narrowed it
     assert warm.plan.name == "mc-sjd/L4" and warm.prepare_source.startswith("prepared here before")
     out = json.loads(json.dumps(warm.to_dict()))  # the --json plan: plain data naming backend, mode and why
     assert (out["backend"], out["mode"], out["fused_step"]) == (TwinBackend.name, "fused", True)

@@ -13,7 +13,8 @@ nothing. Runners are prepared (compiled) before timing; the seconds are reported
 results/scale-<cpu>.{json,md,png}, naming the CPU, commit and command.
 
     python tools/bench_scale.py [--shapes GPT-B GPT-L] [--images 1 4 16] [--dtypes fp32 bf16] [--sampling ...]
-                                [--modes eager compiled] [--methods ...] [--seeds 0 1] [--threads N] [--quick]
+                                [--modes eager compiled] [--methods ar mc-sjd mc-sjd-pac:window=14:branching=2 ...]
+                                [--seeds 0 1] [--threads N] [--quick]
 
 --quick checks that the tool runs (GPT-B, eager fp32, one image, AR and MC-SJD, 4 tokens per image); its
 numbers mean nothing. Timing wants a quiet machine.
@@ -28,6 +29,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from bench_step_compression import parse_row
 from fastest_ar import MODES, mode_pipeline, prepare as prepare_runner, provenance, runnable_modes
 from lantern.backends.environment import cpu_model
 from lantern.bundle import load_bundle
@@ -55,7 +57,10 @@ def setting(models, bundle, shape: str, dtype: str, n: int, modes: list[str], me
     """Every (mode, method) row of one (shape, dtype, sampling, B), with speed-ups against the fastest AR over
     `modes` and `ar_modes` (modes where AR alone runs: the baseline)."""
     sampling = sampling_settings(bundle.default_sampling, [sampling_name])[sampling_name]
-    configs = {m: method_preset(m, sampling, **bundle.relaxation_at(sampling).get(m, {})) for m in methods}
+    configs = {}
+    for m in methods:  # a preset, or method:name=value:... (bench_step_compression.parse_row)
+        method, settings = parse_row(m)
+        configs[m] = method_preset(method, sampling, **{**bundle.relaxation_at(sampling).get(method, {}), **settings})
     classes = [i % bundle.target.config.num_classes for i in range(n)]
     runs: dict[tuple[str, str], list[dict]] = {}
     prepare: dict[tuple[str, str], float] = {}
@@ -114,7 +119,8 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=list(MODES))
     ap.add_argument("--baseline-modes", nargs="+", default=list(MODES), choices=list(MODES),
                     help="modes AR is also timed on for the baseline (default: all that run the dtype here)")
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--methods", nargs="+", default=list(METHODS),
+                    help="methods, each a preset or method:name=value:... (e.g. mc-sjd-pac:window=14:branching=2)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--tokens", type=int, help="tokens per image (default: the whole image)")
     ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
@@ -129,6 +135,10 @@ def main() -> None:
         ap.error(f"--images {min(args.images)} must be >= 1")
     if "ar" not in args.methods:
         ap.error("--methods must include ar (the baseline)")
+    unknown = [m for m in args.methods if parse_row(m)[0] not in METHODS]
+    if unknown:
+        ap.error(f"--methods {' '.join(unknown)}: unknown method; allowed: {', '.join(METHODS)} (each may take "
+                 f":name=value settings)")
     if args.threads:
         torch.set_num_threads(args.threads)
     prov = provenance()

@@ -32,18 +32,16 @@ from lantern.plan.choose import (MIN_SPEEDUP, Choice, allowed_relaxation, choosa
 from lantern.files.user_cache import (CacheUnusable, cache_root, entry_folder, entry_lock, field_problem, is_number,
                                       read_entry, write_entry)
 
-# A mode is named by what preparing its runners costs, as its backend declares it (Abilities.preparation); a
-# backend declaring a fused step is weighed with it too, as the mode "fused". CUDA's fused step (one CUDA graph per
-# engine) passed the conformance kit and AR's greedy parity on an H100 (results/gpu-nvidia-h100-80gb-hbm3.md): its
-# AR ran 4.7x faster than the per-module CUDA graphs; leaving it out would leave the default far behind plain AR.
+# A mode is named by what preparing its runners costs, as its backend declares it (Abilities.preparation); a backend
+# declaring a fused step is weighed with it too, as the mode "fused" (CUDA's: AR 4.7x the per-module CUDA graphs'
+# speed on an H100, results/gpu-nvidia-h100-80gb-hbm3.md).
 MODE_OF_PREPARATION: dict[str, str] = {"none": "eager", "compile": "compiled", "export": "onnx", "capture": "graphs"}
 # Seconds to prepare one runner in a mode never prepared on this machine: a prior used only until the first
 # preparation is measured (inductor compiles of the embedded model's steps take tens of seconds on a CPU; its
 # fused steps 40-130 s cold, as tools/bench_fused_step.py reports them).
 PRIOR_PREPARE_S: dict[str, float] = {"eager": 1.0, "compiled": 30.0, "fused": 60.0, "onnx": 20.0, "graphs": 30.0}
-# A preparation repeated once the first one's compile (or export) is on disk costs a re-trace against torch's caches:
-# on a 2-core AMD EPYC, 8.6 s after a 44.7 s cold compile of the embedded model's AR (results/second-request-cpu.md).
-# A prior used until a second preparation of the plan is measured here.
+# A new process preparing a plan again re-traces its compile against the caches on disk: 6.6-7.2 s after a 46-49 s
+# cold compile on a 2-core AMD EPYC (results/second-request*-cpu.md); a prior until a repeat is measured here.
 WARM_SHARE = 0.2
 CROSS_PLANS = 2  # plans besides AR calibrated on another mode: the default backend's best
 

@@ -117,13 +117,13 @@ def ledger_problem(data: dict) -> str:
     and plan: the last preparation's seconds (widths) and when it started, the seconds of the preparations that
     repeated an earlier one (again) and the step seconds of generations (ran)."""
     wrong = field_problem(data, "key", dict) or field_problem(data, "widths", dict)
-    for field in ("widths", "started", "again", "ran"):
+    for field, listed in (("widths", False), ("started", False), ("again", True), ("ran", True)):
         wrong = wrong or field_problem({field: {}, **data}, field, dict)
         for width, entry in data.get(field, {}).items() if not wrong else ():
             for name, value in entry.items() if isinstance(entry, dict) else [("", None)]:
-                values = value if field in ("again", "ran") else [value]
+                values = value if listed else [value]
                 if not isinstance(values, list) or not all(is_number(s) and s >= 0 for s in values):
-                    return f"{field}[{width!r}][{name!r}] must be {'a list of ' * (value is values)}seconds >= 0"
+                    return f"{field}[{width!r}][{name!r}] must be {'a list of ' * listed}seconds >= 0"
     return wrong
 
 

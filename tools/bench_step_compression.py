@@ -1,7 +1,8 @@
 """Lossless Jacobi decoding side by side, as SJD-PAC's table reports it: step compression (an image's tokens / the
 target forwards it took) of SJD, MC-SJD and MC-SJD-PAC windows (branching, branch depth, tail), with the verify
 width each pays for it, on the embedded model at the bundle's sampling and at LlamaGen's class-to-image one, one
-image per step and all of them in one batch. A count, not a timing: it holds on a busy machine and on any backend
+image per step and all of them in one batch; and where the forwards go: those spent on the image's first grid row
+(which has no row above to draft from), and the step compression of the rows below it. A count, not a timing: it holds on a busy machine and on any backend
 (the wall-clock side is tools/bench_scale.py, on a quiet machine). Writes results/step-compression.{json,md}.
 
     python tools/bench_step_compression.py [--images 20] [--sampling bundle llamagen-c2i] [--batch 1 20]
@@ -46,13 +47,28 @@ def parse_row(text: str) -> tuple[str, dict]:
     return method, settings
 
 
+def first_row(image, grid: int) -> tuple[int, int]:
+    """An image's (forwards, tokens) on its first grid row: the prefill (which decides token 0) and every step
+    whose first token lies in that row, with the tokens they committed."""
+    forwards, tokens = 1, 1
+    for length in image.accepted_lengths:
+        if tokens >= grid:
+            break
+        forwards, tokens = forwards + 1, tokens + length
+    return forwards, tokens
+
+
 def measure(pipe, dcfg, classes: list[int], batch: int, seed: int) -> dict:
     result = pipe.generate(classes, dcfg, seed=seed, batch=batch, allow_relaxed=True)
     st = result.stats
     lengths = collections.Counter(st.accepted_lengths)
     steps = sum(lengths.values())
+    row = [first_row(image, pipe.config.grid_size) for image in st.images]
+    row_forwards, row_tokens = sum(f for f, _ in row), sum(t for _, t in row)
     return {"tokens": st.tokens, "target_forwards": st.target_forwards,
-            "single_token_steps": lengths[1] / steps if steps else 0.0}
+            "single_token_steps": lengths[1] / steps if steps else 0.0,
+            "first_row_forwards": row_forwards / len(row),
+            "below_first_row": (st.tokens - row_tokens) / (st.target_forwards - row_forwards)}
 
 
 def main() -> None:
@@ -109,9 +125,11 @@ def markdown(rec: dict) -> str:
             if not rows:
                 continue
             lines += ["", f"**{name} ({text}), {batch} image(s) per step**", "",
-                      "| row | verify width | step compression | steps accepting no draft |", "|---|---|---|---|"]
+                      "| row | verify width | step compression | steps accepting no draft | forwards on the first "
+                      "grid row | step compression below it |", "|---|---|---|---|---|---|"]
             lines += [f"| {r['row']} | {r['verify_width']} | {r['step_compression']:.2f} | "
-                      f"{r['single_token_steps']:.0%} |" for r in rows]
+                      f"{r['single_token_steps']:.0%} | {r['first_row_forwards']:.1f} | "
+                      f"{r['below_first_row']:.2f} |" for r in rows]
     return "\n".join(lines) + "\n"
 
 

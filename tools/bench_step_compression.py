@@ -1,9 +1,10 @@
 """Lossless Jacobi decoding side by side, as SJD-PAC's table reports it: step compression (an image's tokens / the
-target forwards it took) of SJD, MC-SJD and MC-SJD-PAC windows (branching, branch depth, tail), with the verify
-width each pays for it, on the embedded model at the bundle's sampling and at LlamaGen's class-to-image one, one
-image per step and all of them in one batch; and where the forwards go: those spent on the image's first grid row
-(which has no row above to draft from), and the step compression of the rows below it. A count, not a timing: it holds on a busy machine and on any backend
-(the wall-clock side is tools/bench_scale.py, on a quiet machine). Writes results/step-compression.{json,md}.
+target forwards it took) of SJD, MC-SJD and MC-SJD-PAC windows (branching, branch depth, tail), with the verify width
+each pays for it, on the embedded model at the bundle's sampling and at LlamaGen's class-to-image one, one image per
+step and all of them in one batch; and where the forwards go: those spent on the image's first grid row (which has no
+row above to draft from), and the step compression of the rows below it. A count, not a timing: it holds on a busy
+machine and on any backend (the wall-clock side is tools/bench_scale.py, on a quiet machine). Writes
+results/step-compression.{json,md}.
 
     python tools/bench_step_compression.py [--images 20] [--sampling bundle llamagen-c2i] [--batch 1 20]
         [--rows sjd:window=16 mc-sjd:window=16 mc-sjd-pac:branching=2:branch_depth=1 ...] [--resume]

@@ -49,6 +49,9 @@ def add_decode_options(p: argparse.ArgumentParser) -> None:
                    help="Jacobi, --branching > 1: the window's first positions whose every candidate branches")
     g.add_argument("--tail", type=number(int, 0),
                    help="Jacobi, --branching > 1: nodes of the window's own drafts after each branch's last one")
+    g.add_argument("--fan", type=number(int, 0),
+                   help="Jacobi: more candidates for the token after the last accepted one, after the --branching "
+                        "ones, each verified alone (0: none; mc-sjd-pac's default: docs/methods.md)")
     g.add_argument("--initial", choices=INITIAL_DRAFTS,
                    help="Jacobi drafts at positions never predicted: above (default: the decided token one grid "
                         "row up, where there is one) | last (drawn from the last distribution)")
@@ -94,7 +97,7 @@ def backend_options(args) -> dict:
 
 
 AUTO_CHOOSES = ("drafting", "acceptance", "k", "delta", "lam", "form", "window", "coupling",
-                "initial", "branching", "branch_depth", "tail")  # flags auto decides
+                "initial", "branching", "branch_depth", "tail", "fan")  # flags auto decides
 
 
 def check_method_flags(args) -> None:

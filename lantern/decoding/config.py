@@ -28,6 +28,7 @@ class DecodeConfig:
     branching: int = 1  # Jacobi: candidates verified per position in the first depths (1: the plain window)
     branch_depth: int = 1  # Jacobi, branching > 1: the depths of the window whose every node branches
     tail: int = 0  # Jacobi, branching > 1: stale-tail nodes after each leaf of the branching tree
+    fan: int = 0  # Jacobi: more candidates at the first depth, after the branching ones, each a leaf
     _strategy: Strategy | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -47,11 +48,11 @@ class DecodeConfig:
                 raise ValueError(f"unknown coupling {self.coupling!r}; allowed: {', '.join(COUPLINGS)}")
             if self.initial not in INITIAL_DRAFTS:
                 raise ValueError(f"unknown initial drafts {self.initial!r}; allowed: {', '.join(INITIAL_DRAFTS)}")
-            for name, least in (("branching", 1), ("branch_depth", 1), ("tail", 0)):
+            for name, least in (("branching", 1), ("branch_depth", 1), ("tail", 0), ("fan", 0)):
                 value = getattr(self, name)
                 if isinstance(value, bool) or not isinstance(value, int) or value < least:
                     raise ValueError(f"{name} {value!r} must be an integer >= {least}")
-            strategy = JacobiWindow(self.window, self.branching, self.branch_depth, self.tail)
+            strategy = JacobiWindow(self.window, self.branching, self.branch_depth, self.tail, self.fan)
         elif self.drafting != "none":
             # compiled once (fails early, naming the presets)
             strategy = StaticTree(compile_tree(load_tree(self.drafting)))

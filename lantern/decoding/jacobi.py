@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from lantern.decoding.sampling import Draws, Support, draw, gumbel
+from lantern.decoding.sampling import Draws, Support, SupportLookup, draw, gumbel
 from lantern.decoding.trees import CompiledTree, compile_tree
 
 
@@ -79,22 +79,47 @@ def spatial_prior(q: Support, fresh: torch.Tensor, decided: torch.Tensor, emitte
     return Support(torch.where(use, point, q.probs), torch.where(use, ids, q.ids))
 
 
+FAN_SHARE = 0.05  # the untruncated distribution's share of a fanned window's drafts (mixed in: fan_drafts)
+
+
+def fan_drafts(q: Support, broad: Support, vocab: int) -> Support:
+    """q (B, L, K) the window's distributions cut by top-k or top-p; broad (B, L, W) the same positions'
+    distributions uncut, on their W most likely tokens (q's among them) -> what a fanned window draws from:
+    (1 - FAN_SHARE) q + FAN_SHARE broad, on broad's support. A fan's candidates run past q's K tokens, where q
+    has no mass and could never be accepted; here each has a little and is tested against it (recursive
+    rejection against the distribution drawn from: exact for any)."""
+    mixed = (1 - FAN_SHARE) * SupportLookup(q, vocab).prob(broad.ids) + FAN_SHARE * broad.probs
+    return Support(mixed / mixed.sum(-1, keepdim=True), broad.ids)
+
+
+def widened(q: Support, width: int, vocab: int) -> Support:
+    """(..., K) -> (..., width >= K): the same distribution, its support followed by the smallest ids off it at
+    probability 0, so that it takes a fanned window's static width."""
+    free = torch.ones(*q.ids.shape[:-1], vocab, dtype=torch.bool, device=q.ids.device).scatter_(-1, q.ids, False)
+    key = torch.where(free, -torch.arange(vocab, device=q.ids.device, dtype=torch.float), float("-inf"))
+    others = torch.topk(key, width - q.ids.shape[-1], dim=-1).indices
+    return Support(torch.cat([q.probs, torch.zeros_like(others, dtype=q.probs.dtype)], -1),
+                   torch.cat([q.ids, others], -1))
+
+
 @dataclass(frozen=True)
 class WindowTree:
     """The static tree a Jacobi step verifies. A path is a tuple of candidate ranks from the root, as in
     lantern.decoding.trees: the window's chain (0,), (0, 0), ... down to depth L; with branching K > 1, every path
     of ranks below K down to depth `branch_depth` (candidate r at depth d: the r-th of the window's ranked drafts
     there), each leaf continued by `tail` nodes of the window's own drafts (the stale tail, rank 0), at most down to
-    depth L. branching 1 is the plain window, whose node i is at depth i (its own position: nothing to commit).
-    Compiled as any tree (trees.compile_tree). Built once, shared by every image."""
+    depth L; and a `fan` of leaves at depth 1, ranks K .. K + fan - 1. branching 1 without a fan is the plain window,
+    whose node i is at depth i (its own position: nothing to commit). Compiled as any tree (trees.compile_tree).
+    Built once, shared by every image."""
 
     window: int
     branching: int = 1
     branch_depth: int = 1
     tail: int = 0
+    fan: int = 0
     # filled by __post_init__ (static)
     compiled: CompiledTree = field(init=False, repr=False, compare=False)
-    draft: torch.Tensor = field(init=False, repr=False, compare=False)  # (N,) (depth - 1) * K + rank: its draft
+    draft: torch.Tensor = field(init=False, repr=False, compare=False)  # (N,) (depth - 1) * ranks + rank: its draft
     successor: torch.Tensor = field(init=False, repr=False, compare=False)  # (N, 2L + 2) the node at depth e ahead
 
     def __post_init__(self):
@@ -107,6 +132,7 @@ class WindowTree:
                 paths.update(level)
             for leaf in level:
                 paths.update(leaf + (0,) * t for t in range(1, min(self.tail, window - len(leaf)) + 1))
+        paths.update((r,) for r in range(k, k + self.fan))  # the fan: leaves after the first depth's candidates
         compiled = compile_tree(sorted(paths))
         nodes = ((),) + compiled.paths  # node i's path
         node = {p: i for i, p in enumerate(nodes)}
@@ -117,8 +143,13 @@ class WindowTree:
             for e in range(len(p), 2 * window + 2):  # at its own depth, the node itself
                 successor[i, e] = node.get(p + (0,) * (e - len(p)), node.get((0,) * e, -1))
         object.__setattr__(self, "compiled", compiled)
-        object.__setattr__(self, "draft", torch.tensor([0] + [(len(p) - 1) * k + p[-1] for p in nodes[1:]]))
+        object.__setattr__(self, "draft", torch.tensor([0] + [(len(p) - 1) * self.ranks + p[-1] for p in nodes[1:]]))
         object.__setattr__(self, "successor", successor)
+
+    @property
+    def ranks(self) -> int:
+        """The ranked drafts each window slot offers: the branching candidates, then the fan's."""
+        return self.branching + self.fan
 
     @property
     def size(self) -> int:

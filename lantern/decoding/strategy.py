@@ -237,11 +237,12 @@ class JacobiWindow(Strategy):
     branching: int = 1
     branch_depth: int = 1
     tail: int = 0
+    fan: int = 0
     depth_name: ClassVar[str] = "window"
 
     @cached_property
     def tree(self) -> WindowTree:
-        return WindowTree(self.window, self.branching, self.branch_depth, self.tail)
+        return WindowTree(self.window, self.branching, self.branch_depth, self.tail, self.fan)
 
     @property
     def verify_width(self) -> int:

@@ -25,8 +25,8 @@ import torch
 from lantern.decoding.acceptance import Acceptance, DraftedTree, StepAcceptance, accept
 from lantern.decoding.config import DecodeConfig
 from lantern.decoding.drafting import DraftRunner, PrefixPairs, draft_dynamic, draft_static, on_rows
-from lantern.decoding.jacobi import CoupledNoise, nearest_candidate, redraw, spatial_prior
-from lantern.decoding.sampling import GuidedLogits, Support, combine_cfg, draw, target_support
+from lantern.decoding.jacobi import CoupledNoise, fan_drafts, nearest_candidate, redraw, spatial_prior, widened
+from lantern.decoding.sampling import GuidedLogits, Support, combine_cfg, draw, per_image, target_support
 from lantern.decoding.strategy import StaticTree
 
 
@@ -162,7 +162,11 @@ class WindowProposal(Proposer):
         strategy, dev = dcfg.strategy, runner.device
         self.window = self.depth = strategy.window
         layout = strategy.tree
-        self.branching = layout.branching
+        self.branching = layout.ranks
+        # a fan past a support cut by top-k or top-p draws from the window's distributions mixed with uncut ones
+        cut = sampling.support_size(self.vocab)
+        self.fan_width = (min(self.vocab, cut + layout.ranks) if layout.fan and not sampling.greedy
+                          and (cut < self.vocab or sampling.top_p < 1.0) else 0)
         self.commits = not layout.is_chain
         self.slots_ahead = torch.arange(1, self.window + 1, device=dev)
         self.grid = runner.model_config.grid_size
@@ -195,9 +199,20 @@ class WindowProposal(Proposer):
         tokens, offered = redraw(q, g, self.sampling.greedy, self.draws, self.branching)
         return tokens.flatten(1), offered.flatten(1)
 
+    def _fanned(self, q: Support, logits: torch.Tensor, nodes: torch.Tensor) -> Support:
+        """The window's distributions q (B, L, K), from the verify logits (R*B, N, V) at `nodes` (B, L) -> what a
+        fanned window draws from (lantern.decoding.jacobi.fan_drafts): the same logits uncut, top fan_width."""
+        at = on_rows(nodes, self.sampling.rows_per_image)
+        guided = combine_cfg(logits.gather(1, at[..., None].expand(*at.shape, logits.shape[-1])),
+                             self.sampling.cfg_scale, self.sampling.use_cfg)
+        vals, ids = torch.topk(guided.float() / per_image(self.sampling.temperature, guided), self.fan_width, dim=-1)
+        return fan_drafts(q, Support(torch.softmax(vals, -1), ids), self.vocab)
+
     def reset(self, slots, fresh, first, features, prefix=None) -> None:
         b = fresh.shape[0]
         q = Support(*(x[:, None].expand(-1, self.window, -1) for x in first))  # never predicted: the last p
+        if self.fan_width:
+            q = widened(q, self.fan_width, self.vocab)
         if self.above:
             q = spatial_prior(q, torch.ones(b, self.window, dtype=torch.bool, device=fresh.device), slots.out,
                               slots.emitted, self.grid, self.vocab)
@@ -239,7 +254,10 @@ class WindowProposal(Proposer):
         predicted_by = self.successor[origin.expand(b, self.window), ahead]  # (B, L); -1: no node predicts it yet
         fresh = predicted_by < 0
         # never predicted: the last p on the window's chain (MC-SJD's "last"), or the spatial prior below
-        q = step.p_nodes.index(torch.where(fresh, self.chain_end, predicted_by))
+        nodes = torch.where(fresh, self.chain_end, predicted_by)
+        q = step.p_nodes.index(nodes)
+        if self.fan_width:
+            q = self._fanned(q, step.out.logits, nodes)
         if self.above:
             q = spatial_prior(q, fresh, slots.out, slots.emitted, self.grid, self.vocab)
         self.q = q

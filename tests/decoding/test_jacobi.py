@@ -26,7 +26,9 @@ JACOBI = {"sjd": dict(drafting="jacobi", coupling="none"), "mc-sjd": dict(drafti
           # branching windows: every depth branches (a full tree), or the first one with a stale tail after it
           "mc-sjd-pac full": dict(drafting="jacobi", coupling="gumbel", branching=3, branch_depth=3),
           "mc-sjd-pac tail": dict(drafting="jacobi", coupling="gumbel", branching=2, branch_depth=1, tail=2),
-          "sjd-pac": dict(drafting="jacobi", coupling="none", branching=2, branch_depth=2, tail=1)}
+          "sjd-pac": dict(drafting="jacobi", coupling="none", branching=2, branch_depth=2, tail=1),
+          # a fan: two more candidates for the first position, past top-k's support (drawn from the mixture)
+          "mc-sjd-pac fan": dict(drafting="jacobi", coupling="gumbel", branching=2, branch_depth=1, fan=2)}
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +47,20 @@ def flat_near(flat):
     return Pipeline(pipe.target, None, build_proximity_table(codebook, 5), backend="cpu"), expected
 
 
-def run_lossless(flat, method, batch, window=2):
+@pytest.fixture(scope="module")
+def flat_top2(flat):
+    """The same target cut to its top 2 tokens (of 6): a fan's candidates past them come from the uncut part of
+    the mixture, and a fan tested against the wrong one of its two parts misses AR's law by much."""
+    pipe, _ = flat
+    return pipe, {c: ar_distribution(pipe.target, c, TOP2) for c in range(3)}
+
+
+TOP2 = SamplingConfig(temperature=1.3, top_k=2, cfg_scale=1.5)
+
+
+def run_lossless(flat, method, batch, window=2, sampling=SAMPLING):
     pipe, expected = flat
-    dcfg = DecodeConfig(sampling=SAMPLING, window=window, **JACOBI[method])
+    dcfg = DecodeConfig(sampling=sampling, window=window, **JACOBI[method])
     if batch == 1:  # one image per static step: 600 runs
         counts = sampled_counts(pipe, dcfg, [1] * 600, calls=1, batch=1)
     else:  # three classes, 2000 images each, all in one batch
@@ -59,19 +72,21 @@ def run_lossless(flat, method, batch, window=2):
                                                    ("mc-sjd", 6000, 2), ("mc-sjd", 6000, 3),
                                                    ("mc-sjd initial=last", 6000, 2), ("mc-sjd-pac full", 1, 2),
                                                    ("mc-sjd-pac full", 6000, 3), ("mc-sjd-pac tail", 6000, 3),
-                                                   ("mc-sjd-pac tail", 6000, 2), ("sjd-pac", 6000, 3)])
+                                                   ("mc-sjd-pac tail", 6000, 2), ("sjd-pac", 6000, 3),
+                                                   ("mc-sjd-pac fan", 1, 2), ("mc-sjd-pac fan", 6000, 3)])
 def test_jacobi_sampling_reproduces_ar_for_every_image(flat, method, batch, window):
     """Every token of 2x2 images, CFG + temperature + top-k + top-p: each image's joint distribution of its 4
     tokens and every token's marginal equal AR's exact ones (chi-square), one image per step and batched.
     Window 2 slides new positions in (the token above where the 2x2 grid has one, else drawn from the last p);
     window 3 covers the image after the root. A branching window verifies more candidates of the first positions
-    (draws without replacement from the window's q, on the coupled noise) and commits paths off its chain.
+    (draws without replacement from the window's q, on the coupled noise) and commits paths off its chain; a fan
+    adds candidates for the first position, drawn past top-k's 5 tokens (from the cut q mixed with the uncut one).
     (B = 1 runs the coupled form only: its window state is the one with more to get wrong.)"""
     assert min(run_lossless(flat, method, batch, window)) > LEVEL
 
 
 @pytest.mark.parametrize("method, batch, window", [("mc-sjd-pac full", 1, 2), ("mc-sjd-pac full", 6000, 3),
-                                                   ("mc-sjd-pac tail", 6000, 2)])
+                                                   ("mc-sjd-pac tail", 6000, 2), ("mc-sjd-pac fan", 6000, 3)])
 def test_a_branching_window_going_on_from_the_candidate_nearest_the_bonus_reproduces_ar(flat_near, method, batch,
                                                                                          window):
     """With a proximity table, after the candidates of a position are rejected, the window's next q comes from
@@ -133,6 +148,58 @@ def test_a_branching_window_whose_candidates_repeat_fails_the_lossless_test(flat
         return torch.cat([t for t, _ in drawn], -1), torch.cat([v for _, v in drawn], -1)
     monkeypatch.setattr(proposers, "redraw", with_replacement)
     assert min(run_lossless(flat, "mc-sjd-pac full", 6000, window=3)) < LEVEL
+
+
+@pytest.mark.parametrize("batch, window", [(1, 2), (6000, 3)])
+def test_a_fan_past_a_narrow_top_k_reproduces_ar(flat_top2, batch, window):
+    """Top-k 2 of 6 tokens: the branching takes both of the cut distribution's tokens, and the fan's two more
+    are drawn from the mixture's uncut part, exactly (the joint and marginals equal AR's at top-k 2)."""
+    assert min(run_lossless(flat_top2, "mc-sjd-pac fan", batch, window, TOP2)) > LEVEL
+
+
+def test_a_fan_tested_against_the_uncut_distribution_fails_the_lossless_test(flat_top2, monkeypatch):
+    """A broken fan: the window's candidates are drawn from the mixture but tested as if drawn from the uncut
+    distribution mixed into it. The test must notice."""
+    real_fan, real_redraw = proposers.fan_drafts, proposers.redraw
+    drawn_from = {}
+
+    def told_the_uncut_one(q, broad, vocab):
+        drawn_from["q"] = real_fan(q, broad, vocab)
+        return broad
+
+    def redraw_from_the_mixture(q, noise, greedy, generator, n=1):
+        return real_redraw(drawn_from.pop("q", q), noise, greedy, generator, n)
+    monkeypatch.setattr(proposers, "fan_drafts", told_the_uncut_one)
+    monkeypatch.setattr(proposers, "redraw", redraw_from_the_mixture)
+    monkeypatch.setitem(JACOBI, "fan last", dict(JACOBI["mc-sjd-pac fan"], initial="last"))  # no prior to mix up
+    assert min(run_lossless(flat_top2, "fan last", 6000, 3, TOP2)) < LEVEL
+
+
+def test_a_fan_mixes_a_little_of_the_uncut_distribution_into_the_cut_one():
+    """fan_drafts: on the uncut support, (1 - FAN_SHARE) of the cut q plus FAN_SHARE of the uncut one, so every
+    token of the fan has some mass; widened: the same distribution on a wider static support, distinct ids."""
+    logits = torch.randn(3, 2, 20, generator=torch.Generator().manual_seed(1))
+    cut = warp(logits, SamplingConfig(top_k=4))
+    vals, ids = torch.topk(logits, 9, dim=-1)
+    mixed = jacobi.fan_drafts(cut, Support(torch.softmax(vals, -1), ids), 20)
+    assert torch.equal(mixed.ids, ids) and torch.allclose(mixed.probs.sum(-1), torch.ones(3, 2))
+    share = jacobi.FAN_SHARE
+    assert torch.allclose(mixed.probs[..., :4], (1 - share) * cut.probs + share * torch.softmax(vals, -1)[..., :4])
+    assert (mixed.probs[..., 4:] > 0).all()
+    wide = jacobi.widened(cut, 9, 20)
+    assert torch.equal(wide.ids[..., :4], cut.ids) and torch.equal(wide.probs[..., :4], cut.probs)
+    assert (wide.probs[..., 4:] == 0).all() and all(len(set(r)) == 9 for r in wide.ids.flatten(0, 1).tolist())
+
+
+def test_a_fan_adds_leaves_at_the_first_depth_after_the_branching_candidates():
+    """WindowTree's fan: ranks K .. K + fan - 1 at depth 1, each a leaf, drawn from slot 0's ranked drafts."""
+    plain, fanned = jacobi.WindowTree(4, 2, 2), jacobi.WindowTree(4, 2, 2, fan=3)
+    assert fanned.size == plain.size + 3 and fanned.ranks == 5
+    paths = fanned.compiled.paths
+    assert {(2,), (3,), (4,)} <= set(paths) and not any(len(p) > 1 and p[0] >= 2 for p in paths)
+    at = {p: i + 1 for i, p in enumerate(paths)}
+    assert [int(fanned.draft[at[(r,)]]) for r in range(5)] == [0, 1, 2, 3, 4]  # slot 0's ranks
+    assert int(fanned.draft[at[(1, 1)]]) == 5 + 1 and int(fanned.draft[at[(0, 0, 0)]]) == 2 * 5  # slot 1, slot 2
 
 
 def test_coupled_noise_is_fixed_per_image_position_and_token_and_fresh_elsewhere():

@@ -36,7 +36,8 @@ METHODS = {"ar": ("ar", {}), "static-tree": ("lantern++", dict(k=8, drafting=TRE
            "chain": ("lantern++", dict(k=8, drafting=CHAIN)),
            "dynamic-tree": ("eagle2", dict(dynamic_depth=3, dynamic_top_k=3, dynamic_total=10)),
            "mc-sjd-relaxed": ("mc-sjd-relaxed", dict(window=4, k=8)),
-           "mc-sjd-pac": ("mc-sjd-pac", dict(window=4, branching=2, branch_depth=2, tail=1))}
+           "mc-sjd-pac": ("mc-sjd-pac", dict(window=4, branching=2, branch_depth=2, tail=1)),
+           "mc-sjd-pac fan": ("mc-sjd-pac", dict(window=4, branching=2, branch_depth=1, fan=6))}  # past top-k 20
 STREAM = ((0, 16), (1, 5), (2, 9), (3, 16))  # (class, tokens): images finish at different steps, slots refill
 
 
@@ -73,7 +74,8 @@ def run_stream(engine: Engine) -> list:
     return sorted((r.request_id, r.tokens.tolist()) for r in results)
 
 
-@pytest.mark.parametrize("method", ["ar", "static-tree", "dynamic-tree", "mc-sjd-relaxed", "mc-sjd-pac"])
+@pytest.mark.parametrize("method", ["ar", "static-tree", "dynamic-tree", "mc-sjd-relaxed", "mc-sjd-pac",
+                                    "mc-sjd-pac fan"])
 def test_every_method_fuses_into_one_graph_and_never_recompiles(small, method):
     models, trees = small
     counter = CompileCounterWithBackend("eager")

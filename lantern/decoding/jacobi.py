@@ -92,6 +92,16 @@ def fan_drafts(q: Support, broad: Support, vocab: int) -> Support:
     return Support(mixed / mixed.sum(-1, keepdim=True), broad.ids)
 
 
+def fan_width(tree: "WindowTree", sampling, vocab: int) -> int:
+    """W: the tokens of a fanned window's draft distributions where the sampling cuts the support (top-k, top-p),
+    the cut K and then the window's ranks, so that the fan's candidates can lie past the cut; 0 where no mixture is
+    drawn (no fan, greedy, or the whole vocabulary)."""
+    cut = sampling.support_size(vocab)
+    if not tree.fan or sampling.greedy or (cut >= vocab and sampling.top_p >= 1.0):
+        return 0
+    return min(vocab, cut + tree.ranks)
+
+
 def widened(q: Support, width: int, vocab: int) -> Support:
     """(..., K) -> (..., width >= K): the same distribution, its support followed by the smallest ids off it at
     probability 0, so that it takes a fanned window's static width."""

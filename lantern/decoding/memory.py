@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Callable, Optional
 
 from lantern.decoding.config import method_preset
+from lantern.decoding.jacobi import fan_width
 from lantern.decoding.relaxation import WORKSPACE_BYTES, links_bytes, walks_the_codebook
 
 FP32, INT64, BOOL = 4, 8, 1
@@ -25,14 +26,15 @@ RUNTIME_ALLOWANCE = 32 << 20
 
 def step_workspace_bytes(images: int, cfg_rows: int, nodes: int, support: int, vocab: int, relax_k: int = 0,
                          drafting: str = "none", form: str = "bounded", children: int = 1, draft_width: int = 0,
-                         coupled: bool = False, top_p: bool = False) -> int:
+                         coupled: bool = False, top_p: bool = False, window: int = 0, fan_width: int = 0) -> int:
     """Bytes the sampling and acceptance of one step hold at once, beyond the verify logits, for B = `images`
     images of `cfg_rows` rows each (2 with classifier-free guidance), N = `nodes` verified nodes per image,
     K = `support` tokens after top-k (the vocabulary V when off), a relaxation over `relax_k` = k neighbours (0:
     exact), drafting "none" (AR), "jacobi" (a window, `children` candidates a position where it branches;
     `coupled`: MC-SJD's Gumbel noise) or "tree" (a
     drafter's tree of `children` children per parent, drafted `draft_width` nodes per drafter step), relaxation
-    `form` "bounded" or "paper".
+    `form` "bounded" or "paper"; a Jacobi `window` of L drafts fanned past a cut support draws from `fan_width` W
+    tokens (lantern.decoding.jacobi.fan_width; 0: no fan mixture).
 
     Derived from the code (lantern.decoding.sampling, acceptance, relaxation, jacobi, drafting), term by term, as
     an upper bound; nothing is quadratic in K or K x k:
@@ -48,6 +50,8 @@ def step_workspace_bytes(images: int, cfg_rows: int, nodes: int, support: int, v
       most lantern.decoding.relaxation.WORKSPACE_BYTES, plus, where a wide support walks the codebook, the
       rule's lists both ways (links_bytes, kept from the first step on); the papers' form: a lookup and k
       neighbours' mass per sibling;
+    - a fan past a cut support: the window's nodes' logits gathered (rows x L x V), guided (two temporaries and
+      the result, as above) and tempered, (B, L, V) fp32 each; the top W, the mixture and its lookup on (B, L, W);
     - a drafter's tree: the drafter's logits (rows x W x V), their guidance and warp, and EAGLE-2's candidate
       test through a lookup."""
     b, n, k, v = images, nodes, support, vocab
@@ -62,6 +66,8 @@ def step_workspace_bytes(images: int, cfg_rows: int, nodes: int, support: int, v
             total += b * n * k * (FP32 + INT64) + 10 * b * n * k * FP32
         if coupled:  # the keyed noise's hash, a few int64 and fp32 (B, L, K) at once; nothing kept
             total += 4 * b * n * k * (FP32 + INT64)
+        if fan_width:
+            total += (cfg_rows + 4) * b * window * v * FP32 + b * window * fan_width * (33 + 4 * FP32 + INT64)
     elif drafting == "tree":
         total += b * n * v * FP32 + lookup + 10 * b * n * k * FP32  # parents' warp copy, q's lookup, siblings
         w = max(draft_width, 1)
@@ -137,7 +143,9 @@ def predict_peak(dcfg, model_config, spec, weights_bytes: int, itemsize: int, im
                                      drafting=drafting, form=dcfg.form, children=children,
                                      draft_width=strategy.level_width if strategy is not None else 0,
                                      coupled=dcfg.jacobi and dcfg.coupling == "gumbel" and not sampling.greedy,
-                                     top_p=sampling.top_p < 1.0)
+                                     top_p=sampling.top_p < 1.0,
+                                     window=strategy.window if drafting == "jacobi" else 0,
+                                     fan_width=fan_width(strategy.tree, sampling, v) if drafting == "jacobi" else 0)
     dim = model_config.dim
     # query heads: width over head size; a family config without a SwiGLU width: 3 * dim (above LLaMA's 8/3)
     layout = (spec.max_len, dim // model_config.head_dim, dim, getattr(model_config, "ffn_hidden", 3 * dim))

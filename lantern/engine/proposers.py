@@ -25,7 +25,8 @@ import torch
 from lantern.decoding.acceptance import Acceptance, DraftedTree, StepAcceptance, accept
 from lantern.decoding.config import DecodeConfig
 from lantern.decoding.drafting import DraftRunner, PrefixPairs, draft_dynamic, draft_static, on_rows
-from lantern.decoding.jacobi import CoupledNoise, fan_drafts, nearest_candidate, redraw, spatial_prior, widened
+from lantern.decoding.jacobi import (CoupledNoise, fan_drafts, fan_width, nearest_candidate, redraw, spatial_prior,
+                                     widened)
 from lantern.decoding.sampling import GuidedLogits, Support, combine_cfg, draw, per_image, target_support
 from lantern.decoding.strategy import StaticTree
 
@@ -164,9 +165,7 @@ class WindowProposal(Proposer):
         layout = strategy.tree
         self.branching = layout.ranks
         # a fan past a support cut by top-k or top-p draws from the window's distributions mixed with uncut ones
-        cut = sampling.support_size(self.vocab)
-        self.fan_width = (min(self.vocab, cut + layout.ranks) if layout.fan and not sampling.greedy
-                          and (cut < self.vocab or sampling.top_p < 1.0) else 0)
+        self.fan_width = fan_width(layout, sampling, self.vocab)
         self.commits = not layout.is_chain
         self.slots_ahead = torch.arange(1, self.window + 1, device=dev)
         self.grid = runner.model_config.grid_size

@@ -163,7 +163,7 @@ class WindowProposal(Proposer):
         strategy, dev = dcfg.strategy, runner.device
         self.window = self.depth = strategy.window
         layout = strategy.tree
-        self.branching = layout.ranks
+        self.ranks = layout.ranks  # ranked drafts a slot offers: the branching candidates, then the fan's
         # a fan past a support cut by top-k or top-p draws from the window's distributions mixed with uncut ones
         self.fan_width = fan_width(layout, sampling, self.vocab)
         self.commits = not layout.is_chain
@@ -190,12 +190,12 @@ class WindowProposal(Proposer):
         return target_support(logits, self.sampling)  # (B, N, K): every node is a parent
 
     def _drafts(self, q: Support, emitted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, L, K) -> the ranked drafts (B, L * branching) of the image's tokens emitted .. emitted + L - 1 (the
+        """(B, L, K) -> the ranked drafts (B, L * ranks) of the image's tokens emitted .. emitted + L - 1 (the
         window after the root), and which are ones. The noise is keyed by the token's index in its image, not by
         its cache position, which a left-padded prompt shifts."""
         at = emitted[:, None] + self.slots_ahead - 1
         g = self.noise.at(at, q.ids, self.draws) if self.noise is not None else None
-        tokens, offered = redraw(q, g, self.sampling.greedy, self.draws, self.branching)
+        tokens, offered = redraw(q, g, self.sampling.greedy, self.draws, self.ranks)
         return tokens.flatten(1), offered.flatten(1)
 
     def _fanned(self, q: Support, logits: torch.Tensor, nodes: torch.Tensor) -> Support:

@@ -3,7 +3,7 @@
 For a drafted tree and the target's distribution p at every node, nothing in the rule depends on the random
 draws except which branch is taken, so every candidate's acceptance probability (and the residual each later
 sibling is tested against) is computed up front, batched over images and nodes (a loop over sibling rank
-only). Then one uniform per candidate decides: a child is taken iff its uniform is below its acceptance
+only; for sampled drafts under the exact rule a rank is one pass over the support: `_recursive_rejection`). Then one uniform per candidate decides: a child is taken iff its uniform is below its acceptance
 probability and every earlier valid sibling was rejected; a node is on the accepted path iff it and all its
 ancestors were taken (on a chain, [root; d_1 .. d_L] such as a Jacobi window: the prefix up to the first
 rejection). The bonus token is one draw from the residual at the last accepted node, computed there only (or
@@ -162,11 +162,90 @@ class LastCandidate(NamedTuple):
                                 self.tried.gather(1, rows), self.uniform_if_empty), r.ids)
 
 
+class Leftover(NamedTuple):
+    """Each parent's residual after all its candidates, from `_recursive_rejection`'s closed form: a support token
+    never tried holds (r - level * q)+, a tried one what it held when it was tried; computed only at the rows a
+    bonus is drawn at."""
+
+    r: Support  # (B, M, K) the target
+    q: torch.Tensor  # (B, M, K) what the candidates were drawn from, on r's support
+    level: torch.Tensor  # (B, M) the level after the last candidate
+    slot: torch.Tensor  # (B, M, C) each candidate's index in r's support
+    on_support: torch.Tensor  # (B, M, C) bool: a valid candidate in r's support
+    kept: torch.Tensor  # (B, M, C) the mass each candidate held when it was tried
+
+    def rejected(self, rows: torch.Tensor) -> Support:
+        """rows (B, 1) -> (B, 1, K) the distribution after every valid child at those rows was rejected."""
+        r = self.r.index(rows)
+        q = self.q.gather(1, rows[..., None].expand_as(r.probs))
+        per_kid = rows[..., None].expand(*rows.shape, self.slot.shape[-1])
+        slot, on = self.slot.gather(1, per_kid), self.on_support.gather(1, per_kid)
+        kept = torch.where(on, self.kept.gather(1, per_kid), 0.0)
+        untried = (r.probs - self.level.gather(1, rows)[..., None] * q).clamp_min(0.0)
+        tried = torch.zeros_like(r.probs).scatter_add_(-1, slot, on.to(r.probs.dtype)) > 0
+        left = torch.where(tried, torch.zeros_like(r.probs).scatter_add_(-1, slot, kept), untried)
+        total = left.sum(-1, keepdim=True)
+        return Support(torch.where(total > 0, left / total.clamp_min(1e-30), r.probs), r.ids)
+
+
+def earlier_mass(q_x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """(B, M, C) each candidate's probability under q, which are candidates -> the q mass the earlier valid
+    candidates held (B, M, C): what q_i, the distribution candidate i was drawn from, lost (a product with a
+    triangular matrix, not a scan)."""
+    rank = torch.arange(q_x.shape[-1], device=q_x.device)
+    return torch.where(valid, q_x, 0.0) @ (rank[:, None] < rank[None]).to(q_x.dtype)
+
+
+def _recursive_rejection(target: Support, cand, cvalid, q_at: SupportLookup, q_sup: torch.Tensor, vocab: int):
+    """The exact rule (recursive rejection) for sampled drafts: acceptance probabilities (B, M, C) and each
+    parent's Leftover, without rewriting a (B, M, K) residual per candidate.
+
+    Let U_j be the residual before candidate j, unnormalised (U_0 = r, mass S_j), and R_j the q mass of the
+    earlier candidates: candidate j was drawn from q_j = q [not earlier] / (1 - R_j), and its rejection leaves
+    U_{j+1} = (U_j - a_j q [not earlier])+ with a_j = S_j / (1 - R_j). As (max(x - a, 0) - b)+ = (x - a - b)+,
+    a token not tried yet holds (r - A_j q)+ at the level A_j = a_0 + .. + a_{j-1}, and a tried one keeps what
+    it held when tried. Candidate x_j is accepted with min(1, r_j(x) / q_j(x)) = min(1, (r(x) - A_j q(x))+ /
+    (a_j q(x))). So a rank reads the support once, for the mass of the tokens never among the candidates, sum
+    (r - A q)+, and its candidates' (B, M, C) values; no residual is rewritten or renormalised. A rejection that
+    would leave nothing (then it had probability 0) leaves the residual as it was, as `residual` does."""
+    r = target.probs
+    slot, found = target.lookup(vocab).position(cand)
+    on = cvalid & found
+    r_x = torch.where(on, r.gather(-1, slot), 0.0)  # (B, M, C) the target at each candidate
+    q_x = torch.where(cvalid, q_at.prob(cand), 0.0)
+    k = r.shape[-1]
+    drafted = torch.zeros(*r.shape[:-1], k + 1, device=r.device).scatter_(-1, torch.where(on, slot, k), 1.0)
+    drafted = drafted[..., :k] > 0
+    rest_r, rest_q = r.masked_fill(drafted, 0.0), q_sup.masked_fill(drafted, 0.0)  # tokens never candidates
+    kept_q = (1.0 - earlier_mass(q_x, cvalid)).clamp_min(1e-12)
+    c = cand.shape[-1]
+    ahead = (torch.arange(c, device=r.device)[None] >= torch.arange(c, device=r.device)[:, None]).to(r.dtype)
+    level, mass = torch.zeros_like(r[..., 0]), r.sum(-1)
+    kept_total = torch.zeros_like(level)
+    levels, scales, kept = [], [], []
+    for j in range(c):
+        scale = mass / kept_q[..., j]
+        levels.append(level)
+        scales.append(scale)
+        trial = level + torch.where(cvalid[..., j], scale, 0.0)
+        live = torch.addcmul(r_x, trial[..., None], q_x, value=-1.0).clamp_min(0.0)  # (B, M, C) at `trial`
+        untried = torch.addcmul(rest_r, trial[..., None], rest_q, value=-1.0).clamp_min(0.0).sum(-1)
+        left = untried + live @ ahead[j] + kept_total  # candidate j and later ones are not tried yet
+        ok = left > 0
+        level, mass = torch.where(ok, trial, level), torch.where(ok, left, mass)
+        kept.append(torch.addcmul(r_x[..., j], level, q_x[..., j], value=-1.0).clamp_min(0.0))
+        kept_total = kept_total + kept[-1]
+    at, per = torch.stack(levels, -1), torch.stack(scales, -1)
+    acc = ((r_x - at * q_x).clamp_min(0.0) / (per * q_x).clamp_min(1e-30)).clamp(max=1.0)
+    return torch.where(cvalid, acc, 0.0), Leftover(target, q_sup, level, slot, on, torch.stack(kept, -1))
+
+
 def _acceptance_sampling(target: Support, cand, cvalid, q_at: Optional[SupportLookup],
                          q_sup: Optional[torch.Tensor], rule: Acceptance):
-    """Acceptance probabilities (B, M, C), papers' boosts (B, M, C; None for other rules) and the rule before
-    each parent's last candidate; q_at: where the draft distribution holds each token, q_sup (B, M, K): it on
-    the target's support (both None: deterministic drafts)."""
+    """The paper form's rule, deterministic drafts and one child a parent, one candidate rank after another:
+    acceptance probabilities (B, M, C), papers' boosts (B, M, C; None for other rules) and the rule before each
+    parent's last candidate; q_at: where the draft distribution holds each token, q_sup (B, M, K): it on the
+    target's support (both None: deterministic drafts)."""
     r, ids = target.probs, target.ids
     acc, boost = [], []  # per candidate (B, M), stacked once at the end: no buffer written per candidate
     removed = earlier = None  # the q mass (B, M) and the support tokens (B, M, K) of the candidates tried
@@ -245,6 +324,9 @@ def _rule(p: Support, cand: torch.Tensor, cvalid: torch.Tensor, q: Optional[Supp
     if greedy:
         acc, boost = _acceptance_greedy(target, cand, cvalid, rule)
         return acc, LastCandidate(target), boost, tv
+    if q_at is not None and not rule.paper and cand.shape[-1] > 1:  # siblings (one child: tested directly)
+        acc, left = _recursive_rejection(target, cand, cvalid, q_at, q_sup, vocab)
+        return acc, left, None, tv
     acc, boost, last = _acceptance_sampling(target, cand, cvalid, q_at, q_sup, rule)
     return acc, last, boost, tv
 

@@ -44,10 +44,55 @@ def test_exact_multi_candidate_rule_reproduces_p(deterministic):
 
 
 def test_a_residual_against_q_instead_of_q_i_fails_the_same_test(monkeypatch):
-    """Subtracting q itself (not q with the earlier candidates removed) on each rejection is biased."""
-    monkeypatch.setattr(acc, "draft_distribution", lambda q_sup, earlier, removed: q_sup)
+    """Testing and subtracting q itself (not q with the earlier candidates removed) on each rejection is biased."""
+    monkeypatch.setattr(acc, "earlier_mass", lambda q_x, valid: torch.zeros_like(q_x))
     first, _ = one_node(P, Q, 3, Acceptance("exact"), trials=20000, seed=0)
     assert matches(counts_of(first, 6), P) < SIGNIFICANCE
+
+
+def reference_recursive_rejection(r, q, cand, valid):
+    """The exact rule candidate by candidate on dense float64 vectors (V,): candidate j is tested against the
+    residual r_j with q_j = q without the earlier candidates, renormalised; a rejection leaves normalise((r_j -
+    q_j)+), or r_j where nothing is left. Returns each candidate's acceptance probability and the last residual."""
+    r, q, removed, acc_probs = r.double(), q.double(), torch.zeros_like(q, dtype=torch.bool), []
+    for x, v in zip(cand.tolist(), valid.tolist()):
+        q_j = q.masked_fill(removed, 0.0)
+        q_j = q_j / q_j.sum().clamp_min(1e-300)
+        acc_probs.append(min(1.0, float(r[x] / q_j[x])) if v and q_j[x] > 0 else 0.0)
+        if v:
+            left = (r - q_j).clamp_min(0.0)
+            r = left / left.sum() if left.sum() > 0 else r
+            removed[x] = True
+    return torch.tensor(acc_probs, dtype=torch.float64), r
+
+
+@pytest.mark.parametrize("support", [5, 40, 64])
+def test_the_closed_form_is_the_rule_candidate_by_candidate(support):
+    """Acceptance probabilities and the residual a bonus is drawn from, at every parent, equal the rule applied one
+    candidate at a time: candidates past the target's support, padding, a draft distribution wider than the
+    target's, a parent whose first candidate takes all (nothing left after it) and one with no candidate."""
+    v, c = 64, 12
+    torch.manual_seed(support)
+    r_dense = torch.distributions.Dirichlet(torch.full((v,), 0.3)).sample((2, 6))
+    ids = r_dense.argsort(-1, descending=True)[..., :support]
+    r = Support(r_dense.gather(-1, ids) / r_dense.gather(-1, ids).sum(-1, keepdim=True), ids)
+    q_dense = torch.distributions.Dirichlet(torch.full((v,), 0.3)).sample((2, 6))
+    q_dense[0, 1] = r.dense(v)[0, 1]  # the first candidate is always accepted: the residual after it is empty
+    cand = (q_dense.log() + torch.distributions.Gumbel(0.0, 1.0).sample((2, 6, v))).topk(c, -1).indices
+    valid = torch.ones(2, 6, c, dtype=torch.bool)
+    valid[1, 2, 7:] = False  # padding
+    valid[0, 3] = False  # no candidate
+    q_ids = q_dense.argsort(-1, descending=True)
+    q = Support(q_dense.gather(-1, q_ids), q_ids)
+    q_at = q.lookup(v)
+    got, left = acc._recursive_rejection(r, cand, valid, q_at, q_at.prob(r.ids), v)
+    rejected = torch.stack([left.rejected(torch.full((2, 1), m)).dense(v)[:, 0] for m in range(6)], 1)
+    for b in range(2):
+        for m in range(6):
+            want, residual = reference_recursive_rejection(r.dense(v)[b, m], q_dense[b, m], cand[b, m], valid[b, m])
+            assert torch.allclose(got[b, m].double(), want, atol=1e-5), (b, m)
+            assert torch.allclose(rejected[b, m].double(), residual, atol=1e-5), (b, m)
+    assert float(got[0, 1, 0]) == pytest.approx(1.0, abs=1e-6) and got[0, 3].eq(0).all()
 
 
 def codebook_rule(kind, v=64, form="bounded", **kw):

@@ -218,8 +218,8 @@ def test_exact_speculative_sampling_reproduces_ar_for_every_image(flat, drafting
 
 
 def test_broken_residual_fails_the_lossless_test(flat, monkeypatch):
-    """Subtracting q instead of q_i on each rejection: biased, and the end-to-end test sees it."""
-    monkeypatch.setattr(acc, "draft_distribution", lambda q_sup, earlier, removed: q_sup)
+    """Testing and subtracting q instead of q_i on each rejection: biased, and the end-to-end test sees it."""
+    monkeypatch.setattr(acc, "earlier_mass", lambda q_x, valid: torch.zeros_like(q_x))
     assert min(run_lossless(flat, "static", 6000)) < LEVEL
 
 

@@ -217,14 +217,21 @@ def test_the_first_two_tokens_of_a_branching_window_step_are_ars_exactly(case, k
     assert (law - ar).abs().max() < EXACT, (law - ar).abs().max()
 
 
-def no_residual(r, q, tried, uniform_if_empty=False):
+real_rejection = acceptance._recursive_rejection
+
+
+def no_residual(target, cand, cvalid, q_at, q_sup, vocab):
     """Broken: a rejection leaves the target as it was (every sibling tested against p, the bonus drawn from p)."""
-    return r
+    _, left = real_rejection(target, cand, cvalid, q_at, q_sup, vocab)
+    q_x = q_at.prob(cand)
+    q_i = q_x / (1.0 - acceptance.earlier_mass(q_x, cvalid)).clamp_min(1e-12)
+    acc = (target.lookup(vocab).prob(cand) / q_i.clamp_min(1e-30)).clamp(max=1.0) * cvalid
+    return acc, left._replace(level=torch.zeros_like(left.level), on_support=torch.zeros_like(left.on_support))
 
 
-def residual_against_q(q_on_support, earlier, removed):
-    """Broken: a rejection subtracts q itself, as if every candidate were drawn from q (with replacement)."""
-    return q_on_support
+def residual_against_q(q_x, valid):
+    """Broken: every candidate is tested and subtracted as if drawn from q itself (with replacement)."""
+    return torch.zeros_like(q_x)
 
 
 real_propose = WindowProposal.propose
@@ -237,8 +244,8 @@ def children_of_slot0(self, slots):
     return replace(tree, q=first)
 
 
-BREAKS = {"no residual": (acceptance, "residual", no_residual),
-          "residual against q": (acceptance, "draft_distribution", residual_against_q),
+BREAKS = {"no residual": (acceptance, "_recursive_rejection", no_residual),
+          "residual against q": (acceptance, "earlier_mass", residual_against_q),
           "depth 2 against q1": (WindowProposal, "propose", children_of_slot0)}
 
 

@@ -57,11 +57,13 @@ from typing import Callable, Optional
 
 import torch
 
+from bench_step_compression import parse_row
 from gpu_check_inputs import input_problems
 from samplings import sampling_settings
 
 ROOT = Path(__file__).resolve().parents[1]
-SPEED_METHODS = ("mc-sjd", "mc-sjd-pac", "mc-sjd-relaxed", "eagle2", "lantern", "lantern++")
+SPEED_METHODS = ("mc-sjd", "mc-sjd-pac", "mc-sjd-pac:fan=60", "mc-sjd-relaxed", "eagle2", "lantern",
+                 "lantern++")  # a method, or a form of one (tools/bench_step_compression.py parse_row)
 RELAXED = ("lantern", "lantern++", "mc-sjd-relaxed")  # the methods that read the proximity table (k neighbours)
 TINY_NEIGHBOURS = 8  # --quick's proximity table: few enough to fit the inflated vocabulary's padded codes
 PARITY_ORDER = ("ar", "mc-sjd", "lantern++", "mc-sjd-relaxed", "eagle2", "lantern", "sjd", "mc-sjd-pac")
@@ -269,12 +271,14 @@ def conformance_result(report) -> dict:
 
 # ---- parity ---------------------------------------------------------------------------------------------------
 def method_config(check: Check, method: str, sampling):
-    """The method at `sampling` with the bundle's relaxation settings (--quick: k within the tiny table)."""
+    """The method (a name, or a form such as 'mc-sjd-pac:fan=60') at `sampling` with the bundle's relaxation
+    settings (--quick: k within the tiny table)."""
     from lantern.decoding import method_preset
-    kw = dict(check.bundle.relaxation_at(sampling).get(method, {}))
-    if check.quick and method in RELAXED:
+    name, settings = parse_row(method)
+    kw = dict(check.bundle.relaxation_at(sampling).get(name, {}))
+    if check.quick and name in RELAXED:
         kw["k"] = min(kw.get("k", TINY_NEIGHBOURS), TINY_NEIGHBOURS)
-    return method_preset(method, sampling, **kw)
+    return method_preset(name, sampling, **{**kw, **settings})
 
 
 def greedy_config(check: Check, method: str):

@@ -62,8 +62,9 @@ from gpu_check_inputs import input_problems
 from samplings import sampling_settings
 
 ROOT = Path(__file__).resolve().parents[1]
-SPEED_METHODS = ("mc-sjd", "mc-sjd-pac", "mc-sjd-pac:fan=60", "mc-sjd-relaxed", "eagle2", "lantern",
-                 "lantern++")  # a method, or a form of one (tools/bench_step_compression.py parse_row)
+# a method, or a form of one (tools/bench_step_compression.py parse_row): mc-sjd-pac's widest counted form too
+SPEED_METHODS = ("mc-sjd", "mc-sjd-pac", "mc-sjd-pac:fan=60:window=48:branch_depth=3", "mc-sjd-relaxed", "eagle2",
+                 "lantern", "lantern++")
 RELAXED = ("lantern", "lantern++", "mc-sjd-relaxed")  # the methods that read the proximity table (k neighbours)
 TINY_NEIGHBOURS = 8  # --quick's proximity table: few enough to fit the inflated vocabulary's padded codes
 PARITY_ORDER = ("ar", "mc-sjd", "lantern++", "mc-sjd-relaxed", "eagle2", "lantern", "sjd", "mc-sjd-pac")

@@ -3,7 +3,8 @@
 For a drafted tree and the target's distribution p at every node, nothing in the rule depends on the random
 draws except which branch is taken, so every candidate's acceptance probability (and the residual each later
 sibling is tested against) is computed up front, batched over images and nodes (a loop over sibling rank
-only; for sampled drafts under the exact rule a rank is one pass over the support: `_recursive_rejection`). Then one uniform per candidate decides: a child is taken iff its uniform is below its acceptance
+only; for sampled drafts under the exact rule a rank is one pass over the support: `_recursive_rejection`).
+Then one uniform per candidate decides: a child is taken iff its uniform is below its acceptance
 probability and every earlier valid sibling was rejected; a node is on the accepted path iff it and all its
 ancestors were taken (on a chain, [root; d_1 .. d_L] such as a Jacobi window: the prefix up to the first
 rejection). The bonus token is one draw from the residual at the last accepted node, computed there only (or
@@ -170,20 +171,19 @@ class Leftover(NamedTuple):
     r: Support  # (B, M, K) the target
     q: torch.Tensor  # (B, M, K) what the candidates were drawn from, on r's support
     level: torch.Tensor  # (B, M) the level after the last candidate
+    drafted: torch.Tensor  # (B, M, K) bool: the support tokens that were valid candidates
     slot: torch.Tensor  # (B, M, C) each candidate's index in r's support
-    on_support: torch.Tensor  # (B, M, C) bool: a valid candidate in r's support
-    kept: torch.Tensor  # (B, M, C) the mass each candidate held when it was tried
+    kept: torch.Tensor  # (B, M, C) the mass each candidate held when it was tried (0 off the support)
 
     def rejected(self, rows: torch.Tensor) -> Support:
         """rows (B, 1) -> (B, 1, K) the distribution after every valid child at those rows was rejected."""
         r = self.r.index(rows)
-        q = self.q.gather(1, rows[..., None].expand_as(r.probs))
+        per_token = rows[..., None].expand_as(r.probs)
+        q, tried = self.q.gather(1, per_token), self.drafted.gather(1, per_token)
         per_kid = rows[..., None].expand(*rows.shape, self.slot.shape[-1])
-        slot, on = self.slot.gather(1, per_kid), self.on_support.gather(1, per_kid)
-        kept = torch.where(on, self.kept.gather(1, per_kid), 0.0)
+        kept = torch.zeros_like(r.probs).scatter_add_(-1, self.slot.gather(1, per_kid), self.kept.gather(1, per_kid))
         untried = (r.probs - self.level.gather(1, rows)[..., None] * q).clamp_min(0.0)
-        tried = torch.zeros_like(r.probs).scatter_add_(-1, slot, on.to(r.probs.dtype)) > 0
-        left = torch.where(tried, torch.zeros_like(r.probs).scatter_add_(-1, slot, kept), untried)
+        left = torch.where(tried, kept, untried)
         total = left.sum(-1, keepdim=True)
         return Support(torch.where(total > 0, left / total.clamp_min(1e-30), r.probs), r.ids)
 
@@ -213,9 +213,7 @@ def _recursive_rejection(target: Support, cand, cvalid, q_at: SupportLookup, q_s
     on = cvalid & found
     r_x = torch.where(on, r.gather(-1, slot), 0.0)  # (B, M, C) the target at each candidate
     q_x = torch.where(cvalid, q_at.prob(cand), 0.0)
-    k = r.shape[-1]
-    drafted = torch.zeros(*r.shape[:-1], k + 1, device=r.device).scatter_(-1, torch.where(on, slot, k), 1.0)
-    drafted = drafted[..., :k] > 0
+    drafted = torch.zeros_like(r).scatter_add_(-1, slot, on.to(r.dtype)) > 0  # (B, M, K); not found: adds 0
     rest_r, rest_q = r.masked_fill(drafted, 0.0), q_sup.masked_fill(drafted, 0.0)  # tokens never candidates
     kept_q = (1.0 - earlier_mass(q_x, cvalid)).clamp_min(1e-12)
     c = cand.shape[-1]
@@ -233,11 +231,11 @@ def _recursive_rejection(target: Support, cand, cvalid, q_at: SupportLookup, q_s
         left = untried + live @ ahead[j] + kept_total  # candidate j and later ones are not tried yet
         ok = left > 0
         level, mass = torch.where(ok, trial, level), torch.where(ok, left, mass)
-        kept.append(torch.addcmul(r_x[..., j], level, q_x[..., j], value=-1.0).clamp_min(0.0))
+        kept.append(torch.addcmul(r_x[..., j], level, q_x[..., j], value=-1.0).clamp_min(0.0))  # r_x 0: 0
         kept_total = kept_total + kept[-1]
     at, per = torch.stack(levels, -1), torch.stack(scales, -1)
     acc = ((r_x - at * q_x).clamp_min(0.0) / (per * q_x).clamp_min(1e-30)).clamp(max=1.0)
-    return torch.where(cvalid, acc, 0.0), Leftover(target, q_sup, level, slot, on, torch.stack(kept, -1))
+    return torch.where(cvalid, acc, 0.0), Leftover(target, q_sup, level, drafted, slot, torch.stack(kept, -1))
 
 
 def _acceptance_sampling(target: Support, cand, cvalid, q_at: Optional[SupportLookup],

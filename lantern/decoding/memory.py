@@ -145,7 +145,8 @@ def predict_peak(dcfg, model_config, spec, weights_bytes: int, itemsize: int, im
                                      coupled=dcfg.jacobi and dcfg.coupling == "gumbel" and not sampling.greedy,
                                      top_p=sampling.top_p < 1.0,
                                      window=strategy.window if drafting == "jacobi" else 0,
-                                     fan_width=jacobi.fan_width(strategy.tree, sampling, v) if drafting == "jacobi" else 0)
+                                     fan_width=(jacobi.fan_width(strategy.tree, sampling, v)
+                                                if drafting == "jacobi" else 0))
     dim = model_config.dim
     # query heads: width over head size; a family config without a SwiGLU width: 3 * dim (above LLaMA's 8/3)
     layout = (spec.max_len, dim // model_config.head_dim, dim, getattr(model_config, "ffn_hidden", 3 * dim))

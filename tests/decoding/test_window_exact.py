@@ -226,7 +226,7 @@ def no_residual(target, cand, cvalid, q_at, q_sup, vocab):
     q_x = q_at.prob(cand)
     q_i = q_x / (1.0 - acceptance.earlier_mass(q_x, cvalid)).clamp_min(1e-12)
     acc = (target.lookup(vocab).prob(cand) / q_i.clamp_min(1e-30)).clamp(max=1.0) * cvalid
-    return acc, left._replace(level=torch.zeros_like(left.level), on_support=torch.zeros_like(left.on_support))
+    return acc, left._replace(level=torch.zeros_like(left.level), drafted=torch.zeros_like(left.drafted))
 
 
 def residual_against_q(q_x, valid):

@@ -1,13 +1,15 @@
 """Lossless Jacobi decoding side by side, as SJD-PAC's table reports it: step compression (an image's tokens / the
 target forwards it took) of SJD, MC-SJD and MC-SJD-PAC windows (branching, branch depth, tail), with the verify width
-each pays for it, on the embedded model at the bundle's sampling and at LlamaGen's class-to-image one, one image per
-step and all of them in one batch; and where the forwards go: those spent on the image's first grid row (which has no
+each pays for it, on the embedded model (or, with --shape, its function-preserving inflation to LlamaGen's GPT-B or
+GPT-L, lantern.models.inflate) at the bundle's sampling and at LlamaGen's class-to-image one, one image per step and
+all of them in one batch; and where the forwards go: those spent on the image's first grid row (which has no
 row above to draft from), and the step compression of the rows below it. A count, not a timing: it holds on a busy
 machine and on any backend (the wall-clock side is tools/bench_scale.py, on a quiet machine). Writes
 results/step-compression.{json,md}.
 
     python tools/bench_step_compression.py [--images 20] [--sampling bundle llamagen-c2i] [--batch 1 20]
         [--rows sjd:window=16 mc-sjd:window=16 mc-sjd-pac:branching=2:branch_depth=1 ...] [--resume]
+        [--shape embedded|GPT-B|GPT-L] [--dtype fp32|bf16]
 
 Each finished row is kept in <out>.partial.json; `--resume` takes the rows it holds for the same settings and
 commit instead of counting them again.
@@ -27,6 +29,7 @@ from lantern.bundle import load_bundle
 from lantern.backends.environment import provenance
 from lantern.decoding import method_preset
 from lantern.files import atomic_io
+from lantern.models.inflate import INFLATE_SHAPES, inflate_models
 from results_io import utc_now, write_results
 from samplings import NAMES as SAMPLING_NAMES, describe, sampling_settings
 
@@ -82,17 +85,25 @@ def main() -> None:
     ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--out", default=str(ROOT / "results" / "step-compression"))
     ap.add_argument("--resume", action="store_true", help="keep the rows <out>.partial.json holds for these settings")
+    ap.add_argument("--shape", default="embedded", choices=["embedded", *sorted(INFLATE_SHAPES)],
+                    help="the embedded model, or its inflation to a LlamaGen compute shape (same acceptance)")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     args = ap.parse_args()
     rows = [(text, *parse_row(text)) for text in args.rows]  # refused before any work
     if args.threads:
         torch.set_num_threads(args.threads)
     bundle = load_bundle()
-    pipe = Pipeline.from_bundle(bundle, backend="cpu")
+    if args.shape == "embedded":
+        pipe = Pipeline.from_bundle(bundle, backend="cpu", dtype=args.dtype)
+    else:
+        models = inflate_models(bundle.target, bundle.drafter, bundle.proximity, args.shape)
+        pipe = Pipeline(models.target, models.drafter, models.proximity, backend="cpu", dtype=args.dtype)
     n_classes = bundle.target.config.num_classes
     classes = [i % n_classes for i in range(args.images)]
     settings = sampling_settings(bundle.default_sampling, args.sampling)
     partial = Path(args.out).with_suffix(".partial.json")
-    key = {"commit": provenance()["commit"], "images": args.images, "seed": args.seed}
+    key = {"commit": provenance()["commit"], "images": args.images, "seed": args.seed, "shape": args.shape,
+           "dtype": args.dtype}
     done = {}
     if args.resume and partial.exists():
         kept = json.loads(partial.read_text())
@@ -110,16 +121,17 @@ def main() -> None:
                                        **counted}
             atomic_io.write_text(partial, json.dumps({"key": key, "rows": list(done.values())}))
         results.append(done[name, batch, text])
-    record = {"date": utc_now(), "images": args.images, "seed": args.seed,
+    record = {"date": utc_now(), "images": args.images, "seed": args.seed, "shape": args.shape, "dtype": args.dtype,
               "samplings": {n: describe(s) for n, s in settings.items()}, "rows": results}
     write_results(args.out, record, markdown)
     partial.unlink(missing_ok=True)
 
 
 def markdown(rec: dict) -> str:
-    lines = [f"Lossless Jacobi decoding on the embedded model: step compression (tokens / target forwards, per "
-             f"image) over {rec['images']} images, seed {rec['seed']}; {rec['date']}. A count, the same on any machine "
-             f"for the same commit; the verify width is the nodes each target forward takes per image."]
+    model = "the embedded model" + ("" if rec["shape"] == "embedded" else f" inflated to {rec['shape']}")
+    lines = [f"Lossless Jacobi decoding on {model}, {rec['dtype']}: step compression (tokens / target "
+             f"forwards, per image) over {rec['images']} images, seed {rec['seed']}; {rec['date']}. A count, the same "
+             f"on any machine for the same commit; the verify width is the nodes each target forward takes per image."]
     for name, text in rec["samplings"].items():
         for batch in sorted({r["batch"] for r in rec["rows"]}):
             rows = [r for r in rec["rows"] if r["sampling"] == name and r["batch"] == batch]

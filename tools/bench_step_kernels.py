@@ -17,8 +17,10 @@ settings the bundle validated at that sampling. `--before FILE` puts an earlier 
 same rows, matched by method and sampling). Writes results/step-kernels-cpu. Any load on the machine is fine:
 nothing is timed.
 
-    python tools/bench_step_kernels.py [--methods ar mc-sjd ...] [--sampling bundle llamagen-c2i] [--dtype bf16]
-                                       [--shape GPT-B] [--before results/step-kernels-cpu.json]
+    python tools/bench_step_kernels.py [--methods ar mc-sjd mc-sjd-pac:fan=60 ...] [--sampling bundle llamagen-c2i]
+                                       [--dtype bf16] [--shape GPT-B] [--before results/step-kernels-cpu.json]
+
+A method is a preset or a form of one, method:name=value:... (tools/bench_step_compression.py parse_row).
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ from lantern.decoding import method_preset
 from lantern.decoding.config import METHODS as PRESETS
 from lantern.models.inflate import INFLATE_SHAPES
 from lantern.plan.calibration import compile_fused_step
+from bench_step_compression import parse_row
 from embedded_shapes import count_record
 from results_io import write_results
 from samplings import NAMES as SAMPLING_NAMES
@@ -152,7 +155,7 @@ def row(models, dtype: str, method: str, sampling_name: str, dcfg) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    ap.add_argument("--methods", nargs="+", default=METHODS, help="presets or forms (default: %(default)s)")
     ap.add_argument("--sampling", nargs="+", default=list(SAMPLING_NAMES), choices=SAMPLING_NAMES)
     ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
     ap.add_argument("--shape", default="embedded", choices=["embedded", *sorted(INFLATE_SHAPES)],
@@ -163,6 +166,10 @@ def main() -> None:
                     "provenance kept), instead of counting again: e.g. to show it beside --before")
     ap.add_argument("--out", help="output stem (default results/step-kernels-cpu)")
     args = ap.parse_args()
+    forms = {m: parse_row(m) for m in args.methods}  # refused before any work
+    unknown = sorted({method for method, _ in forms.values()} - set(METHODS))
+    if unknown:
+        ap.error(f"unknown method {', '.join(unknown)}; allowed: {', '.join(METHODS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     bundle, (target, drafter, proximity), settings, record = count_record(args.shape, args.dtype, args.sampling,
@@ -175,8 +182,8 @@ def main() -> None:
         return
     for name, sampling in settings.items():
         relaxation = bundle.relaxation_at(sampling)
-        for method in args.methods:
-            dcfg = method_preset(method, sampling, **relaxation.get(method, {}))
+        for method, (preset, overrides) in forms.items():
+            dcfg = method_preset(preset, sampling, **{**relaxation.get(preset, {}), **overrides})
             record["rows"].append(row((target, drafter, proximity), args.dtype, method, name, dcfg))
             write_results(args.out or ROOT / "results" / "step-kernels-cpu", record, markdown)  # after every row
 

@@ -154,18 +154,20 @@ def combine_cfg(logits: torch.Tensor, scale, use_cfg: bool) -> torch.Tensor:
     return uncond + per_image(scale, cond) * (cond - uncond)
 
 
-def warp(logits: torch.Tensor, cfg: SamplingConfig) -> Support:
-    """(..., V) guided logits -> the distribution after temperature, top-k and top-p, on its support. The
+def warp(logits: torch.Tensor, cfg: SamplingConfig, broad: int = 0) -> Support:
+    """(..., V) guided logits -> the distribution after temperature, top-k and top-p, on its support; with `broad`,
+    after temperature alone, on its `broad` most likely tokens (what a fanned Jacobi window mixes in). The
     temperature may be one per image ((B,) tensor; logits (B, ..., V))."""
     t = cfg.temperature
     x = logits.float() if not isinstance(t, torch.Tensor) and t == 1.0 else logits.float() / per_image(t, logits)
-    k = cfg.support_size(x.shape[-1])
-    if k < x.shape[-1] or cfg.top_p < 1.0:
+    k = broad or cfg.support_size(x.shape[-1])
+    top_p = 1.0 if broad else cfg.top_p
+    if broad or k < x.shape[-1] or top_p < 1.0:
         vals, ids = torch.topk(x, k, dim=-1)  # sorted, descending
     else:
         vals, ids = x, torch.arange(x.shape[-1], device=x.device).expand(x.shape)
     probs = torch.softmax(vals, dim=-1)
-    if cfg.top_p < 1.0:
+    if top_p < 1.0:
         # drop a token once the mass before it already reaches top_p (the first token always stays)
         before = probs.cumsum(-1) - probs
         probs = torch.softmax(vals.masked_fill(before >= cfg.top_p, float("-inf")), dim=-1)
@@ -185,9 +187,9 @@ class GuidedLogits(NamedTuple):
         return warp(self.logits.gather(1, idx[..., None].expand(*idx.shape, v)), self.sampling)
 
 
-def target_support(logits: torch.Tensor, cfg: SamplingConfig) -> Support:
-    """(R*B, ..., V) step logits, rows [cond; uncond] -> per image (B, ..., K)."""
-    return warp(combine_cfg(logits, cfg.cfg_scale, cfg.use_cfg), cfg)
+def target_support(logits: torch.Tensor, cfg: SamplingConfig, broad: int = 0) -> Support:
+    """(R*B, ..., V) step logits, rows [cond; uncond] -> per image (B, ..., K) (`broad`: as warp's)."""
+    return warp(combine_cfg(logits, cfg.cfg_scale, cfg.use_cfg), cfg, broad)
 
 
 class SlotStreams(Protocol):

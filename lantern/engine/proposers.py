@@ -27,7 +27,7 @@ from lantern.decoding.config import DecodeConfig
 from lantern.decoding.drafting import DraftRunner, PrefixPairs, draft_dynamic, draft_static, on_rows
 from lantern.decoding.jacobi import (CoupledNoise, fan_drafts, fan_width, nearest_candidate, redraw, spatial_prior,
                                      widened)
-from lantern.decoding.sampling import GuidedLogits, Support, combine_cfg, draw, per_image, target_support
+from lantern.decoding.sampling import GuidedLogits, Support, combine_cfg, draw, target_support
 from lantern.decoding.strategy import StaticTree
 
 
@@ -202,10 +202,9 @@ class WindowProposal(Proposer):
         """The window's distributions q (B, L, K), from the verify logits (R*B, N, V) at `nodes` (B, L) -> what a
         fanned window draws from (lantern.decoding.jacobi.fan_drafts): the same logits uncut, top fan_width."""
         at = on_rows(nodes, self.sampling.rows_per_image)
-        guided = combine_cfg(logits.gather(1, at[..., None].expand(*at.shape, logits.shape[-1])),
-                             self.sampling.cfg_scale, self.sampling.use_cfg)
-        vals, ids = torch.topk(guided.float() / per_image(self.sampling.temperature, guided), self.fan_width, dim=-1)
-        return fan_drafts(q, Support(torch.softmax(vals, -1), ids), self.vocab)
+        broad = target_support(logits.gather(1, at[..., None].expand(*at.shape, logits.shape[-1])), self.sampling,
+                               broad=self.fan_width)
+        return fan_drafts(q, broad, self.vocab)
 
     def reset(self, slots, fresh, first, features, prefix=None) -> None:
         b = fresh.shape[0]

@@ -114,6 +114,7 @@ class DraftedTree:
     max_depth: int  # D: the deepest a node can be (static)
     rank: torch.Tensor  # (B|1, N) int64 child rank of each node among its siblings (root: -1 or 0)
     chain: bool = False  # node i's one child is node i + 1, no padding (static): the path is a prefix
+    rows_at_rank: Optional[tuple[int, ...]] = None  # CompiledTree.rows_at_rank (static); None: every row, every rank
 
 
 @dataclass
@@ -196,7 +197,8 @@ def earlier_mass(q_x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.where(valid, q_x, 0.0) @ (rank[:, None] < rank[None]).to(q_x.dtype)
 
 
-def _recursive_rejection(target: Support, cand, cvalid, q_at: SupportLookup, q_sup: torch.Tensor, vocab: int):
+def _recursive_rejection(target: Support, cand, cvalid, q_at: SupportLookup, q_sup: torch.Tensor, vocab: int,
+                         rows_at_rank: Optional[tuple[int, ...]] = None):
     """The exact rule (recursive rejection) for sampled drafts: acceptance probabilities (B, M, C) and each
     parent's Leftover, without rewriting a (B, M, K) residual per candidate.
 
@@ -207,7 +209,9 @@ def _recursive_rejection(target: Support, cand, cvalid, q_at: SupportLookup, q_s
     it held when tried. Candidate x_j is accepted with min(1, r_j(x) / q_j(x)) = min(1, (r(x) - A_j q(x))+ /
     (a_j q(x))). So a rank reads the support once, for the mass of the tokens never among the candidates, sum
     (r - A q)+, and its candidates' (B, M, C) values; no residual is rewritten or renormalised. A rejection that
-    would leave nothing (then it had probability 0) leaves the residual as it was, as `residual` does."""
+    would leave nothing (then it had probability 0) leaves the residual as it was, as `residual` does. Rank j
+    reads only the first rows_at_rank[j] parents (static; by default all): no later one has a j-th candidate, and
+    a parent's level is final once its rows are left behind."""
     r = target.probs
     slot, found = target.lookup(vocab).position(cand)
     on = cvalid & found
@@ -216,26 +220,45 @@ def _recursive_rejection(target: Support, cand, cvalid, q_at: SupportLookup, q_s
     drafted = torch.zeros_like(r).scatter_add_(-1, slot, on.to(r.dtype)) > 0  # (B, M, K); not found: adds 0
     rest_r, rest_q = r.masked_fill(drafted, 0.0), q_sup.masked_fill(drafted, 0.0)  # tokens never candidates
     kept_q = (1.0 - earlier_mass(q_x, cvalid)).clamp_min(1e-12)
-    c = cand.shape[-1]
+    m, c = cand.shape[1:]
     ahead = (torch.arange(c, device=r.device)[None] >= torch.arange(c, device=r.device)[:, None]).to(r.dtype)
     level, mass = torch.zeros_like(r[..., 0]), r.sum(-1)
     kept_total = torch.zeros_like(level)
-    levels, scales, kept = [], [], []
-    for j in range(c):
-        scale = mass / kept_q[..., j]
+    levels, scales, kept = [], [], []  # per rank j, (B, n_j) each
+    final = []  # the levels of the parents left behind, last rows first
+    rx, qx, valid, share = r_x, q_x, cvalid, kept_q  # the rows rank j reads
+    for j, n in enumerate(rows_at_rank or (m,) * c):
+        if n < level.shape[1]:
+            final.append(level[:, n:])
+            level, mass, kept_total, rx, qx, valid, share, rest_r, rest_q = (
+                x[:, :n] for x in (level, mass, kept_total, rx, qx, valid, share, rest_r, rest_q))
+        scale = mass / share[..., j]
         levels.append(level)
         scales.append(scale)
-        trial = level + torch.where(cvalid[..., j], scale, 0.0)
-        live = torch.addcmul(r_x, trial[..., None], q_x, value=-1.0).clamp_min(0.0)  # (B, M, C) at `trial`
+        trial = level + torch.where(valid[..., j], scale, 0.0)
+        live = torch.addcmul(rx, trial[..., None], qx, value=-1.0).clamp_min(0.0)  # (B, n, C) at `trial`
         untried = torch.addcmul(rest_r, trial[..., None], rest_q, value=-1.0).clamp_min(0.0).sum(-1)
         left = untried + live @ ahead[j] + kept_total  # candidate j and later ones are not tried yet
         ok = left > 0
         level, mass = torch.where(ok, trial, level), torch.where(ok, left, mass)
-        kept.append(torch.addcmul(r_x[..., j], level, q_x[..., j], value=-1.0).clamp_min(0.0))  # r_x 0: 0
+        kept.append(torch.addcmul(rx[..., j], level, qx[..., j], value=-1.0).clamp_min(0.0))  # r_x 0: 0
         kept_total = kept_total + kept[-1]
-    at, per = torch.stack(levels, -1), torch.stack(scales, -1)
+    at, per = by_rank(levels, m), by_rank(scales, m)
     acc = ((r_x - at * q_x).clamp_min(0.0) / (per * q_x).clamp_min(1e-30)).clamp(max=1.0)
-    return torch.where(cvalid, acc, 0.0), Leftover(target, q_sup, level, drafted, slot, torch.stack(kept, -1))
+    return torch.where(cvalid, acc, 0.0), Leftover(target, q_sup, torch.cat([level, *final[::-1]], 1), drafted,
+                                                   slot, by_rank(kept, m))
+
+
+def by_rank(values: list, m: int) -> torch.Tensor:
+    """Per rank j, (B, n_j) values of the first n_j of m rows (n_j never growing) -> (B, m, C), 0 past n_j: ranks
+    with the same rows stacked at once."""
+    runs, start = [], 0
+    for end in range(1, len(values) + 1):
+        if end == len(values) or values[end].shape[1] != values[start].shape[1]:
+            run = torch.stack(values[start:end], -1)
+            runs.append(torch.nn.functional.pad(run, (0, 0, 0, m - run.shape[1])) if run.shape[1] < m else run)
+            start = end
+    return torch.cat(runs, -1) if len(runs) > 1 else runs[0]
 
 
 def _acceptance_sampling(target: Support, cand, cvalid, q_at: Optional[SupportLookup],
@@ -301,9 +324,10 @@ def _acceptance_greedy(target: Support, cand, cvalid, rule: Acceptance):
 
 
 def _rule(p: Support, cand: torch.Tensor, cvalid: torch.Tensor, q: Optional[Support], rule: Acceptance,
-          greedy: bool, vocab: int):
+          greedy: bool, vocab: int, rows_at_rank: Optional[tuple[int, ...]] = None):
     """The rule at M parents: p (B, M, K) their distributions, cand/cvalid (B, M, C) their children in rank
-    order, q (B, M, K) what the children were drawn from (None: deterministic drafts). Returns acceptance
+    order, q (B, M, K) what the children were drawn from (None: deterministic drafts), rows_at_rank as
+    DraftedTree's. Returns acceptance
     probabilities (B, M, C), the rule before each parent's last candidate (LastCandidate, on p's support), the
     papers' boosts (B, M, C) and TV(p_hat, p) (B, M), each None where the rule has none."""
     target, tv = p, None
@@ -323,7 +347,7 @@ def _rule(p: Support, cand: torch.Tensor, cvalid: torch.Tensor, q: Optional[Supp
         acc, boost = _acceptance_greedy(target, cand, cvalid, rule)
         return acc, LastCandidate(target), boost, tv
     if q_at is not None and not rule.paper and cand.shape[-1] > 1:  # siblings (one child: tested directly)
-        acc, left = _recursive_rejection(target, cand, cvalid, q_at, q_sup, vocab)
+        acc, left = _recursive_rejection(target, cand, cvalid, q_at, q_sup, vocab, rows_at_rank)
         return acc, left, None, tv
     acc, boost, last = _acceptance_sampling(target, cand, cvalid, q_at, q_sup, rule)
     return acc, last, boost, tv
@@ -342,7 +366,7 @@ def accept(p_nodes, tree: DraftedTree, rule: Acceptance, greedy: bool, generator
     cvalid = (kids >= 0) & (parents >= 0)[..., None] & tree.valid.gather(1, kid_ids.flatten(1)).view(b, m_rows, c)
     cand = tree.tokens.gather(1, kid_ids.flatten(1)).view(b, m_rows, c)
     p = p_nodes.index(parents.clamp_min(0))  # (B, M, K)
-    acc, last, boost, tv = _rule(p, cand, cvalid, tree.q, rule, greedy, vocab)
+    acc, last, boost, tv = _rule(p, cand, cvalid, tree.q, rule, greedy, vocab, tree.rows_at_rank)
     u = uniform(generator, acc.shape, dev)
     path, accepted = _accepted_path(tree, (u < acc) & cvalid, kids)
 

@@ -164,7 +164,7 @@ def draft_static(d: DraftRunner, strategy: StaticTree, root_token, root: torch.T
     q = None if greedy else Support(*(torch.cat(x, 1)[:, placed.row_order] for x in (q_probs, q_ids)))
     return DraftedTree(tokens=tokens, valid=valid, depth=placed.depth, ancestors=placed.ancestors,
                        parents=placed.parents, children=placed.children[None], q=q, max_depth=strategy.depth,
-                       rank=placed.rank, chain=placed.chain)
+                       rank=placed.rank, chain=placed.chain, rows_at_rank=placed.rows_at_rank)
 
 
 def draft_dynamic(d: DraftRunner, strategy: DynamicTree, root_token, root: torch.Tensor, q_root: Support,

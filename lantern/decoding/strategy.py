@@ -100,6 +100,7 @@ class PlacedTree:
     children: torch.Tensor  # (M, C)
     rank: torch.Tensor
     chain: bool  # CompiledTree.is_chain
+    rows_at_rank: tuple[int, ...]  # CompiledTree.rows_at_rank
     node_order: torch.Tensor  # (N,) each node's column among the drafted tokens (padding: the one past them all)
     row_order: torch.Tensor  # (M,) each children-table row's column among the levels' draft distributions
 
@@ -145,8 +146,8 @@ class StaticTree(Strategy):
             cache[key] = PlacedTree(levels=[plan.to(device) for plan in self.levels],
                                     depth=t.node_depth.to(device)[None], ancestors=t.mask.to(device)[None],
                                     parents=t.parent_nodes.to(device)[None], children=t.children_table.to(device),
-                                    rank=t.rank.to(device)[None], chain=t.is_chain, node_order=node_order.to(device),
-                                    row_order=row_order.to(device))
+                                    rank=t.rank.to(device)[None], chain=t.is_chain, rows_at_rank=t.rows_at_rank,
+                                    node_order=node_order.to(device), row_order=row_order.to(device))
         return cache[key]
 
     @cached_property

@@ -122,6 +122,14 @@ class CompiledTree:
         return max(len(c) for c in self.children)
 
     @property
+    def rows_at_rank(self) -> tuple[int, ...]:
+        """Per child rank j, n_j: the children table's first n_j rows hold every parent with a j-th child, so
+        acceptance at rank j reads only them (a tree's rows, root first, branch widely near the root)."""
+        counts = [len(self.children[int(node)]) for node in self.parent_nodes]
+        return tuple(1 + max(row for row, n in enumerate(counts) if n > j)
+                     for j in range(self.children_table.shape[1]))
+
+    @property
     def is_chain(self) -> bool:
         """Node i's one child is node i + 1 and there is no padding (acceptance's path is then a prefix)."""
         return self.n_real == self.size and all(c == ((i + 1,) if i + 1 < self.size else ())

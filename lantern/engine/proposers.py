@@ -184,7 +184,7 @@ class WindowProposal(Proposer):
         self.kids_of = kids_of.to(dev)  # (N, C) each node's children in rank order
         self._tree = dict(depth=t.node_depth.to(dev)[None], ancestors=t.mask.to(dev)[None],
                           parents=t.parent_nodes.to(dev)[None], children=t.children_table.to(dev),
-                          rank=t.rank.to(dev)[None], chain=t.is_chain)
+                          rank=t.rank.to(dev)[None], chain=t.is_chain, rows_at_rank=t.rows_at_rank)
 
     def distributions(self, logits):
         return target_support(logits, self.sampling)  # (B, N, K): every node is a parent

@@ -67,10 +67,13 @@ def reference_recursive_rejection(r, q, cand, valid):
 
 
 @pytest.mark.parametrize("support", [5, 40, 64])
-def test_the_closed_form_is_the_rule_candidate_by_candidate(support):
+@pytest.mark.parametrize("tree_rows", [False, True])
+def test_the_closed_form_is_the_rule_candidate_by_candidate(support, tree_rows):
     """Acceptance probabilities and the residual a bonus is drawn from, at every parent, equal the rule applied one
     candidate at a time: candidates past the target's support, padding, a draft distribution wider than the
-    target's, a parent whose first candidate takes all (nothing left after it) and one with no candidate."""
+    target's, a parent whose first candidate takes all (nothing left after it) and one with no candidate. With
+    `tree_rows`, later parents have fewer children, as in a tree, and each rank reads only the rows that have
+    a candidate there (rows_at_rank)."""
     v, c = 64, 12
     torch.manual_seed(support)
     r_dense = torch.distributions.Dirichlet(torch.full((v,), 0.3)).sample((2, 6))
@@ -82,10 +85,14 @@ def test_the_closed_form_is_the_rule_candidate_by_candidate(support):
     valid = torch.ones(2, 6, c, dtype=torch.bool)
     valid[1, 2, 7:] = False  # padding
     valid[0, 3] = False  # no candidate
+    rows_at_rank = None
+    if tree_rows:  # 12 children at row 0, 4 at rows 1-2, 1 at rows 3-5
+        valid[:, 1:3, 4:], valid[:, 3:, 1:] = False, False
+        rows_at_rank = (6, 3, 3, 3) + (1,) * (c - 4)
     q_ids = q_dense.argsort(-1, descending=True)
     q = Support(q_dense.gather(-1, q_ids), q_ids)
     q_at = q.lookup(v)
-    got, left = acc._recursive_rejection(r, cand, valid, q_at, q_at.prob(r.ids), v)
+    got, left = acc._recursive_rejection(r, cand, valid, q_at, q_at.prob(r.ids), v, rows_at_rank)
     rejected = torch.stack([left.rejected(torch.full((2, 1), m)).dense(v)[:, 0] for m in range(6)], 1)
     for b in range(2):
         for m in range(6):

@@ -38,6 +38,27 @@ def test_compiled_buffers_are_consistent():
         assert nodes[0] == 0 and all(int(t.parent[b]) == a for a, b in zip(nodes, nodes[1:]))
 
 
+@pytest.mark.parametrize("paths", [TREE_PRESETS["lantern++-57"], TREE_PRESETS["wide-63"],
+                                   [(0,), (1,), (2,), (0, 0), (0, 1), (0, 0, 0), (2, 0), (2, 1), (2, 2)]])
+def test_rows_at_rank_covers_every_parent_with_a_child_there_and_no_more_rows(paths):
+    """Acceptance at child rank j reads the children table's first rows_at_rank[j] rows: every row with a j-th
+    child is among them, and the last of them has one."""
+    t = compile_tree(paths)
+    has = t.children_table >= 0  # (M, C)
+    assert len(t.rows_at_rank) == has.shape[1]
+    for j, n in enumerate(t.rows_at_rank):
+        assert has[n - 1, j] and not has[n:, j].any(), j
+    assert list(t.rows_at_rank) == sorted(t.rows_at_rank, reverse=True)
+
+
+def test_a_branching_window_reads_its_wide_rows_only_near_the_root():
+    """The widest counted window (fan 60, L 48, K 4, D 3): all 66 parents at rank 0, the root and its 20 branching
+    descendants at ranks 1-3, the root alone for the fan's 60 ranks: 189 row-ranks where a full table is 4,224."""
+    from lantern.decoding.jacobi import WindowTree
+    t = WindowTree(window=48, branching=4, branch_depth=3, fan=60).compiled
+    assert t.rows_at_rank == (66, 21, 21, 21) + (1,) * 60
+
+
 def test_padding_runs_a_small_tree_in_a_larger_shape():
     t = compile_tree(TREE_PRESETS["chain-5"], pad_to=26)
     assert t.size == 26 and t.n_real == 6

@@ -220,9 +220,9 @@ def test_the_first_two_tokens_of_a_branching_window_step_are_ars_exactly(case, k
 real_rejection = acceptance._recursive_rejection
 
 
-def no_residual(target, cand, cvalid, q_at, q_sup, vocab):
+def no_residual(target, cand, cvalid, q_at, q_sup, vocab, rows_at_rank=None):
     """Broken: a rejection leaves the target as it was (every sibling tested against p, the bonus drawn from p)."""
-    _, left = real_rejection(target, cand, cvalid, q_at, q_sup, vocab)
+    _, left = real_rejection(target, cand, cvalid, q_at, q_sup, vocab, rows_at_rank)
     q_x = q_at.prob(cand)
     q_i = q_x / (1.0 - acceptance.earlier_mass(q_x, cvalid)).clamp_min(1e-12)
     acc = (target.lookup(vocab).prob(cand) / q_i.clamp_min(1e-30)).clamp(max=1.0) * cvalid

@@ -214,7 +214,8 @@ def reference_bounded_target(p: torch.Tensor, q: torch.Tensor, neighbours: torch
         want = torch.minimum(want, (lam - 1) * p)
     avail = link * excess[None, :]
     total = avail.sum(1)
-    flow = torch.minimum(want, total)[:, None] * torch.where(total[:, None] > 0, avail / total.clamp_min(1e-300)[:, None], 0)
+    share = torch.where(total[:, None] > 0, avail / total.clamp_min(1e-300)[:, None], 0)
+    flow = torch.minimum(want, total)[:, None] * share
     demand = flow.sum(0)
     flow = flow * torch.where(demand > excess, excess / demand.clamp_min(1e-300), 1.0)[None, :]
     if delta is not None and flow.sum() > delta:

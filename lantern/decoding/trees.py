@@ -124,10 +124,16 @@ class CompiledTree:
     @property
     def rows_at_rank(self) -> tuple[int, ...]:
         """Per child rank j, n_j: the children table's first n_j rows hold every parent with a j-th child, so
-        acceptance at rank j reads only them (a tree's rows, root first, branch widely near the root)."""
+        acceptance at rank j reads only them (a tree's rows, root first, branch widely near the root). n_j drops
+        only where it at least halves the rows: each drop costs a few ops a step, worth it for a wide fan at the
+        root, not for a tree whose rows thin out slowly (LANTERN++'s is read whole)."""
         counts = [len(self.children[int(node)]) for node in self.parent_nodes]
-        return tuple(1 + max(row for row, n in enumerate(counts) if n > j)
-                     for j in range(self.children_table.shape[1]))
+        rows, out = len(counts), []
+        for j in range(self.children_table.shape[1]):
+            need = 1 + max(row for row, n in enumerate(counts) if n > j)
+            rows = need if 2 * need <= rows else rows
+            out.append(rows)
+        return tuple(out)
 
     @property
     def is_chain(self) -> bool:

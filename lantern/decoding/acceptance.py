@@ -245,8 +245,8 @@ def _recursive_rejection(target: Support, cand, cvalid, q_at: SupportLookup, q_s
         kept_total = kept_total + kept[-1]
     at, per = by_rank(levels, m), by_rank(scales, m)
     acc = ((r_x - at * q_x).clamp_min(0.0) / (per * q_x).clamp_min(1e-30)).clamp(max=1.0)
-    return torch.where(cvalid, acc, 0.0), Leftover(target, q_sup, torch.cat([level, *final[::-1]], 1), drafted,
-                                                   slot, by_rank(kept, m))
+    level = torch.cat([level, *final[::-1]], 1) if final else level
+    return torch.where(cvalid, acc, 0.0), Leftover(target, q_sup, level, drafted, slot, by_rank(kept, m))
 
 
 def by_rank(values: list, m: int) -> torch.Tensor:

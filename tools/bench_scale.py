@@ -91,7 +91,8 @@ def setting(models, bundle, shape: str, dtype: str, n: int, modes: list[str], me
     fastest = min(ar_by_mode, key=ar_by_mode.get) if ar_by_mode else None
     rows = []
     for (mode, m), v in runs.items():
-        ar_step = statistics.median(r["ar_step_s"] for r in runs[mode, "ar"]) if (mode, "ar") in runs else None
+        ar_steps = [r["ar_step_s"] for r in runs.get((mode, "ar"), []) if r["ar_step_s"] is not None]
+        ar_step = statistics.median(ar_steps) if ar_steps else None  # none where the step is not timed apart (fused)
         verify = [r["verify_s"] for r in v if r["verify_s"] is not None]
         ratio = statistics.median(verify) / ar_step if verify and ar_step else None
         compression = statistics.median(r["step_compression"] for r in v)

@@ -29,11 +29,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench_step_compression import parse_row
+from bench_step_compression import form_config, parse_row
 from fastest_ar import MODES, mode_pipeline, prepare as prepare_runner, provenance, runnable_modes
 from lantern.backends.environment import cpu_model
 from lantern.bundle import load_bundle
-from lantern.decoding import METHODS, method_preset
+from lantern.decoding import METHODS
 from lantern.models.inflate import INFLATE_SHAPES, inflate_models
 from results_io import utc_now, write_results
 from samplings import NAMES as SAMPLING_NAMES, sampling_settings
@@ -57,10 +57,8 @@ def setting(models, bundle, shape: str, dtype: str, n: int, modes: list[str], me
     """Every (mode, method) row of one (shape, dtype, sampling, B), with speed-ups against the fastest AR over
     `modes` and `ar_modes` (modes where AR alone runs: the baseline)."""
     sampling = sampling_settings(bundle.default_sampling, [sampling_name])[sampling_name]
-    configs = {}
-    for m in methods:  # a preset, or method:name=value:... (bench_step_compression.parse_row)
-        method, settings = parse_row(m)
-        configs[m] = method_preset(method, sampling, **{**bundle.relaxation_at(sampling).get(method, {}), **settings})
+    # a preset, or method:name=value:... (bench_step_compression.parse_row)
+    configs = {m: form_config(m, sampling, bundle.relaxation_at(sampling)) for m in methods}
     classes = [i % bundle.target.config.num_classes for i in range(n)]
     runs: dict[tuple[str, str], list[dict]] = {}
     prepare: dict[tuple[str, str], float] = {}

@@ -51,6 +51,13 @@ def parse_row(text: str) -> tuple[str, dict]:
     return method, settings
 
 
+def form_config(text: str, sampling, relaxation: dict | None = None):
+    """A preset or a form of one ('mc-sjd-pac:fan=60') at `sampling` -> its DecodeConfig: the preset, with the
+    settings a bundle validated for it there (`relaxation`: Bundle.relaxation_at), then the form's own."""
+    method, settings = parse_row(text)
+    return method_preset(method, sampling, **{**(relaxation or {}).get(method, {}), **settings})
+
+
 def first_row(image, grid: int) -> tuple[int, int]:
     """An image's (forwards, tokens) on its first grid row: the prefill (which decides token 0) and every step
     whose first token lies in that row, with the tokens they committed."""

@@ -43,11 +43,10 @@ from torch._inductor.graph import GraphLowering
 from lantern.api import Pipeline
 from lantern.backends.base import dummy_step_inputs
 from lantern.backends.torch_graph import MIN_RECOMPILE_LIMIT, recompile_limit_at_least
-from lantern.decoding import method_preset
 from lantern.decoding.config import METHODS as PRESETS
 from lantern.models.inflate import INFLATE_SHAPES
 from lantern.plan.calibration import compile_fused_step
-from bench_step_compression import parse_row
+from bench_step_compression import form_config, parse_row
 from embedded_shapes import count_record
 from results_io import write_results
 from samplings import NAMES as SAMPLING_NAMES
@@ -166,8 +165,7 @@ def main() -> None:
                     "provenance kept), instead of counting again: e.g. to show it beside --before")
     ap.add_argument("--out", help="output stem (default results/step-kernels-cpu)")
     args = ap.parse_args()
-    forms = {m: parse_row(m) for m in args.methods}  # refused before any work
-    unknown = sorted({method for method, _ in forms.values()} - set(METHODS))
+    unknown = sorted({parse_row(m)[0] for m in args.methods} - set(METHODS))  # refused before any work
     if unknown:
         ap.error(f"unknown method {', '.join(unknown)}; allowed: {', '.join(METHODS)}")
     if args.threads:
@@ -182,8 +180,8 @@ def main() -> None:
         return
     for name, sampling in settings.items():
         relaxation = bundle.relaxation_at(sampling)
-        for method, (preset, overrides) in forms.items():
-            dcfg = method_preset(preset, sampling, **{**relaxation.get(preset, {}), **overrides})
+        for method in args.methods:
+            dcfg = form_config(method, sampling, relaxation)
             record["rows"].append(row((target, drafter, proximity), args.dtype, method, name, dcfg))
             write_results(args.out or ROOT / "results" / "step-kernels-cpu", record, markdown)  # after every row
 

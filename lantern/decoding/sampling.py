@@ -170,7 +170,7 @@ def warp(logits: torch.Tensor, cfg: SamplingConfig, broad: int = 0) -> Support:
     if top_p < 1.0:
         # drop a token once the mass before it already reaches top_p (the first token always stays)
         before = probs.cumsum(-1) - probs
-        probs = torch.softmax(vals.masked_fill(before >= cfg.top_p, float("-inf")), dim=-1)
+        probs = torch.softmax(vals.masked_fill(before >= top_p, float("-inf")), dim=-1)
     return Support(probs, ids)
 
 
